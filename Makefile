@@ -1,0 +1,51 @@
+# Every target bootstraps its own virtual environment on a fresh machine.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-$(shell sha1sum pyproject.toml | cut -c1-12)
+
+# Tests and CI run against the real PostgreSQL and Redis of the machine.
+TEST_DATABASE_URL ?= postgres://postgres@127.0.0.1:5432/fedinfer
+TEST_REDIS_URL ?= redis://127.0.0.1:6379/15
+
+.PHONY: demo test lint typecheck check-migrations unit integration bench schemathesis clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e '.[dev]'
+	rm -f $(VENV)/.installed-*
+	touch $(STAMP)
+
+## make demo: the whole platform on this machine with embedded defaults (SQLite under var/)
+demo: $(STAMP)
+	$(BIN)/fedinfer demo
+
+## make test: lint, type checks, migration check, then every test against PostgreSQL and Redis
+test: lint check-migrations
+	DATABASE_URL=$(TEST_DATABASE_URL) REDIS_URL=$(TEST_REDIS_URL) $(BIN)/pytest
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/lint-imports
+	$(BIN)/mypy federation regions workers console
+
+check-migrations: $(STAMP)
+	DATABASE_URL=$(TEST_DATABASE_URL) $(BIN)/python manage.py makemigrations --check --dry-run
+
+unit: $(STAMP)
+	$(BIN)/pytest tests/unit
+
+integration: $(STAMP)
+	DATABASE_URL=$(TEST_DATABASE_URL) REDIS_URL=$(TEST_REDIS_URL) $(BIN)/pytest tests/integration
+
+## make schemathesis: fuzz the whole REST API against its OpenAPI schema on a live server
+schemathesis: $(STAMP)
+	DATABASE_URL=$(TEST_DATABASE_URL) REDIS_URL=$(TEST_REDIS_URL) bash bench/schemathesis.sh
+
+bench: $(STAMP)
+	$(BIN)/python -m bench
+
+clean:
+	rm -rf $(VENV) var .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,36 @@
+"""One error shape for the API: DRF's, also for errors raised by services.
+
+Services raise ``django.core.exceptions.ValidationError`` (bad input, impossible
+configuration), ``federation.core.errors.Conflict`` (illegal state transition, object in use)
+and ``django.db.models.ProtectedError``; here they become 400 and 409 responses.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.core.exceptions import ValidationError as DjangoValidationError
+from django.db.models import ProtectedError, RestrictedError
+from rest_framework import exceptions, status
+from rest_framework.response import Response
+from rest_framework.serializers import as_serializer_error
+from rest_framework.views import exception_handler as drf_exception_handler
+
+from federation.core.errors import Conflict
+
+
+def exception_handler(exc: Exception, context: dict[str, Any]) -> Response | None:
+    if isinstance(exc, DjangoValidationError):
+        exc = exceptions.ValidationError(as_serializer_error(exc))
+    elif isinstance(exc, ProtectedError | RestrictedError):
+        blockers = (
+            exc.protected_objects if isinstance(exc, ProtectedError) else exc.restricted_objects
+        )
+        names = sorted({str(o._meta.verbose_name_plural) for o in blockers})
+        return Response(
+            {"detail": f"Cannot delete: still used by {', '.join(names)}.", "code": "protected"},
+            status=status.HTTP_409_CONFLICT,
+        )
+    elif isinstance(exc, Conflict):
+        return Response({"detail": str(exc), "code": exc.code}, status=status.HTTP_409_CONFLICT)
+    return drf_exception_handler(exc, context)

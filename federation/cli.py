@@ -1,0 +1,60 @@
+"""The ``fedinfer`` command: one entry point for every process of the platform.
+
+fedinfer serve        control plane web (REST API, console, admin)
+fedinfer worker       Celery worker + beat
+fedinfer edge         edge router of one region
+fedinfer engine-sim   vLLM-compatible engine simulator
+fedinfer demo         everything on one machine, embedded defaults
+fedinfer <django management command> ...   e.g. migrate, loaddemo, createsuperuser
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+
+def _django(argv: list[str]) -> None:
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "federation.settings")
+    from django.core.management import execute_from_command_line
+
+    execute_from_command_line(["fedinfer", *argv])
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = list(sys.argv[1:] if argv is None else argv)
+    command = args[0] if args else "help"
+    if command == "serve":
+        _serve(args[1:])
+    elif command in {"engine-sim", "edge"}:
+        # The region's processes never import Django (import-linter enforces it).
+        from regions.cli import main as region_main
+
+        region_main(args)
+    elif command in {"help", "-h", "--help"}:
+        print(__doc__)
+    else:
+        _django(args)
+
+
+def _serve(args: list[str]) -> None:
+    import argparse
+
+    import uvicorn
+
+    parser = argparse.ArgumentParser(prog="fedinfer serve")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--workers", type=int, default=1)
+    parser.add_argument("--no-migrate", action="store_true", help="do not apply migrations first")
+    opts = parser.parse_args(args)
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "federation.settings")
+    if not opts.no_migrate:
+        _django(["migrate", "--noinput"])
+    uvicorn.run(
+        "federation.asgi:application",
+        host=opts.host,
+        port=opts.port,
+        workers=opts.workers,
+        lifespan="off",
+    )

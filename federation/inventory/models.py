@@ -1,0 +1,308 @@
+"""The fleet: regions, GPU pools, models, adapters, deployments, instances and edges.
+
+Models hold fields and database constraints only. Rules that need more than one row (does a
+deployment fit its pool?) live in ``fit.py`` (pure) and are enforced by ``services.py``.
+"""
+
+from __future__ import annotations
+
+from django.core.validators import MaxValueValidator, MinValueValidator, RegexValidator
+from django.db import models
+
+from federation.core.models import TimeStampedModel
+
+slug_validator = RegexValidator(
+    r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$",
+    "Use 1-63 lowercase letters, digits and inner hyphens (like 'us-east-1').",
+)
+
+
+class Jurisdiction(models.TextChoices):
+    US = "US", "United States"
+    EU = "EU", "European Union"
+    UK = "UK", "United Kingdom"
+    CH = "CH", "Switzerland"
+    CN = "CN", "China"
+    APAC = "APAC", "Asia-Pacific"
+    IN = "IN", "India"
+    CA = "CA", "Canada"
+    LATAM = "LATAM", "Latin America"
+    MEA = "MEA", "Middle East and Africa"
+
+
+class Region(TimeStampedModel):
+    class Provider(models.TextChoices):
+        CLOUD = "cloud", "Cloud"
+        NEOCLOUD = "neocloud", "Neocloud"
+        ON_PREM = "on_prem", "On-premises"
+
+    class Status(models.TextChoices):
+        ACTIVE = "active", "Active"
+        CORDONED = "cordoned", "Cordoned (no new placements)"
+        EVACUATED = "evacuated", "Evacuated (no traffic)"
+
+    code = models.CharField(max_length=63, unique=True, validators=[slug_validator])
+    name = models.CharField(max_length=100)
+    provider = models.CharField(max_length=16, choices=Provider.choices)
+    latitude = models.FloatField(validators=[MinValueValidator(-90), MaxValueValidator(90)])
+    longitude = models.FloatField(validators=[MinValueValidator(-180), MaxValueValidator(180)])
+    jurisdiction = models.CharField(max_length=8, choices=Jurisdiction.choices)
+    status = models.CharField(max_length=16, choices=Status.choices, default=Status.ACTIVE)
+
+    class Meta:
+        ordering = ["code"]
+
+    def __str__(self) -> str:
+        return self.code
+
+
+class RegionLink(TimeStampedModel):
+    """One directed entry of the inter-region RTT matrix."""
+
+    source = models.ForeignKey(Region, on_delete=models.CASCADE, related_name="links_out")
+    target = models.ForeignKey(Region, on_delete=models.CASCADE, related_name="links_in")
+    rtt_ms = models.FloatField(
+        validators=[MinValueValidator(0), MaxValueValidator(10_000)],
+        help_text="Configured round-trip time in milliseconds.",
+    )
+    measured_rtt_ms = models.FloatField(
+        null=True,
+        blank=True,
+        validators=[MinValueValidator(0)],
+        help_text="Latest measured round-trip time (edges report it); preferred when present.",
+    )
+
+    class Meta:
+        ordering = ["source__code", "target__code"]
+        constraints = [
+            models.UniqueConstraint(fields=["source", "target"], name="regionlink_unique_pair"),
+            models.CheckConstraint(
+                condition=~models.Q(source=models.F("target")), name="regionlink_not_self"
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.source_id}->{self.target_id}"
+
+
+class AcceleratorType(models.Model):
+    """Catalog row: what one GPU of this type offers. Seeded by a data migration."""
+
+    name = models.CharField(max_length=32, unique=True)
+    vendor = models.CharField(max_length=32)
+    memory_gib = models.PositiveIntegerField(validators=[MinValueValidator(1)])
+    relative_speed = models.FloatField(
+        validators=[MinValueValidator(0.01)],
+        help_text="Throughput relative to one H100-80G (1.0) for dense bf16 inference.",
+    )
+    memory_bandwidth_gbps = models.PositiveIntegerField(help_text="HBM/GDDR bandwidth, GB/s.")
+    supports_nvlink = models.BooleanField(default=False)
+
+    class Meta:
+        ordering = ["name"]
+
+    def __str__(self) -> str:
+        return self.name
+
+
+class GPUPool(TimeStampedModel):
+    class Interconnect(models.TextChoices):
+        NVLINK = "nvlink", "NVLink"
+        PCIE = "pcie", "PCIe"
+
+    class CapacityType(models.TextChoices):
+        ON_DEMAND = "on_demand", "On-demand"
+        RESERVED = "reserved", "Reserved"
+        SPOT = "spot", "Spot"
+
+    class Status(models.TextChoices):
+        ACTIVE = "active", "Active"
+        CORDONED = "cordoned", "Cordoned (no new replicas)"
+
+    region = models.ForeignKey(Region, on_delete=models.PROTECT, related_name="pools")
+    name = models.CharField(max_length=63, validators=[slug_validator])
+    accelerator = models.ForeignKey(AcceleratorType, on_delete=models.PROTECT, related_name="pools")
+    gpus_per_node = models.PositiveSmallIntegerField(
+        validators=[MinValueValidator(1), MaxValueValidator(16)]
+    )
+    node_count = models.PositiveIntegerField(validators=[MaxValueValidator(100_000)])
+    interconnect = models.CharField(
+        max_length=8, choices=Interconnect.choices, help_text="Between the GPUs of one node."
+    )
+    rdma = models.BooleanField(
+        default=False, help_text="Nodes are linked by RDMA (InfiniBand/RoCE): multi-node TP works."
+    )
+    price_per_gpu_hour = models.DecimalField(
+        max_digits=10, decimal_places=4, validators=[MinValueValidator(0)]
+    )
+    capacity_type = models.CharField(max_length=16, choices=CapacityType.choices)
+    gpu_memory_utilization = models.FloatField(
+        default=0.9,
+        validators=[MinValueValidator(0.1), MaxValueValidator(0.98)],
+        help_text="Share of GPU memory vLLM may use (its --gpu-memory-utilization).",
+    )
+    status = models.CharField(max_length=16, choices=Status.choices, default=Status.ACTIVE)
+
+    class Meta:
+        ordering = ["region__code", "name"]
+        constraints = [
+            models.UniqueConstraint(
+                fields=["region", "name"], name="gpupool_unique_name_in_region"
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.region_id}/{self.name}"
+
+    @property
+    def total_gpus(self) -> int:
+        return self.gpus_per_node * self.node_count
+
+
+class LanguageModel(TimeStampedModel):
+    """A base model that can be served (the API calls these 'models')."""
+
+    class DType(models.TextChoices):
+        BF16 = "bf16", "bfloat16"
+        FP16 = "fp16", "float16"
+        FP8 = "fp8", "FP8"
+        INT8 = "int8", "INT8 (W8A8)"
+        INT4 = "int4", "INT4 (AWQ/GPTQ)"
+
+    name = models.CharField(
+        max_length=128,
+        unique=True,
+        validators=[
+            RegexValidator(
+                r"^[A-Za-z0-9][A-Za-z0-9._/-]*$",
+                "Use letters, digits and . _ / - (like 'meta-llama/Llama-3.1-8B').",
+            )
+        ],
+        help_text="The name clients send as 'model'.",
+    )
+    family = models.CharField(max_length=64)
+    parameter_count_b = models.DecimalField(
+        max_digits=8,
+        decimal_places=2,
+        validators=[MinValueValidator(0.01)],
+        help_text="Parameters, in billions.",
+    )
+    dtype = models.CharField(max_length=8, choices=DType.choices, default=DType.BF16)
+    weight_size_gib = models.FloatField(validators=[MinValueValidator(0.001)])
+    max_context_tokens = models.PositiveIntegerField(
+        validators=[MinValueValidator(256), MaxValueValidator(10_000_000)]
+    )
+    num_layers = models.PositiveIntegerField(validators=[MinValueValidator(1)])
+    num_attention_heads = models.PositiveIntegerField(validators=[MinValueValidator(1)])
+    num_kv_heads = models.PositiveIntegerField(validators=[MinValueValidator(1)])
+    head_dim = models.PositiveIntegerField(validators=[MinValueValidator(1)])
+
+    class Meta:
+        ordering = ["name"]
+
+    def __str__(self) -> str:
+        return self.name
+
+
+class LoraAdapter(TimeStampedModel):
+    base_model = models.ForeignKey(LanguageModel, on_delete=models.PROTECT, related_name="adapters")
+    name = models.CharField(
+        max_length=128, validators=[LanguageModel._meta.get_field("name").validators[0]]
+    )
+    rank = models.PositiveSmallIntegerField(
+        validators=[MinValueValidator(1), MaxValueValidator(512)]
+    )
+    source = models.CharField(
+        max_length=500, help_text="Where the engine loads it from (path or URI)."
+    )
+
+    class Meta:
+        ordering = ["base_model__name", "name"]
+        constraints = [
+            models.UniqueConstraint(fields=["name"], name="loraadapter_unique_name"),
+        ]
+
+    def __str__(self) -> str:
+        return self.name
+
+
+class Deployment(TimeStampedModel):
+    """A placement of a model on a pool: how many replicas, each with which TP size and role."""
+
+    class Role(models.TextChoices):
+        MIXED = "mixed", "Mixed (prefill and decode)"
+        PREFILL = "prefill", "Prefill only"
+        DECODE = "decode", "Decode only"
+
+    model = models.ForeignKey(LanguageModel, on_delete=models.PROTECT, related_name="deployments")
+    pool = models.ForeignKey(GPUPool, on_delete=models.PROTECT, related_name="deployments")
+    role = models.CharField(max_length=8, choices=Role.choices, default=Role.MIXED)
+    tensor_parallel_size = models.PositiveSmallIntegerField(
+        validators=[MinValueValidator(1), MaxValueValidator(256)]
+    )
+    min_replicas = models.PositiveIntegerField(default=1)
+    desired_replicas = models.PositiveIntegerField(default=1)
+    max_replicas = models.PositiveIntegerField(default=1)
+    engine_args = models.JSONField(
+        default=dict,
+        blank=True,
+        help_text="Extra vLLM flags as {'flag-name': value}, e.g. {'max-num-seqs': 256}.",
+    )
+    adapters = models.ManyToManyField(LoraAdapter, blank=True, related_name="deployments")
+
+    class Meta:
+        ordering = ["pool__region__code", "pool__name", "model__name", "role"]
+        constraints = [
+            models.UniqueConstraint(fields=["model", "pool", "role"], name="deployment_unique"),
+            models.CheckConstraint(
+                condition=models.Q(min_replicas__lte=models.F("desired_replicas"))
+                & models.Q(desired_replicas__lte=models.F("max_replicas")),
+                name="deployment_replicas_ordered",
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.model_id}@{self.pool_id}/{self.role}"
+
+
+class Instance(TimeStampedModel):
+    """One engine (replica) of a deployment. Its state changes only along legal transitions."""
+
+    class State(models.TextChoices):
+        PENDING = "pending", "Pending"
+        LOADING = "loading", "Loading weights"
+        WARMING = "warming", "Warming up"
+        READY = "ready", "Ready"
+        DRAINING = "draining", "Draining"
+        STOPPED = "stopped", "Stopped"
+        FAILED = "failed", "Failed"
+
+    deployment = models.ForeignKey(Deployment, on_delete=models.PROTECT, related_name="instances")
+    name = models.CharField(max_length=63, unique=True, validators=[slug_validator])
+    endpoint_url = models.URLField(max_length=300, unique=True)
+    state = models.CharField(max_length=16, choices=State.choices, default=State.PENDING)
+    state_changed_at = models.DateTimeField(null=True, blank=True)
+    last_heartbeat_at = models.DateTimeField(null=True, blank=True)
+    load = models.JSONField(default=dict, blank=True, help_text="Last load snapshot from the edge.")
+
+    class Meta:
+        ordering = ["name"]
+
+    def __str__(self) -> str:
+        return self.name
+
+
+class Edge(TimeStampedModel):
+    """A registered edge router of a region."""
+
+    region = models.ForeignKey(Region, on_delete=models.PROTECT, related_name="edges")
+    name = models.CharField(max_length=63, unique=True, validators=[slug_validator])
+    url = models.URLField(max_length=300)
+    last_heartbeat_at = models.DateTimeField(null=True, blank=True)
+    applied_table_version = models.PositiveBigIntegerField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["region__code", "name"]
+
+    def __str__(self) -> str:
+        return self.name

@@ -1,0 +1,144 @@
+"""Django settings for the fedinfer control plane, read from the environment (federation.env)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import dj_database_url
+
+from federation.env import env_bool, env_int, env_list, env_str, is_production
+
+BASE_DIR = Path(__file__).resolve().parent.parent
+VAR_DIR = Path(env_str("FEDINFER_VAR_DIR", str(BASE_DIR / "var")))
+PRODUCTION = is_production()
+if not PRODUCTION:
+    VAR_DIR.mkdir(parents=True, exist_ok=True)
+
+SECRET_KEY = env_str(
+    "FEDINFER_SECRET_KEY",
+    "embedded-insecure-key-do-not-use-in-production",
+    required_in_production=True,
+)
+DEBUG = env_bool("FEDINFER_DEBUG", not PRODUCTION)
+ALLOWED_HOSTS = env_list(
+    "FEDINFER_ALLOWED_HOSTS", ["localhost", "127.0.0.1", "[::1]", "testserver"]
+)
+CSRF_TRUSTED_ORIGINS = env_list("FEDINFER_CSRF_TRUSTED_ORIGINS", [])
+
+INSTALLED_APPS = [
+    "django.contrib.admin",
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "django.contrib.staticfiles",
+    "rest_framework",
+    "rest_framework.authtoken",
+    "django_filters",
+    "drf_spectacular",
+    "federation.core",
+    "federation.inventory",
+    "federation.tenancy",
+]
+
+MIDDLEWARE = [
+    "django.middleware.security.SecurityMiddleware",
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+    "django.middleware.clickjacking.XFrameOptionsMiddleware",
+]
+
+ROOT_URLCONF = "federation.urls"
+WSGI_APPLICATION = "federation.wsgi.application"
+ASGI_APPLICATION = "federation.asgi.application"
+
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "DIRS": [],
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+            ],
+        },
+    },
+]
+
+_default_db = f"sqlite:///{VAR_DIR / 'fedinfer.sqlite3'}"
+DATABASES = {
+    "default": dj_database_url.parse(
+        env_str("DATABASE_URL", _default_db, required_in_production=True),
+        conn_max_age=env_int("FEDINFER_DB_CONN_MAX_AGE", 60),
+    )
+}
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+
+# Every app's migrations live in the top-level migrations/ package.
+MIGRATION_MODULES = {
+    "core": "migrations.core",
+    "inventory": "migrations.inventory",
+    "tenancy": "migrations.tenancy",
+}
+
+REDIS_URL = env_str("REDIS_URL", "", required_in_production=True)
+CELERY_BROKER_URL = env_str("CELERY_BROKER_URL", REDIS_URL or "filesystem://")
+
+AUTH_PASSWORD_VALIDATORS = [
+    {"NAME": "django.contrib.auth.password_validation.UserAttributeSimilarityValidator"},
+    {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator"},
+    {"NAME": "django.contrib.auth.password_validation.CommonPasswordValidator"},
+]
+
+LANGUAGE_CODE = "en-us"
+TIME_ZONE = "UTC"
+USE_I18N = True
+USE_TZ = True
+
+STATIC_URL = "static/"
+STATIC_ROOT = VAR_DIR / "static"
+
+# A request body above this is refused with 413 before it is parsed.
+DATA_UPLOAD_MAX_MEMORY_SIZE = env_int("FEDINFER_MAX_BODY_BYTES", 1024 * 1024)
+
+REST_FRAMEWORK = {
+    "DEFAULT_AUTHENTICATION_CLASSES": [
+        "rest_framework.authentication.TokenAuthentication",
+        "rest_framework.authentication.SessionAuthentication",
+    ],
+    "DEFAULT_PERMISSION_CLASSES": ["federation.api.permissions.IsStaffOrReadOnlyScoped"],
+    "DEFAULT_FILTER_BACKENDS": [
+        "django_filters.rest_framework.DjangoFilterBackend",
+        "rest_framework.filters.OrderingFilter",
+    ],
+    "DEFAULT_PAGINATION_CLASS": "federation.api.pagination.Pagination",
+    "PAGE_SIZE": 50,
+    "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
+    "EXCEPTION_HANDLER": "federation.api.errors.exception_handler",
+    "DEFAULT_PARSER_CLASSES": ["rest_framework.parsers.JSONParser"],
+    "TEST_REQUEST_DEFAULT_FORMAT": "json",
+}
+
+SPECTACULAR_SETTINGS = {
+    "TITLE": "fedinfer management API",
+    "DESCRIPTION": (
+        "Regions, GPU pools, models, deployments, instances, edges, tenants and API keys."
+    ),
+    "VERSION": "1.0.0",
+    "SERVE_INCLUDE_SCHEMA": False,
+    "COMPONENT_SPLIT_REQUEST": True,
+    "SCHEMA_PATH_PREFIX": r"/api/v1",
+}
+
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s %(message)s"}},
+    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
+    "root": {"handlers": ["console"], "level": env_str("FEDINFER_LOG_LEVEL", "INFO")},
+}

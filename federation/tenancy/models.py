@@ -1,0 +1,108 @@
+"""Tenants, their API keys and the people who use the console and API."""
+
+from __future__ import annotations
+
+from django.conf import settings
+from django.core.validators import MinValueValidator
+from django.db import models
+
+from federation.core.models import TimeStampedModel
+from federation.inventory.models import Region, slug_validator
+
+
+class Tenant(TimeStampedModel):
+    """A customer. Its residency policy says where its requests may be served.
+
+    Residency: a region is allowed when its jurisdiction is in ``allowed_jurisdictions`` (empty
+    list: any jurisdiction) and, if ``allowed_regions`` is not empty, it is one of them.
+    """
+
+    slug = models.CharField(max_length=63, unique=True, validators=[slug_validator])
+    name = models.CharField(max_length=200)
+    allowed_jurisdictions = models.JSONField(
+        default=list, blank=True, help_text="Jurisdiction codes, e.g. ['EU']; empty = any."
+    )
+    allowed_regions = models.ManyToManyField(Region, blank=True, related_name="tenants")
+    requests_per_minute = models.PositiveIntegerField(
+        null=True, blank=True, validators=[MinValueValidator(1)], help_text="Empty = unlimited."
+    )
+    tokens_per_minute = models.PositiveIntegerField(
+        null=True, blank=True, validators=[MinValueValidator(1)], help_text="Empty = unlimited."
+    )
+    monthly_budget_usd = models.DecimalField(
+        max_digits=14,
+        decimal_places=2,
+        null=True,
+        blank=True,
+        validators=[MinValueValidator(0)],
+        help_text="Empty = no budget limit.",
+    )
+    is_active = models.BooleanField(default=True)
+
+    class Meta:
+        ordering = ["slug"]
+
+    def __str__(self) -> str:
+        return self.slug
+
+
+class ApiKey(TimeStampedModel):
+    """An inference key. Only its SHA-256 hash and a visible prefix are stored."""
+
+    class Scope(models.TextChoices):
+        INFERENCE = "inference", "Inference"
+        USAGE_READ = "usage:read", "Read usage"
+
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="api_keys")
+    name = models.CharField(max_length=100)
+    prefix = models.CharField(
+        max_length=16, unique=True, help_text="Shown in lists: 'fi_AbC123xY'."
+    )
+    key_hash = models.CharField(max_length=64, unique=True)
+    scopes = models.JSONField(default=list)
+    expires_at = models.DateTimeField(null=True, blank=True)
+    revoked_at = models.DateTimeField(null=True, blank=True)
+    last_used_at = models.DateTimeField(null=True, blank=True)
+    created_by = models.ForeignKey(
+        settings.AUTH_USER_MODEL,
+        null=True,
+        blank=True,
+        on_delete=models.SET_NULL,
+        related_name="+",
+    )
+
+    class Meta:
+        ordering = ["tenant__slug", "name", "id"]
+
+    def __str__(self) -> str:
+        return f"{self.prefix}… ({self.tenant_id})"
+
+
+class Membership(TimeStampedModel):
+    """A user's role. A tenant viewer is bound to exactly one tenant and sees only its data."""
+
+    class Role(models.TextChoices):
+        ADMIN = "admin", "Admin"
+        OPERATOR = "operator", "Operator"
+        TENANT_VIEWER = "tenant_viewer", "Tenant viewer"
+
+    user = models.OneToOneField(
+        settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="membership"
+    )
+    role = models.CharField(max_length=16, choices=Role.choices)
+    tenant = models.ForeignKey(
+        Tenant, null=True, blank=True, on_delete=models.CASCADE, related_name="members"
+    )
+
+    class Meta:
+        ordering = ["user__username"]
+        constraints = [
+            models.CheckConstraint(
+                condition=(models.Q(role="tenant_viewer") & models.Q(tenant__isnull=False))
+                | (~models.Q(role="tenant_viewer") & models.Q(tenant__isnull=True)),
+                name="membership_tenant_iff_viewer",
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.user_id}:{self.role}"

@@ -1,0 +1,10 @@
+"""Test settings: the real PostgreSQL and Redis of this machine unless told otherwise."""
+
+import os
+
+os.environ.setdefault("DATABASE_URL", "postgres://postgres@127.0.0.1:5432/fedinfer")
+os.environ.setdefault("REDIS_URL", "redis://127.0.0.1:6379/15")
+
+from federation.settings import *  # noqa: F403
+
+PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
