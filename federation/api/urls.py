@@ -5,4 +5,5 @@ from django.urls import include, path
 urlpatterns = [
     path("", include("federation.inventory.api.urls")),
     path("", include("federation.tenancy.api.urls")),
+    path("", include("federation.core.api.urls")),
 ]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from datetime import datetime
+
 from django.conf import settings
 from django.core.validators import MinValueValidator
 from django.db import models
@@ -59,6 +61,13 @@ class ApiKey(TimeStampedModel):
         max_length=16, unique=True, help_text="Shown in lists: 'fi_AbC123xY'."
     )
     key_hash = models.CharField(max_length=64, unique=True)
+    previous_key_hash = models.CharField(
+        max_length=64,
+        blank=True,
+        default="",
+        help_text="Hash of the secret replaced by the last rotation; valid until the time below.",
+    )
+    previous_key_valid_until = models.DateTimeField(null=True, blank=True)
     scopes = models.JSONField(default=list)
     expires_at = models.DateTimeField(null=True, blank=True)
     revoked_at = models.DateTimeField(null=True, blank=True)
@@ -76,6 +85,14 @@ class ApiKey(TimeStampedModel):
 
     def __str__(self) -> str:
         return f"{self.prefix}… ({self.tenant_id})"
+
+    def status_at(self, now: datetime) -> str:
+        """'revoked', 'expired' or 'active' at ``now``."""
+        if self.revoked_at is not None:
+            return "revoked"
+        if self.expires_at is not None and self.expires_at <= now:
+            return "expired"
+        return "active"
 
 
 class Membership(TimeStampedModel):

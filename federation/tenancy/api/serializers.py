@@ -1,0 +1,275 @@
+"""Input serializers (strict: unknown fields are a 400) and output serializers, kept apart so
+that what a client may send and what it gets back are separate, documented shapes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.contrib.auth.models import User
+from drf_spectacular.utils import extend_schema_field
+from rest_framework import serializers
+
+from federation.api.serializers import StrictFieldsMixin
+from federation.core.roles import role_of
+from federation.inventory.models import Jurisdiction, Region
+from federation.tenancy import selectors
+from federation.tenancy.models import ApiKey, Membership, Tenant
+from federation.tenancy.services import MAX_ROTATION_GRACE_SECONDS
+
+MAX_INT32 = 2**31 - 1
+
+
+class CodeRelatedField(serializers.SlugRelatedField[Any]):
+    """A slug reference that refuses NUL characters (PostgreSQL text cannot hold them) with a
+    400 instead of letting the lookup fail in the database."""
+
+    def to_internal_value(self, data: Any) -> Any:
+        if isinstance(data, str) and "\x00" in data:
+            self.fail("invalid")
+        return super().to_internal_value(data)
+
+
+def _region_field(**kwargs: Any) -> CodeRelatedField:
+    return CodeRelatedField(
+        many=True,
+        slug_field="code",
+        queryset=Region.objects.all(),
+        help_text="Region codes; empty = every region of the allowed jurisdictions.",
+        **kwargs,
+    )
+
+
+def _jurisdictions_field(**kwargs: Any) -> serializers.ListField:
+    return serializers.ListField(
+        child=serializers.ChoiceField(choices=Jurisdiction.choices),
+        max_length=len(Jurisdiction.values),
+        help_text="Jurisdiction codes, e.g. ['EU']; empty = any.",
+        **kwargs,
+    )
+
+
+def _rate_field() -> serializers.IntegerField:
+    return serializers.IntegerField(
+        min_value=1,
+        max_value=MAX_INT32,
+        allow_null=True,
+        required=False,
+        help_text="null = unlimited.",
+    )
+
+
+class TenantCreateInput(StrictFieldsMixin, serializers.Serializer):
+    slug = serializers.CharField(max_length=63, help_text="Lowercase letters, digits, hyphens.")
+    name = serializers.CharField(max_length=200)
+    allowed_jurisdictions = _jurisdictions_field(required=False)
+    allowed_regions = _region_field(required=False)
+    requests_per_minute = _rate_field()
+    tokens_per_minute = _rate_field()
+    monthly_budget_usd = serializers.DecimalField(
+        max_digits=14, decimal_places=2, min_value=0, allow_null=True, required=False
+    )
+    is_active = serializers.BooleanField(required=False, default=True)
+
+
+class TenantUpdateInput(StrictFieldsMixin, serializers.Serializer):
+    name = serializers.CharField(max_length=200, required=False)
+    allowed_jurisdictions = _jurisdictions_field(required=False)
+    allowed_regions = _region_field(required=False)
+    requests_per_minute = _rate_field()
+    tokens_per_minute = _rate_field()
+    monthly_budget_usd = serializers.DecimalField(
+        max_digits=14, decimal_places=2, min_value=0, allow_null=True, required=False
+    )
+
+
+class TenantOutput(serializers.ModelSerializer):
+    allowed_regions: serializers.SlugRelatedField[Region] = serializers.SlugRelatedField(
+        many=True, read_only=True, slug_field="code"
+    )
+    permitted_regions = serializers.SerializerMethodField(
+        help_text="Regions that may serve this tenant under its residency policy."
+    )
+
+    class Meta:
+        model = Tenant
+        fields = [
+            "slug",
+            "name",
+            "allowed_jurisdictions",
+            "allowed_regions",
+            "permitted_regions",
+            "requests_per_minute",
+            "tokens_per_minute",
+            "monthly_budget_usd",
+            "is_active",
+            "created_at",
+            "updated_at",
+        ]
+        read_only_fields = fields
+
+    @extend_schema_field(serializers.ListField(child=serializers.CharField()))
+    def get_permitted_regions(self, tenant: Tenant) -> list[str]:
+        return selectors.tenant_permitted_regions(tenant, self.context.get("region_refs"))
+
+
+class ApiKeyCreateInput(StrictFieldsMixin, serializers.Serializer):
+    tenant = CodeRelatedField(slug_field="slug", queryset=Tenant.objects.all())
+    name = serializers.CharField(max_length=100)
+    scopes = serializers.ListField(
+        child=serializers.ChoiceField(choices=ApiKey.Scope.choices),
+        min_length=1,
+        max_length=len(ApiKey.Scope.values),
+        required=False,
+        help_text="Default: ['inference'].",
+    )
+    expires_at = serializers.DateTimeField(
+        required=False, allow_null=True, help_text="Must be in the future; null = never."
+    )
+
+
+class ApiKeyUpdateInput(StrictFieldsMixin, serializers.Serializer):
+    name = serializers.CharField(max_length=100, required=False)
+    scopes = serializers.ListField(
+        child=serializers.ChoiceField(choices=ApiKey.Scope.choices),
+        min_length=1,
+        max_length=len(ApiKey.Scope.values),
+        required=False,
+    )
+    expires_at = serializers.DateTimeField(required=False, allow_null=True)
+
+
+class ApiKeyRotateInput(StrictFieldsMixin, serializers.Serializer):
+    grace_seconds = serializers.IntegerField(
+        min_value=0,
+        max_value=MAX_ROTATION_GRACE_SECONDS,
+        required=False,
+        default=0,
+        help_text="How long the old secret keeps working; 0 = it stops now.",
+    )
+
+
+class ApiKeyOutput(serializers.ModelSerializer):
+    tenant: serializers.SlugRelatedField[Tenant] = serializers.SlugRelatedField(
+        read_only=True, slug_field="slug"
+    )
+    status = serializers.SerializerMethodField()
+    created_by: serializers.SlugRelatedField[User] = serializers.SlugRelatedField(
+        read_only=True, slug_field="username"
+    )
+    previous_secret_valid_until = serializers.DateTimeField(
+        source="previous_key_valid_until",
+        read_only=True,
+        help_text="Until when the secret replaced by the last rotation still works.",
+    )
+
+    class Meta:
+        model = ApiKey
+        fields = [
+            "id",
+            "tenant",
+            "name",
+            "prefix",
+            "scopes",
+            "status",
+            "expires_at",
+            "revoked_at",
+            "last_used_at",
+            "previous_secret_valid_until",
+            "created_by",
+            "created_at",
+            "updated_at",
+        ]
+        read_only_fields = fields
+
+    @extend_schema_field(serializers.ChoiceField(choices=["active", "revoked", "expired"]))
+    def get_status(self, api_key: ApiKey) -> str:
+        return api_key.status_at(self.context["now"])
+
+
+class ApiKeyIssuedOutput(ApiKeyOutput):
+    key = serializers.SerializerMethodField(
+        help_text="The full key. Shown only in this response: store it now."
+    )
+
+    class Meta(ApiKeyOutput.Meta):
+        fields = [*ApiKeyOutput.Meta.fields, "key"]
+        read_only_fields = fields
+
+    def get_key(self, api_key: ApiKey) -> str:
+        return str(self.context["plaintext_key"])
+
+
+class UserCreateInput(StrictFieldsMixin, serializers.Serializer):
+    username = serializers.CharField(max_length=150)
+    email = serializers.EmailField(required=False, allow_blank=True, default="")
+    password = serializers.CharField(
+        write_only=True, max_length=128, style={"input_type": "password"}
+    )
+    role = serializers.ChoiceField(choices=Membership.Role.choices)
+    tenant = CodeRelatedField(
+        slug_field="slug",
+        queryset=Tenant.objects.all(),
+        required=False,
+        allow_null=True,
+        help_text="Required for tenant viewers, refused for other roles.",
+    )
+
+
+class UserUpdateInput(StrictFieldsMixin, serializers.Serializer):
+    email = serializers.EmailField(required=False, allow_blank=True)
+    password = serializers.CharField(
+        write_only=True, max_length=128, required=False, style={"input_type": "password"}
+    )
+    role = serializers.ChoiceField(choices=Membership.Role.choices, required=False)
+    tenant = CodeRelatedField(
+        slug_field="slug", queryset=Tenant.objects.all(), required=False, allow_null=True
+    )
+    is_active = serializers.BooleanField(required=False)
+
+
+def _tenant_slug(user: User) -> str | None:
+    membership = getattr(user, "membership", None)
+    tenant = membership.tenant if membership is not None else None
+    return tenant.slug if tenant is not None else None
+
+
+class UserOutput(serializers.ModelSerializer):
+    role = serializers.SerializerMethodField()
+    tenant = serializers.SerializerMethodField()
+
+    class Meta:
+        model = User
+        fields = [
+            "id",
+            "username",
+            "email",
+            "role",
+            "tenant",
+            "is_active",
+            "date_joined",
+            "last_login",
+        ]
+        read_only_fields = fields
+
+    @extend_schema_field(serializers.ChoiceField(choices=Membership.Role.choices, allow_null=True))
+    def get_role(self, user: User) -> str | None:
+        return role_of(user)
+
+    def get_tenant(self, user: User) -> str | None:
+        return _tenant_slug(user)
+
+
+class MeOutput(serializers.Serializer):
+    username = serializers.CharField()
+    email = serializers.CharField()
+    role = serializers.ChoiceField(choices=Membership.Role.choices, allow_null=True)
+    tenant = serializers.CharField(allow_null=True, help_text="Slug; set for tenant viewers.")
+
+
+class TokenCreateInput(StrictFieldsMixin, serializers.Serializer):
+    username = serializers.CharField(max_length=150)
+    password = serializers.CharField(max_length=128, style={"input_type": "password"})
+
+
+class TokenOutput(serializers.Serializer):
+    token = serializers.CharField()

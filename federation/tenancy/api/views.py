@@ -1,0 +1,241 @@
+"""Tenancy API v1: tenants, API keys, users, the caller (``me``) and token login.
+
+Views only parse input, call one service or selector, and render output.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.contrib.auth import authenticate
+from django.contrib.auth.models import User
+from django.db.models import QuerySet
+from django.utils import timezone
+from drf_spectacular.utils import OpenApiResponse, extend_schema, extend_schema_view
+from rest_framework import mixins, status, viewsets
+from rest_framework.authtoken.models import Token
+from rest_framework.decorators import action
+from rest_framework.exceptions import ValidationError
+from rest_framework.permissions import AllowAny, BasePermission, IsAuthenticated
+from rest_framework.request import Request
+from rest_framework.response import Response
+from rest_framework.views import APIView
+
+from federation.api.permissions import IsAdmin
+from federation.core.roles import role_of
+from federation.tenancy import selectors, services
+from federation.tenancy.api import serializers as s
+from federation.tenancy.filters import ApiKeyFilter, TenantFilter, UserFilter
+from federation.tenancy.models import ApiKey, Tenant
+
+_NO_CONTENT = {204: OpenApiResponse(description="Deleted.")}
+
+
+@extend_schema_view(
+    create=extend_schema(request=s.TenantCreateInput, responses={201: s.TenantOutput}),
+    partial_update=extend_schema(request=s.TenantUpdateInput, responses={200: s.TenantOutput}),
+    destroy=extend_schema(responses=_NO_CONTENT),
+)
+class TenantViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet):
+    """Tenants and their residency policy, rate limits and budget."""
+
+    serializer_class = s.TenantOutput
+    lookup_field = "slug"
+    lookup_value_regex = r"[a-z0-9-]+"
+    filterset_class = TenantFilter
+    ordering_fields = ["slug", "name", "created_at"]
+    http_method_names = ["get", "post", "patch", "delete", "head", "options"]
+    tenant_viewer_readable = True
+
+    def get_queryset(self) -> QuerySet[Tenant]:
+        return selectors.tenant_list(user=self.request.user)
+
+    def get_serializer_context(self) -> dict[str, Any]:
+        return {**super().get_serializer_context(), "region_refs": selectors.region_refs()}
+
+    def _render(self, tenant: Tenant, code: int = status.HTTP_200_OK) -> Response:
+        return Response(s.TenantOutput(tenant, context=self.get_serializer_context()).data, code)
+
+    def create(self, request: Request) -> Response:
+        data = s.TenantCreateInput(data=request.data)
+        data.is_valid(raise_exception=True)
+        tenant = services.tenant_create(actor=request.user, **data.validated_data)
+        return self._render(tenant, status.HTTP_201_CREATED)
+
+    def partial_update(self, request: Request, slug: str) -> Response:
+        tenant = self.get_object()
+        data = s.TenantUpdateInput(data=request.data)
+        data.is_valid(raise_exception=True)
+        tenant = services.tenant_update(actor=request.user, tenant=tenant, data=data.validated_data)
+        return self._render(tenant)
+
+    def destroy(self, request: Request, slug: str) -> Response:
+        services.tenant_delete(actor=request.user, tenant=self.get_object())
+        return Response(status=status.HTTP_204_NO_CONTENT)
+
+    @extend_schema(request=None, responses={200: s.TenantOutput})
+    @action(detail=True, methods=["post"])
+    def deactivate(self, request: Request, slug: str) -> Response:
+        """Stop serving the tenant; its keys, members and history stay."""
+        return self._render(
+            services.tenant_deactivate(actor=request.user, tenant=self.get_object())
+        )
+
+    @extend_schema(request=None, responses={200: s.TenantOutput})
+    @action(detail=True, methods=["post"])
+    def activate(self, request: Request, slug: str) -> Response:
+        return self._render(services.tenant_activate(actor=request.user, tenant=self.get_object()))
+
+
+@extend_schema_view(
+    create=extend_schema(request=s.ApiKeyCreateInput, responses={201: s.ApiKeyIssuedOutput}),
+    partial_update=extend_schema(request=s.ApiKeyUpdateInput, responses={200: s.ApiKeyOutput}),
+    destroy=extend_schema(responses=_NO_CONTENT),
+)
+class ApiKeyViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet):
+    """Inference API keys. The plaintext key appears only in the create and rotate responses."""
+
+    serializer_class = s.ApiKeyOutput
+    lookup_value_regex = r"[0-9]+"
+    filterset_class = ApiKeyFilter
+    ordering_fields = ["id", "name", "prefix", "created_at", "expires_at"]
+    http_method_names = ["get", "post", "patch", "delete", "head", "options"]
+    tenant_viewer_readable = True
+
+    def get_queryset(self) -> QuerySet[ApiKey]:
+        return selectors.api_key_list(user=self.request.user)
+
+    def get_serializer_context(self) -> dict[str, Any]:
+        return {**super().get_serializer_context(), "now": timezone.now()}
+
+    def _issued(self, issued: services.IssuedKey, code: int) -> Response:
+        context = {**self.get_serializer_context(), "plaintext_key": issued.plaintext}
+        return Response(s.ApiKeyIssuedOutput(issued.api_key, context=context).data, code)
+
+    def create(self, request: Request) -> Response:
+        data = s.ApiKeyCreateInput(data=request.data)
+        data.is_valid(raise_exception=True)
+        issued = services.api_key_create(actor=request.user, **data.validated_data)
+        return self._issued(issued, status.HTTP_201_CREATED)
+
+    def partial_update(self, request: Request, pk: str) -> Response:
+        api_key = self.get_object()
+        data = s.ApiKeyUpdateInput(data=request.data)
+        data.is_valid(raise_exception=True)
+        api_key = services.api_key_update(
+            actor=request.user, api_key=api_key, data=data.validated_data
+        )
+        return Response(s.ApiKeyOutput(api_key, context=self.get_serializer_context()).data)
+
+    def destroy(self, request: Request, pk: str) -> Response:
+        services.api_key_delete(actor=request.user, api_key=self.get_object())
+        return Response(status=status.HTTP_204_NO_CONTENT)
+
+    @extend_schema(request=None, responses={200: s.ApiKeyOutput})
+    @action(detail=True, methods=["post"])
+    def revoke(self, request: Request, pk: str) -> Response:
+        """Revoke the key for good, including a secret still in rotation grace."""
+        api_key = services.api_key_revoke(actor=request.user, api_key=self.get_object())
+        return Response(s.ApiKeyOutput(api_key, context=self.get_serializer_context()).data)
+
+    @extend_schema(request=s.ApiKeyRotateInput, responses={200: s.ApiKeyIssuedOutput})
+    @action(detail=True, methods=["post"])
+    def rotate(self, request: Request, pk: str) -> Response:
+        """Issue a new secret; the old one stops working now or after ``grace_seconds``."""
+        api_key = self.get_object()
+        data = s.ApiKeyRotateInput(data=request.data)
+        data.is_valid(raise_exception=True)
+        issued = services.api_key_rotate(
+            actor=request.user, api_key=api_key, grace_seconds=data.validated_data["grace_seconds"]
+        )
+        return self._issued(issued, status.HTTP_200_OK)
+
+
+@extend_schema_view(
+    create=extend_schema(request=s.UserCreateInput, responses={201: s.UserOutput}),
+    partial_update=extend_schema(request=s.UserUpdateInput, responses={200: s.UserOutput}),
+    destroy=extend_schema(responses=_NO_CONTENT),
+)
+class UserViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet):
+    """People who use the console and the API, with their role (admins only)."""
+
+    serializer_class = s.UserOutput
+    permission_classes = [IsAdmin]
+    lookup_value_regex = r"[0-9]+"
+    filterset_class = UserFilter
+    ordering_fields = ["id", "username", "date_joined"]
+    http_method_names = ["get", "post", "patch", "delete", "head", "options"]
+
+    def get_queryset(self) -> QuerySet[User]:
+        return selectors.user_list()
+
+    def create(self, request: Request) -> Response:
+        data = s.UserCreateInput(data=request.data)
+        data.is_valid(raise_exception=True)
+        user = services.user_create(actor=request.user, **data.validated_data)
+        return Response(s.UserOutput(user).data, status=status.HTTP_201_CREATED)
+
+    def partial_update(self, request: Request, pk: str) -> Response:
+        user = self.get_object()
+        data = s.UserUpdateInput(data=request.data)
+        data.is_valid(raise_exception=True)
+        user = services.user_update(actor=request.user, user=user, data=data.validated_data)
+        return Response(s.UserOutput(selectors.user_list().get(pk=user.pk)).data)
+
+    def destroy(self, request: Request, pk: str) -> Response:
+        services.user_delete(actor=request.user, user=self.get_object())
+        return Response(status=status.HTTP_204_NO_CONTENT)
+
+
+class MeView(APIView):
+    """Who the caller is: username, role and (for tenant viewers) tenant."""
+
+    permission_classes = [IsAuthenticated]
+
+    @extend_schema(responses={200: s.MeOutput})
+    def get(self, request: Request) -> Response:
+        user = request.user
+        membership = getattr(user, "membership", None)
+        tenant = membership.tenant if membership is not None else None
+        return Response(
+            s.MeOutput(
+                {
+                    "username": user.get_username(),
+                    "email": getattr(user, "email", ""),
+                    "role": role_of(user),
+                    "tenant": tenant.slug if tenant is not None else None,
+                }
+            ).data
+        )
+
+
+class AuthTokenView(APIView):
+    """Log in for an API token (POST) or log out, revoking it (DELETE)."""
+
+    def get_permissions(self) -> list[BasePermission]:
+        if self.request.method == "POST":
+            return [AllowAny()]
+        return [IsAuthenticated()]
+
+    @extend_schema(request=s.TokenCreateInput, responses={200: s.TokenOutput})
+    def post(self, request: Request) -> Response:
+        data = s.TokenCreateInput(data=request.data)
+        data.is_valid(raise_exception=True)
+        user = authenticate(
+            request._request,
+            username=data.validated_data["username"],
+            password=data.validated_data["password"],
+        )
+        if user is None:
+            raise ValidationError(
+                {"non_field_errors": ["Unable to log in with these credentials."]},
+                code="authorization",
+            )
+        token, _ = Token.objects.get_or_create(user=user)
+        return Response(s.TokenOutput({"token": token.key}).data)
+
+    @extend_schema(request=None, responses={204: OpenApiResponse(description="Token revoked.")})
+    def delete(self, request: Request) -> Response:
+        assert isinstance(request.user, User)  # IsAuthenticated let it through
+        Token.objects.filter(user=request.user).delete()
+        return Response(status=status.HTTP_204_NO_CONTENT)

@@ -1,0 +1,80 @@
+"""Reads for tenancy. Querysets are scoped by the caller's role here, once, so that every view
+built on them hides other tenants' objects: lists leave them out and details answer 404."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+from django.contrib.auth.models import User
+from django.db.models import Q, QuerySet
+from django.utils import timezone
+
+from federation.core.roles import TENANT_VIEWER, is_staff_role, role_of, tenant_id_of
+from federation.inventory.models import Region
+from federation.tenancy import keys, residency
+from federation.tenancy.models import ApiKey, Tenant
+
+
+def _visible(qs: QuerySet[Any], user: Any, tenant_field: str) -> QuerySet[Any]:
+    if is_staff_role(user):
+        return qs
+    if role_of(user) == TENANT_VIEWER:
+        return qs.filter(**{tenant_field: tenant_id_of(user)})
+    return qs.none()
+
+
+def tenant_list(*, user: Any) -> QuerySet[Tenant]:
+    """Tenants the user may see: all for staff, its own for a tenant viewer, none otherwise."""
+    qs = Tenant.objects.prefetch_related("allowed_regions")
+    return _visible(qs, user, "pk")
+
+
+def api_key_list(*, user: Any) -> QuerySet[ApiKey]:
+    qs = ApiKey.objects.select_related("tenant", "created_by")
+    return _visible(qs, user, "tenant_id")
+
+
+def user_list() -> QuerySet[User]:
+    return User.objects.select_related("membership__tenant").order_by("username")
+
+
+def region_refs() -> list[residency.RegionRef]:
+    """Every region as the residency module sees it (one query)."""
+    return [
+        residency.RegionRef(code=code, jurisdiction=jurisdiction)
+        for code, jurisdiction in Region.objects.order_by("code").values_list(
+            "code", "jurisdiction"
+        )
+    ]
+
+
+def tenant_permitted_regions(
+    tenant: Tenant, regions: list[residency.RegionRef] | None = None
+) -> list[str]:
+    """Codes of the regions that may serve the tenant under its residency policy."""
+    policy = residency.ResidencyPolicy.of(
+        tenant.allowed_jurisdictions, (r.code for r in tenant.allowed_regions.all())
+    )
+    return [
+        r.code
+        for r in residency.allowed_regions(policy, region_refs() if regions is None else regions)
+    ]
+
+
+def api_key_authenticate(*, key: str, now: datetime | None = None) -> ApiKey | None:
+    """The key a plaintext authenticates as, or None: malformed, unknown, revoked, expired,
+    past its rotation grace, or of an inactive tenant. The routing table the edge uses is
+    compiled from the same rules."""
+    if not keys.is_well_formed(key):
+        return None
+    now = now or timezone.now()
+    digest = keys.hash_key(key)
+    api_key = (
+        ApiKey.objects.select_related("tenant")
+        .filter(Q(key_hash=digest) | Q(previous_key_hash=digest, previous_key_valid_until__gt=now))
+        .first()
+    )
+    if api_key is None or api_key.status_at(now) != "active" or not api_key.tenant.is_active:
+        return None
+    return api_key
