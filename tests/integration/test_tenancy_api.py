@@ -1,0 +1,562 @@
+"""Tenants, API keys, users and the audit trail through the REST API (real PostgreSQL)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import pytest
+from django.contrib.auth.models import User
+from django.db import connection
+from django.utils import timezone
+from rest_framework.test import APIClient
+
+from federation.core.models import AuditEvent
+from federation.inventory.models import Region
+from federation.tenancy import selectors, services
+from federation.tenancy.keys import hash_key
+from federation.tenancy.models import ApiKey, Membership, Tenant
+
+pytestmark = pytest.mark.django_db
+
+TENANTS = "/api/v1/tenants/"
+KEYS = "/api/v1/api-keys/"
+USERS = "/api/v1/users/"
+AUDIT = "/api/v1/audit-events/"
+
+
+@pytest.fixture
+def regions(db: None) -> dict[str, Region]:
+    specs = [("us-east", "US", 39.0, -77.5), ("eu-west", "EU", 53.3, -6.3)]
+    specs.append(("eu-central", "EU", 50.1, 8.7))
+    return {
+        code: Region.objects.create(
+            code=code, name=code, provider="cloud", latitude=lat, longitude=lon, jurisdiction=j
+        )
+        for code, j, lat, lon in specs
+    }
+
+
+def counts() -> tuple[int, ...]:
+    return (
+        Tenant.objects.count(),
+        Tenant.allowed_regions.through.objects.count(),
+        ApiKey.objects.count(),
+        User.objects.count(),
+        Membership.objects.count(),
+        AuditEvent.objects.count(),
+    )
+
+
+def errors_of(response: Any) -> dict[str, Any]:
+    body = response.json()
+    assert isinstance(body, dict), body
+    return body
+
+
+# --- tenants --------------------------------------------------------------------------------
+
+
+def test_tenant_crud_with_residency(admin_client: APIClient, regions: dict[str, Region]) -> None:
+    created = admin_client.post(
+        TENANTS,
+        {
+            "slug": "acme",
+            "name": "Acme GmbH — Zürich",
+            "allowed_jurisdictions": ["EU"],
+            "allowed_regions": ["eu-west"],
+            "requests_per_minute": 600,
+            "monthly_budget_usd": "1500.00",
+        },
+    )
+    assert created.status_code == 201, created.content
+    body = created.json()
+    assert body["name"] == "Acme GmbH — Zürich"
+    assert body["allowed_regions"] == ["eu-west"]
+    assert body["permitted_regions"] == ["eu-west"]
+    assert body["tokens_per_minute"] is None
+
+    detail = admin_client.get(f"{TENANTS}acme/")
+    assert detail.json() == body
+
+    changed = admin_client.patch(f"{TENANTS}acme/", {"allowed_regions": [], "tokens_per_minute": 5})
+    assert changed.status_code == 200, changed.content
+    assert changed.json()["permitted_regions"] == ["eu-central", "eu-west"]
+    assert changed.json()["tokens_per_minute"] == 5
+
+    assert admin_client.post(f"{TENANTS}acme/deactivate/").json()["is_active"] is False
+    assert admin_client.post(f"{TENANTS}acme/deactivate/").status_code == 409
+    assert admin_client.get(TENANTS, {"is_active": "false"}).json()["count"] == 1
+    assert admin_client.post(f"{TENANTS}acme/activate/").json()["is_active"] is True
+
+    assert admin_client.delete(f"{TENANTS}acme/").status_code == 204
+    assert admin_client.get(f"{TENANTS}acme/").status_code == 404
+    actions = list(
+        AuditEvent.objects.filter(object_type="tenancy.tenant").values_list("action", flat=True)
+    )
+    assert sorted(actions) == sorted(
+        ["tenant.create", "tenant.update", "tenant.deactivate", "tenant.activate", "tenant.delete"]
+    )
+    assert set(AuditEvent.objects.values_list("actor_repr", flat=True)) == {"alice-admin"}
+
+
+def test_filter_tenants_by_jurisdiction(
+    operator_client: APIClient, make_tenant: Callable[..., Tenant]
+) -> None:
+    make_tenant("eu-only", allowed_jurisdictions=["EU"])
+    make_tenant("anywhere")
+    make_tenant("eu-uk", allowed_jurisdictions=["EU", "UK"])
+    listed = operator_client.get(TENANTS, {"jurisdiction": "EU"}).json()
+    assert [t["slug"] for t in listed["results"]] == ["eu-only", "eu-uk"]
+    assert operator_client.get(TENANTS, {"jurisdiction": "MARS"}).status_code == 400
+
+
+def test_region_outside_allowed_jurisdictions_is_a_400_naming_it(
+    admin_client: APIClient, regions: dict[str, Region]
+) -> None:
+    before = counts()
+    response = admin_client.post(
+        TENANTS,
+        {
+            "slug": "acme",
+            "name": "Acme",
+            "allowed_jurisdictions": ["EU"],
+            "allowed_regions": ["us-east"],
+        },
+    )
+    assert response.status_code == 400
+    assert errors_of(response)["allowed_regions"] == [
+        "region us-east is in US, outside the allowed jurisdictions [EU]"
+    ]
+    assert counts() == before
+
+
+def test_residency_is_checked_on_update_against_the_stored_policy(
+    admin_client: APIClient, regions: dict[str, Region], make_tenant: Callable[..., Tenant]
+) -> None:
+    tenant = make_tenant("acme", allowed_jurisdictions=["EU"])
+    tenant.allowed_regions.set([regions["eu-west"]])
+    response = admin_client.patch(f"{TENANTS}acme/", {"allowed_jurisdictions": ["US"]})
+    assert response.status_code == 400
+    assert "eu-west is in EU" in errors_of(response)["allowed_regions"][0]
+    tenant.refresh_from_db()
+    assert tenant.allowed_jurisdictions == ["EU"]
+
+
+@pytest.mark.parametrize(
+    ("payload", "field"),
+    [
+        ({"slug": "Ünïcode", "name": "x"}, "slug"),
+        ({"slug": "has space", "name": "x"}, "slug"),
+        ({"slug": "-edge", "name": "x"}, "slug"),
+        ({"slug": "ok", "name": ""}, "name"),
+        ({"slug": "ok", "name": "x", "requests_per_minute": -5}, "requests_per_minute"),
+        ({"slug": "ok", "name": "x", "requests_per_minute": 0}, "requests_per_minute"),
+        ({"slug": "ok", "name": "x", "tokens_per_minute": "lots"}, "tokens_per_minute"),
+        ({"slug": "ok", "name": "x", "tokens_per_minute": 2**40}, "tokens_per_minute"),
+        ({"slug": "ok", "name": "x", "monthly_budget_usd": "-1"}, "monthly_budget_usd"),
+        ({"slug": "ok", "name": "x", "allowed_jurisdictions": "EU"}, "allowed_jurisdictions"),
+        ({"slug": "ok", "name": "x", "allowed_jurisdictions": ["eu"]}, "allowed_jurisdictions"),
+        ({"slug": "ok", "name": "x", "allowed_regions": ["mars-1"]}, "allowed_regions"),
+        ({"slug": "ok", "name": "x", "allowed_regions": ["eu\x00west"]}, "allowed_regions"),
+        ({"slug": "ok", "name": "x", "is_active": "perhaps"}, "is_active"),
+        ({"slug": "ok", "name": "x", "rpm": 10}, "rpm"),
+        ({"slug": 7, "name": ["x"]}, "name"),
+        ({"name": "x"}, "slug"),
+    ],
+)
+def test_bad_tenant_input_is_a_400_naming_the_field_and_writes_nothing(
+    admin_client: APIClient, regions: dict[str, Region], payload: dict[str, Any], field: str
+) -> None:
+    before = counts()
+    response = admin_client.post(TENANTS, payload)
+    assert response.status_code == 400, response.content
+    assert field in errors_of(response)
+    assert counts() == before
+
+
+def test_duplicate_slug_is_a_400(
+    admin_client: APIClient, make_tenant: Callable[..., Tenant]
+) -> None:
+    make_tenant("acme")
+    response = admin_client.post(TENANTS, {"slug": "acme", "name": "Again"})
+    assert response.status_code == 400
+    assert "slug" in errors_of(response)
+
+
+def test_slug_cannot_change(admin_client: APIClient, make_tenant: Callable[..., Tenant]) -> None:
+    make_tenant("acme")
+    response = admin_client.patch(f"{TENANTS}acme/", {"slug": "other"})
+    assert response.status_code == 400
+    assert errors_of(response) == {"slug": ["Unknown field."]}
+
+
+@pytest.mark.parametrize(
+    ("body", "content_type"),
+    [
+        (b'{"slug": "acme", "name": ', "application/json"),
+        (b"\xff\xfe not utf-8", "application/json"),
+        (b"[1, 2, 3]", "application/json"),
+        (b'"just a string"', "application/json"),
+        (b"slug=acme&name=Acme", "application/x-www-form-urlencoded"),
+    ],
+)
+def test_malformed_bodies_are_4xx_and_write_nothing(
+    admin_client: APIClient, body: bytes, content_type: str
+) -> None:
+    before = counts()
+    response = admin_client.generic("POST", TENANTS, body, content_type=content_type)
+    assert response.status_code in {400, 415}, response.content
+    assert counts() == before
+
+
+def test_huge_payload_is_a_413_and_writes_nothing(admin_client: APIClient, settings: Any) -> None:
+    before = counts()
+    huge = b'{"slug": "acme", "name": "' + b"x" * (settings.DATA_UPLOAD_MAX_MEMORY_SIZE + 1) + b'"}'
+    response = admin_client.generic("POST", TENANTS, huge, content_type="application/json")
+    assert response.status_code == 413
+    assert response.json()["code"] == "payload_too_large"
+    assert counts() == before
+
+
+def test_tenant_with_active_keys_cannot_be_deleted(
+    admin_client: APIClient, admin_user: User, make_tenant: Callable[..., Tenant]
+) -> None:
+    tenant = make_tenant("acme")
+    issued = services.api_key_create(actor=admin_user, tenant=tenant, name="prod")
+    response = admin_client.delete(f"{TENANTS}acme/")
+    assert response.status_code == 409
+    assert issued.api_key.prefix in response.json()["detail"]
+    services.api_key_revoke(actor=admin_user, api_key=issued.api_key)
+    assert admin_client.delete(f"{TENANTS}acme/").status_code == 204
+    assert not ApiKey.objects.exists()
+
+
+# --- API keys -------------------------------------------------------------------------------
+
+
+def all_stored_text() -> str:
+    """Every text column of every tenancy and audit row, to search for a leaked secret."""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT row_to_json(k)::text FROM tenancy_apikey k "
+            "UNION ALL SELECT row_to_json(a)::text FROM core_auditevent a"
+        )
+        return "\n".join(row[0] for row in cursor.fetchall())
+
+
+def test_key_plaintext_is_shown_once_and_stored_hashed(
+    operator_client: APIClient, make_tenant: Callable[..., Tenant]
+) -> None:
+    make_tenant("acme")
+    created = operator_client.post(
+        KEYS, {"tenant": "acme", "name": "prod", "scopes": ["inference"]}
+    )
+    assert created.status_code == 201, created.content
+    body = created.json()
+    plaintext = body["key"]
+    assert plaintext.startswith(body["prefix"] + "_")
+    assert body["status"] == "active"
+    assert body["created_by"] == "oscar-operator"
+
+    stored = ApiKey.objects.get(pk=body["id"])
+    assert stored.key_hash == hash_key(plaintext)
+    assert plaintext not in all_stored_text()
+    secret = plaintext.rsplit("_", 1)[1]
+    assert secret not in all_stored_text()
+
+    detail = operator_client.get(f"{KEYS}{body['id']}/").json()
+    listed = operator_client.get(KEYS).json()["results"]
+    assert "key" not in detail
+    assert all("key" not in k for k in listed)
+    assert "key_hash" not in detail
+    assert plaintext not in str(listed) + str(detail)
+    assert selectors.api_key_authenticate(key=plaintext) == stored
+
+
+def test_rotate_issues_a_new_secret_and_the_old_one_stops_working(
+    operator_client: APIClient, make_tenant: Callable[..., Tenant]
+) -> None:
+    make_tenant("acme")
+    old = operator_client.post(KEYS, {"tenant": "acme", "name": "prod"}).json()
+    rotated = operator_client.post(f"{KEYS}{old['id']}/rotate/", {})
+    assert rotated.status_code == 200, rotated.content
+    new = rotated.json()
+    assert new["id"] == old["id"]
+    assert new["key"] != old["key"]
+    assert new["prefix"] != old["prefix"]
+    assert selectors.api_key_authenticate(key=old["key"]) is None
+    assert selectors.api_key_authenticate(key=new["key"]).pk == old["id"]
+    assert "key" not in operator_client.get(f"{KEYS}{old['id']}/").json()
+    assert AuditEvent.objects.filter(action="api_key.rotate", object_id=str(old["id"])).count() == 1
+
+
+def test_rotate_with_grace_keeps_the_old_secret_until_the_grace_ends(
+    operator_client: APIClient, make_tenant: Callable[..., Tenant]
+) -> None:
+    make_tenant("acme")
+    old = operator_client.post(KEYS, {"tenant": "acme", "name": "prod"}).json()
+    new = operator_client.post(f"{KEYS}{old['id']}/rotate/", {"grace_seconds": 300}).json()
+    now = timezone.now()
+    assert selectors.api_key_authenticate(key=old["key"], now=now) is not None
+    assert selectors.api_key_authenticate(key=new["key"], now=now) is not None
+    later = now + timedelta(seconds=301)
+    assert selectors.api_key_authenticate(key=old["key"], now=later) is None
+    assert selectors.api_key_authenticate(key=new["key"], now=later) is not None
+
+    revoked = operator_client.post(f"{KEYS}{old['id']}/revoke/")
+    assert revoked.status_code == 200
+    assert revoked.json()["status"] == "revoked"
+    assert selectors.api_key_authenticate(key=old["key"], now=now) is None
+    assert selectors.api_key_authenticate(key=new["key"], now=now) is None
+
+
+@pytest.mark.parametrize("grace", [-1, 86401, "soon"])
+def test_rotate_refuses_bad_grace(
+    operator_client: APIClient, make_tenant: Callable[..., Tenant], grace: Any
+) -> None:
+    make_tenant("acme")
+    key = operator_client.post(KEYS, {"tenant": "acme", "name": "prod"}).json()
+    response = operator_client.post(f"{KEYS}{key['id']}/rotate/", {"grace_seconds": grace})
+    assert response.status_code == 400
+    assert "grace_seconds" in response.json()
+    assert selectors.api_key_authenticate(key=key["key"]) is not None
+
+
+def test_revoked_key_cannot_be_revoked_rotated_or_changed(
+    operator_client: APIClient, make_tenant: Callable[..., Tenant]
+) -> None:
+    make_tenant("acme")
+    key = operator_client.post(KEYS, {"tenant": "acme", "name": "prod"}).json()
+    assert operator_client.post(f"{KEYS}{key['id']}/revoke/").status_code == 200
+    assert selectors.api_key_authenticate(key=key["key"]) is None
+    assert operator_client.post(f"{KEYS}{key['id']}/revoke/").status_code == 409
+    assert operator_client.post(f"{KEYS}{key['id']}/rotate/", {}).status_code == 409
+    assert operator_client.patch(f"{KEYS}{key['id']}/", {"name": "x"}).status_code == 409
+    assert operator_client.get(KEYS, {"revoked": "true"}).json()["count"] == 1
+    assert operator_client.get(KEYS, {"revoked": "false"}).json()["count"] == 0
+
+
+def test_expired_key_stops_working(
+    admin_user: User, operator_client: APIClient, make_tenant: Callable[..., Tenant]
+) -> None:
+    tenant = make_tenant("acme")
+    soon = timezone.now() + timedelta(minutes=5)
+    issued = services.api_key_create(actor=admin_user, tenant=tenant, name="t", expires_at=soon)
+    assert selectors.api_key_authenticate(key=issued.plaintext) is not None
+    after = soon + timedelta(seconds=1)
+    assert selectors.api_key_authenticate(key=issued.plaintext, now=after) is None
+    ApiKey.objects.filter(pk=issued.api_key.pk).update(expires_at=timezone.now())
+    assert operator_client.get(f"{KEYS}{issued.api_key.pk}/").json()["status"] == "expired"
+    assert operator_client.post(f"{KEYS}{issued.api_key.pk}/rotate/", {}).status_code == 409
+
+
+def test_key_of_an_inactive_tenant_does_not_authenticate(
+    admin_user: User, make_tenant: Callable[..., Tenant]
+) -> None:
+    tenant = make_tenant("acme")
+    issued = services.api_key_create(actor=admin_user, tenant=tenant, name="t")
+    services.tenant_deactivate(actor=admin_user, tenant=tenant)
+    assert selectors.api_key_authenticate(key=issued.plaintext) is None
+    assert selectors.api_key_authenticate(key="fi_nonsense") is None
+
+
+@pytest.mark.parametrize(
+    ("payload", "field"),
+    [
+        ({"tenant": "acme", "name": "k", "scopes": ["admin"]}, "scopes"),
+        ({"tenant": "acme", "name": "k", "scopes": []}, "scopes"),
+        ({"tenant": "acme", "name": "k", "scopes": "inference"}, "scopes"),
+        ({"tenant": "acme", "name": "k", "expires_at": "2001-01-01T00:00:00Z"}, "expires_at"),
+        ({"tenant": "acme", "name": "k", "expires_at": "tomorrow"}, "expires_at"),
+        ({"tenant": "nobody", "name": "k"}, "tenant"),
+        ({"tenant": "acme", "name": ""}, "name"),
+        ({"tenant": "acme", "name": "k", "key_hash": "0" * 64}, "key_hash"),
+        ({"tenant": "acme", "name": "k", "prefix": "fi_mine1234"}, "prefix"),
+    ],
+)
+def test_bad_key_input_is_a_400_and_writes_nothing(
+    operator_client: APIClient,
+    make_tenant: Callable[..., Tenant],
+    payload: dict[str, Any],
+    field: str,
+) -> None:
+    make_tenant("acme")
+    before = counts()
+    response = operator_client.post(KEYS, payload)
+    assert response.status_code == 400, response.content
+    assert field in response.json()
+    assert counts() == before
+
+
+def test_key_for_inactive_tenant_is_a_409(
+    operator_client: APIClient, make_tenant: Callable[..., Tenant]
+) -> None:
+    make_tenant("acme", is_active=False)
+    before = counts()
+    assert operator_client.post(KEYS, {"tenant": "acme", "name": "k"}).status_code == 409
+    assert counts() == before
+
+
+def test_key_update_and_delete_are_audited(
+    operator_client: APIClient, make_tenant: Callable[..., Tenant]
+) -> None:
+    make_tenant("acme")
+    key = operator_client.post(KEYS, {"tenant": "acme", "name": "prod"}).json()
+    changed = operator_client.patch(
+        f"{KEYS}{key['id']}/", {"name": "Produktion ✓", "scopes": ["inference", "usage:read"]}
+    )
+    assert changed.status_code == 200, changed.content
+    assert changed.json()["scopes"] == ["inference", "usage:read"]
+    assert operator_client.delete(f"{KEYS}{key['id']}/").status_code == 204
+    events = AuditEvent.objects.filter(object_type="tenancy.apikey").order_by("id")
+    assert [e.action for e in events] == ["api_key.create", "api_key.update", "api_key.delete"]
+    assert events[1].changes["name"] == ["prod", "Produktion ✓"]
+
+
+# --- users ----------------------------------------------------------------------------------
+
+
+def test_admin_manages_users_and_roles(
+    admin_client: APIClient, make_tenant: Callable[..., Tenant]
+) -> None:
+    make_tenant("acme")
+    created = admin_client.post(
+        USERS,
+        {
+            "username": "vera",
+            "email": "vera@example.com",
+            "password": "correct-horse-battery",
+            "role": "tenant_viewer",
+            "tenant": "acme",
+        },
+    )
+    assert created.status_code == 201, created.content
+    body = created.json()
+    assert body["role"] == "tenant_viewer"
+    assert body["tenant"] == "acme"
+    assert "password" not in body
+    user = User.objects.get(username="vera")
+    assert user.check_password("correct-horse-battery")
+    assert "correct-horse-battery" not in user.password
+
+    promoted = admin_client.patch(f"{USERS}{user.pk}/", {"role": "operator"})
+    assert promoted.status_code == 200, promoted.content
+    assert promoted.json()["role"] == "operator"
+    assert promoted.json()["tenant"] is None
+
+    assert admin_client.get(USERS, {"role": "operator"}).json()["count"] == 1
+    assert admin_client.delete(f"{USERS}{user.pk}/").status_code == 204
+    actions = AuditEvent.objects.filter(object_type="auth.user").values_list("action", flat=True)
+    assert sorted(actions) == ["user.create", "user.delete", "user.update"]
+    assert "correct-horse-battery" not in all_stored_text()
+
+
+@pytest.mark.parametrize(
+    ("payload", "field"),
+    [
+        ({"username": "v", "password": "short", "role": "operator"}, "password"),
+        ({"username": "v", "password": "password", "role": "operator"}, "password"),
+        ({"username": "v", "password": "correct-horse-battery", "role": "god"}, "role"),
+        ({"username": "v", "password": "correct-horse-battery", "role": "tenant_viewer"}, "tenant"),
+        (
+            {
+                "username": "v",
+                "password": "correct-horse-battery",
+                "role": "admin",
+                "tenant": "acme",
+            },
+            "tenant",
+        ),
+        ({"username": "a b!", "password": "correct-horse-battery", "role": "admin"}, "username"),
+        (
+            {"username": "alice-admin", "password": "correct-horse-battery", "role": "admin"},
+            "username",
+        ),
+        (
+            {"username": "v", "password": "correct-horse-battery", "role": "admin", "email": "no"},
+            "email",
+        ),
+        (
+            {
+                "username": "v",
+                "password": "correct-horse-battery",
+                "role": "admin",
+                "is_staff": True,
+            },
+            "is_staff",
+        ),
+    ],
+)
+def test_bad_user_input_is_a_400_and_writes_nothing(
+    admin_client: APIClient,
+    make_tenant: Callable[..., Tenant],
+    payload: dict[str, Any],
+    field: str,
+) -> None:
+    make_tenant("acme")
+    before = counts()
+    response = admin_client.post(USERS, payload)
+    assert response.status_code == 400, response.content
+    assert field in response.json()
+    assert counts() == before
+
+
+def test_admin_cannot_demote_deactivate_or_delete_itself(
+    admin_client: APIClient, admin_user: User
+) -> None:
+    url = f"{USERS}{admin_user.pk}/"
+    assert admin_client.patch(url, {"role": "operator"}).status_code == 409
+    assert admin_client.patch(url, {"is_active": False}).status_code == 409
+    assert admin_client.delete(url).status_code == 409
+
+
+def test_password_change_revokes_the_users_token(
+    admin_client: APIClient, operator_user: User, client_for: Callable[[User | None], APIClient]
+) -> None:
+    operator = client_for(operator_user)
+    assert operator.get(TENANTS).status_code == 200
+    changed = admin_client.patch(f"{USERS}{operator_user.pk}/", {"password": "another-long-secret"})
+    assert changed.status_code == 200
+    assert operator.get(TENANTS).status_code == 401
+    event = AuditEvent.objects.get(action="user.update")
+    assert event.changes == {"password": "changed"}
+
+
+def test_operator_cannot_manage_users(operator_client: APIClient, admin_user: User) -> None:
+    assert operator_client.get(USERS).status_code == 403
+    assert operator_client.get(f"{USERS}{admin_user.pk}/").status_code == 403
+    response = operator_client.post(
+        USERS, {"username": "x", "password": "correct-horse-battery", "role": "admin"}
+    )
+    assert response.status_code == 403
+
+
+# --- audit trail ----------------------------------------------------------------------------
+
+
+def test_audit_events_are_filterable(
+    admin_client: APIClient, operator_client: APIClient, regions: dict[str, Region]
+) -> None:
+    start = timezone.now()
+    admin_client.post(TENANTS, {"slug": "acme", "name": "Acme"})
+    operator_client.patch(f"{TENANTS}acme/", {"name": "Acme Inc"})
+    tenant_id = str(Tenant.objects.get(slug="acme").pk)
+
+    def listed(**params: str) -> list[dict[str, Any]]:
+        response = operator_client.get(AUDIT, params)
+        assert response.status_code == 200, response.content
+        return list(response.json()["results"])
+
+    everything = listed(object_type="tenancy.tenant", object_id=tenant_id)
+    assert [e["action"] for e in everything] == ["tenant.update", "tenant.create"]
+    assert everything[0]["changes"] == {"name": ["Acme", "Acme Inc"]}
+    assert [e["actor"] for e in listed(actor="oscar-operator")] == ["oscar-operator"]
+    assert len(listed(action="tenant.create")) == 1
+    assert len(listed(created_after=start.isoformat())) == 2
+    assert listed(created_before=start.isoformat()) == []
+    detail = operator_client.get(f"{AUDIT}{everything[1]['id']}/").json()
+    assert detail["object_repr"] == "acme"
+    assert operator_client.get(AUDIT, {"created_after": "yesterday"}).status_code == 400
+    assert operator_client.delete(f"{AUDIT}{everything[1]['id']}/").status_code == 405
