@@ -1,0 +1,828 @@
+"""The edge router: a bare ASGI app (no framework on the hot path) around the pure scheduler.
+
+Per request: read and check the body, parse what routing needs, hash the prompt's blocks, ask
+:func:`regions.edge.scheduler.decide`, wait at the gateway when every instance is at its cap,
+forward through the one pooled aiohttp session, retry elsewhere only while nothing has been sent
+to the client, then pass the response through byte for byte. Probes, metric scrapes and table
+reloads run as background tasks of the same event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import time
+from collections import OrderedDict, deque
+from collections.abc import Awaitable, Callable, MutableMapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import httpx
+import orjson
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from regions.edge.errors import EdgeError, sse_error_event
+from regions.edge.health import HealthBoard, HealthConfig, probe_loop
+from regions.edge.load import LoadBoard, scrape_loop
+from regions.edge.observability import (
+    EdgeMetrics,
+    child_traceparent,
+    route_header,
+    server_timing,
+)
+from regions.edge.parse import ParsedRequest, UsageTap, body_usage, parse_request
+from regions.edge.prefix_index import BLOCK_BYTES, BYTES_PER_TOKEN, PrefixIndex, block_hashes
+from regions.edge.prefix_index import root_seed as _root_seed
+from regions.edge.scheduler import (
+    Candidate,
+    Decision,
+    RouteRequest,
+    SchedulerConfig,
+    decide,
+)
+from regions.edge.table import (
+    FileStamp,
+    Instance,
+    RoutingTable,
+    TableError,
+    check_successor,
+    decode_table,
+    file_stamp,
+    served_models,
+)
+
+log = logging.getLogger("fedinfer.edge")
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+_JSON = b"application/json"
+_SSE = b"text/event-stream"
+_CHAT = "/v1/chat/completions"
+_COMPLETIONS = "/v1/completions"
+#: Connection-level failures: the instance never (fully) answered, so retrying is safe.
+_UPSTREAM_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError)
+
+
+@dataclass(frozen=True, slots=True)
+class EdgeConfig:
+    region: str
+    table_path: Path
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    health: HealthConfig = field(default_factory=HealthConfig)
+    max_body_bytes: int = 4 * 1024 * 1024
+    queue_size: int = 256
+    queue_timeout_s: float = 5.0
+    max_retries: int = 2
+    connect_timeout_s: float = 2.0
+    read_timeout_s: float = 300.0
+    probe_interval_s: float = 1.0
+    probe_timeout_s: float = 1.0
+    scrape_interval_s: float = 0.5
+    table_poll_s: float = 1.0
+    block_bytes: int = BLOCK_BYTES
+    bytes_per_token: float = BYTES_PER_TOKEN
+    prefix_capacity: int = 200_000
+    prefix_ttl_s: float = 600.0
+    session_capacity: int = 100_000
+    retry_after_s: int = 1
+
+
+class _Exchange:
+    """Per-request flags shared with the disconnect watcher.
+
+    ``complete`` is set just before the last body message: uvicorn reports a disconnect once
+    the response is complete, which must not cancel the request's bookkeeping.
+    """
+
+    __slots__ = ("complete", "disconnected", "sent")
+
+    def __init__(self) -> None:
+        self.disconnected = False
+        self.sent = False
+        self.complete = False
+
+
+class _ClientGone(Exception):
+    """The client disconnected while sending its request body."""
+
+
+class _Upstream(Exception):
+    """The chosen instance failed before the first byte reached the client (retry allowed)."""
+
+    def __init__(self, reason: str, connect: bool) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.connect = connect
+
+
+class Edge:
+    """One region's edge router; an ASGI application (``await edge(scope, receive, send)``)."""
+
+    def __init__(self, cfg: EdgeConfig, table: RoutingTable) -> None:
+        self.cfg = cfg
+        self.metrics = EdgeMetrics()
+        self.health = HealthBoard(cfg.health, on_eject=self._on_eject)
+        self.loads = LoadBoard()
+        self.prefix = PrefixIndex(cfg.prefix_capacity, cfg.prefix_ttl_s)
+        self.sessions: OrderedDict[str, str] = OrderedDict()
+        self.block_tokens = cfg.block_bytes / cfg.bytes_per_token
+        self.turn = 0
+        self._waiters: deque[asyncio.Future[None]] = deque()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._http: aiohttp.ClientSession | None = None
+        self._probe_client: httpx.AsyncClient | None = None
+        self._table_stamp: FileStamp | None = None
+        self._table_bytes = b""
+        self._seeds: dict[str, int] = {}
+        self.table: RoutingTable = table
+        self.by_model: dict[str, tuple[Instance, ...]] = {}
+        self.models_body = b""
+        self._apply_table(table)
+
+    # ---------------------------------------------------------------- table
+
+    def _apply_table(self, table: RoutingTable) -> None:
+        """Switch to ``table`` in one step (no await: requests see old or new, never a mix)."""
+        old_ids = {i.id for i in self.table.instances}
+        ids = [i.id for i in table.instances]
+        by_model: dict[str, list[Instance]] = {}
+        for inst in table.instances:
+            for name in (inst.model, *inst.adapters):
+                by_model.setdefault(name, []).append(inst)
+        self.health.sync(ids)
+        self.loads.sync(ids)
+        for gone in old_ids - set(ids):
+            self.prefix.forget_instance(gone)
+        self.table = table
+        self.by_model = {k: tuple(v) for k, v in by_model.items()}
+        now = int(time.time())
+        self.models_body = orjson.dumps(
+            {
+                "object": "list",
+                "data": [
+                    {"id": m, "object": "model", "created": now, "owned_by": "fedinfer"}
+                    for m in served_models(table)
+                ],
+            }
+        )
+        self.metrics.table_version.set(table.version)
+        self._update_healthy_gauge()
+
+    def reload_table(self, force: bool = False) -> bool:
+        """Re-read the table file; a bad or non-advancing table is refused, the old one kept."""
+        path = self.cfg.table_path
+        try:
+            stamp = file_stamp(path)
+            if not force and stamp == self._table_stamp:
+                return False
+            data = path.read_bytes()
+        except OSError as exc:
+            log.warning(
+                "routing table %s unreadable, keeping version %s: %s", path, self.table.version, exc
+            )
+            self.metrics.table_rejections.inc()
+            return False
+        self._table_stamp = stamp
+        if data == self._table_bytes:
+            return False
+        try:
+            table = decode_table(data)
+            check_successor(self.table, table, region=self.cfg.region)
+        except TableError as exc:
+            log.warning("routing table refused, keeping version %s: %s", self.table.version, exc)
+            self.metrics.table_rejections.inc()
+            self._table_bytes = data
+            return False
+        self._table_bytes = data
+        self._apply_table(table)
+        self._wake_all()
+        log.info(
+            "routing table version %s applied (%d instances)", table.version, len(table.instances)
+        )
+        return True
+
+    def mark_loaded(self, data: bytes) -> None:
+        """Remember the bytes of the initial table so an untouched file is not re-applied."""
+        self._table_bytes = data
+        try:
+            self._table_stamp = file_stamp(self.cfg.table_path)
+        except OSError:
+            self._table_stamp = None
+
+    async def _watch_table(self) -> None:
+        while True:
+            await asyncio.sleep(self.cfg.table_poll_s)
+            self.reload_table()
+
+    def _targets(self) -> list[tuple[str, str]]:
+        return [(i.id, i.url) for i in self.table.instances if i.state != "stopped"]
+
+    # ---------------------------------------------------------------- lifecycle
+
+    async def startup(self) -> None:
+        connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, enable_cleanup_closed=True)
+        self._http = aiohttp.ClientSession(
+            connector=connector,
+            timeout=aiohttp.ClientTimeout(
+                total=None,
+                sock_connect=self.cfg.connect_timeout_s,
+                sock_read=self.cfg.read_timeout_s,
+            ),
+            auto_decompress=False,
+            skip_auto_headers=("User-Agent",),
+        )
+        self._probe_client = httpx.AsyncClient(
+            timeout=httpx.Timeout(self.cfg.probe_timeout_s),
+            limits=httpx.Limits(max_connections=64, max_keepalive_connections=64),
+        )
+        self._tasks = [
+            asyncio.create_task(
+                probe_loop(
+                    self._probe_client, self.health, self._targets, self.cfg.probe_interval_s
+                )
+            ),
+            asyncio.create_task(
+                scrape_loop(
+                    self._probe_client, self.loads, self._targets, self.cfg.scrape_interval_s
+                )
+            ),
+            asyncio.create_task(self._watch_table()),
+        ]
+        try:
+            asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, self.reload_table, True)
+        except (NotImplementedError, RuntimeError, ValueError):
+            log.info("SIGHUP reload unavailable here; the table file is still polled")
+
+    async def shutdown(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks = []
+        if self._http is not None:
+            await self._http.close()
+        if self._probe_client is not None:
+            await self._probe_client.aclose()
+        with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+            asyncio.get_running_loop().remove_signal_handler(signal.SIGHUP)
+
+    # ---------------------------------------------------------------- health hooks
+
+    def _on_eject(self, instance: str, reason: str) -> None:
+        self.metrics.ejections.labels(instance).inc()
+        # A restarted or failing engine has lost (or will lose) its cache: relearn it.
+        self.prefix.forget_instance(instance)
+        self._update_healthy_gauge()
+
+    def _update_healthy_gauge(self) -> None:
+        self.metrics.healthy_instances.set(sum(1 for s in self.health.states.values() if s.healthy))
+
+    # ---------------------------------------------------------------- ASGI
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        kind = scope["type"]
+        if kind == "http":
+            await self._http_request(scope, receive, send)
+        elif kind == "lifespan":
+            await self._lifespan(receive, send)
+
+    async def _lifespan(self, receive: Receive, send: Send) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                try:
+                    await self.startup()
+                except Exception as exc:
+                    await send({"type": "lifespan.startup.failed", "message": repr(exc)})
+                    raise
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                await self.shutdown()
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+    async def _http_request(self, scope: Scope, receive: Receive, send: Send) -> None:
+        path: str = scope["path"]
+        method: str = scope["method"]
+        if path in (_CHAT, _COMPLETIONS):
+            if method != "POST":
+                await self._error(send, EdgeError(405, "use POST", "method_not_allowed"))
+                return
+            await self._completion(scope, receive, send, path == _CHAT)
+        elif path == "/v1/models" and method == "GET":
+            await _respond(send, 200, self.models_body, _JSON)
+        elif path == "/healthz" and method == "GET":
+            await self._healthz(send)
+        elif path == "/metrics" and method == "GET":
+            await _respond(
+                send, 200, generate_latest(self.metrics.registry), CONTENT_TYPE_LATEST.encode()
+            )
+        else:
+            await self._error(send, EdgeError(404, f"no route for {method} {path}", "not_found"))
+
+    async def _healthz(self, send: Send) -> None:
+        healthy = sum(1 for s in self.health.states.values() if s.healthy)
+        body = orjson.dumps(
+            {
+                "status": "ok" if healthy else "degraded",
+                "region": self.cfg.region,
+                "table_version": self.table.version,
+                "instances": len(self.table.instances),
+                "healthy_instances": healthy,
+            }
+        )
+        await _respond(send, 200 if healthy else 503, body, _JSON)
+
+    async def _error(
+        self, send: Send, err: EdgeError, route: bytes | None = None, extra: list[Any] | None = None
+    ) -> None:
+        headers = [
+            (b"content-type", _JSON),
+            (b"x-fedinfer-route", route or route_header(self.cfg.region, None, 0, err.code)),
+        ]
+        if err.retry_after is not None:
+            headers.append((b"retry-after", str(err.retry_after).encode()))
+        if extra:
+            headers.extend(extra)
+        body = err.body()
+        headers.append((b"content-length", str(len(body)).encode()))
+        await send({"type": "http.response.start", "status": err.status, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
+    # ---------------------------------------------------------------- completions
+
+    async def _read_body(self, scope: Scope, receive: Receive) -> bytes:
+        limit = self.cfg.max_body_bytes
+        ctype = b""
+        for name, value in scope["headers"]:
+            if name == b"content-type":
+                ctype = value
+            elif name == b"content-length" and value.isdigit() and int(value) > limit:
+                raise EdgeError(413, f"request body exceeds {limit} bytes", "body_too_large")
+        if not ctype.split(b";", 1)[0].strip().lower() == _JSON:
+            raise EdgeError(415, "Content-Type must be application/json", "unsupported_media_type")
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                raise _ClientGone
+            chunk = message.get("body", b"")
+            if chunk:
+                size += len(chunk)
+                if size > limit:
+                    raise EdgeError(413, f"request body exceeds {limit} bytes", "body_too_large")
+                chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+    async def _completion(self, scope: Scope, receive: Receive, send: Send, chat: bool) -> None:
+        arrived = time.perf_counter()
+        try:
+            raw = await self._read_body(scope, receive)
+            req = parse_request(raw, chat=chat, bytes_per_token=self.cfg.bytes_per_token)
+            if req.model not in self.by_model:
+                raise EdgeError(
+                    404,
+                    f"The model `{req.model}` does not exist in region {self.cfg.region}.",
+                    "model_not_found",
+                    "model",
+                )
+        except EdgeError as err:
+            self.metrics.requests.labels("", "", str(err.status)).inc()
+            await self._error(send, err)
+            return
+        except _ClientGone:
+            return
+
+        session_id = req.user
+        incoming_trace: str | None = None
+        for name, value in scope["headers"]:
+            if name == b"x-session-id":
+                session_id = value.decode("latin-1")
+            elif name == b"traceparent":
+                incoming_trace = value.decode("latin-1")
+        _, traceparent = child_traceparent(incoming_trace)
+
+        ex = _Exchange()
+        task = asyncio.current_task()
+        watcher = asyncio.create_task(_watch_disconnect(receive, ex, task))
+        try:
+            await self._route_and_forward(req, session_id, traceparent, arrived, ex, send)
+        except asyncio.CancelledError:
+            if not ex.disconnected or task is None:
+                raise
+            task.uncancel()
+            self.metrics.requests.labels(req.model, "", "499").inc()
+        finally:
+            watcher.cancel()
+
+    def _candidates(self, model: str, hashes: list[int], now: float) -> list[Candidate]:
+        matched = self.prefix.match(hashes, time.monotonic()) if hashes else {}
+        out = []
+        states = self.health.states
+        stale = self.cfg.scrape_interval_s * 4 + 1.0
+        for inst in self.by_model[model]:
+            load = self.loads.get(inst.id)
+            outstanding, waiting, kv = load.snapshot(now, stale)
+            health = states.get(inst.id)
+            out.append(
+                Candidate(
+                    id=inst.id,
+                    model=inst.model,
+                    adapters=inst.adapters,
+                    role=inst.role,
+                    state=inst.state,
+                    healthy=health is not None and health.healthy,
+                    max_concurrency=inst.max_concurrency,
+                    prefill_tokens_per_s=inst.prefill_tokens_per_s,
+                    inflight=load.inflight,
+                    outstanding=outstanding,
+                    waiting=waiting,
+                    kv_usage=kv,
+                    mean_uncached_tokens=load.mean_uncached_tokens,
+                    mean_service_s=load.mean_service_s,
+                    cached_blocks=matched.get(inst.id, 0),
+                )
+            )
+        return out
+
+    async def _decide(
+        self, req: ParsedRequest, hashes: list[int], sticky: str | None, exclude: frozenset[str]
+    ) -> tuple[Decision, float]:
+        """Decide, waiting at the gateway (bounded queue, deadline) while all are at their cap."""
+        route = RouteRequest(
+            model=req.model,
+            prompt_tokens=req.prompt_tokens,
+            block_tokens=self.block_tokens,
+            sticky=sticky,
+            exclude=exclude,
+        )
+        started = time.monotonic()
+        deadline = started + self.cfg.queue_timeout_s
+        queued = False
+        try:
+            while True:
+                now = time.monotonic()
+                self.turn += 1
+                decision = decide(
+                    self._candidates(req.model, hashes, now), route, self.cfg.scheduler, self.turn
+                )
+                if decision.reason != "saturated":
+                    return decision, now - started
+                if not queued:
+                    if len(self._waiters) >= self.cfg.queue_size:
+                        return decision, now - started
+                    queued = True
+                    self.metrics.queue_depth.inc()
+                remaining = deadline - now
+                if remaining <= 0:
+                    return decision, now - started
+                fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+                self._waiters.append(fut)
+                try:
+                    # Woken when a slot frees; the short poll covers slots freed elsewhere.
+                    await asyncio.wait_for(fut, min(remaining, 0.05))
+                except TimeoutError:
+                    pass
+                finally:
+                    if not fut.done():
+                        fut.cancel()
+                    with contextlib.suppress(ValueError):
+                        self._waiters.remove(fut)
+        finally:
+            if queued:
+                self.metrics.queue_depth.dec()
+
+    def _wake_one(self) -> None:
+        while self._waiters:
+            fut = self._waiters.popleft()
+            if not fut.done():
+                fut.set_result(None)
+                return
+
+    def _wake_all(self) -> None:
+        while self._waiters:
+            fut = self._waiters.popleft()
+            if not fut.done():
+                fut.set_result(None)
+
+    def _remember_session(self, key: str, instance: str) -> None:
+        sessions = self.sessions
+        if sessions.get(key) != instance:
+            sessions[key] = instance
+        sessions.move_to_end(key)
+        if len(sessions) > self.cfg.session_capacity:
+            sessions.popitem(last=False)
+
+    async def _route_and_forward(
+        self,
+        req: ParsedRequest,
+        session_id: str | None,
+        traceparent: str,
+        arrived: float,
+        ex: _Exchange,
+        send: Send,
+    ) -> None:
+        model = req.model
+        seed = self._seeds.get(model)
+        if seed is None:
+            seed = self._seeds[model] = _root_seed(model)
+        hashes = block_hashes(req.prompt, seed, self.cfg.block_bytes)
+        session_key = f"{model}\0{session_id}" if session_id is not None else None
+        sticky = self.sessions.get(session_key) if session_key is not None else None
+        exclude: frozenset[str] = frozenset()
+        queue_s = 0.0
+        retries = 0
+        decision: Decision | None = None
+        last_failure = ""
+        while True:
+            decision, waited = await self._decide(req, hashes, sticky, exclude)
+            queue_s += waited
+            winner = decision.winner
+            if winner is None:
+                ex.complete = True
+                await self._no_capacity(send, req, decision, retries, queue_s, last_failure)
+                return
+            inst_id = winner.instance
+            inst = next(i for i in self.by_model[model] if i.id == inst_id)
+            load = self.loads.get(inst_id)
+            uncached = req.prompt_tokens - winner.cached_tokens
+            load.admit(uncached)
+            self.metrics.inflight.labels(inst_id).inc()
+            # Speculative: after this prefill the winner holds the prompt (SGLang does the same).
+            if hashes:
+                self.prefix.insert(hashes, inst_id, time.monotonic())
+            if session_key is not None:
+                self._remember_session(session_key, inst_id)
+            started = time.perf_counter()
+            reached = True
+            try:
+                await self._forward(
+                    inst, req, decision, retries, traceparent, arrived, queue_s, ex, send
+                )
+                return
+            except _Upstream as failure:
+                reached = not failure.connect
+                last_failure = f"{inst_id}: {failure.reason}"
+                if failure.connect:
+                    self.health.connect_error(inst_id, failure.reason)
+                else:
+                    self.health.failure(inst_id, failure.reason)
+                if retries >= self.cfg.max_retries:
+                    ex.complete = True
+                    await self._upstream_failed(send, req, decision, retries, last_failure)
+                    return
+                retries += 1
+                self.metrics.retries.labels(model).inc()
+                exclude = exclude | {inst_id}
+                sticky = None
+            finally:
+                if reached:
+                    load.finish(time.perf_counter() - started)
+                else:
+                    load.release()
+                self.metrics.inflight.labels(inst_id).dec()
+                self._wake_one()
+
+    async def _no_capacity(
+        self,
+        send: Send,
+        req: ParsedRequest,
+        decision: Decision,
+        retries: int,
+        queue_s: float,
+        last_failure: str,
+    ) -> None:
+        reason = decision.reason
+        if reason == "saturated":
+            msg = f"all instances of `{req.model}` are at capacity; retry later"
+        elif last_failure:
+            msg = f"no instance of `{req.model}` could serve the request (last: {last_failure})"
+        else:
+            msg = f"no healthy instance of `{req.model}` in region {self.cfg.region}"
+        err = EdgeError(503, msg, reason, retry_after=self.cfg.retry_after_s)
+        self.metrics.requests.labels(req.model, "", "503").inc()
+        timing = (b"server-timing", server_timing(queue_s, None, None))
+        await self._error(send, err, route_header(self.cfg.region, None, retries, reason), [timing])
+
+    async def _upstream_failed(
+        self, send: Send, req: ParsedRequest, decision: Decision, retries: int, last_failure: str
+    ) -> None:
+        err = EdgeError(
+            502,
+            f"upstream failed before responding ({last_failure})",
+            "upstream_error",
+            retry_after=self.cfg.retry_after_s,
+        )
+        inst = decision.winner.instance if decision.winner else ""
+        self.metrics.requests.labels(req.model, inst, "502").inc()
+        await self._error(send, err, route_header(self.cfg.region, decision, retries))
+
+    async def _forward(
+        self,
+        inst: Instance,
+        req: ParsedRequest,
+        decision: Decision,
+        retries: int,
+        traceparent: str,
+        arrived: float,
+        queue_s: float,
+        ex: _Exchange,
+        send: Send,
+    ) -> None:
+        """Send to ``inst``, pass the answer through; :class:`_Upstream` before byte one."""
+        assert self._http is not None, "edge not started"
+        url = inst.url + (_CHAT if req.chat else _COMPLETIONS)
+        headers = {"content-type": "application/json", "traceparent": traceparent}
+        t0 = time.perf_counter()
+        try:
+            resp = await self._http.post(url, data=req.body, headers=headers)
+        except _UPSTREAM_ERRORS as exc:
+            raise _Upstream(f"connect: {exc.__class__.__name__}", connect=True) from exc
+        connect_s = time.perf_counter() - t0
+        clean = False
+        try:
+            status = resp.status
+            if status >= 500:
+                raise _Upstream(f"status {status}", connect=False)
+            ctype = resp.headers.get("content-type", "application/json").encode("latin-1")
+            if req.stream and status == 200:
+                clean = await self._pump_stream(
+                    resp,
+                    inst,
+                    req,
+                    decision,
+                    retries,
+                    traceparent,
+                    arrived,
+                    queue_s,
+                    connect_s,
+                    ctype,
+                    ex,
+                    send,
+                )
+                return
+            try:
+                body = await resp.read()
+            except _UPSTREAM_ERRORS as exc:
+                raise _Upstream(f"read: {exc.__class__.__name__}", connect=True) from exc
+            ttft = time.perf_counter() - arrived
+            headers_out = [
+                (b"content-type", ctype),
+                (b"content-length", str(len(body)).encode()),
+                (b"x-fedinfer-route", route_header(self.cfg.region, decision, retries)),
+                (b"server-timing", server_timing(queue_s, connect_s, ttft)),
+                (b"traceparent", traceparent.encode()),
+            ]
+            ex.sent = True
+            await send({"type": "http.response.start", "status": status, "headers": headers_out})
+            ex.complete = True
+            await send({"type": "http.response.body", "body": body})
+            clean = True
+            if status == 200:
+                self.health.success(inst.id)
+                prompt, cached = body_usage(body)
+                self._record(req, decision, inst.id, status, ttft, prompt, cached, arrived)
+            else:
+                self._record(req, decision, inst.id, status, None, None, None, arrived)
+        finally:
+            # A fully read response returns its connection to the pool; anything else closes
+            # it, which is how the engine learns to abort the request.
+            if clean:
+                resp.release()
+            else:
+                resp.close()
+
+    async def _pump_stream(
+        self,
+        resp: aiohttp.ClientResponse,
+        inst: Instance,
+        req: ParsedRequest,
+        decision: Decision,
+        retries: int,
+        traceparent: str,
+        arrived: float,
+        queue_s: float,
+        connect_s: float,
+        ctype: bytes,
+        ex: _Exchange,
+        send: Send,
+    ) -> bool:
+        """Pass the SSE stream through; True when it ended cleanly with ``[DONE]``."""
+        tap = UsageTap(req.strip_usage)
+        content = resp.content
+        # Hold the response headers until the first bytes arrive, so a failure before then can
+        # still be retried on another instance.
+        first = b""
+        try:
+            while not first:
+                chunk = await content.readany()
+                if not chunk:
+                    raise _Upstream("closed before the first byte", connect=True)
+                first = tap.feed(chunk)
+        except _UPSTREAM_ERRORS as exc:
+            raise _Upstream(f"stream: {exc.__class__.__name__}", connect=True) from exc
+        ttft = time.perf_counter() - arrived
+        headers_out = [
+            (b"content-type", ctype),
+            (b"cache-control", b"no-cache"),
+            (b"x-fedinfer-route", route_header(self.cfg.region, decision, retries)),
+            (b"server-timing", server_timing(queue_s, connect_s, ttft)),
+            (b"traceparent", traceparent.encode()),
+        ]
+        ex.sent = True
+        await send({"type": "http.response.start", "status": 200, "headers": headers_out})
+        await send({"type": "http.response.body", "body": first, "more_body": True})
+        failure = ""
+        try:
+            while True:
+                chunk = await content.readany()
+                if not chunk:
+                    break
+                out = tap.feed(chunk)
+                if out:
+                    await send({"type": "http.response.body", "body": out, "more_body": True})
+        except _UPSTREAM_ERRORS as exc:
+            failure = exc.__class__.__name__
+        if not failure and not tap.done:
+            failure = "stream ended without [DONE]"
+        if failure:
+            self.metrics.midstream_failures.labels(inst.id).inc()
+            self.health.connect_error(inst.id, f"mid-stream: {failure}")
+            message = (
+                f"upstream instance {inst.id} failed mid-stream ({failure}); "
+                "the response is incomplete"
+            )
+            ex.complete = True
+            await send(
+                {
+                    "type": "http.response.body",
+                    "body": sse_error_event(message, "upstream_stream_cut"),
+                }
+            )
+            self._record(req, decision, inst.id, 502, ttft, None, None, arrived)
+            return False
+        ex.complete = True
+        await send({"type": "http.response.body", "body": tap.pending})
+        self.health.success(inst.id)
+        self._record(
+            req, decision, inst.id, 200, ttft, tap.prompt_tokens, tap.cached_tokens, arrived
+        )
+        return True
+
+    def _record(
+        self,
+        req: ParsedRequest,
+        decision: Decision,
+        inst: str,
+        status: int,
+        ttft: float | None,
+        prompt: int | None,
+        cached: int | None,
+        arrived: float,
+    ) -> None:
+        m = self.metrics
+        model = req.model
+        m.requests.labels(model, inst, str(status)).inc()
+        if ttft is not None:
+            m.ttft.labels(model, inst).observe(ttft)
+        m.e2e.labels(model, inst).observe(time.perf_counter() - arrived)
+        if cached is not None and decision.winner is not None:
+            m.predicted_cached.labels(model, inst).inc(decision.winner.cached_tokens)
+            m.actual_cached.labels(model, inst).inc(cached)
+        if prompt is not None:
+            m.prompt_tokens.labels(model, inst).inc(prompt)
+
+
+async def _watch_disconnect(
+    receive: Receive, ex: _Exchange, task: asyncio.Task[Any] | None
+) -> None:
+    """Cancel the request's task when the client goes away, so the upstream is closed too."""
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            if ex.complete:
+                return
+            ex.disconnected = True
+            if task is not None:
+                task.cancel()
+            return
+
+
+async def _respond(send: Send, status: int, body: bytes, ctype: bytes) -> None:
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [(b"content-type", ctype), (b"content-length", str(len(body)).encode())],
+        }
+    )
+    await send({"type": "http.response.body", "body": body})

@@ -1,0 +1,57 @@
+"""OpenAI-style error bodies: ``{"error": {"message", "type", "param", "code"}}``.
+
+Clients written against the OpenAI SDK map these to typed exceptions, so every refusal of the
+edge uses this shape (and a ``Retry-After`` where waiting helps).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import orjson
+
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    415: "invalid_request_error",
+    429: "rate_limit_error",
+    502: "upstream_error",
+    503: "service_unavailable",
+    504: "timeout_error",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class EdgeError(Exception):
+    """A refusal with its HTTP status; ``code`` is a short machine-readable reason."""
+
+    status: int
+    message: str
+    code: str
+    param: str | None = None
+    retry_after: int | None = None
+
+    def body(self) -> bytes:
+        return error_body(self.message, self.status, self.code, self.param)
+
+
+def error_body(message: str, status: int, code: str, param: str | None = None) -> bytes:
+    return orjson.dumps(
+        {
+            "error": {
+                "message": message,
+                "type": _TYPES.get(status, "api_error"),
+                "param": param,
+                "code": code,
+            }
+        }
+    )
+
+
+def sse_error_event(message: str, code: str) -> bytes:
+    """The last event of a stream that was cut after its first byte (no retry possible)."""
+    return b"data: " + error_body(message, 502, code) + b"\n\n"

@@ -1,0 +1,125 @@
+"""Live load per instance: the edge's own in-flight counts (exact, updated instantly) merged
+with each engine's ``/metrics`` (every edge's traffic, but up to a scrape interval old).
+
+``outstanding`` = the engine's running + waiting at the last scrape, plus the requests this
+edge sent since that scrape and minus those it finished, never below this edge's own in-flight
+count. A stale scrape (engine unreachable) falls back to the own count alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+
+import httpx
+
+from regions.engines.metrics import EngineLoad, parse_vllm_metrics
+
+log = logging.getLogger("fedinfer.edge.load")
+
+
+class InstanceLoad:
+    """Mutable load record of one instance (one per instance, reused across requests)."""
+
+    __slots__ = (
+        "admitted_since_scrape",
+        "engine",
+        "finished_since_scrape",
+        "inflight",
+        "mean_service_s",
+        "mean_uncached_tokens",
+        "scraped_at",
+    )
+
+    def __init__(self) -> None:
+        self.inflight = 0
+        self.engine: EngineLoad | None = None
+        self.scraped_at = 0.0
+        self.admitted_since_scrape = 0
+        self.finished_since_scrape = 0
+        #: EWMA of end-to-end seconds per request on this instance (slot turnover).
+        self.mean_service_s = 2.0
+        #: EWMA of uncached prompt tokens per request routed here (queued prefill work).
+        self.mean_uncached_tokens = 256.0
+
+    def admit(self, uncached_tokens: int) -> None:
+        self.inflight += 1
+        self.admitted_since_scrape += 1
+        self.mean_uncached_tokens += 0.1 * (uncached_tokens - self.mean_uncached_tokens)
+
+    def finish(self, duration_s: float) -> None:
+        self.inflight -= 1
+        self.finished_since_scrape += 1
+        self.mean_service_s += 0.1 * (duration_s - self.mean_service_s)
+
+    def release(self) -> None:
+        """Undo an admission that never reached the engine (connect failure)."""
+        self.inflight -= 1
+        self.admitted_since_scrape -= 1
+
+    def scraped(self, engine: EngineLoad, now: float) -> None:
+        self.engine = engine
+        self.scraped_at = now
+        self.admitted_since_scrape = 0
+        self.finished_since_scrape = 0
+
+    def snapshot(self, now: float, stale_after_s: float) -> tuple[int, int, float]:
+        """(outstanding requests, of which waiting to be scheduled, KV-cache usage 0..1)."""
+        engine = self.engine
+        if engine is None or now - self.scraped_at > stale_after_s:
+            return self.inflight, 0, 0.0
+        delta = self.admitted_since_scrape - self.finished_since_scrape
+        total = engine.num_requests_running + engine.num_requests_waiting + delta
+        waiting = engine.num_requests_waiting
+        if delta > 0:
+            # Sent since the scrape and not yet seen running: assume they still wait to prefill.
+            waiting += delta
+        return max(self.inflight, total), max(0, waiting), engine.kv_cache_usage_perc
+
+
+class LoadBoard:
+    """instance id → :class:`InstanceLoad`, kept in step with the table."""
+
+    def __init__(self) -> None:
+        self.loads: dict[str, InstanceLoad] = {}
+
+    def sync(self, ids: list[str]) -> None:
+        self.loads = {i: self.loads.get(i) or InstanceLoad() for i in ids}
+
+    def get(self, instance: str) -> InstanceLoad:
+        load = self.loads.get(instance)
+        if load is None:
+            # Instance removed from the table while a request was in flight: keep counting.
+            load = InstanceLoad()
+        return load
+
+
+async def scrape_once(client: httpx.AsyncClient, board: LoadBoard, instance: str, url: str) -> None:
+    try:
+        resp = await client.get(url + "/metrics")
+        resp.raise_for_status()
+        engine = parse_vllm_metrics(resp.text)
+    except (httpx.HTTPError, ValueError) as exc:
+        # Health decides ejection; a failed scrape only lets the numbers go stale.
+        log.debug("scrape of %s failed: %s", instance, exc)
+        return
+    load = board.loads.get(instance)
+    if load is not None:
+        load.scraped(engine, time.monotonic())
+
+
+async def scrape_loop(
+    client: httpx.AsyncClient,
+    board: LoadBoard,
+    targets: Callable[[], list[tuple[str, str]]],
+    interval_s: float,
+) -> None:
+    """Scrape every instance's ``/metrics`` every ``interval_s`` until cancelled."""
+    while True:
+        started = time.monotonic()
+        pairs = targets()
+        if pairs:
+            await asyncio.gather(*(scrape_once(client, board, i, u) for i, u in pairs))
+        await asyncio.sleep(max(0.0, interval_s - (time.monotonic() - started)))

@@ -1,0 +1,150 @@
+"""Route explanation headers, W3C trace context and the edge's Prometheus metrics.
+
+Every response says which path it took and why (``x-fedinfer-route``), how long each hop took
+(``Server-Timing``), and carries a ``traceparent`` that the upstream engine also received.
+"""
+
+from __future__ import annotations
+
+import random
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from regions.edge.scheduler import Decision, Scored
+
+_HEX = frozenset("0123456789abcdef")
+_rand = random.getrandbits  # trace ids need uniqueness, not secrecy
+
+
+def _is_hex(value: str, length: int) -> bool:
+    return len(value) == length and set(value) <= _HEX and value.strip("0") != ""
+
+
+def child_traceparent(incoming: str | None) -> tuple[str, str]:
+    """(trace id, traceparent for the upstream hop): keep a valid caller trace, else start one."""
+    if incoming:
+        parts = incoming.strip().lower().split("-")
+        if (
+            len(parts) >= 4
+            and _is_hex(parts[0], 2)
+            and parts[0] != "ff"
+            and _is_hex(parts[1], 32)
+            and _is_hex(parts[2], 16)
+            and len(parts[3]) == 2
+        ):
+            trace_id, flags = parts[1], parts[3]
+            return trace_id, f"00-{trace_id}-{_rand(64) or 1:016x}-{flags}"
+    trace_id = f"{_rand(128) or 1:032x}"
+    return trace_id, f"00-{trace_id}-{_rand(64) or 1:016x}-01"
+
+
+def _terms(s: Scored) -> str:
+    return (
+        f"ttft_ms:{s.ttft_s * 1000:.1f},queue_ms:{s.queue_s * 1000:.1f},"
+        f"prefill_ms:{s.prefill_s * 1000:.1f},cached:{s.cached_tokens},load:{s.outstanding}"
+    )
+
+
+def route_header(region: str, decision: Decision | None, retries: int, reason: str = "") -> bytes:
+    """Compact explanation, e.g. ``region=r;instance=i-3;score=ttft_ms:..;runner_up=i-1:40.2``."""
+    if decision is None or decision.winner is None:
+        why = reason or (decision.reason if decision else "none")
+        return f"region={region};instance=none;reason={why};retries={retries}".encode()
+    w = decision.winner
+    text = (
+        f"region={region};instance={w.instance};policy_reason={decision.reason};score={_terms(w)}"
+    )
+    r = decision.runner_up
+    if r is not None:
+        text += f";runner_up={r.instance}:{r.ttft_s * 1000:.1f}"
+    return f"{text};retries={retries}".encode()
+
+
+def server_timing(queue_s: float, connect_s: float | None, ttft_s: float | None) -> bytes:
+    parts = [f"queue;dur={queue_s * 1000:.2f}"]
+    if connect_s is not None:
+        parts.append(f"connect;dur={connect_s * 1000:.2f}")
+    if ttft_s is not None:
+        parts.append(f"ttft;dur={ttft_s * 1000:.2f}")
+    return ", ".join(parts).encode()
+
+
+_LATENCY_BUCKETS = (
+    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
+)  # fmt: skip
+
+
+class EdgeMetrics:
+    """The edge's metrics in a registry of its own (several edges may share a test process)."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "fedinfer_edge_requests",
+            "Requests answered, by model, instance and HTTP status",
+            ["model", "instance", "status"],
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "fedinfer_edge_ttft_seconds",
+            "Edge arrival to the first byte of the upstream response body",
+            ["model", "instance"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "fedinfer_edge_request_duration_seconds",
+            "Edge arrival to the last byte sent to the client",
+            ["model", "instance"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.retries = Counter(
+            "fedinfer_edge_retries", "Requests re-sent to another instance", ["model"], registry=r
+        )
+        self.ejections = Counter(
+            "fedinfer_edge_ejections",
+            "Instances ejected by health checks",
+            ["instance"],
+            registry=r,
+        )
+        self.queue_depth = Gauge(
+            "fedinfer_edge_queue_depth", "Requests waiting at the gateway for capacity", registry=r
+        )
+        self.inflight = Gauge(
+            "fedinfer_edge_inflight", "Requests in flight per instance", ["instance"], registry=r
+        )
+        self.predicted_cached = Counter(
+            "fedinfer_edge_predicted_cached_tokens",
+            "Prompt tokens the scheduler expected the engine to have cached",
+            ["model", "instance"],
+            registry=r,
+        )
+        self.actual_cached = Counter(
+            "fedinfer_edge_actual_cached_tokens",
+            "Prompt tokens the engine reported cached (usage.prompt_tokens_details.cached_tokens)",
+            ["model", "instance"],
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            "fedinfer_edge_prompt_tokens",
+            "Prompt tokens the engine reported (usage.prompt_tokens)",
+            ["model", "instance"],
+            registry=r,
+        )
+        self.midstream_failures = Counter(
+            "fedinfer_edge_midstream_failures",
+            "Streams cut by the upstream after the first byte",
+            ["instance"],
+            registry=r,
+        )
+        self.table_version = Gauge(
+            "fedinfer_edge_table_version", "Version of the routing table in use", registry=r
+        )
+        self.table_rejections = Counter(
+            "fedinfer_edge_table_rejections", "New routing tables refused", registry=r
+        )
+        self.healthy_instances = Gauge(
+            "fedinfer_edge_healthy_instances", "Instances currently admitted", registry=r
+        )

@@ -1,0 +1,204 @@
+"""Read only what routing needs from an OpenAI request body, and watch the response for usage.
+
+The request is decoded once with orjson; the edge renders the prompt into bytes for the prefix
+index (an approximation of the engine's chat template: the order and text of the messages is
+what makes prefixes shared). The response is passed through byte for byte; :class:`UsageTap`
+only frames it into SSE events to find the final usage chunk.
+"""
+
+from __future__ import annotations
+
+from array import array
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from regions.edge.errors import EdgeError
+
+
+@dataclass(slots=True)
+class ParsedRequest:
+    chat: bool
+    model: str
+    prompt: bytes
+    #: Estimated prompt tokens (rendered bytes / bytes per token, or the exact id count).
+    prompt_tokens: int
+    stream: bool
+    #: Upstream body: the client's bytes, or re-encoded when ``include_usage`` was added.
+    body: bytes
+    #: We asked the engine for a usage chunk the client did not want: strip it.
+    strip_usage: bool
+    user: str | None
+
+
+def _bad(message: str, param: str | None, code: str = "invalid_request") -> EdgeError:
+    return EdgeError(400, message, code, param)
+
+
+def render_chat(messages: Any) -> bytes:
+    if not isinstance(messages, list) or not messages:
+        raise _bad("'messages' must be a non-empty array", "messages", "missing_messages")
+    parts: list[str] = []
+    for m in messages:
+        if not isinstance(m, dict):
+            raise _bad("each message must be an object", "messages")
+        role = m.get("role")
+        parts.append(role if isinstance(role, str) else "")
+        parts.append("\n")
+        content = m.get("content")
+        if isinstance(content, str):
+            parts.append(content)
+        elif isinstance(content, list):
+            for part in content:
+                if isinstance(part, dict) and isinstance(part.get("text"), str):
+                    parts.append(part["text"])
+        parts.append("\n\n")
+    return "".join(parts).encode()
+
+
+def render_completion(prompt: Any) -> tuple[bytes, int | None]:
+    """(bytes to hash, exact token count when the prompt is already token ids)."""
+    if isinstance(prompt, str):
+        return prompt.encode(), None
+    if isinstance(prompt, list) and prompt:
+        if all(isinstance(p, str) for p in prompt):
+            return "\n".join(prompt).encode(), None
+        if all(isinstance(p, int) and not isinstance(p, bool) for p in prompt):
+            try:
+                return array("I", prompt).tobytes(), len(prompt)
+            except OverflowError:
+                raise _bad("token ids must be non-negative 32-bit integers", "prompt") from None
+    raise _bad(
+        "'prompt' must be a string, an array of strings or of token ids", "prompt", "missing_prompt"
+    )
+
+
+def parse_request(raw: bytes, *, chat: bool, bytes_per_token: float) -> ParsedRequest:
+    """Validate the fields the edge needs; leave the rest to the engine."""
+    try:
+        doc = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise _bad(f"request body is not valid JSON: {exc}", None, "invalid_json") from None
+    if not isinstance(doc, dict):
+        raise _bad("request body must be a JSON object", None, "invalid_json")
+    model = doc.get("model")
+    if not isinstance(model, str) or not model:
+        raise _bad("'model' is required and must be a string", "model", "missing_model")
+    exact: int | None = None
+    if chat:
+        prompt = render_chat(doc.get("messages"))
+    else:
+        prompt, exact = render_completion(doc.get("prompt"))
+    tokens = exact if exact is not None else int(len(prompt) / bytes_per_token) + 1
+    stream = doc.get("stream") is True
+    user = doc.get("user")
+    body = raw
+    strip = False
+    if stream:
+        opts = doc.get("stream_options")
+        if not (isinstance(opts, dict) and opts.get("include_usage") is True):
+            opts = dict(opts) if isinstance(opts, dict) else {}
+            opts["include_usage"] = True
+            doc["stream_options"] = opts
+            body = orjson.dumps(doc)
+            strip = True
+    return ParsedRequest(
+        chat=chat,
+        model=model,
+        prompt=prompt,
+        prompt_tokens=tokens,
+        stream=stream,
+        body=body,
+        strip_usage=strip,
+        user=user if isinstance(user, str) and user else None,
+    )
+
+
+def usage_numbers(usage: Any) -> tuple[int | None, int | None]:
+    """(prompt_tokens, cached_tokens) of an OpenAI ``usage`` object, when present."""
+    if not isinstance(usage, dict):
+        return None, None
+    prompt = usage.get("prompt_tokens")
+    details = usage.get("prompt_tokens_details")
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    return (
+        prompt if isinstance(prompt, int) else None,
+        cached if isinstance(cached, int) else None,
+    )
+
+
+def body_usage(body: bytes) -> tuple[int | None, int | None]:
+    """Usage of a non-streamed response; parsed only when the body mentions it."""
+    if b'"usage"' not in body:
+        return None, None
+    try:
+        doc = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return None, None
+    return usage_numbers(doc.get("usage") if isinstance(doc, dict) else None)
+
+
+#: An SSE stream's events end with a blank line; beyond this many bytes without one the tap
+#: stops framing and forwards as is (still byte for byte).
+_MAX_PENDING = 1 << 20
+
+
+class UsageTap:
+    """Frames an SSE stream into whole events, forwarding them unchanged.
+
+    Records the usage chunk's numbers, drops that chunk when the edge added
+    ``include_usage`` itself, and notes whether ``data: [DONE]`` arrived (a stream that ends
+    without it was cut).
+    """
+
+    __slots__ = ("cached_tokens", "done", "framing", "pending", "prompt_tokens", "strip")
+
+    def __init__(self, strip: bool) -> None:
+        self.strip = strip
+        self.pending = b""
+        self.framing = True
+        self.done = False
+        self.prompt_tokens: int | None = None
+        self.cached_tokens: int | None = None
+
+    def feed(self, chunk: bytes) -> bytes:
+        """Bytes to forward now (whole events only; a partial event waits for its end)."""
+        if not self.framing:
+            return chunk
+        data = self.pending + chunk if self.pending else chunk
+        cut = data.rfind(b"\n\n")
+        if cut < 0:
+            if len(data) > _MAX_PENDING:
+                self.framing = False
+                self.pending = b""
+                return data
+            self.pending = data
+            return b""
+        complete = data[: cut + 2]
+        self.pending = data[cut + 2 :]
+        if b"[DONE]" in complete:
+            self.done = True
+        if b'"usage"' not in complete:
+            return complete
+        return self._usage_events(complete)
+
+    def _usage_events(self, complete: bytes) -> bytes:
+        out: list[bytes] = []
+        for event in complete.split(b"\n\n")[:-1]:
+            if b'"usage"' in event and event.startswith(b"data: {"):
+                try:
+                    doc = orjson.loads(event[6:])
+                except orjson.JSONDecodeError:
+                    doc = None
+                if isinstance(doc, dict) and isinstance(doc.get("usage"), dict):
+                    prompt, cached = usage_numbers(doc["usage"])
+                    if prompt is not None:
+                        self.prompt_tokens = prompt
+                    if cached is not None:
+                        self.cached_tokens = cached
+                    if self.strip and doc.get("choices") == []:
+                        continue
+            out.append(event)
+            out.append(b"\n\n")
+        return b"".join(out)

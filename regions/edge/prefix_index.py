@@ -1,0 +1,141 @@
+"""Approximate, bounded map of which instance holds which prompt prefix in its KV cache.
+
+Prompts are cut into fixed blocks of UTF-8 bytes and each block's hash is chained on the
+previous one (like vLLM's block hashes over tokens), so one hash stands for the whole prefix up
+to the end of its block: a match of block ``k`` implies the first ``k`` blocks match. The index
+learns from the edge's own routing decisions (the winner will hold the prompt after prefill) and
+may be corrected by engine KV-cache events (:meth:`PrefixIndex.apply_kv_event`). Memory is
+bounded by an LRU over block hashes; entries older than ``ttl_s`` are not trusted, because
+engines evict cold blocks within minutes.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import xxhash
+
+#: Bytes of rendered prompt per block: ~16 tokens at the documented 4 bytes per token, the
+#: size of a vLLM KV block on GPU.
+BLOCK_BYTES = 64
+#: Documented conversion from rendered prompt bytes to tokens (English text, BPE tokenizers).
+BYTES_PER_TOKEN = 4.0
+
+_hash = xxhash.xxh3_64_intdigest
+_NEVER = float("-inf")
+
+
+def root_seed(model: str) -> int:
+    """Chain seed per served model (and adapter): caches are not shared across them."""
+    return _hash(model.encode())
+
+
+def block_hashes(data: bytes, seed: int, block_bytes: int = BLOCK_BYTES) -> list[int]:
+    """Chained hashes of every full block of ``data`` (a partial tail block is not cached)."""
+    out: list[int] = []
+    h = seed
+    for start in range(0, len(data) - block_bytes + 1, block_bytes):
+        h = _hash(data[start : start + block_bytes], seed=h)
+        out.append(h)
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class KvEvent:
+    """A KV-cache event already mapped to this index's hashes (see ``apply_kv_event``).
+
+    ``kind`` is ``stored`` (blocks now cached), ``removed`` (evicted) or ``cleared`` (the
+    engine dropped its whole cache, e.g. after a restart).
+    """
+
+    instance: str
+    kind: str
+    hashes: tuple[int, ...] = ()
+
+
+class PrefixIndex:
+    """Block hash → {instance id: last time seen}, LRU-bounded to ``capacity`` block hashes."""
+
+    __slots__ = ("_entries", "capacity", "ttl_s")
+
+    def __init__(self, capacity: int = 200_000, ttl_s: float = 600.0) -> None:
+        if capacity < 1:
+            raise ValueError("capacity must be >= 1")
+        self.capacity = capacity
+        self.ttl_s = ttl_s
+        self._entries: OrderedDict[int, dict[str, float]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def match(self, hashes: Sequence[int], now: float) -> dict[str, int]:
+        """Number of leading blocks of ``hashes`` each instance holds (instances with >= 1).
+
+        Walks the chain once and stops when no instance still matches; entries older than the
+        TTL count as absent.
+        """
+        entries = self._entries
+        horizon = now - self.ttl_s
+        alive: set[str] | None = None
+        matched: dict[str, int] = {}
+        for depth, h in enumerate(hashes, start=1):
+            holders = entries.get(h)
+            if not holders:
+                break
+            if alive is None:
+                alive = {i for i, t in holders.items() if t >= horizon}
+            else:
+                alive = {i for i in alive if holders.get(i, _NEVER) >= horizon}
+            if not alive:
+                break
+            for inst in alive:
+                matched[inst] = depth
+        return matched
+
+    def insert(self, hashes: Iterable[int], instance: str, now: float) -> None:
+        """Record that ``instance`` holds these blocks (most recent use at ``now``)."""
+        entries = self._entries
+        for h in hashes:
+            holders = entries.get(h)
+            if holders is None:
+                entries[h] = {instance: now}
+            else:
+                holders[instance] = now
+                entries.move_to_end(h)
+        while len(entries) > self.capacity:
+            entries.popitem(last=False)
+
+    def remove(self, hashes: Iterable[int], instance: str) -> None:
+        entries = self._entries
+        for h in hashes:
+            holders = entries.get(h)
+            if holders is not None:
+                holders.pop(instance, None)
+                if not holders:
+                    del entries[h]
+
+    def forget_instance(self, instance: str) -> None:
+        """Drop every entry of an instance (removed from the table, or its cache cleared)."""
+        empty = []
+        for h, holders in self._entries.items():
+            if holders.pop(instance, None) is not None and not holders:
+                empty.append(h)
+        for h in empty:
+            del self._entries[h]
+
+    def apply_kv_event(self, event: KvEvent, now: float) -> None:
+        """Hook for engine KV-cache events (vLLM BlockStored, BlockRemoved, AllBlocksCleared).
+
+        A subscriber (one per engine publishing on ``kv_events_endpoint``) maps the engine's
+        events to this index's block hashes and calls this; ``cleared`` needs no mapping.
+        """
+        if event.kind == "stored":
+            self.insert(event.hashes, event.instance, now)
+        elif event.kind == "removed":
+            self.remove(event.hashes, event.instance)
+        elif event.kind == "cleared":
+            self.forget_instance(event.instance)
+        else:
+            raise ValueError(f"unknown KV event kind {event.kind!r}")

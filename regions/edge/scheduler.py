@@ -1,0 +1,179 @@
+"""The routing decision as a pure function: plain data in, a :class:`Decision` out, no I/O.
+
+Two stages, as in the field notes: *filter* (serves the model or adapter, right role, ready,
+healthy, under its concurrency cap, not already tried) and *score* by the expected
+time-to-first-token in seconds. The formula and the reasons for it are in
+``docs/edge-scheduling.md``::
+
+    cached   = min(matched_blocks * block_tokens, prompt_tokens - 1)
+    rate     = prefill_tokens_per_s / (1 + decode_slowdown * min(1, outstanding / max_concurrency))
+    queue_s  = waiting * mean_uncached_tokens / rate
+             + max(0, busy - max_concurrency + 1) * mean_service_s / max_concurrency
+    ttft_s   = rtt_s + queue_s + (prompt_tokens - cached) / rate
+
+Session affinity with hysteresis: the session's instance keeps the request while its expected
+TTFT stays within ``affinity_factor * best + affinity_margin_s``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+Policy = Literal["fedinfer", "round_robin", "least_loaded"]
+POLICIES: tuple[Policy, ...] = ("fedinfer", "round_robin", "least_loaded")
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    policy: Policy = "fedinfer"
+    #: Stick to the session's instance unless its TTFT exceeds factor * best + margin.
+    affinity_factor: float = 1.5
+    affinity_margin_s: float = 0.05
+    #: A full batch of decodes slows prefill by (1 + this); 1.0 halves the prefill rate.
+    decode_slowdown: float = 1.0
+    #: KV-cache usage at which an engine has no room for another sequence.
+    kv_full: float = 0.95
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    """One instance as the scheduler sees it: static facts from the table plus live load."""
+
+    id: str
+    model: str
+    adapters: tuple[str, ...]
+    role: str
+    state: str
+    healthy: bool
+    max_concurrency: int
+    prefill_tokens_per_s: float
+    #: This edge's own in-flight requests (the hard cap applies to these).
+    inflight: int
+    #: Estimated requests on the engine from every edge (see ``load.py``).
+    outstanding: int
+    waiting: int
+    kv_usage: float
+    mean_uncached_tokens: float
+    mean_service_s: float
+    #: Leading prompt blocks this instance is believed to hold (prefix index).
+    cached_blocks: int = 0
+    rtt_ms: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class RouteRequest:
+    model: str
+    prompt_tokens: int
+    #: Tokens per prefix-index block (block bytes / bytes per token).
+    block_tokens: float
+    sticky: str | None = None
+    role: str = "mixed"
+    exclude: frozenset[str] = frozenset()
+
+
+@dataclass(frozen=True, slots=True)
+class Scored:
+    instance: str
+    ttft_s: float
+    queue_s: float
+    prefill_s: float
+    cached_tokens: int
+    outstanding: int
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """``winner`` is None when nothing can take the request; ``reason`` says why.
+
+    Reasons with a winner: ``best_ttft``, ``session``, ``session_yield`` (the session's
+    instance was overloaded), ``round_robin``, ``least_loaded``. Without: ``unknown_model``,
+    ``no_healthy_instance``, ``saturated`` (healthy instances exist but all are at their cap:
+    the caller may queue and retry).
+    """
+
+    winner: Scored | None
+    runner_up: Scored | None
+    reason: str
+
+
+def score(c: Candidate, req: RouteRequest, cfg: SchedulerConfig) -> Scored:
+    """Expected TTFT of ``req`` on ``c`` in seconds, with its terms."""
+    cap = c.max_concurrency
+    busy = c.outstanding
+    if c.kv_usage >= cfg.kv_full and busy < cap:
+        busy = cap  # no free KV blocks: as good as no free slot
+    rate = c.prefill_tokens_per_s / (1.0 + cfg.decode_slowdown * min(1.0, busy / cap))
+    queue_s = c.waiting * c.mean_uncached_tokens / rate
+    if busy >= cap:
+        queue_s += (busy - cap + 1) * c.mean_service_s / cap
+    cached = min(int(c.cached_blocks * req.block_tokens), req.prompt_tokens - 1)
+    if cached < 0:
+        cached = 0
+    prefill_s = (req.prompt_tokens - cached) / rate
+    ttft = c.rtt_ms / 1000.0 + queue_s + prefill_s
+    return Scored(c.id, ttft, queue_s, prefill_s, cached, c.outstanding)
+
+
+def serves(c: Candidate, model: str) -> bool:
+    return c.model == model or model in c.adapters
+
+
+def decide(
+    candidates: Sequence[Candidate], req: RouteRequest, cfg: SchedulerConfig, turn: int = 0
+) -> Decision:
+    """Pick the instance for ``req``; ``turn`` (a counter) rotates ties and round robin."""
+    feasible: list[Candidate] = []
+    any_model = any_healthy = False
+    for c in candidates:
+        if not serves(c, req.model) or c.role != req.role:
+            continue
+        any_model = True
+        if c.state != "ready" or not c.healthy or c.id in req.exclude:
+            continue
+        any_healthy = True
+        if c.inflight >= c.max_concurrency:
+            continue
+        feasible.append(c)
+    if not feasible:
+        reason = (
+            "saturated" if any_healthy else "no_healthy_instance" if any_model else "unknown_model"
+        )
+        return Decision(None, None, reason)
+
+    n = len(feasible)
+    start = turn % n
+    order = feasible[start:] + feasible[:start]
+    scored = [score(c, req, cfg) for c in order]
+
+    if cfg.policy == "round_robin":
+        return Decision(scored[0], _best(scored[1:]), "round_robin")
+    if cfg.policy == "least_loaded":
+        i = min(range(n), key=lambda k: order[k].outstanding / order[k].max_concurrency)
+        rest = scored[:i] + scored[i + 1 :]
+        return Decision(scored[i], _best(rest), "least_loaded")
+
+    # Strict "<" over a rotated order: ties go round robin instead of to a fixed instance.
+    best_i = 0
+    for k in range(1, n):
+        if scored[k].ttft_s < scored[best_i].ttft_s:
+            best_i = k
+    best = scored[best_i]
+    if req.sticky is not None and req.sticky != best.instance:
+        for s in scored:
+            if s.instance == req.sticky:
+                if s.ttft_s <= best.ttft_s * cfg.affinity_factor + cfg.affinity_margin_s:
+                    return Decision(s, best, "session")
+                return Decision(best, s, "session_yield")
+    rest = scored[:best_i] + scored[best_i + 1 :]
+    reason = "session" if req.sticky == best.instance else "best_ttft"
+    return Decision(best, _best(rest), reason)
+
+
+def _best(scored: Sequence[Scored]) -> Scored | None:
+    best: Scored | None = None
+    for s in scored:
+        if best is None or s.ttft_s < best.ttft_s:
+            best = s
+    return best

@@ -1,0 +1,185 @@
+"""The routing-table document (schema v1, see ``docs/routing-table.md``) and its loader.
+
+The edge depends on this document, never on the control plane's models: in this issue it is
+read from a file, in the next one fetched (and its ``signature`` verified) from the control
+plane. Decoding is strict (msgspec Structs, unknown fields refused) and :func:`validate_table`
+checks what a type cannot say (unique ids, positive rates, URLs), so a bad table is refused as a
+whole and the edge keeps serving from the last good one.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import msgspec
+
+SCHEMA_VERSION = 1
+
+Role = Literal["mixed", "prefill", "decode"]
+InstanceState = Literal["ready", "starting", "draining", "stopped"]
+
+
+class TableError(ValueError):
+    """The document is not a valid routing table (or may not replace the current one)."""
+
+
+class Instance(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One engine (a vLLM server or a simulator) this region's edges may route to."""
+
+    id: str
+    url: str
+    model: str
+    adapters: tuple[str, ...] = ()
+    role: Role = "mixed"
+    accelerator: str = "unknown"
+    tp: int = 1
+    #: Requests the engine runs at once (vLLM ``max_num_seqs``); the edge's per-instance cap.
+    max_concurrency: int = 64
+    #: Prompt tokens per second this instance prefills (from its accelerator and TP size).
+    prefill_tokens_per_s: float = 8000.0
+    state: InstanceState = "ready"
+    #: Engine-side KV block size in tokens (informational, for KV-event hashes).
+    kv_block_tokens: int = 16
+    #: ZMQ endpoint of vLLM KV-cache events, when the engine publishes them.
+    kv_events_endpoint: str | None = None
+
+
+class RemoteRegion(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Another region's edge that may take spill-over or failover traffic (issue 4)."""
+
+    code: str
+    edge_url: str
+    rtt_ms: float
+    models: tuple[str, ...] = ()
+    cost_per_mtok: float = 0.0
+    headroom: float = 0.0
+
+
+class TenantPolicy(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A tenant's admission rules, keyed by API-key hash (reserved: enforced in issue 4)."""
+
+    tenant: str
+    key_hashes: tuple[str, ...] = ()
+    allowed_regions: tuple[str, ...] = ()
+    requests_per_s: float | None = None
+    tokens_per_s: float | None = None
+    budget_state: Literal["ok", "warn", "exhausted"] = "ok"
+
+
+class Signature(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """HMAC over the canonical document (reserved: verified in issue 4)."""
+
+    alg: str
+    key_id: str
+    value: str
+
+
+class RoutingTable(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    schema_version: int
+    version: int
+    region: str
+    generated_at: str
+    instances: tuple[Instance, ...] = ()
+    remote_regions: tuple[RemoteRegion, ...] = ()
+    tenants: tuple[TenantPolicy, ...] | None = None
+    signature: Signature | None = None
+
+
+_decoder = msgspec.json.Decoder(RoutingTable)
+
+
+def decode_table(data: bytes) -> RoutingTable:
+    """Decode and validate a table document; raise :class:`TableError` on any defect."""
+    try:
+        table = _decoder.decode(data)
+    except msgspec.DecodeError as exc:
+        raise TableError(f"routing table does not decode: {exc}") from exc
+    validate_table(table)
+    return table
+
+
+def validate_table(table: RoutingTable) -> None:
+    """Checks a type cannot express; the first defect is raised as :class:`TableError`."""
+    if table.schema_version != SCHEMA_VERSION:
+        raise TableError(
+            f"unsupported schema_version {table.schema_version} (this edge reads {SCHEMA_VERSION})"
+        )
+    if table.version < 1:
+        raise TableError("version must be a positive integer")
+    if not table.region:
+        raise TableError("region must not be empty")
+    seen: set[str] = set()
+    for inst in table.instances:
+        where = f"instance {inst.id!r}"
+        if not inst.id:
+            raise TableError("instance id must not be empty")
+        if inst.id in seen:
+            raise TableError(f"duplicate instance id {inst.id!r}")
+        seen.add(inst.id)
+        if not inst.url.startswith(("http://", "https://")):
+            raise TableError(f"{where}: url must be http(s), got {inst.url!r}")
+        if not inst.model:
+            raise TableError(f"{where}: model must not be empty")
+        if inst.tp < 1:
+            raise TableError(f"{where}: tp must be >= 1")
+        if inst.max_concurrency < 1:
+            raise TableError(f"{where}: max_concurrency must be >= 1")
+        if not inst.prefill_tokens_per_s > 0:
+            raise TableError(f"{where}: prefill_tokens_per_s must be > 0")
+        if inst.kv_block_tokens < 1:
+            raise TableError(f"{where}: kv_block_tokens must be >= 1")
+    codes: set[str] = set()
+    for remote in table.remote_regions:
+        if remote.code == table.region or remote.code in codes:
+            raise TableError(f"remote region {remote.code!r} duplicated or equal to own region")
+        codes.add(remote.code)
+        if not remote.edge_url.startswith(("http://", "https://")):
+            raise TableError(f"remote region {remote.code!r}: edge_url must be http(s)")
+        if remote.rtt_ms < 0:
+            raise TableError(f"remote region {remote.code!r}: rtt_ms must be >= 0")
+
+
+def check_successor(current: RoutingTable | None, new: RoutingTable, *, region: str) -> None:
+    """Refuse a table for another region or one whose version does not move forward."""
+    if new.region != region:
+        raise TableError(f"table is for region {new.region!r}, this edge serves {region!r}")
+    if current is not None and new.version <= current.version:
+        raise TableError(
+            f"table version {new.version} does not advance the current {current.version}"
+        )
+
+
+def served_models(table: RoutingTable) -> tuple[str, ...]:
+    """Model and adapter names with at least one instance not stopped, sorted."""
+    names: set[str] = set()
+    for inst in table.instances:
+        if inst.state != "stopped":
+            names.add(inst.model)
+            names.update(inst.adapters)
+    return tuple(sorted(names))
+
+
+@dataclass(frozen=True, slots=True)
+class FileStamp:
+    """What identifies one version of the file on disk (cheap change detection)."""
+
+    mtime_ns: int
+    size: int
+    inode: int
+
+
+def file_stamp(path: Path) -> FileStamp:
+    st = os.stat(path)
+    return FileStamp(st.st_mtime_ns, st.st_size, st.st_ino)
+
+
+def read_table_file(path: Path) -> RoutingTable:
+    """Read and decode ``path``; I/O errors become :class:`TableError` too."""
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise TableError(f"cannot read routing table {path}: {exc}") from exc
+    return decode_table(data)

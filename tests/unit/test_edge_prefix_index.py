@@ -1,0 +1,95 @@
+"""The prefix index: chained block hashes, longest-prefix matching, LRU bound, TTL, KV events."""
+
+from __future__ import annotations
+
+import pytest
+
+from regions.edge.prefix_index import KvEvent, PrefixIndex, block_hashes, root_seed
+
+SEED = root_seed("llama")
+
+
+def text(n_blocks: int, tag: str = "a", block: int = 64) -> bytes:
+    return b"".join(f"{tag}{i:04d}".encode().ljust(block, b".") for i in range(n_blocks))
+
+
+def test_hashes_are_chained_so_equal_blocks_at_different_depths_differ() -> None:
+    same = b"x" * 64
+    hashes = block_hashes(same * 3, SEED)
+    assert len(hashes) == 3
+    assert len(set(hashes)) == 3
+
+
+def test_a_common_prefix_shares_hashes_until_the_first_difference() -> None:
+    a = block_hashes(text(4) + text(2, "b"), SEED)
+    b = block_hashes(text(4) + text(2, "c"), SEED)
+    assert a[:4] == b[:4]
+    assert a[4] != b[4] and a[5] != b[5]
+
+
+def test_partial_tail_block_is_not_hashed_and_model_seed_separates_caches() -> None:
+    assert block_hashes(b"y" * 63, SEED) == []
+    assert len(block_hashes(b"y" * 130, SEED)) == 2
+    assert block_hashes(b"y" * 64, SEED) != block_hashes(b"y" * 64, root_seed("other"))
+
+
+def test_match_counts_leading_blocks_per_instance() -> None:
+    idx = PrefixIndex(capacity=1000)
+    long = block_hashes(text(6), SEED)
+    idx.insert(long, "i-1", now=0.0)
+    idx.insert(long[:2], "i-2", now=0.0)
+    assert idx.match(long, now=1.0) == {"i-1": 6, "i-2": 2}
+    other = block_hashes(text(3, "z"), SEED)
+    assert idx.match(other, now=1.0) == {}
+
+
+def test_a_gap_in_the_chain_stops_the_match() -> None:
+    idx = PrefixIndex(capacity=1000)
+    hashes = block_hashes(text(5), SEED)
+    idx.insert(hashes[:2] + hashes[3:], "i-1", now=0.0)
+    assert idx.match(hashes, now=0.0) == {"i-1": 2}
+
+
+def test_memory_is_bounded_and_the_least_recently_used_blocks_go_first() -> None:
+    idx = PrefixIndex(capacity=10)
+    old = block_hashes(text(6, "o"), SEED)
+    new = block_hashes(text(6, "n"), SEED)
+    idx.insert(old, "i-1", now=0.0)
+    idx.insert(new, "i-2", now=1.0)
+    assert len(idx) == 10
+    # The oldest blocks are the first ones of ``old``: its prefix no longer matches at all.
+    assert idx.match(old, now=2.0) == {}
+    assert idx.match(new, now=2.0) == {"i-2": 6}
+
+
+def test_touching_a_prefix_keeps_it_alive_under_pressure() -> None:
+    idx = PrefixIndex(capacity=8)
+    hot = block_hashes(text(4, "h"), SEED)
+    idx.insert(hot, "i-1", now=0.0)
+    for k in range(5):
+        idx.insert(block_hashes(text(1, f"c{k}"), SEED), "i-2", now=float(k))
+        idx.insert(hot, "i-1", now=float(k))
+    assert idx.match(hot, now=5.0) == {"i-1": 4}
+
+
+def test_entries_older_than_the_ttl_are_not_trusted() -> None:
+    idx = PrefixIndex(capacity=100, ttl_s=10.0)
+    hashes = block_hashes(text(3), SEED)
+    idx.insert(hashes, "i-1", now=0.0)
+    assert idx.match(hashes, now=9.0) == {"i-1": 3}
+    assert idx.match(hashes, now=11.0) == {}
+
+
+def test_forget_instance_and_kv_events() -> None:
+    idx = PrefixIndex(capacity=100)
+    hashes = block_hashes(text(4), SEED)
+    idx.apply_kv_event(KvEvent("i-1", "stored", tuple(hashes)), now=0.0)
+    idx.insert(hashes, "i-2", now=0.0)
+    idx.apply_kv_event(KvEvent("i-1", "removed", tuple(hashes[2:])), now=0.0)
+    assert idx.match(hashes, now=0.0) == {"i-1": 2, "i-2": 4}
+    idx.apply_kv_event(KvEvent("i-2", "cleared"), now=0.0)
+    assert idx.match(hashes, now=0.0) == {"i-1": 2}
+    idx.forget_instance("i-1")
+    assert len(idx) == 0
+    with pytest.raises(ValueError, match="unknown KV event"):
+        idx.apply_kv_event(KvEvent("i-1", "bogus"), now=0.0)
