@@ -1,0 +1,142 @@
+"""Start the processes a benchmark measures: simulated engines, the edge, the Rust peer router."""
+
+from __future__ import annotations
+
+import datetime as dt
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import msgspec
+
+from bench.procs import ROOT, Proc, ProcGroup, fedinfer_argv, free_port, free_ports, wait_http
+from regions.edge.table import SCHEMA_VERSION, Instance, RoutingTable, validate_table
+
+BENCH_VENV = ROOT / ".venv-bench"
+SGLANG_INSTALL = f"python3 -m venv {BENCH_VENV} && {BENCH_VENV}/bin/pip install sglang-router"
+
+
+@dataclass
+class Engines:
+    proc: Proc
+    ports: list[int]
+    model: str
+
+    @property
+    def urls(self) -> list[str]:
+        return [f"http://127.0.0.1:{p}" for p in self.ports]
+
+
+def start_engines(
+    pg: ProcGroup,
+    *,
+    count: int,
+    model: str,
+    extra: list[str] | None = None,
+    cpus: set[int] | None = None,
+    name: str = "engines",
+) -> Engines:
+    ports = free_ports(count)
+    argv = fedinfer_argv(
+        "engine-sim", "--count", str(count), "--port", str(ports[0]), "--model", model,
+        *(extra or []),
+    )  # fmt: skip
+    proc = pg.start(name, argv, cpus=cpus)
+    for p in ports:
+        wait_http(f"http://127.0.0.1:{p}/health", proc, timeout=60)
+    return Engines(proc, ports, model)
+
+
+def write_table(
+    path: Path,
+    engines: Engines,
+    *,
+    region: str = "bench",
+    accelerator: str = "unknown",
+    prefill_tokens_per_s: float = 8000.0,
+    max_concurrency: int = 64,
+) -> Path:
+    table = RoutingTable(
+        schema_version=SCHEMA_VERSION,
+        version=1,
+        region=region,
+        generated_at=dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        instances=tuple(
+            Instance(
+                id=f"e{i}",
+                url=url,
+                model=engines.model,
+                accelerator=accelerator,
+                max_concurrency=max_concurrency,
+                prefill_tokens_per_s=prefill_tokens_per_s,
+            )
+            for i, url in enumerate(engines.urls)
+        ),
+    )
+    validate_table(table)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(msgspec.json.encode(table))
+    return path
+
+
+def start_edge(
+    pg: ProcGroup,
+    table: Path,
+    *,
+    policy: str | None = None,
+    cpus: set[int] | None = None,
+    region: str = "bench",
+    name: str = "edge",
+    model: str | None = None,
+) -> tuple[Proc, str]:
+    port = free_port()
+    argv = fedinfer_argv("edge", "--region", region, "--table", str(table), "--port", str(port))
+    if policy:
+        argv += ["--policy", policy]
+    proc = pg.start(name, argv, cpus=cpus)
+    url = f"http://127.0.0.1:{port}"
+    wait_http(f"{url}/v1/models", proc, timeout=60)
+    return proc, url
+
+
+def sglang_available() -> str | None:
+    """None when the Rust router can run, else the reason it cannot."""
+    py = BENCH_VENV / "bin" / "python"
+    if not py.exists():
+        return f"{py} missing; install with: {SGLANG_INSTALL}"
+    try:
+        import subprocess
+
+        out = subprocess.run(
+            [str(py), "-c", "import sglang_router.launch_router"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"cannot run {py}: {exc}"
+    if out.returncode != 0:
+        return f"sglang_router does not import: {out.stderr.strip()[-300:]}"
+    return None
+
+
+def start_sglang(
+    pg: ProcGroup, worker_urls: list[str], *, cpus: set[int] | None = None
+) -> tuple[Proc, str]:
+    port, prom = free_port(), free_port()
+    argv = [
+        str(BENCH_VENV / "bin" / "python"), "-m", "sglang_router.launch_router",
+        "--worker-urls", *worker_urls,
+        "--policy", "round_robin",
+        "--host", "127.0.0.1", "--port", str(port),
+        "--prometheus-host", "127.0.0.1", "--prometheus-port", str(prom),
+        "--log-level", "warn",
+    ]  # fmt: skip
+    proc = pg.start("sglang-router", argv, cpus=cpus)
+    url = f"http://127.0.0.1:{port}"
+    wait_http(f"{url}/health", proc, timeout=60)
+    return proc, url
+
+
+def which_wrk() -> str | None:
+    return shutil.which("wrk")

@@ -1,0 +1,74 @@
+"""Small statistics and output helpers shared by the benchmarks."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import math
+import statistics
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from bench.procs import VAR
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Linear-interpolated percentile, ``q`` in 0..100 (NaN for no values)."""
+    if not values:
+        return math.nan
+    xs = sorted(values)
+    if len(xs) == 1:
+        return float(xs[0])
+    pos = (len(xs) - 1) * q / 100.0
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return float(xs[lo] + (xs[hi] - xs[lo]) * (pos - lo))
+
+
+def spread(values: Sequence[float]) -> dict[str, float]:
+    """Median, min and max of repeated measurements (the noise between runs)."""
+    vals = [v for v in values if not math.isnan(v)]
+    if not vals:
+        return {"median": math.nan, "min": math.nan, "max": math.nan, "n": 0}
+    return {
+        "median": statistics.median(vals),
+        "min": min(vals),
+        "max": max(vals),
+        "n": len(vals),
+    }
+
+
+def fmt(v: float, nd: int = 2) -> str:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "n/a"
+    return f"{v:.{nd}f}"
+
+
+def markdown_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    out = ["| " + " | ".join(header) + " |", "|" + "|".join(" --- " for _ in header) + "|"]
+    out += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(out)
+
+
+def write_result(name: str, data: dict[str, Any]) -> Path:
+    """Write ``var/bench/<name>-<UTC stamp>.json`` and ``<name>-latest.json``; return the first."""
+    VAR.mkdir(parents=True, exist_ok=True)
+    stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ")
+    path = VAR / f"{name}-{stamp}.json"
+    text = json.dumps(data, indent=2, sort_keys=False, default=_default)
+    path.write_text(text)
+    (VAR / f"{name}-latest.json").write_text(text)
+    return path
+
+
+def _default(o: object) -> object:
+    if isinstance(o, Path):
+        return str(o)
+    if isinstance(o, set | tuple):
+        return list(o)
+    raise TypeError(f"not JSON serialisable: {type(o)}")
+
+
+def utc_now() -> str:
+    return dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")

@@ -1,0 +1,509 @@
+"""Routing quality on a prefix-heavy multi-turn chat workload, four policies, one run.
+
+Fleet: ``--engines`` simulated engines (one ``fedinfer engine-sim --count N`` process, pinned to
+CPU 1), the edge (CPU 0) and this process's streaming client (CPU 0). Workload:
+:mod:`bench.workload` (seeded): shared system prompts of 1-2k tokens, sessions of 3-6 turns
+that resend the growing history, Poisson session arrivals, think time between turns.
+
+Per scenario:
+
+1. *Calibrate*: fresh engines, a closed loop of ``engines x max_num_seqs`` users sending the
+   scenario's sessions back to back, session-affine, straight to the engines: the completed
+   requests/s in steady state is the fleet's saturation throughput for this mix.
+2. Set the Poisson session rate so the offered request rate is ``load x`` that capacity.
+3. For every policy, on fresh engines (cold caches) and a fresh edge: replay the identical
+   workload; ``round_robin`` and ``least_loaded`` are the edge's ``--policy``; ``oracle`` is the
+   client hashing the session id to an engine and sending directly; ``fedinfer`` is the edge's
+   default policy. Requests sent in the first ``--warmup`` seconds fill caches and are not
+   counted; no request is sent after ``--duration`` seconds, those in flight are awaited.
+
+Measured: TTFT (streaming, first content chunk) mean/p50/p90/p99, end-to-end latency,
+completed requests/s and output tokens/s in the window, prefix-cache hit rate from the engines'
+``/metrics`` deltas over the window (``vllm:prefix_cache_hits_total`` /
+``vllm:prefix_cache_queries_total``), per-engine request share, errors, CPU of every process and
+the client's event-loop lag (so a starved client shows instead of skewing TTFT).
+
+    .venv/bin/python -m bench.routing_quality [--duration 30] [--warmup 8] [--seed 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import math
+import os
+import statistics
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import uvloop
+
+from bench.chat_client import Record, RunState, Target, replay, saturate
+from bench.fleet import Engines, start_edge, start_engines, write_table
+from bench.procs import VAR, Proc, ProcGroup, git_rev, machine_info
+from bench.report import fmt, markdown_table, percentile, utc_now, write_result
+from bench.workload import Workload, WorkloadSpec, generate
+from regions.engines.metrics import EngineLoad, parse_vllm_metrics
+
+MODEL = "bench-llama-8b"
+POLICIES = ("round_robin", "least_loaded", "oracle", "fedinfer")
+ENGINE_CPUS = {1}
+EDGE_CPUS = {0}
+CLIENT_CPUS = {0}
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    popularity: str
+    load: float
+    zipf_s: float = 1.1
+
+
+SCENARIOS = (
+    Scenario("uniform-60", "uniform", 0.60),
+    Scenario("zipf-90", "zipf", 0.90),
+)
+
+
+@dataclass(frozen=True)
+class Config:
+    engines: int = 4
+    accelerator: str = "L4"
+    max_num_seqs: int = 32
+    seed: int = 1
+    duration_s: float = 30.0
+    warmup_s: float = 8.0
+    calibrate_s: float = 16.0
+    calibrate_warmup_s: float = 6.0
+    n_system_prompts: int = 12
+    think_time_mean_s: float = 1.0
+    extra_engine_args: tuple[str, ...] = ()
+
+    def engine_args(self) -> list[str]:
+        return [
+            "--accelerator",
+            self.accelerator,
+            "--tp",
+            "1",
+            "--seed",
+            str(self.seed),
+            "--max-num-seqs",
+            str(self.max_num_seqs),
+            *self.extra_engine_args,
+        ]
+
+
+def base_spec(cfg: Config, sc: Scenario) -> WorkloadSpec:
+    return WorkloadSpec(
+        seed=cfg.seed,
+        session_rate=1.0,
+        duration_s=cfg.duration_s,
+        n_system_prompts=cfg.n_system_prompts,
+        popularity=sc.popularity,  # type: ignore[arg-type]
+        zipf_s=sc.zipf_s,
+        think_time_mean_s=cfg.think_time_mean_s,
+    )
+
+
+# ---------------------------------------------------------------- metrics
+
+
+def scrape(urls: list[str]) -> list[EngineLoad]:
+    out = []
+    for u in urls:
+        with urllib.request.urlopen(f"{u}/metrics", timeout=5) as r:
+            out.append(parse_vllm_metrics(r.read().decode()))
+    return out
+
+
+def metric_delta(before: list[EngineLoad], after: list[EngineLoad]) -> dict[str, Any]:
+    q = [
+        a.prefix_cache_queries_total - b.prefix_cache_queries_total
+        for b, a in zip(before, after, strict=True)
+    ]
+    h = [
+        a.prefix_cache_hits_total - b.prefix_cache_hits_total
+        for b, a in zip(before, after, strict=True)
+    ]
+    n = [
+        a.request_success_total - b.request_success_total
+        for b, a in zip(before, after, strict=True)
+    ]
+    p = [a.prompt_tokens_total - b.prompt_tokens_total for b, a in zip(before, after, strict=True)]
+    g = [
+        a.generation_tokens_total - b.generation_tokens_total
+        for b, a in zip(before, after, strict=True)
+    ]
+    total_n = sum(n)
+    return {
+        "hit_rate": sum(h) / sum(q) if sum(q) else math.nan,
+        "queries_tokens": sum(q),
+        "hits_tokens": sum(h),
+        "requests_per_engine": n,
+        "max_engine_share": max(n) / total_n if total_n else math.nan,
+        "hit_rate_per_engine": [hh / qq if qq else math.nan for hh, qq in zip(h, q, strict=True)],
+        "prompt_tokens": sum(p),
+        "generation_tokens": sum(g),
+    }
+
+
+def summarise(records: list[Record], lo: float, hi: float) -> dict[str, Any]:
+    """Stats over requests sent in ``[lo, hi)`` (the measurement window)."""
+    window = [r for r in records if lo <= r.sent < hi]
+    ok = [r for r in window if not r.error and r.status == 200]
+    ttft = [r.ttft for r in ok]
+    e2e = [r.e2e for r in ok]
+    done_in = [r for r in ok if r.sent + r.e2e <= hi]
+    span = hi - lo
+    prompt = sum(r.prompt_tokens for r in ok)
+    cached = sum(r.cached_tokens for r in ok)
+    errors: dict[str, int] = {}
+    for r in window:
+        if r.error or r.status != 200:
+            key = f"{r.status} {r.error[:60]}".strip()
+            errors[key] = errors.get(key, 0) + 1
+    return {
+        "sent": len(window),
+        "ok": len(ok),
+        "errors": sum(errors.values()),
+        "error_kinds": errors,
+        "ttft_mean_s": statistics.fmean(ttft) if ttft else math.nan,
+        "ttft_p50_s": percentile(ttft, 50),
+        "ttft_p90_s": percentile(ttft, 90),
+        "ttft_p99_s": percentile(ttft, 99),
+        "e2e_mean_s": statistics.fmean(e2e) if e2e else math.nan,
+        "e2e_p99_s": percentile(e2e, 99),
+        "sent_per_s": len(window) / span,
+        "completed_per_s": len(done_in) / span,
+        "output_tokens_per_s": sum(r.completion_tokens for r in done_in) / span,
+        "client_cached_fraction": cached / prompt if prompt else math.nan,
+        "mean_prompt_tokens": prompt / len(ok) if ok else math.nan,
+    }
+
+
+def lag_stats(state: RunState) -> dict[str, float]:
+    lags = state.lags
+    return {
+        "p50_ms": percentile(lags, 50) * 1000,
+        "p99_ms": percentile(lags, 99) * 1000,
+        "max_ms": max(lags) * 1000 if lags else math.nan,
+    }
+
+
+# ---------------------------------------------------------------- runs
+
+
+def _pin_self(cpus: set[int]) -> set[int]:
+    before = os.sched_getaffinity(0)
+    use = cpus & before
+    if use:
+        os.sched_setaffinity(0, use)
+    return before
+
+
+def calibrate(cfg: Config, sc: Scenario, logdir: Path) -> dict[str, Any]:
+    """Saturation throughput (requests/s) of the fleet for ``sc``'s mix."""
+    spec = replace(base_spec(cfg, sc), session_rate=50.0, duration_s=60.0)
+    workload = generate(spec)
+    concurrency = cfg.engines * cfg.max_num_seqs
+    with ProcGroup(logdir / f"calibrate-{sc.name}") as pg:
+        engines = start_engines(
+            pg, count=cfg.engines, model=MODEL, extra=cfg.engine_args(), cpus=ENGINE_CPUS
+        )
+        target = Target(tuple(engines.urls), "session_hash")
+        before = _pin_self(CLIENT_CPUS)
+        try:
+            cpu0 = engines.proc.cpu_seconds()
+            t0 = time.monotonic()
+            state = uvloop.run(
+                saturate(
+                    workload,
+                    target,
+                    model=MODEL,
+                    concurrency=concurrency,
+                    duration_s=cfg.calibrate_s,
+                )
+            )
+            engine_cpu = (engines.proc.cpu_seconds() - cpu0) / (time.monotonic() - t0)
+        finally:
+            os.sched_setaffinity(0, before)
+    lo, hi = cfg.calibrate_warmup_s, cfg.calibrate_s
+    done = [r for r in state.records if not r.error and lo <= r.sent + r.e2e < hi]
+    capacity = len(done) / (hi - lo)
+    errors = sum(1 for r in state.records if r.error)
+    print(
+        f"[{sc.name}] capacity {capacity:.2f} req/s at {concurrency} concurrent "
+        f"(engine CPU {engine_cpu:.2f}, client lag p99 {lag_stats(state)['p99_ms']:.1f} ms, "
+        f"errors {errors})",
+        flush=True,
+    )
+    return {
+        "capacity_rps": capacity,
+        "concurrency": concurrency,
+        "window_s": [lo, hi],
+        "errors": errors,
+        "engine_cpu_share": engine_cpu,
+        "client_lag": lag_stats(state),
+        "mean_prompt_tokens": statistics.fmean(r.prompt_tokens for r in done) if done else None,
+    }
+
+
+def run_policy(
+    cfg: Config, sc: Scenario, policy: str, workload: Workload, logdir: Path, tmp: Path
+) -> dict[str, Any]:
+    with ProcGroup(logdir / f"{sc.name}-{policy}") as pg:
+        engines: Engines = start_engines(
+            pg, count=cfg.engines, model=MODEL, extra=cfg.engine_args(), cpus=ENGINE_CPUS
+        )
+        edge: Proc | None = None
+        if policy == "oracle":
+            target = Target(tuple(engines.urls), "session_hash")
+        else:
+            table = write_table(
+                tmp / f"table-{sc.name}-{policy}.json",
+                engines,
+                accelerator=cfg.accelerator,
+                max_concurrency=cfg.max_num_seqs,
+                prefill_tokens_per_s=prefill_rate(cfg),
+            )
+            edge, url = start_edge(pg, table, policy=policy, cpus=EDGE_CPUS, model=MODEL)
+            target = Target((url,))
+        snaps: dict[str, list[EngineLoad]] = {}
+        cpu: dict[str, float] = {}
+
+        def on_tick(t: float) -> None:
+            if "warm" not in snaps and t >= cfg.warmup_s:
+                snaps["warm"] = scrape(engines.urls)
+                cpu["engines0"] = engines.proc.cpu_seconds()
+                cpu["edge0"] = edge.cpu_seconds() if edge else math.nan
+                cpu["self0"] = time.process_time()
+                cpu["t0"] = time.monotonic()
+
+        before = _pin_self(CLIENT_CPUS)
+        try:
+            state = uvloop.run(
+                replay(
+                    workload, target, model=MODEL, stop_sending_s=cfg.duration_s, on_tick=on_tick
+                )
+            )
+        finally:
+            os.sched_setaffinity(0, before)
+        end = scrape(engines.urls)
+        wall = time.monotonic() - cpu.get("t0", time.monotonic())
+        cpu_share = {
+            "engines": (engines.proc.cpu_seconds() - cpu.get("engines0", math.nan)) / wall,
+            "edge": (edge.cpu_seconds() - cpu["edge0"]) / wall if edge else None,
+            "client": (time.process_time() - cpu.get("self0", math.nan)) / wall,
+        }
+    if "warm" not in snaps:
+        raise RuntimeError(f"{sc.name}/{policy}: run ended before the warm-up snapshot")
+    result = summarise(state.records, cfg.warmup_s, cfg.duration_s)
+    result.update(metric_delta(snaps["warm"], end))
+    result["cpu_share"] = cpu_share
+    result["client_lag"] = lag_stats(state)
+    print(
+        f"[{sc.name}] {policy:12s} TTFT mean {result['ttft_mean_s'] * 1000:7.1f} ms  "
+        f"p50 {result['ttft_p50_s'] * 1000:7.1f}  p99 {result['ttft_p99_s'] * 1000:7.1f}  "
+        f"hit {result['hit_rate']:.3f}  {result['completed_per_s']:.2f} req/s  "
+        f"errors {result['errors']}  engine share max {result['max_engine_share']:.2f}  "
+        f"cpu { ({k: round(v, 2) if v is not None else None for k, v in cpu_share.items()}) }  "
+        f"lag p99 {result['client_lag']['p99_ms']:.1f} ms",
+        flush=True,
+    )
+    return result
+
+
+def prefill_rate(cfg: Config) -> float:
+    """The prefill rate the edge's table advertises: the simulator's own documented model for
+    this accelerator and model size (what a control plane would compile into the table)."""
+    from regions.engines.simulator.perf import PerfModel, accelerator, model_params_billion
+
+    perf = PerfModel(accelerator(cfg.accelerator), 1, model_params_billion(MODEL))
+    return float(perf.prefill_tokens_per_second())
+
+
+def run(
+    cfg: Config, scenarios: tuple[Scenario, ...] = SCENARIOS, policies: tuple[str, ...] = POLICIES
+) -> dict[str, Any]:
+    started = utc_now()
+    machine_before = machine_info()
+    logdir = VAR / "logs" / "routing"
+    tmp = Path(tempfile.mkdtemp(prefix="bench-routing-"))
+    out: dict[str, Any] = {
+        "benchmark": "routing_quality",
+        "started": started,
+        "git": git_rev(),
+        "command": "python -m bench.routing_quality " + " ".join(sys.argv[1:]),
+        "machine_before": machine_before,
+        "config": asdict(cfg),
+        "pinning": {
+            "engines": sorted(ENGINE_CPUS),
+            "edge": sorted(EDGE_CPUS),
+            "client": sorted(CLIENT_CPUS),
+        },
+        "scenarios": {},
+    }
+    for sc in scenarios:
+        cal = calibrate(cfg, sc, logdir)
+        request_rate = sc.load * cal["capacity_rps"]
+        spec = replace(
+            base_spec(cfg, sc), session_rate=request_rate / base_spec(cfg, sc).mean_turns
+        )
+        workload = generate(spec)
+        print(
+            f"[{sc.name}] offered {request_rate:.2f} req/s = {sc.load:.0%} of capacity; "
+            f"{len(workload.sessions)} sessions, {workload.n_requests} requests",
+            flush=True,
+        )
+        results = {}
+        for policy in policies:
+            results[policy] = run_policy(cfg, sc, policy, workload, logdir, tmp)
+        out["scenarios"][sc.name] = {
+            "scenario": asdict(sc),
+            "calibration": cal,
+            "offered_rps": request_rate,
+            "workload": {
+                "spec": asdict(spec),
+                "sessions": len(workload.sessions),
+                "requests": workload.n_requests,
+                "system_prompt_share": list(workload.popularity),
+            },
+            "results": results,
+            "targets": targets(results),
+        }
+    out["finished"] = utc_now()
+    out["machine_after"] = machine_info()
+    path = write_result("routing_quality", out)
+    print(render(out))
+    print(f"\nresults: {path}")
+    return out
+
+
+def targets(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    t: dict[str, Any] = {}
+    f = results.get("fedinfer")
+    if not f:
+        return t
+
+    def check(name: str, value: float, bound: float, op: str) -> None:
+        met = value <= bound if op == "<=" else value < bound if op == "<" else value >= bound
+        t[name] = {"value": value, "bound": bound, "op": op, "met": bool(met)}
+
+    if "round_robin" in results:
+        rr = results["round_robin"]["ttft_mean_s"]
+        check("mean_ttft_vs_round_robin", f["ttft_mean_s"] / rr, 0.5, "<=")
+    if "oracle" in results:
+        check("mean_ttft_below_oracle_s", f["ttft_mean_s"], results["oracle"]["ttft_mean_s"], "<")
+        check("hit_rate_vs_oracle", f["hit_rate"], results["oracle"]["hit_rate"], ">=")
+    if "least_loaded" in results:
+        check(
+            "p99_ttft_vs_least_loaded_s",
+            f["ttft_p99_s"],
+            results["least_loaded"]["ttft_p99_s"],
+            "<=",
+        )
+    return t
+
+
+def render(out: dict[str, Any]) -> str:
+    m = out["machine_before"]
+    lines = [
+        f"machine: nproc={m['nproc']} {m['cpu_model']}; load avg before "
+        f"{'/'.join(f'{x:.2f}' for x in m['loadavg'])}, after "
+        f"{'/'.join(f'{x:.2f}' for x in out['machine_after']['loadavg'])}; git {out['git']}",
+    ]
+    for name, s in out["scenarios"].items():
+        cal = s["calibration"]
+        lines += [
+            "",
+            f"### {name}: offered {s['offered_rps']:.2f} req/s = {s['scenario']['load']:.0%} of "
+            f"measured capacity {cal['capacity_rps']:.2f} req/s; {s['workload']['sessions']} "
+            f"sessions",
+            "",
+        ]
+        rows = []
+        for policy, r in s["results"].items():
+            rows.append(
+                [
+                    policy,
+                    fmt(r["ttft_mean_s"] * 1000, 0),
+                    fmt(r["ttft_p50_s"] * 1000, 0),
+                    fmt(r["ttft_p99_s"] * 1000, 0),
+                    fmt(r["completed_per_s"], 2),
+                    fmt(r["output_tokens_per_s"], 0),
+                    fmt(r["hit_rate"], 3),
+                    fmt(r["max_engine_share"], 2),
+                    f"{r['errors']}/{r['sent']}",
+                ]
+            )
+        lines.append(
+            markdown_table(
+                [
+                    "policy",
+                    "TTFT mean ms",
+                    "p50 ms",
+                    "p99 ms",
+                    "req/s",
+                    "out tok/s",
+                    "hit rate",
+                    "max engine share",
+                    "errors/sent",
+                ],
+                rows,
+            )
+        )
+        trows = [
+            [
+                k,
+                fmt(v["value"], 3),
+                f"{v['op']} {fmt(v['bound'], 3)}",
+                "met" if v["met"] else "MISSED",
+            ]
+            for k, v in s["targets"].items()
+        ]
+        lines += ["", markdown_table(["target (fedinfer)", "value", "bound", "verdict"], trows)]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(
+        prog="python -m bench.routing_quality", description=__doc__.split("\n")[0]
+    )
+    d = Config()
+    ap.add_argument("--engines", type=int, default=d.engines)
+    ap.add_argument("--accelerator", default=d.accelerator)
+    ap.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
+    ap.add_argument("--seed", type=int, default=d.seed)
+    ap.add_argument("--duration", type=float, default=d.duration_s, help="seconds of arrivals")
+    ap.add_argument("--warmup", type=float, default=d.warmup_s, help="seconds not counted")
+    ap.add_argument("--calibrate", type=float, default=d.calibrate_s, help="seconds of saturation")
+    ap.add_argument("--policies", default=",".join(POLICIES))
+    ap.add_argument("--scenarios", default=",".join(s.name for s in SCENARIOS))
+    ap.add_argument("--engine-arg", action="append", default=[], help="extra engine-sim flag")
+    a = ap.parse_args(argv)
+    if not 5 <= a.duration <= 300 or not 0 <= a.warmup < a.duration:
+        ap.error("--duration must be 5..300 s and --warmup below it")
+    cfg = Config(
+        engines=a.engines,
+        accelerator=a.accelerator,
+        max_num_seqs=a.max_num_seqs,
+        seed=a.seed,
+        duration_s=a.duration,
+        warmup_s=a.warmup,
+        calibrate_s=a.calibrate,
+        extra_engine_args=tuple(a.engine_arg),
+    )
+    scen = tuple(s for s in SCENARIOS if s.name in a.scenarios.split(","))
+    pols = tuple(p for p in a.policies.split(",") if p in POLICIES)
+    run(cfg, scen, pols)
+
+
+if __name__ == "__main__":
+    with contextlib.suppress(KeyboardInterrupt):
+        main()
