@@ -49,3 +49,11 @@ bench: $(STAMP)
 
 clean:
 	rm -rf $(VENV) var .pytest_cache .mypy_cache .ruff_cache
+
+## make bench-overhead / bench-routing: one benchmark each (JSON in var/bench/, docs/benchmarks.md)
+.PHONY: bench-overhead bench-routing
+bench-overhead: $(STAMP)
+	$(BIN)/python -m bench overhead
+
+bench-routing: $(STAMP)
+	$(BIN)/python -m bench routing

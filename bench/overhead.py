@@ -73,7 +73,7 @@ def run_wrk(
         "wrk",
         "-t1",
         f"-c{conns}",
-        f"-d{duration:g}s",
+        f"-d{max(1, round(duration))}s",
         "--timeout",
         "10s",
         "-s",

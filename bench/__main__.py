@@ -1,0 +1,30 @@
+"""``python -m bench`` (``make bench``): every benchmark with its default settings.
+
+    python -m bench                 overhead, then routing quality
+    python -m bench overhead [...]  only the overhead benchmark (flags: python -m bench.overhead -h)
+    python -m bench routing [...]   only routing quality (flags: python -m bench.routing_quality -h)
+
+Results are printed as Markdown tables and written as JSON under ``var/bench/``.
+"""
+
+from __future__ import annotations
+
+import sys
+
+
+def main(argv: list[str]) -> None:
+    from bench import overhead, routing_quality
+
+    if not argv or argv[0] == "all":
+        overhead.main([])
+        routing_quality.main([])
+    elif argv[0] == "overhead":
+        overhead.main(argv[1:])
+    elif argv[0] in {"routing", "routing_quality"}:
+        routing_quality.main(argv[1:])
+    else:
+        raise SystemExit(__doc__)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
