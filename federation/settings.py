@@ -138,6 +138,16 @@ SPECTACULAR_SETTINGS = {
     "SERVE_INCLUDE_SCHEMA": False,
     "COMPONENT_SPLIT_REQUEST": True,
     "SCHEMA_PATH_PREFIX": r"/api/v1",
+    # Choice sets that share a field name (status, role) or a set (jurisdictions) get one
+    # stable component name each instead of a hash suffix.
+    "ENUM_NAME_OVERRIDES": {
+        "JurisdictionEnum": "federation.inventory.models.Jurisdiction",
+        "RegionStatusEnum": "federation.inventory.models.Region.Status",
+        "PoolStatusEnum": "federation.inventory.models.GPUPool.Status",
+        "DeploymentRoleEnum": "federation.inventory.models.Deployment.Role",
+        "MembershipRoleEnum": "federation.tenancy.models.Membership.Role",
+        "ApiKeyStatusEnum": ["active", "revoked", "expired"],
+    },
     # Swagger UI assets are served by us, not a CDN: consoles often run air-gapped.
     "SWAGGER_UI_DIST": "SIDECAR",
     "SWAGGER_UI_FAVICON_HREF": "SIDECAR",

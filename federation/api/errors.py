@@ -9,11 +9,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from django.core.exceptions import NON_FIELD_ERRORS
 from django.core.exceptions import ValidationError as DjangoValidationError
 from django.db.models import ProtectedError, RestrictedError
 from rest_framework import exceptions, status
 from rest_framework.response import Response
 from rest_framework.serializers import as_serializer_error
+from rest_framework.settings import api_settings
 from rest_framework.views import exception_handler as drf_exception_handler
 
 from federation.core.errors import Conflict
@@ -21,7 +23,12 @@ from federation.core.errors import Conflict
 
 def exception_handler(exc: Exception, context: dict[str, Any]) -> Response | None:
     if isinstance(exc, DjangoValidationError):
-        exc = exceptions.ValidationError(as_serializer_error(exc))
+        detail = as_serializer_error(exc)
+        # Django keys whole-object errors (unique constraints, cross-field rules) "__all__";
+        # DRF clients expect them under "non_field_errors", as serializers report them.
+        if NON_FIELD_ERRORS in detail:
+            detail[api_settings.NON_FIELD_ERRORS_KEY] = detail.pop(NON_FIELD_ERRORS)
+        exc = exceptions.ValidationError(detail)
     elif isinstance(exc, ProtectedError | RestrictedError):
         blockers = (
             exc.protected_objects if isinstance(exc, ProtectedError) else exc.restricted_objects

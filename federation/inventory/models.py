@@ -6,6 +6,8 @@ deployment fit its pool?) live in ``fit.py`` (pure) and are enforced by ``servic
 
 from __future__ import annotations
 
+from decimal import Decimal
+
 from django.core.validators import MaxValueValidator, MinValueValidator, RegexValidator
 from django.db import models
 
@@ -184,7 +186,7 @@ class LanguageModel(TimeStampedModel):
     parameter_count_b = models.DecimalField(
         max_digits=8,
         decimal_places=2,
-        validators=[MinValueValidator(0.01)],
+        validators=[MinValueValidator(Decimal("0.01"))],
         help_text="Parameters, in billions.",
     )
     dtype = models.CharField(max_length=8, choices=DType.choices, default=DType.BF16)
@@ -277,11 +279,23 @@ class Instance(TimeStampedModel):
         STOPPED = "stopped", "Stopped"
         FAILED = "failed", "Failed"
 
+    class DrainReason(models.TextChoices):
+        NONE = "", "Not draining"
+        OPERATOR = "operator", "Drained by an operator"
+        EVACUATION = "evacuation", "Region evacuated"
+
     deployment = models.ForeignKey(Deployment, on_delete=models.PROTECT, related_name="instances")
     name = models.CharField(max_length=63, unique=True, validators=[slug_validator])
     endpoint_url = models.URLField(max_length=300, unique=True)
     state = models.CharField(max_length=16, choices=State.choices, default=State.PENDING)
     state_changed_at = models.DateTimeField(null=True, blank=True)
+    drain_reason = models.CharField(
+        max_length=16,
+        choices=DrainReason.choices,
+        blank=True,
+        default="",
+        help_text="Why a draining instance drains: restoring a region undrains only its own.",
+    )
     last_heartbeat_at = models.DateTimeField(null=True, blank=True)
     load = models.JSONField(default=dict, blank=True, help_text="Last load snapshot from the edge.")
 
