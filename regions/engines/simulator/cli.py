@@ -1,0 +1,227 @@
+"""``fedinfer engine-sim``: N simulated vLLM engines on ports P..P+N-1 of one process.
+
+One asyncio loop (uvloop) runs every engine's step loop and one uvicorn server per engine, so
+a handful of engines costs one process and no threads. Each engine prints a line
+``engine-sim: engine I listening on http://HOST:PORT ...`` once it accepts connections;
+``--port 0`` lets the OS pick free ports (tests), reported there and in ``--ready-file``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import signal
+import socket
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import uvicorn
+
+from regions.engines.simulator.engine import EngineConfig, SimEngine
+from regions.engines.simulator.faults import FaultConfig, apply_update, parse_fault_flag
+from regions.engines.simulator.perf import ACCELERATORS
+from regions.engines.simulator.server import CUT_FILTER, EngineApp
+from regions.engines.simulator.tokenizer import Tokenizer
+
+log = logging.getLogger("fedinfer.engine_sim")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="fedinfer engine-sim",
+        description="Simulated vLLM engines (OpenAI-compatible API, vLLM metrics, a vLLM v1 "
+        "performance model).",
+    )
+    p.add_argument("--count", type=int, default=1, help="engines to host (default 1)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument(
+        "--port", type=int, default=8000, help="port of engine 0; engine i gets port+i (0: any)"
+    )
+    p.add_argument("--model", default="meta-llama/Llama-3.1-8B-Instruct")
+    p.add_argument("--served-model-name", nargs="+", default=None)
+    p.add_argument("--accelerator", default="H100-80G", choices=sorted(ACCELERATORS))
+    p.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int, default=1)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--num-gpu-blocks", type=int, default=None, help="default: what fits")
+    p.add_argument("--max-model-len", type=int, default=None, help="default: min(32768, KV)")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--max-loras", type=int, default=4, help="adapters per batch; 0: no LoRA")
+    p.add_argument(
+        "--lora-modules", nargs="+", default=[], metavar="NAME=PATH", help="adapters at start"
+    )
+    p.add_argument("--no-enable-prefix-caching", action="store_true")
+    p.add_argument("--output-len-median", type=int, default=128)
+    p.add_argument("--params-billion", type=float, default=None, help="default: from --model")
+    p.add_argument("--zero-latency", action="store_true", help="answer at once (overhead tests)")
+    p.add_argument(
+        "--fault",
+        action="append",
+        default=[],
+        metavar="[ENGINE:]KEY=VALUE[,...]",
+        help="e.g. error_rate=0.1 | 1:latency_ms=200 | health_fail | die_after_tokens=5 | "
+        "hang_rate=1 | kill_after_s=3",
+    )
+    p.add_argument("--ready-file", type=Path, default=None, help="write engine URLs as JSON")
+    p.add_argument("--log-level", default="warning")
+    return p
+
+
+def engine_configs(args: argparse.Namespace) -> list[EngineConfig]:
+    """One config per engine (faults may differ); ``ValueError`` on bad input."""
+    if args.count < 1:
+        raise ValueError("--count must be at least 1")
+    loras = []
+    for spec in args.lora_modules:
+        name, eq, path = spec.partition("=")
+        if not eq or not name or not path:
+            raise ValueError(f"--lora-modules expects NAME=PATH, got {spec!r}")
+        loras.append((name, path))
+    faults = [FaultConfig() for _ in range(args.count)]
+    for spec in args.fault:
+        index, update = parse_fault_flag(spec)
+        if index is not None and not 0 <= index < args.count:
+            raise ValueError(f"--fault {spec!r}: no engine {index}")
+        for i in range(args.count) if index is None else (index,):
+            faults[i] = apply_update(faults[i], update)
+    return [
+        EngineConfig(
+            model=args.model,
+            served_model_names=tuple(args.served_model_name or ()),
+            accelerator=args.accelerator,
+            tp=args.tp,
+            seed=args.seed,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            num_gpu_blocks=args.num_gpu_blocks,
+            max_model_len=args.max_model_len,
+            block_size=args.block_size,
+            max_loras=args.max_loras,
+            enable_prefix_caching=not args.no_enable_prefix_caching,
+            zero_latency=args.zero_latency,
+            output_len_median=args.output_len_median,
+            params_billion=args.params_billion,
+            lora_modules=tuple(loras),
+            faults=faults[i],
+        )
+        for i in range(args.count)
+    ]
+
+
+class _Server(uvicorn.Server):
+    """A uvicorn server that leaves signals to the process (several share one loop)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise SystemExit(f"engine-sim: cannot listen on {host}:{port}: {exc}") from None
+    sock.listen(2048)
+    sock.setblocking(False)
+    return sock
+
+
+async def serve(args: argparse.Namespace, configs: list[EngineConfig]) -> None:
+    tokenizer = Tokenizer()
+    engines = [SimEngine(cfg, i, tokenizer) for i, cfg in enumerate(configs)]
+    sockets = [_bind(args.host, args.port + i if args.port else 0) for i in range(len(engines))]
+    loop = asyncio.get_running_loop()
+    servers: list[_Server] = []
+    engine_tasks = [asyncio.ensure_future(engine.run()) for engine in engines]
+    for engine, cfg in zip(engines, configs, strict=True):
+        app = EngineApp(engine)
+        config = uvicorn.Config(
+            app,
+            loop="none",
+            http="httptools",
+            lifespan="off",
+            access_log=False,
+            log_level=args.log_level,
+            timeout_graceful_shutdown=2,
+            timeout_keep_alive=30,
+            backlog=2048,
+        )
+        server = _Server(config)
+        app.on_kill = _stopper(server)
+        servers.append(server)
+        if cfg.faults.kill_after_s is not None:
+            loop.call_later(cfg.faults.kill_after_s, app.kill)
+    logging.getLogger("uvicorn.error").addFilter(CUT_FILTER)
+
+    def stop() -> None:
+        for server in servers:
+            server.should_exit = True
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop)
+    server_tasks = [
+        asyncio.ensure_future(server.serve(sockets=[sock]))
+        for server, sock in zip(servers, sockets, strict=True)
+    ]
+    for _ in range(500):  # every server up within 5 s, or give up
+        if all(s.started for s in servers) or any(t.done() for t in server_tasks):
+            break
+        await asyncio.sleep(0.01)
+    ready = []
+    for engine, sock in zip(engines, sockets, strict=True):
+        port = sock.getsockname()[1]
+        url = f"http://{args.host}:{port}"
+        ready.append({"index": engine.index, "url": url, "port": port})
+        print(
+            f"engine-sim: engine {engine.index} listening on {url} "
+            f"model={engine.served_model_names[0]} accelerator={engine.config.accelerator} "
+            f"tp={engine.config.tp} num_gpu_blocks={engine.num_gpu_blocks} "
+            f"max_model_len={engine.max_model_len}"
+            + (" zero-latency" if engine.config.zero_latency else ""),
+            flush=True,
+        )
+    if args.ready_file is not None:
+        args.ready_file.write_text(json.dumps({"engines": ready}))
+    try:
+        await asyncio.gather(*server_tasks)
+    finally:
+        for engine in engines:
+            engine.close()
+        for task in engine_tasks:
+            task.cancel()
+        await asyncio.gather(*engine_tasks, return_exceptions=True)
+        for sock in sockets:
+            sock.close()
+
+
+def _stopper(server: _Server) -> Callable[[], None]:
+    def stop() -> None:
+        server.should_exit = True
+
+    return stop
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s %(message)s")
+    try:
+        configs = engine_configs(args)
+        # Fail on an impossible configuration before binding anything.
+        for i, cfg in enumerate(configs):
+            SimEngine(cfg, i)
+    except ValueError as exc:
+        raise SystemExit(f"engine-sim: {exc}") from None
+    import uvloop
+
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        runner.run(serve(args, configs))
+    sys.stdout.flush()

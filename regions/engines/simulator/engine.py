@@ -1,0 +1,306 @@
+"""One simulated engine: the pure scheduler driven in real time on asyncio.
+
+The loop plans a step, sleeps for the step time the performance model gives (minus the time
+the planning took), applies the step and wakes the request handlers whose requests produced a
+token. Requests that arrive during a step join the next one, as in vLLM. With
+``zero_latency`` there is no loop: a request is answered at once with its planned output, for
+measuring a router's own overhead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import math
+import random
+import time
+from dataclasses import dataclass, field
+
+import xxhash
+
+from regions.engines.simulator.faults import FaultConfig, FaultInjector
+from regions.engines.simulator.kv_cache import KVCacheManager, root_hash
+from regions.engines.simulator.perf import PerfModel, accelerator, model_params_billion
+from regions.engines.simulator.prom import EngineMetrics
+from regions.engines.simulator.scheduler import (
+    Request,
+    Scheduler,
+    SchedulerConfig,
+    Status,
+)
+from regions.engines.simulator.tokenizer import Tokenizer, plan_output, tokens_digest
+
+#: The vLLM release whose API, metrics and fingerprint the simulator reproduces.
+VLLM_VERSION = "0.32.0"
+DEFAULT_MAX_MODEL_LEN = 32768
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    model: str = "meta-llama/Llama-3.1-8B-Instruct"
+    served_model_names: tuple[str, ...] = ()
+    accelerator: str = "H100-80G"
+    tp: int = 1
+    seed: int = 0
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    num_gpu_blocks: int | None = None
+    max_model_len: int | None = None
+    block_size: int = 16
+    max_loras: int = 4
+    enable_prefix_caching: bool = True
+    zero_latency: bool = False
+    #: Median length of an answer when the model "stops by itself" (log-normal, sigma 0.7).
+    output_len_median: int = 128
+    params_billion: float | None = None
+    lora_modules: tuple[tuple[str, str], ...] = ()
+    faults: FaultConfig = field(default_factory=FaultConfig)
+
+
+class RequestStream:
+    """Hand-off between the engine loop and the HTTP handler of one request."""
+
+    __slots__ = ("_waiter", "cut", "last_token_time", "request", "texts")
+
+    def __init__(self, request: Request, texts: list[str]):
+        self.request = request
+        self.texts = texts
+        self.cut = False  # the engine was killed: end the response without finishing it
+        self.last_token_time: float | None = None
+        self._waiter: asyncio.Future[None] | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.request.status is Status.FINISHED
+
+    def notify(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def wait(self) -> None:
+        """Until the engine reports progress (new tokens, finish, cut)."""
+        self._waiter = asyncio.get_running_loop().create_future()
+        try:
+            await self._waiter
+        finally:
+            self._waiter = None
+
+
+class ModelNotFound(Exception):
+    pass
+
+
+class SimEngine:
+    def __init__(self, config: EngineConfig, index: int = 0, tokenizer: Tokenizer | None = None):
+        self.config = config
+        self.index = index
+        self.tokenizer = tokenizer or Tokenizer()
+        self.served_model_names = config.served_model_names or (config.model,)
+        params = config.params_billion or model_params_billion(config.model)
+        self.perf = PerfModel(accelerator(config.accelerator), config.tp, params)
+        bs = config.block_size
+        self.num_gpu_blocks = config.num_gpu_blocks or self.perf.default_num_gpu_blocks(bs)
+        self.max_model_len = config.max_model_len or min(
+            DEFAULT_MAX_MODEL_LEN, self.num_gpu_blocks * bs
+        )
+        self.kv = KVCacheManager(self.num_gpu_blocks, bs, config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                max_model_len=self.max_model_len,
+                block_size=bs,
+                max_loras=config.max_loras,
+            ),
+            self.kv,
+            root_hash(config.seed),
+        )
+        self.metrics = EngineMetrics(
+            self.served_model_names[0],
+            self.max_model_len,
+            {
+                "block_size": str(bs),
+                "cache_dtype": "auto",
+                "enable_prefix_caching": str(config.enable_prefix_caching),
+                "gpu_memory_utilization": "0.9",
+                "num_cpu_blocks": "None",
+                "num_gpu_blocks": str(self.num_gpu_blocks),
+                "num_gpu_blocks_override": str(config.num_gpu_blocks),
+                "prefix_caching_hash_algo": "xxhash",
+                "sliding_window": "None",
+            },
+            config.max_loras,
+        )
+        self.faults = FaultInjector(config.seed * 7919 + index, config.faults)
+        self.loras: dict[str, str] = dict(config.lora_modules)
+        self.streams: dict[str, RequestStream] = {}
+        self.created = int(time.time())
+        digest = xxhash.xxh64_hexdigest(
+            f"{config.model}|{config.accelerator}|{config.tp}|{self.max_model_len}|"
+            f"{self.num_gpu_blocks}|{config.seed}".encode()
+        )
+        tp = f"-tp{config.tp}" if config.tp > 1 else ""
+        self.system_fingerprint = f"vllm-{VLLM_VERSION}{tp}-{digest[:8]}"
+        self.killed = False
+        self.killed_event = asyncio.Event()
+        self._ids = itertools.count()
+        self._wake = asyncio.Event()
+        self._closed = False
+        self._output_seed = config.seed * 1_000_003
+
+    # -- model names --------------------------------------------------------------------
+
+    def resolve_model(self, name: str | None) -> str | None:
+        """The LoRA adapter a request's ``model`` names (None for the base model)."""
+        if not name or name in self.served_model_names:
+            return None
+        if name in self.loras:
+            return name
+        raise ModelNotFound(name)
+
+    def load_lora(self, name: str, path: str) -> None:
+        self.loras[name] = path
+
+    # -- requests -----------------------------------------------------------------------
+
+    def new_request(
+        self,
+        prompt_token_ids: list[int],
+        max_tokens: int,
+        *,
+        lora: str | None = None,
+        ignore_eos: bool = False,
+        min_tokens: int = 0,
+    ) -> tuple[Request, list[str]]:
+        """A request and its planned output: same prompt, same answer (greedy-like), and the
+        answer's natural length is log-normal around ``output_len_median``."""
+        rng = random.Random(self._output_seed ^ tokens_digest(prompt_token_ids))
+        if ignore_eos:
+            length = max_tokens
+        else:
+            natural = round(rng.lognormvariate(math.log(self.config.output_len_median), 0.7))
+            length = min(max_tokens, max(1, min_tokens, natural))
+        ids, texts = plan_output(self.tokenizer, rng, length)
+        request = Request(
+            request_id=f"{self.index}-{next(self._ids)}",
+            prompt_token_ids=prompt_token_ids,
+            planned_output_ids=ids,
+            max_tokens=max_tokens,
+            lora=lora,
+            arrival_time=time.monotonic(),
+        )
+        return request, texts
+
+    def submit(self, request: Request, texts: list[str]) -> RequestStream:
+        stream = RequestStream(request, texts)
+        if self.config.zero_latency:
+            self._complete_now(request)
+            return stream
+        self.scheduler.add_request(request)
+        self.streams[request.request_id] = stream
+        self._wake.set()
+        return stream
+
+    def _complete_now(self, request: Request) -> None:
+        counters = self.scheduler.counters
+        n = len(request.planned_output_ids)
+        request.output_token_ids = request.planned_output_ids
+        request.num_cached_tokens = 0
+        request.status = Status.FINISHED
+        request.finish_reason = "length" if n >= request.max_tokens else "stop"
+        counters.prompt_tokens += request.num_prompt_tokens
+        counters.generation_tokens += n
+        self.metrics.success[request.finish_reason].inc()
+
+    def abort(self, request_id: str) -> None:
+        """The client went away: free the request's blocks, count it as aborted."""
+        now = time.monotonic()
+        request = self.scheduler.abort(request_id, now)
+        stream = self.streams.pop(request_id, None)
+        if request is not None:
+            self._record_finished(request, now)
+        if stream is not None:
+            stream.notify()
+
+    # -- the loop -----------------------------------------------------------------------
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        scheduler = self.scheduler
+        while not self._closed:
+            if not scheduler.has_work():
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            t0 = loop.time()
+            plan = scheduler.schedule(time.monotonic())
+            if plan.empty:
+                # Only possible when every waiting request is blocked (e.g. LoRA slots); wait
+                # for a change rather than spin.
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            delay = t0 + self.perf.plan_time(plan) - loop.time()
+            await asyncio.sleep(delay if delay > 0 else 0)
+            now = time.monotonic()
+            result = scheduler.update(plan, now)
+            self.metrics.iteration_tokens.observe(plan.num_scheduled_tokens)
+            ttft = self.metrics.ttft.observe
+            itl = self.metrics.itl.observe
+            streams = self.streams
+            for request in result.first_tokens:
+                ttft(now - request.arrival_time)
+            for request in result.sampled:
+                stream = streams.get(request.request_id)
+                if stream is None:
+                    continue
+                if stream.last_token_time is not None:
+                    itl(now - stream.last_token_time)
+                stream.last_token_time = now
+                stream.notify()
+            for request in result.finished:
+                streams.pop(request.request_id, None)
+                self._record_finished(request, now)
+
+    def _record_finished(self, request: Request, now: float) -> None:
+        self.metrics.record_finished(
+            request.finish_reason or "abort",
+            arrival=request.arrival_time,
+            first_scheduled=request.first_scheduled_time,
+            first_token=request.first_token_time,
+            finished=now,
+            prompt_tokens=request.num_prompt_tokens,
+            generation_tokens=len(request.output_token_ids),
+            max_tokens=request.max_tokens,
+        )
+
+    def kill(self) -> None:
+        """Die: cut every open response and stop the loop (the server stops listening)."""
+        self.killed = True
+        self.killed_event.set()
+        self._closed = True
+        for request_id, stream in list(self.streams.items()):
+            stream.cut = True
+            self.scheduler.abort(request_id, time.monotonic())
+            stream.notify()
+        self.streams.clear()
+        self._wake.set()
+
+    def close(self) -> None:
+        self._closed = True
+        self._wake.set()
+
+    # -- observation --------------------------------------------------------------------
+
+    def metrics_text(self) -> bytes:
+        scheduler = self.scheduler
+        self.metrics.refresh(
+            scheduler.counters,
+            running=scheduler.num_running,
+            waiting=scheduler.num_waiting,
+            kv_usage=self.kv.usage,
+            running_loras=scheduler.running_loras(),
+            waiting_loras=scheduler.waiting_loras(),
+        )
+        return self.metrics.exposition()

@@ -1,0 +1,225 @@
+"""The engine's ``/metrics``: vLLM v1's names, labels and buckets (``vllm/v1/metrics/
+loggers.py`` and ``buckets.py`` of vLLM 0.32), one ``CollectorRegistry`` per engine.
+
+Gauges and token counters are brought up to date when scraped (from the scheduler's
+monotonic totals), not on every step: the exposition is identical and the engine loop stays
+cheap. Per-request histograms are observed when their event happens, as vLLM does.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from regions.engines.simulator.scheduler import SchedulerCounters
+
+FINISH_REASONS = ("stop", "length", "abort", "error", "repetition")
+REQUEST_LATENCY_BUCKETS: tuple[float, ...] = (
+    *(0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0),
+    *(120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0),
+)
+TTFT_BUCKETS: tuple[float, ...] = (
+    *(0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5),
+    *(10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0),
+)
+ITL_BUCKETS: tuple[float, ...] = (
+    *(0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5),
+    *(10.0, 20.0, 40.0, 80.0),
+)
+ITERATION_TOKENS_BUCKETS: tuple[float, ...] = (
+    *(1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384),
+)
+
+
+def build_1_2_5_buckets(max_value: int) -> list[float]:
+    buckets: list[float] = []
+    exponent = 0
+    while True:
+        for m in (1, 2, 5):
+            value = m * 10**exponent
+            if value > max_value:
+                return buckets
+            buckets.append(value)
+        exponent += 1
+
+
+class EngineMetrics:
+    def __init__(
+        self,
+        model_name: str,
+        max_model_len: int,
+        cache_info: Mapping[str, str],
+        max_loras: int,
+        engine: str = "0",
+    ):
+        self.registry = r = CollectorRegistry()
+        labels = ["model_name", "engine"]
+        lv = (model_name, engine)
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, labels, registry=r)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(name, doc, labels, registry=r)
+
+        def hist(name: str, doc: str, buckets: tuple[float, ...] | list[float]) -> Histogram:
+            return Histogram(name, doc, labels, buckets=buckets, registry=r)
+
+        self.running = gauge(
+            "vllm:num_requests_running", "Number of requests in model execution batches."
+        ).labels(*lv)
+        self.waiting = gauge(
+            "vllm:num_requests_waiting", "Number of requests waiting to be processed."
+        ).labels(*lv)
+        self.kv_usage = gauge(
+            "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage."
+        ).labels(*lv)
+        self.prefix_queries = counter(
+            "vllm:prefix_cache_queries",
+            "Prefix cache queries, in terms of number of queried tokens.",
+        ).labels(*lv)
+        self.prefix_hits = counter(
+            "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens."
+        ).labels(*lv)
+        self.preemptions = counter(
+            "vllm:num_preemptions", "Cumulative number of preemption from the engine."
+        ).labels(*lv)
+        self.prompt_tokens = counter(
+            "vllm:prompt_tokens", "Number of prefill tokens processed."
+        ).labels(*lv)
+        self.generation_tokens = counter(
+            "vllm:generation_tokens", "Number of generation tokens processed."
+        ).labels(*lv)
+        success = Counter(
+            "vllm:request_success",
+            "Count of successfully processed requests.",
+            [*labels, "finished_reason"],
+            registry=r,
+        )
+        self.success = {reason: success.labels(*lv, reason) for reason in FINISH_REASONS}
+        token_buckets = build_1_2_5_buckets(max_model_len)
+        self.request_prompt_tokens = hist(
+            "vllm:request_prompt_tokens", "Number of prefill tokens processed.", token_buckets
+        ).labels(*lv)
+        self.request_generation_tokens = hist(
+            "vllm:request_generation_tokens",
+            "Number of generation tokens processed.",
+            token_buckets,
+        ).labels(*lv)
+        self.iteration_tokens = hist(
+            "vllm:iteration_tokens_total",
+            "Histogram of number of tokens per engine_step.",
+            ITERATION_TOKENS_BUCKETS,
+        ).labels(*lv)
+        self.max_tokens_param = hist(
+            "vllm:request_params_max_tokens",
+            "Histogram of the max_tokens request parameter.",
+            token_buckets,
+        ).labels(*lv)
+        self.ttft = hist(
+            "vllm:time_to_first_token_seconds",
+            "Histogram of time to first token in seconds.",
+            TTFT_BUCKETS,
+        ).labels(*lv)
+        self.itl = hist(
+            "vllm:inter_token_latency_seconds",
+            "Histogram of inter-token latency in seconds.",
+            ITL_BUCKETS,
+        ).labels(*lv)
+        self.e2e = hist(
+            "vllm:e2e_request_latency_seconds",
+            "Histogram of e2e request latency in seconds.",
+            REQUEST_LATENCY_BUCKETS,
+        ).labels(*lv)
+        self.queue_time = hist(
+            "vllm:request_queue_time_seconds",
+            "Histogram of time spent in WAITING phase for request.",
+            REQUEST_LATENCY_BUCKETS,
+        ).labels(*lv)
+        self.prefill_time = hist(
+            "vllm:request_prefill_time_seconds",
+            "Histogram of time spent in PREFILL phase for request.",
+            REQUEST_LATENCY_BUCKETS,
+        ).labels(*lv)
+        self.decode_time = hist(
+            "vllm:request_decode_time_seconds",
+            "Histogram of time spent in DECODE phase for request.",
+            REQUEST_LATENCY_BUCKETS,
+        ).labels(*lv)
+        Gauge(
+            "vllm:cache_config_info",
+            "Information of the LLMEngine CacheConfig",
+            [*cache_info, "engine"],
+            registry=r,
+        ).labels(*cache_info.values(), engine).set(1)
+        self.max_loras = max_loras
+        self.lora_info: Gauge | None = None
+        if max_loras > 0:
+            self.lora_info = Gauge(
+                "vllm:lora_requests_info",
+                "Running stats on lora requests.",
+                ["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
+                registry=r,
+            )
+        self._exported = SchedulerCounters()
+
+    def record_finished(
+        self,
+        reason: str,
+        *,
+        arrival: float,
+        first_scheduled: float | None,
+        first_token: float | None,
+        finished: float,
+        prompt_tokens: int,
+        generation_tokens: int,
+        max_tokens: int,
+    ) -> None:
+        self.success[reason].inc()
+        self.e2e.observe(finished - arrival)
+        if first_scheduled is not None:
+            self.queue_time.observe(first_scheduled - arrival)
+            if first_token is not None:
+                self.prefill_time.observe(first_token - first_scheduled)
+                self.decode_time.observe(finished - first_token)
+        self.request_prompt_tokens.observe(prompt_tokens)
+        self.request_generation_tokens.observe(generation_tokens)
+        self.max_tokens_param.observe(max_tokens)
+
+    def refresh(
+        self,
+        counters: SchedulerCounters,
+        *,
+        running: int,
+        waiting: int,
+        kv_usage: float,
+        running_loras: set[str],
+        waiting_loras: set[str],
+    ) -> None:
+        """Bring gauges and counters to the engine's present state."""
+        self.running.set(running)
+        self.waiting.set(waiting)
+        self.kv_usage.set(kv_usage)
+        done = self._exported
+        for name, metric in (
+            ("prefix_cache_queries", self.prefix_queries),
+            ("prefix_cache_hits", self.prefix_hits),
+            ("preemptions", self.preemptions),
+            ("prompt_tokens", self.prompt_tokens),
+            ("generation_tokens", self.generation_tokens),
+        ):
+            delta = getattr(counters, name) - getattr(done, name)
+            if delta > 0:
+                metric.inc(delta)
+                setattr(done, name, getattr(counters, name))
+        if self.lora_info is not None:
+            self.lora_info.labels(
+                str(self.max_loras),
+                ",".join(sorted(waiting_loras)),
+                ",".join(sorted(running_loras)),
+            ).set(time.time())
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)

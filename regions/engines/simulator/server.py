@@ -1,0 +1,778 @@
+"""vLLM's OpenAI-compatible HTTP API over one :class:`SimEngine`, as a bare ASGI app.
+
+Bare ASGI rather than a framework: the zero-latency mode exists to measure a router's overhead,
+so the simulator's own per-request cost must be small. Response bodies follow vLLM 0.32
+field for field (``vllm/entrypoints/openai/*/serving.py``): streamed chunks are serialized
+with ``exclude_unset`` there, hence the explicit ``null`` fields below; the final usage chunk
+with ``exclude_none``; full responses with every field. Errors use vLLM's
+``{"error": {"message", "type", "param", "code"}}``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+import orjson
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from regions.engines.simulator.engine import (
+    VLLM_VERSION,
+    ModelNotFound,
+    RequestStream,
+    SimEngine,
+)
+from regions.engines.simulator.faults import Fate
+from regions.engines.simulator.scheduler import Request, Status
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+JSON_HEADERS = [(b"content-type", b"application/json")]
+SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8")]
+DONE = b"data: [DONE]\n\n"
+CUT_MESSAGE = "ASGI callable returned without completing response."
+
+_ids = random.Random()
+
+
+class CutConnectionFilter(logging.Filter):
+    """Silence uvicorn's complaint about responses the simulator cuts on purpose (die
+    mid-stream, kill); any other incomplete response is still logged."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.expected = 0
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if self.expected > 0 and record.getMessage() == CUT_MESSAGE:
+            self.expected -= 1
+            return False
+        return True
+
+
+CUT_FILTER = CutConnectionFilter()
+
+
+class ApiError(Exception):
+    """An error response in vLLM's shape."""
+
+    def __init__(self, status: int, message: str, err_type: str, param: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.body = {
+            "error": {"message": message, "type": err_type, "param": param, "code": status}
+        }
+
+
+def _validation_error(kind: str, loc: str, msg: str, value: Any) -> ApiError:
+    """FastAPI/pydantic request validation failure, formatted as vLLM's handler does."""
+    if isinstance(value, list | tuple | dict | set):
+        shown: Any = f"<{type(value).__name__} of {len(value)} items>"
+    else:
+        shown = value
+    detail = {"type": kind, "loc": loc, "msg": msg, "input": shown}
+    return ApiError(400, f"1 validation error:\n  {detail}", "Bad Request", loc)
+
+
+def _bad_request(message: str, param: str | None = None) -> ApiError:
+    if param is not None:
+        message = f"{message} (parameter={param})"
+    return ApiError(400, message, "BadRequestError", param)
+
+
+def _int_field(body: dict[str, Any], name: str) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _validation_error(
+            "int_type", f"body.{name}", "Input should be a valid integer", value
+        )
+    return value
+
+
+def _bool_field(body: dict[str, Any], name: str, default: bool) -> bool:
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise _validation_error(
+            "bool_type", f"body.{name}", "Input should be a valid boolean", value
+        )
+    return value
+
+
+class EngineApp:
+    """ASGI app of one engine; ``on_kill`` stops its listener."""
+
+    def __init__(self, engine: SimEngine, on_kill: Callable[[], None] | None = None):
+        self.engine = engine
+        self.on_kill = on_kill
+        self.routes: dict[str, tuple[str, Callable[[Scope, Receive, Send], Awaitable[None]]]] = {
+            "/v1/chat/completions": ("POST", self.chat_completions),
+            "/v1/completions": ("POST", self.completions),
+            "/v1/models": ("GET", self.models),
+            "/health": ("GET", self.health),
+            "/metrics": ("GET", self.metrics),
+            "/version": ("GET", self.version),
+            "/v1/load_lora_adapter": ("POST", self.load_lora),
+            "/v1/unload_lora_adapter": ("POST", self.unload_lora),
+            "/admin/faults": ("*", self.admin_faults),
+        }
+        names = engine.served_model_names
+        self._model_json = {name: orjson.dumps(name).decode() for name in names}
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return
+        route = self.routes.get(scope["path"])
+        if route is None:
+            await _send_json(send, 404, {"detail": "Not Found"})
+            return
+        method, handler = route
+        if method != "*" and scope["method"] != method:
+            await _send_json(send, 405, {"detail": "Method Not Allowed"})
+            return
+        try:
+            await handler(scope, receive, send)
+        except ApiError as err:
+            await _send_json(send, err.status, err.body)
+
+    # -- simple endpoints ----------------------------------------------------------------
+
+    async def health(self, scope: Scope, receive: Receive, send: Send) -> None:
+        status = 503 if self.engine.faults.config.health_fail else 200
+        headers = [(b"content-length", b"0")]
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": b""})
+
+    async def version(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await _send_json(send, 200, {"version": VLLM_VERSION})
+
+    async def metrics(self, scope: Scope, receive: Receive, send: Send) -> None:
+        body = self.engine.metrics_text()
+        headers = [(b"content-type", CONTENT_TYPE_LATEST.encode())]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
+    async def models(self, scope: Scope, receive: Receive, send: Send) -> None:
+        engine = self.engine
+        created = int(time.time())
+        cards = [
+            _model_card(name, engine.config.model, None, engine.max_model_len, created)
+            for name in engine.served_model_names
+        ]
+        cards += [
+            _model_card(name, path, engine.served_model_names[0], None, created)
+            for name, path in engine.loras.items()
+        ]
+        await _send_json(send, 200, {"object": "list", "data": cards})
+
+    async def load_lora(self, scope: Scope, receive: Receive, send: Send) -> None:
+        body = await _json_body(scope, receive)
+        name, path = body.get("lora_name"), body.get("lora_path")
+        if not name or not path or not isinstance(name, str) or not isinstance(path, str):
+            raise ApiError(
+                400, "Both 'lora_name' and 'lora_path' must be provided.", "InvalidUserInput"
+            )
+        engine = self.engine
+        if name in engine.served_model_names:
+            raise ApiError(
+                400,
+                f"The lora adapter '{name}' conflicts with a served base model.",
+                "InvalidUserInput",
+            )
+        if name in engine.loras and not body.get("load_inplace"):
+            raise ApiError(
+                400,
+                f"The lora adapter '{name}' has already been loaded. If you want to load the "
+                "adapter in place, set 'load_inplace' to True.",
+                "InvalidUserInput",
+            )
+        engine.load_lora(name, path)
+        await _send_text(send, 200, f"Success: LoRA adapter '{name}' added successfully.")
+
+    async def unload_lora(self, scope: Scope, receive: Receive, send: Send) -> None:
+        body = await _json_body(scope, receive)
+        name = body.get("lora_name")
+        if not name or not isinstance(name, str):
+            raise ApiError(
+                400,
+                "'lora_name' needs to be provided to unload a LoRA adapter.",
+                "InvalidUserInput",
+            )
+        if name not in self.engine.loras:
+            raise ApiError(404, f"The lora adapter '{name}' cannot be found.", "NotFoundError")
+        del self.engine.loras[name]
+        await _send_text(send, 200, f"Success: LoRA adapter '{name}' removed successfully.")
+
+    async def admin_faults(self, scope: Scope, receive: Receive, send: Send) -> None:
+        engine = self.engine
+        kill = False
+        if scope["method"] == "POST":
+            body = await _json_body(scope, receive)
+            update = dict(body)
+            kill = bool(update.pop("kill", False))
+            if update.pop("reset", False):
+                engine.faults.reset()
+            try:
+                engine.faults.update(update)
+            except ValueError as exc:
+                raise _bad_request(str(exc)) from None
+        elif scope["method"] != "GET":
+            await _send_json(send, 405, {"detail": "Method Not Allowed"})
+            return
+        await _send_json(
+            send,
+            200,
+            {
+                "engine": engine.index,
+                "faults": engine.faults.config.as_dict(),
+                "killed": engine.killed or kill,
+            },
+        )
+        if kill:
+            # After the answer went out: stop listening and cut every open response.
+            asyncio.get_running_loop().call_soon(self.kill)
+
+    def kill(self) -> None:
+        CUT_FILTER.expected += len(self.engine.streams)
+        self.engine.kill()
+        if self.on_kill is not None:
+            self.on_kill()
+
+    # -- generation ----------------------------------------------------------------------
+
+    async def chat_completions(self, scope: Scope, receive: Receive, send: Send) -> None:
+        body = await _json_body(scope, receive)
+        fate = self.engine.faults.fate()
+        if fate.latency_s or fate.error or fate.hang:
+            await self._apply_fate(fate, receive, send)
+        messages = body.get("messages")
+        if messages is None:
+            raise _validation_error("missing", "body.messages", "Field required", body)
+        if not isinstance(messages, list):
+            raise _validation_error(
+                "list_type", "body.messages", "Input should be a valid list", messages
+            )
+        for i, message in enumerate(messages):
+            if not isinstance(message, dict):
+                raise _validation_error(
+                    "model_type", f"body.messages.{i}", "Input should be an object", message
+                )
+        model, lora = self._model(body)
+        add_generation_prompt = _bool_field(body, "add_generation_prompt", True)
+        try:
+            rendered = self.engine.tokenizer.apply_chat_template(messages, add_generation_prompt)
+        except ValueError as exc:
+            raise _bad_request(str(exc)) from None
+        prompt_ids = self.engine.tokenizer.encode(rendered)
+        max_tokens = _int_field(body, "max_completion_tokens")
+        param = "max_completion_tokens"
+        if max_tokens is None:
+            max_tokens, param = _int_field(body, "max_tokens"), "max_tokens"
+        await self._generate(
+            scope, receive, send, body, fate, model, lora, prompt_ids, max_tokens, param, True
+        )
+
+    async def completions(self, scope: Scope, receive: Receive, send: Send) -> None:
+        body = await _json_body(scope, receive)
+        fate = self.engine.faults.fate()
+        if fate.latency_s or fate.error or fate.hang:
+            await self._apply_fate(fate, receive, send)
+        prompt = body.get("prompt")
+        if prompt is None:
+            raise _validation_error("missing", "body.prompt", "Field required", body)
+        model, lora = self._model(body)
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+            prompt = prompt[0]  # a batch of one
+        if isinstance(prompt, str):
+            prompt_ids = self.engine.tokenizer.encode(prompt)
+        elif isinstance(prompt, list) and all(
+            isinstance(t, int) and not isinstance(t, bool) for t in prompt
+        ):
+            prompt_ids = list(prompt)
+        else:
+            raise _bad_request(
+                "the simulator serves one prompt per request: a string or a list of token ids",
+                "prompt",
+            )
+        if not prompt_ids:
+            raise _bad_request("Prompt cannot be empty", "prompt")
+        max_tokens = _int_field(body, "max_tokens")
+        if "max_tokens" not in body:
+            max_tokens = 16  # vLLM's CompletionRequest default
+        await self._generate(
+            scope,
+            receive,
+            send,
+            body,
+            fate,
+            model,
+            lora,
+            prompt_ids,
+            max_tokens,
+            "max_tokens",
+            False,
+        )
+
+    def _model(self, body: dict[str, Any]) -> tuple[str, str | None]:
+        name = body.get("model")
+        if name is not None and not isinstance(name, str):
+            raise _validation_error(
+                "string_type", "body.model", "Input should be a valid string", name
+            )
+        try:
+            lora = self.engine.resolve_model(name)
+        except ModelNotFound:
+            aliases = ", ".join(self.engine.served_model_names)
+            raise ApiError(
+                404,
+                f"The model `{name}` does not exist. Valid aliases: {aliases}.",
+                "NotFoundError",
+                "model",
+            ) from None
+        return (name or self.engine.served_model_names[0]), lora
+
+    async def _apply_fate(self, fate: Fate, receive: Receive, send: Send) -> None:
+        if fate.latency_s:
+            await asyncio.sleep(fate.latency_s)
+        if fate.error:
+            raise ApiError(
+                500,
+                "EngineCore encountered an issue. See stack trace (above) for the root cause.",
+                "InternalServerError",
+            )
+        if fate.hang:
+            gone = asyncio.ensure_future(_until_disconnect(receive))
+            killed = asyncio.ensure_future(self.engine.killed_event.wait())
+            try:
+                await asyncio.wait((gone, killed), return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                gone.cancel()
+                killed.cancel()
+            if self.engine.killed:
+                # Died while hanging: headers, then the connection drops.
+                CUT_FILTER.expected += 1
+                await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
+            raise _Disconnected
+
+    async def _generate(
+        self,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        body: dict[str, Any],
+        fate: Fate,
+        model: str,
+        lora: str | None,
+        prompt_ids: list[int],
+        max_tokens: int | None,
+        max_tokens_param: str,
+        chat: bool,
+    ) -> None:
+        engine = self.engine
+        n = _int_field(body, "n")
+        if n is not None and n != 1:
+            raise _bad_request("the simulator generates one choice per request (n=1)", "n")
+        stream = _bool_field(body, "stream", False)
+        options = body.get("stream_options")
+        if options is not None:
+            if not stream:
+                raise _bad_request("Stream options can only be defined when `stream=True`.")
+            if not isinstance(options, dict):
+                raise _validation_error(
+                    "model_type", "body.stream_options", "Input should be an object", options
+                )
+        include_usage = bool(options and options.get("include_usage"))
+        continuous = include_usage and bool(options and options.get("continuous_usage_stats"))
+        limit = engine.max_model_len
+        num_prompt = len(prompt_ids)
+        if max_tokens is not None and max_tokens > limit:
+            raise _bad_request(
+                f"{max_tokens_param}={max_tokens} cannot be greater than max_model_len={limit}. "
+                "Please request fewer output tokens.",
+                max_tokens_param,
+            )
+        if num_prompt > limit:
+            raise ApiError(
+                400,
+                f"This model's maximum context length is {limit} tokens. However, your prompt "
+                f"contains {num_prompt} input tokens, which exceeds this limit even without any "
+                "output tokens. Please reduce the length of the input prompt. "
+                f"(parameter=input_tokens, value={num_prompt})",
+                "BadRequestError",
+                "input_tokens",
+            )
+        effective = (
+            limit - num_prompt if max_tokens is None else min(max_tokens, limit - num_prompt)
+        )
+        if effective < 1:
+            raise _bad_request(f"max_tokens must be at least 1, got {effective}.", "max_tokens")
+        min_tokens = _int_field(body, "min_tokens") or 0
+        ignore_eos = _bool_field(body, "ignore_eos", False)
+        request, texts = engine.new_request(
+            prompt_ids, effective, lora=lora, ignore_eos=ignore_eos, min_tokens=min_tokens
+        )
+        rid = _request_id(scope, body, "chatcmpl-" if chat else "cmpl-")
+        created = int(time.time())
+        model_json = self._model_json.get(model) or orjson.dumps(model).decode()
+        handle = engine.submit(request, texts)
+        fmt = _Formatter(
+            rid,
+            created,
+            model_json,
+            engine.system_fingerprint,
+            chat,
+            num_prompt,
+            include_usage,
+            continuous,
+        )
+        if engine.config.zero_latency and fate.die_after_tokens is None:
+            # Everything is known: one body, no engine loop, no disconnect watcher.
+            if stream:
+                out = [fmt.first_chunk()] if chat else []
+                out.append(fmt.token_chunks(texts, 0, len(texts), request))
+                if include_usage:
+                    out.append(fmt.usage_chunk(request))
+                out.append(DONE)
+                await _send_stream_once(send, b"".join(out))
+            else:
+                await _send_raw_json(send, fmt.full_response(request, texts))
+            return
+        watcher = asyncio.ensure_future(_abort_on_disconnect(receive, engine, request.request_id))
+        try:
+            if stream:
+                await self._stream(send, handle, fmt, fate)
+            else:
+                await self._full(send, handle, fmt, fate)
+        finally:
+            watcher.cancel()
+
+    async def _stream(
+        self,
+        send: Send,
+        handle: RequestStream,
+        fmt: _Formatter,
+        fate: Fate,
+    ) -> None:
+        request = handle.request
+        die_at = fate.die_after_tokens
+        await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
+        if fmt.chat:
+            await send({"type": "http.response.body", "body": fmt.first_chunk(), "more_body": True})
+        sent = 0
+        while True:
+            n = len(request.output_token_ids)
+            if die_at is not None and n >= die_at:
+                if die_at > sent:
+                    chunk = fmt.token_chunks(handle.texts, sent, die_at, request)
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                self._cut(request)
+                return
+            if handle.cut or request.finish_reason == "abort":
+                return  # killed, or the client left: the connection is gone
+            if n > sent:
+                chunk = fmt.token_chunks(handle.texts, sent, n, request)
+                sent = n
+                if request.status is Status.FINISHED:
+                    tail = [chunk]
+                    if fmt.include_usage:
+                        tail.append(fmt.usage_chunk(request))
+                    tail.append(DONE)
+                    await send({"type": "http.response.body", "body": b"".join(tail)})
+                    return
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await handle.wait()
+
+    async def _full(self, send: Send, handle: RequestStream, fmt: _Formatter, fate: Fate) -> None:
+        request = handle.request
+        die_at = fate.die_after_tokens
+        while request.status is not Status.FINISHED and not handle.cut:
+            if die_at is not None and len(request.output_token_ids) >= die_at:
+                break
+            await handle.wait()
+        if handle.cut or request.finish_reason == "abort":
+            return
+        body = fmt.full_response(request, handle.texts)
+        if die_at is not None and len(request.output_token_ids) >= die_at:
+            # Promise the whole body, deliver half, hang up.
+            headers = [*JSON_HEADERS, (b"content-length", str(len(body)).encode())]
+            await send({"type": "http.response.start", "status": 200, "headers": headers})
+            await send(
+                {"type": "http.response.body", "body": body[: len(body) // 2], "more_body": True}
+            )
+            self._cut(request)
+            return
+        await _send_raw_json(send, body)
+
+    def _cut(self, request: Request) -> None:
+        CUT_FILTER.expected += 1
+        self.engine.abort(request.request_id)
+
+
+class _Disconnected(ApiError):
+    def __init__(self) -> None:
+        super().__init__(499, "client disconnected", "ClientDisconnected")
+
+
+class _Formatter:
+    """Pre-rendered pieces of one response's JSON; chunks are assembled as bytes."""
+
+    __slots__ = (
+        "chat",
+        "continuous",
+        "fingerprint",
+        "full_head",
+        "head",
+        "include_usage",
+        "num_prompt",
+        "tail_fp",
+    )
+
+    def __init__(
+        self,
+        rid: str,
+        created: int,
+        model_json: str,
+        fingerprint: str,
+        chat: bool,
+        num_prompt: int,
+        include_usage: bool = False,
+        continuous: bool = False,
+    ):
+        self.include_usage = include_usage
+        self.continuous = continuous
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        self.head = (
+            f'data: {{"id":"{rid}","object":"{obj}","created":{created},'
+            f'"model":{model_json},"choices":['
+        )
+        full_obj = "chat.completion" if chat else "text_completion"
+        self.full_head = (
+            f'{{"id":"{rid}","object":"{full_obj}","created":{created},"model":{model_json},'
+        )
+        self.fingerprint = fingerprint
+        self.tail_fp = f',"system_fingerprint":"{fingerprint}"'
+        self.chat = chat
+        self.num_prompt = num_prompt
+
+    def first_chunk(self) -> bytes:
+        return (
+            self.head + '{"index":0,"delta":{"role":"assistant","content":""},"logprobs":null,'
+            '"finish_reason":null}],"prompt_token_ids":null,"prompt_text":null}\n\n'
+        ).encode()
+
+    def token_chunks(self, texts: list[str], start: int, end: int, request: Request) -> bytes:
+        head = self.head
+        continuous = self.continuous
+        # vLLM stamps the fingerprint on the terminal chunk unless a usage chunk follows.
+        final_fp = "" if self.include_usage else self.tail_fp
+        last = len(texts) - 1 if request.status is Status.FINISHED else -1
+        out = []
+        for i in range(start, end):
+            text = orjson.dumps(texts[i]).decode()
+            piece = f'{{"content":{text}}}' if self.chat else None
+            if i == last:
+                reason = request.finish_reason
+                if self.chat:
+                    choice = (
+                        f'{{"index":0,"delta":{piece},"logprobs":null,"finish_reason":"{reason}",'
+                        '"stop_reason":null,"token_ids":null}]'
+                    )
+                else:
+                    choice = (
+                        f'{{"index":0,"text":{text},"logprobs":null,"finish_reason":"{reason}",'
+                        '"stop_reason":null,"prompt_token_ids":null,"token_ids":null}]'
+                    )
+            elif self.chat:
+                choice = (
+                    f'{{"index":0,"delta":{piece},"logprobs":null,"finish_reason":null,'
+                    '"token_ids":null}]'
+                )
+            else:
+                choice = (
+                    f'{{"index":0,"text":{text},"logprobs":null,"finish_reason":null,'
+                    '"stop_reason":null,"prompt_token_ids":null,"token_ids":null}]'
+                )
+            usage = ""
+            if continuous:
+                k = i + 1
+                usage = (
+                    f',"usage":{{"prompt_tokens":{self.num_prompt},"total_tokens":'
+                    f'{self.num_prompt + k},"completion_tokens":{k}}}'
+                )
+            fp = final_fp if i == last else ""
+            out.append(f"{head}{choice}{usage}{fp}}}\n\n")
+        return "".join(out).encode()
+
+    def usage_chunk(self, request: Request) -> bytes:
+        c = len(request.output_token_ids)
+        p = self.num_prompt
+        cached = max(request.num_cached_tokens, 0)
+        return (
+            f'{self.head}],"usage":{{"prompt_tokens":{p},"total_tokens":{p + c},'
+            f'"completion_tokens":{c},"prompt_tokens_details":{{"cached_tokens":{cached}}}}}'
+            f"{self.tail_fp}}}\n\n"
+        ).encode()
+
+    def full_response(self, request: Request, texts: list[str]) -> bytes:
+        text = orjson.dumps("".join(texts)).decode()
+        reason = request.finish_reason
+        if self.chat:
+            choice = (
+                f'{{"index":0,"message":{{"role":"assistant","content":{text},"refusal":null,'
+                '"annotations":null,"audio":null,"function_call":null,"reasoning":null},'
+                f'"logprobs":null,"finish_reason":"{reason}","stop_reason":null,'
+                '"token_ids":null,"routed_experts":null}'
+            )
+            extra = (
+                '"prompt_logprobs":null,"prompt_token_ids":null,"prompt_text":null,'
+                '"kv_transfer_params":null,"ec_transfer_params":null,"metrics":null}'
+            )
+        else:
+            choice = (
+                f'{{"index":0,"text":{text},"logprobs":null,"finish_reason":"{reason}",'
+                '"stop_reason":null,"token_ids":null,"prompt_logprobs":null,'
+                '"prompt_token_ids":null}'
+            )
+            extra = '"kv_transfer_params":null,"ec_transfer_params":null,"metrics":null}'
+        c = len(request.output_token_ids)
+        p = self.num_prompt
+        cached = max(request.num_cached_tokens, 0)
+        usage = (
+            f'{{"prompt_tokens":{p},"total_tokens":{p + c},"completion_tokens":{c},'
+            f'"prompt_tokens_details":{{"cached_tokens":{cached},"created_cache_tokens":null,'
+            '"multimodal_tokens":null},"completion_tokens_details":null}'
+        )
+        return (
+            f'{self.full_head}"choices":[{choice}],"service_tier":null,'
+            f'"system_fingerprint":"{self.fingerprint}","usage":{usage},{extra}'
+        ).encode()
+
+
+def _request_id(scope: Scope, body: dict[str, Any], prefix: str) -> str:
+    for key, value in scope["headers"]:
+        if key == b"x-request-id":
+            return prefix + value.decode("latin-1")
+    given = body.get("request_id")
+    if isinstance(given, str) and given:
+        return prefix + given
+    return f"{prefix}{_ids.getrandbits(64):016x}"
+
+
+def _model_card(
+    name: str, root: str, parent: str | None, max_model_len: int | None, created: int
+) -> dict[str, Any]:
+    return {
+        "id": name,
+        "object": "model",
+        "created": created,
+        "owned_by": "vllm",
+        "root": root,
+        "parent": parent,
+        "max_model_len": max_model_len,
+        "permission": [
+            {
+                "id": f"modelperm-{_ids.getrandbits(64):016x}",
+                "object": "model_permission",
+                "created": created,
+                "allow_create_engine": False,
+                "allow_sampling": True,
+                "allow_logprobs": True,
+                "allow_search_indices": False,
+                "allow_view": True,
+                "allow_fine_tuning": False,
+                "organization": "*",
+                "group": None,
+                "is_blocking": False,
+            }
+        ],
+    }
+
+
+async def _json_body(scope: Scope, receive: Receive) -> dict[str, Any]:
+    """The request's JSON object, or the 400 vLLM gives for a wrong content type or bad JSON."""
+    content_type = b""
+    for key, value in scope["headers"]:
+        if key == b"content-type":
+            content_type = value
+            break
+    if content_type.split(b";", 1)[0].strip().lower() != b"application/json":
+        raise ApiError(
+            400,
+            "1 validation error:\n  Unsupported Media Type: Only 'application/json' is allowed",
+            "Bad Request",
+        )
+    chunks = []
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise _Disconnected
+        chunks.append(message.get("body", b""))
+        if not message.get("more_body"):
+            break
+    raw = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        detail = {
+            "type": "json_invalid",
+            "loc": "body.0",
+            "msg": "JSON decode error",
+            "input": {},
+            "ctx": {"error": exc.msg},
+        }
+        raise ApiError(400, f"1 validation error:\n  {detail}", "Bad Request", "body.0") from None
+    if not isinstance(body, dict):
+        raise _validation_error(
+            "model_attributes_type",
+            "body",
+            "Input should be a valid dictionary or object to extract fields from",
+            body,
+        )
+    return body
+
+
+async def _until_disconnect(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _abort_on_disconnect(receive: Receive, engine: SimEngine, request_id: str) -> None:
+    await _until_disconnect(receive)
+    engine.abort(request_id)
+
+
+async def _send_json(send: Send, status: int, obj: Any) -> None:
+    if status == 499:
+        return  # the client is gone; nobody to answer
+    body = orjson.dumps(obj)
+    headers = [*JSON_HEADERS, (b"content-length", str(len(body)).encode())]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+async def _send_raw_json(send: Send, body: bytes) -> None:
+    headers = [*JSON_HEADERS, (b"content-length", str(len(body)).encode())]
+    await send({"type": "http.response.start", "status": 200, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+async def _send_text(send: Send, status: int, text: str) -> None:
+    body = text.encode()
+    headers = [(b"content-length", str(len(body)).encode())]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+async def _send_stream_once(send: Send, body: bytes) -> None:
+    await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
+    await send({"type": "http.response.body", "body": body})

@@ -1,0 +1,159 @@
+"""A deterministic stand-in tokenizer and chat template.
+
+Real token ids do not matter to the simulator, but three properties of a real tokenizer do:
+about four characters per token (so prompt lengths and prefill times are realistic), a
+rendering of chat messages whose prefix is stable across turns (so multi-turn conversations
+share KV-cache blocks, as with Llama 3's template), and generated text that re-tokenizes to the
+same ids when a client sends it back as the assistant turn.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from array import array
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import xxhash
+
+VOCAB_SIZE = 128_256
+BOS = "<|begin_of_text|>"
+SPECIAL_TOKENS: dict[str, int] = {
+    BOS: 128_000,
+    "<|end_of_text|>": 128_001,
+    "<|start_header_id|>": 128_006,
+    "<|end_header_id|>": 128_007,
+    "<|eot_id|>": 128_009,
+}
+EOS_TOKEN_ID = SPECIAL_TOKENS["<|eot_id|>"]
+_ORDINARY_IDS = 128_000 - 256
+
+# Words of at most six letters: each is exactly one token with or without a leading space.
+_WORD_TEXT = (
+    "the of and to in is that it was for on are as with his they at be this have from or one "
+    "had by word but not what all were we when your can said there use an each which she do "
+    "how their if will up other about out many then them these so some her would make like "
+    "him into time has look two more write go see number no way could people my than first "
+    "water been call who oil its now find long down day did get come made may part over new "
+    "sound take only little work know place year live me back give most very after thing our "
+    "just name good little man think say great where help through much before line right too "
+    "mean old any same tell boy follow came want show also around form three small set put "
+    "end does large must big even such turn here why ask went men read need land differ home "
+    "us move try kind hand picture again change off play spell air away animal house point "
+    "page letter mother answer found study still learn should world high every near add food "
+    "between own below country plant last school father keep tree never start city earth eye "
+    "light though head under story saw left few while along might close seem next hard open "
+    "example begin life always those both paper group often run important until children "
+    "side feet car mile night walk white sea began grow took river four carry state once book "
+    "hear stop without second later miss idea enough eat face watch far really almost let "
+    "above girl young talk soon list song being leave family"
+)
+_WORDS = tuple(dict.fromkeys(w for w in _WORD_TEXT.split() if len(w) <= 6))
+
+_PIECE_RE = re.compile(
+    "|".join(re.escape(s) for s in SPECIAL_TOKENS)
+    + r"| ?[A-Za-z]{1,6}| ?[0-9]{1,3}| ?[^\sA-Za-z0-9]|\s+(?!\S)|\s"
+)
+
+
+class Tokenizer:
+    """Splits text into pieces (special tokens, <= 6-letter word chunks, 1-3 digit numbers,
+    punctuation, whitespace runs) and maps each piece to an id by hashing it."""
+
+    def __init__(self) -> None:
+        self._cache: dict[str, int] = dict(SPECIAL_TOKENS)
+        self._cache_limit = 1 << 18
+        # Output vocabulary: (id, text) of each word with and without a leading space.
+        self.words: tuple[tuple[int, str], ...] = tuple(
+            (self.piece_id(" " + w), " " + w) for w in _WORDS
+        )
+        self.first_words: tuple[tuple[int, str], ...] = tuple(
+            (self.piece_id(w.capitalize()), w.capitalize()) for w in _WORDS
+        )
+        self.period: tuple[int, str] = (self.piece_id("."), ".")
+
+    def piece_id(self, piece: str) -> int:
+        tid = self._cache.get(piece)
+        if tid is None:
+            tid = 256 + xxhash.xxh32_intdigest(piece.encode()) % _ORDINARY_IDS
+            if len(self._cache) < self._cache_limit:
+                self._cache[piece] = tid
+        return tid
+
+    def encode(self, text: str) -> list[int]:
+        cache = self._cache
+        out: list[int] = []
+        append = out.append
+        for piece in _PIECE_RE.findall(text):
+            tid = cache.get(piece)
+            append(tid if tid is not None else self.piece_id(piece))
+        return out
+
+    def apply_chat_template(
+        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
+    ) -> str:
+        """Llama 3's template: every turn is delimited by special tokens, so the rendering of
+        the first k turns is a prefix of the rendering of k+1 turns (prefix-cache friendly)."""
+        parts = [BOS]
+        for message in messages:
+            role = message.get("role")
+            if not isinstance(role, str):
+                raise ValueError("each message needs a string 'role'")
+            parts.append(f"<|start_header_id|>{role}<|end_header_id|>\n\n")
+            parts.append(message_text(message.get("content")))
+            parts.append("<|eot_id|>")
+        if add_generation_prompt:
+            parts.append("<|start_header_id|>assistant<|end_header_id|>\n\n")
+        return "".join(parts)
+
+
+def message_text(content: Any) -> str:
+    """The text of a message ``content``: a string, or a list of parts whose text parts are
+    joined by newlines (as vLLM does); ``None`` (assistant tool-call turns) is empty."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts: list[str] = []
+        for part in content:
+            if not isinstance(part, Mapping):
+                raise ValueError("message content parts must be objects")
+            if part.get("type") == "text":
+                text = part.get("text")
+                if not isinstance(text, str):
+                    raise ValueError("a text content part needs a string 'text'")
+                texts.append(text)
+            else:
+                raise ValueError(f"content part type {part.get('type')!r} is not supported")
+        return "\n".join(texts)
+    raise ValueError("message content must be a string or a list of parts")
+
+
+def tokens_digest(token_ids: Iterable[int]) -> int:
+    """A 64-bit digest of a token sequence (seeds the per-request output generator)."""
+    return xxhash.xxh3_64_intdigest(array("I", token_ids).tobytes())
+
+
+def plan_output(
+    tokenizer: Tokenizer, rng: random.Random, length: int
+) -> tuple[list[int], list[str]]:
+    """``length`` output tokens of plausible text: a capitalised first word, then words, with a
+    period about every twelve tokens. Re-tokenizing ``"".join(texts)`` gives the same ids."""
+    if length <= 0:
+        return [], []
+    first_id, first_text = rng.choice(tokenizer.first_words)
+    ids = [first_id]
+    texts = [first_text]
+    words = tokenizer.words
+    period_id, period_text = tokenizer.period
+    picks = rng.choices(words, k=length - 1)
+    for i, (tid, text) in enumerate(picks, start=1):
+        if i % 12 == 11:
+            ids.append(period_id)
+            texts.append(period_text)
+        else:
+            ids.append(tid)
+            texts.append(text)
+    return ids, texts
