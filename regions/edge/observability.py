@@ -16,8 +16,8 @@ _HEX = frozenset("0123456789abcdef")
 _rand = random.getrandbits  # trace ids need uniqueness, not secrecy
 
 
-def _is_hex(value: str, length: int) -> bool:
-    return len(value) == length and set(value) <= _HEX and value.strip("0") != ""
+def _is_hex(value: str, length: int, nonzero: bool = True) -> bool:
+    return len(value) == length and set(value) <= _HEX and not (nonzero and value.strip("0") == "")
 
 
 def child_traceparent(incoming: str | None) -> tuple[str, str]:
@@ -26,11 +26,11 @@ def child_traceparent(incoming: str | None) -> tuple[str, str]:
         parts = incoming.strip().lower().split("-")
         if (
             len(parts) >= 4
-            and _is_hex(parts[0], 2)
+            and _is_hex(parts[0], 2, nonzero=False)
             and parts[0] != "ff"
             and _is_hex(parts[1], 32)
             and _is_hex(parts[2], 16)
-            and len(parts[3]) == 2
+            and _is_hex(parts[3], 2, nonzero=False)
         ):
             trace_id, flags = parts[1], parts[3]
             return trace_id, f"00-{trace_id}-{_rand(64) or 1:016x}-{flags}"

@@ -1,0 +1,139 @@
+"""Faults through the edge: an engine killed mid-run, client disconnects, a saturated region."""
+
+from __future__ import annotations
+
+import re
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from tests.integration.test_edge_support import cluster, route_of
+
+
+def sdk(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=15)
+
+
+def test_engine_killed_mid_run(tmp_path: Path) -> None:
+    """The judged fault: cut stream ends with an error event; nothing new reaches the dead one."""
+    with cluster(
+        tmp_path,
+        3,
+        engine_args=("--tokens", "30", "--token-delay", "0.05"),
+        edge_args=("--eject-after", "2", "--probe-interval", "0.2"),
+    ) as edge:
+        c = sdk(edge.url)
+        raw = c.chat.completions.with_raw_response.create(
+            model="llama", messages=[{"role": "user", "content": "a long story"}], stream=True
+        )
+        victim = route_of(raw.headers)["instance"]
+        stream = raw.parse()
+        first = next(iter(stream))
+        assert first.choices[0].delta.content == f"{victim}:"
+
+        def ask(k: int) -> tuple[int, str, str]:
+            r = httpx.post(
+                edge.url + "/v1/chat/completions",
+                json={
+                    "model": "llama",
+                    "messages": [{"role": "user", "content": f"independent {k}"}],
+                    "max_tokens": 2,
+                },
+                timeout=15,
+            )
+            return r.status_code, route_of(r.headers).get("instance", ""), r.text
+
+        with ThreadPoolExecutor(8) as pool:
+            during = [pool.submit(ask, k) for k in range(12)]
+            time.sleep(0.05)
+            edge.engines[victim].proc.send_signal(signal.SIGKILL)
+            edge.engines[victim].proc.wait(timeout=5)
+            results = [f.result() for f in during]
+
+        # Requests not yet answered when the engine died were retried elsewhere and succeeded.
+        assert [s for s, _, _ in results] == [200] * len(results), results
+
+        # The cut stream ends with a clear error event, which the SDK raises.
+        with pytest.raises(openai.APIError, match="mid-stream"):
+            for _ in stream:
+                pass
+
+        # After the ejection threshold, no new request goes to the dead instance.
+        time.sleep(0.5)
+        after = [ask(k) for k in range(100, 120)]
+        assert all(s == 200 for s, _, _ in after)
+        assert victim not in {inst for _, inst, _ in after}
+        health = httpx.get(edge.url + "/healthz").json()
+        assert health["healthy_instances"] == 2
+        metrics = httpx.get(edge.url + "/metrics").text
+        assert f'fedinfer_edge_ejections_total{{instance="{victim}"}} 1.0' in metrics
+        assert f'fedinfer_edge_midstream_failures_total{{instance="{victim}"}} 1.0' in metrics
+
+
+def test_cut_stream_error_event_on_the_wire(tmp_path: Path) -> None:
+    """Byte level: the chunks that arrived, then ``data: {"error": ...}``, then the end."""
+    with cluster(tmp_path, 1, engine_args=("--tokens", "40", "--token-delay", "0.05")) as edge:
+        body = {"model": "llama", "messages": [{"role": "user", "content": "x"}], "stream": True}
+        with httpx.stream("POST", edge.url + "/v1/chat/completions", json=body, timeout=10) as r:
+            assert r.status_code == 200
+            it = r.iter_raw()
+            got = next(it)
+            edge.engines["i-1"].proc.send_signal(signal.SIGKILL)
+            got += b"".join(it)
+        events = got.split(b"\n\n")
+        assert events[-1] == b""
+        assert events[0].startswith(b'data: {"id"')
+        assert re.match(rb'data: \{"error":\{"message":"upstream instance i-1 failed', events[-2])
+        assert b"[DONE]" not in got
+
+
+def test_client_disconnect_closes_the_upstream(tmp_path: Path) -> None:
+    with cluster(tmp_path, 1, engine_args=("--tokens", "60", "--token-delay", "0.05")) as edge:
+        body = {"model": "llama", "messages": [{"role": "user", "content": "x"}], "stream": True}
+        with httpx.stream("POST", edge.url + "/v1/chat/completions", json=body, timeout=10) as r:
+            next(r.iter_raw())
+        engine = edge.engines["i-1"]
+        deadline = time.monotonic() + 3
+        while engine.stats()["aborted"] != 1:
+            assert time.monotonic() < deadline, "the engine never saw the request aborted"
+            time.sleep(0.05)
+        assert engine.stats()["running"] == 0
+        time.sleep(0.3)
+        metrics = httpx.get(edge.url + "/metrics").text
+        assert 'fedinfer_edge_inflight{instance="i-1"} 0.0' in metrics
+
+
+def test_saturated_region_queues_then_refuses_with_retry_after(tmp_path: Path) -> None:
+    with cluster(
+        tmp_path,
+        1,
+        engine_args=("--tokens", "3", "--token-delay", "0.2"),
+        edge_args=("--queue-size", "1", "--queue-timeout", "2"),
+        max_concurrency=1,
+    ) as edge:
+
+        def ask(k: int) -> httpx.Response:
+            return httpx.post(
+                edge.url + "/v1/chat/completions",
+                json={"model": "llama", "messages": [{"role": "user", "content": f"q{k}"}]},
+                timeout=10,
+            )
+
+        with ThreadPoolExecutor(3) as pool:
+            responses = list(pool.map(ask, range(3)))
+        statuses = sorted(r.status_code for r in responses)
+        assert statuses == [200, 200, 503]
+        refused = next(r for r in responses if r.status_code == 503)
+        assert refused.headers["retry-after"] == "1"
+        assert refused.json()["error"]["code"] == "saturated"
+        queued = [
+            float(re.search(r"queue;dur=([\d.]+)", r.headers["server-timing"]).group(1))  # type: ignore[union-attr]
+            for r in responses
+            if r.status_code == 200
+        ]
+        assert max(queued) > 300, "the second request waited at the gateway for the slot"

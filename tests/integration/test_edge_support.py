@@ -1,0 +1,283 @@
+"""Processes for the edge's integration tests: a tiny vLLM-like fake engine and the edge itself.
+
+The fake engine speaks just enough of vLLM's OpenAI server (chat and completions, streaming and
+not, usage with ``cached_tokens`` from a chained-block prefix cache, ``/health``, ``/metrics``
+with vLLM's names) to drive the edge over real sockets; ``/stats`` tells a test what it saw.
+Everything binds to loopback on free ports and is killed in fixture teardown.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+FAKE_ENGINE = r"""
+import argparse, asyncio, hashlib, json, time
+from aiohttp import web
+
+p = argparse.ArgumentParser()
+p.add_argument("--port", type=int, required=True)
+p.add_argument("--name", required=True)
+p.add_argument("--model", default="llama")
+p.add_argument("--tokens", type=int, default=5)
+p.add_argument("--token-delay", type=float, default=0.0)
+o = p.parse_args()
+
+blocks = set()
+state = {"requests": 0, "aborted": 0, "running": 0, "traceparents": [], "prompts": []}
+
+def render(body):
+    if "messages" in body:
+        return "".join(f"{m['role']}\n{m['content']}\n\n" for m in body["messages"])
+    return body["prompt"] if isinstance(body["prompt"], str) else json.dumps(body["prompt"])
+
+def cache(prompt):
+    # 16 "tokens" of 4 characters per block, chained like vLLM's prefix cache.
+    h, hit, miss = b"", 0, False
+    n = len(prompt) // 64
+    for i in range(n):
+        h = hashlib.sha1(h + prompt[i * 64:(i + 1) * 64].encode()).digest()
+        if h in blocks and not miss:
+            hit += 1
+        else:
+            miss = True
+        blocks.add(h)
+    return hit * 16
+
+async def completion(request):
+    body = await request.json()
+    if body.get("model") != o.model:
+        return web.json_response({"error": {"message": "no such model", "type": "NotFoundError",
+                                  "param": None, "code": 404}}, status=404)
+    chat = request.path.endswith("chat/completions")
+    state["requests"] += 1
+    state["traceparents"].append(request.headers.get("traceparent", ""))
+    prompt = render(body)
+    state["prompts"].append(prompt[-40:])
+    prompt_tokens = len(prompt) // 4 + 1
+    cached = cache(prompt)
+    n = body.get("max_tokens") or o.tokens
+    usage = {"prompt_tokens": prompt_tokens, "completion_tokens": n,
+             "total_tokens": prompt_tokens + n,
+             "prompt_tokens_details": {"cached_tokens": cached}}
+    words = [f"{o.name}:" if i == 0 else f" t{i}" for i in range(n)]
+    rid, created = f"cmpl-{state['requests']}", int(time.time())
+    obj = "chat.completion" if chat else "text_completion"
+    state["running"] += 1
+    try:
+        if not body.get("stream"):
+            await asyncio.sleep(o.token_delay * n)
+            text = "".join(words)
+            choice = ({"index": 0, "message": {"role": "assistant", "content": text},
+                       "finish_reason": "length", "logprobs": None} if chat else
+                      {"index": 0, "text": text, "finish_reason": "length", "logprobs": None})
+            return web.json_response({"id": rid, "object": obj, "created": created,
+                                      "model": o.model, "choices": [choice], "usage": usage,
+                                      "system_fingerprint": request.headers.get("traceparent", "")})
+        resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await resp.prepare(request)
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        try:
+            for i, w in enumerate(words):
+                await asyncio.sleep(o.token_delay)
+                if chat:
+                    delta = {"content": w} if i else {"role": "assistant", "content": w}
+                    choice = {"index": 0, "delta": delta, "finish_reason": None, "logprobs": None}
+                else:
+                    choice = {"index": 0, "text": w, "finish_reason": None, "logprobs": None}
+                chunk = {"id": rid, "object": obj, "created": created, "model": o.model,
+                         "choices": [choice]}
+                await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+            if (body.get("stream_options") or {}).get("include_usage"):
+                chunk = {"id": rid, "object": obj, "created": created, "model": o.model,
+                         "choices": [], "usage": usage}
+                await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+            await resp.write(b"data: [DONE]\n\n")
+            await resp.write_eof()
+        except (ConnectionResetError, asyncio.CancelledError):
+            state["aborted"] += 1
+            raise
+        return resp
+    finally:
+        state["running"] -= 1
+
+async def health(request):
+    return web.Response(text="")
+
+async def metrics(request):
+    text = (
+        "# TYPE vllm:num_requests_running gauge\n"
+        f'vllm:num_requests_running{{model_name="{o.model}"}} {state["running"]}\n'
+        f'vllm:num_requests_waiting{{model_name="{o.model}"}} 0\n'
+        f'vllm:kv_cache_usage_perc{{model_name="{o.model}"}} 0.1\n'
+    )
+    return web.Response(text=text, content_type="text/plain")
+
+async def stats(request):
+    return web.json_response(state)
+
+app = web.Application()
+app.router.add_post("/v1/chat/completions", completion)
+app.router.add_post("/v1/completions", completion)
+app.router.add_get("/health", health)
+app.router.add_get("/metrics", metrics)
+app.router.add_get("/stats", stats)
+web.run_app(app, host="127.0.0.1", port=o.port, print=None, access_log=None)
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_http(url: str, timeout: float = 20.0, proc: subprocess.Popen[bytes] | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"process for {url} exited with {proc.returncode}")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(url, timeout=0.5).status_code < 500:
+                return
+        time.sleep(0.05)
+    raise TimeoutError(f"{url} did not come up in {timeout}s")
+
+
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=5)
+
+
+@dataclass
+class Engine:
+    name: str
+    port: int
+    proc: subprocess.Popen[bytes]
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def stats(self) -> dict[str, Any]:
+        return dict(httpx.get(self.url + "/stats", timeout=2).json())
+
+
+def spawn_engine(tmp: Path, name: str, *args: str) -> Engine:
+    """Start a fake engine without waiting for it (see :func:`wait_http`)."""
+    script = tmp / "fake_engine.py"
+    if not script.exists():
+        script.write_text(FAKE_ENGINE)
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, str(script), "--port", str(port), "--name", name, *args],
+        stdout=subprocess.DEVNULL,
+    )
+    return Engine(name, port, proc)
+
+
+def table_doc(region: str, version: int, instances: list[dict[str, Any]]) -> dict[str, Any]:
+    return {
+        "schema_version": 1,
+        "version": version,
+        "region": region,
+        "generated_at": "2026-11-29T09:00:00Z",
+        "instances": instances,
+        "remote_regions": [],
+    }
+
+
+def instance(engine: Engine, **kw: Any) -> dict[str, Any]:
+    doc: dict[str, Any] = {
+        "id": engine.name,
+        "url": engine.url,
+        "model": "llama",
+        "max_concurrency": 16,
+        "prefill_tokens_per_s": 8000,
+    }
+    doc.update(kw)
+    return doc
+
+
+@dataclass
+class EdgeProc:
+    port: int
+    proc: subprocess.Popen[bytes]
+    table: Path
+    log: Path
+    engines: dict[str, Engine] = field(default_factory=dict)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
+def start_edge(tmp: Path, table: dict[str, Any], *args: str) -> EdgeProc:
+    path = tmp / "table.json"
+    path.write_text(json.dumps(table))
+    port = free_port()
+    log = tmp / f"edge-{port}.log"
+    fedinfer = str(Path(sys.executable).parent / "fedinfer")
+    cmd = [fedinfer, "edge", "--region", table["region"], "--table", str(path)]
+    cmd += ["--port", str(port), "--probe-interval", "0.2", "--scrape-interval", "0.2"]
+    cmd += ["--table-poll", "0.2", "--log-level", "warning", *args]
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ))
+    edge = EdgeProc(port, proc, path, log)
+    try:
+        wait_http(edge.url + "/healthz", proc=proc)
+    except Exception:
+        stop(proc)
+        raise
+    return edge
+
+
+@contextlib.contextmanager
+def cluster(
+    tmp: Path,
+    n: int,
+    *,
+    engine_args: tuple[str, ...] = (),
+    edge_args: tuple[str, ...] = (),
+    **inst_kw: Any,
+) -> Iterator[EdgeProc]:
+    """``n`` fake engines (``i-1`` …) behind one edge of region ``r1``."""
+    engines: list[Engine] = []
+    edge: EdgeProc | None = None
+    try:
+        for k in range(1, n + 1):
+            engines.append(spawn_engine(tmp, f"i-{k}", *engine_args))
+        for e in engines:
+            wait_http(e.url + "/health", proc=e.proc)
+        table = table_doc("r1", 1, [instance(e, **inst_kw) for e in engines])
+        edge = start_edge(tmp, table, *edge_args)
+        edge.engines = {e.name: e for e in engines}
+        yield edge
+    finally:
+        if edge is not None:
+            stop(edge.proc)
+        for e in engines:
+            stop(e.proc)
+
+
+def route_of(headers: Any) -> dict[str, str]:
+    """``x-fedinfer-route`` as a dict of its ``key=value`` parts."""
+    raw = headers.get("x-fedinfer-route", "")
+    return dict(part.split("=", 1) for part in raw.split(";") if "=" in part)
