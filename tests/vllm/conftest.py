@@ -1,0 +1,110 @@
+"""Fixtures of ``make test-vllm``: the tiny model, two real vLLM servers, the edge before them.
+
+Every process is started in its own process group and killed with it at teardown.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.vllm.servers import (
+    EDGE_REGION,
+    LOG_DIR,
+    ROOT,
+    EdgeProcess,
+    VllmServer,
+    free_port,
+    routing_table,
+    start_server,
+    tiny_model_dir,
+    vllm_python,
+    wait_healthy,
+)
+
+
+@pytest.fixture(scope="session")
+def tiny_model() -> Path:
+    model_dir = tiny_model_dir()
+    subprocess.run(
+        [str(vllm_python()), str(Path(__file__).with_name("build_tiny_model.py")), str(model_dir)],
+        check=True,
+        timeout=300,
+        cwd=ROOT,
+    )
+    return model_dir
+
+
+@pytest.fixture(scope="session")
+def vllm_pair(tiny_model: Path) -> Iterator[tuple[VllmServer, VllmServer]]:
+    """Two real vLLM servers, one core each, started together and waited for together."""
+    if not vllm_python().exists():
+        raise FileNotFoundError(f"{vllm_python()} is missing: run `make vllm-env`")
+    cpus = sorted(os.sched_getaffinity(0))
+    servers = [
+        start_server("vllm-a", tiny_model, cpus[0]),
+        start_server("vllm-b", tiny_model, cpus[-1]),
+    ]
+    try:
+        wait_healthy(servers)
+        for server in servers:
+            print(f"{server.name} healthy after {server.healthy_after_s:.1f} s", file=sys.stderr)
+        yield servers[0], servers[1]
+    finally:
+        for server in servers:
+            server.stop()
+
+
+@pytest.fixture(scope="session")
+def edge(
+    vllm_pair: tuple[VllmServer, VllmServer], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[EdgeProcess]:
+    """``fedinfer edge`` (the project venv's) in front of the two real servers."""
+    fedinfer = Path(sys.executable).with_name("fedinfer")
+    table_path = tmp_path_factory.mktemp("edge") / "table.json"
+    table_path.write_text(json.dumps(routing_table(vllm_pair), indent=2))
+    LOG_DIR.mkdir(parents=True, exist_ok=True)
+    log_path = LOG_DIR / "edge.log"
+    port = free_port()
+    argv = [str(fedinfer), "edge", "--region", EDGE_REGION, "--table", str(table_path)]
+    argv += ["--host", "127.0.0.1", "--port", str(port), "--read-timeout", "120"]
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(
+            argv,
+            cwd=ROOT,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    edge_proc = EdgeProcess(port=port, table_path=table_path, log_path=log_path, proc=proc)
+    try:
+        deadline = time.monotonic() + 30
+        with httpx.Client(timeout=2.0) as client:
+            while True:
+                if proc.poll() is not None:
+                    raise RuntimeError(
+                        f"fedinfer edge exited with {proc.returncode}:\n" + edge_proc.log_tail()
+                    )
+                try:
+                    resp = client.get(edge_proc.base_url + "/healthz")
+                    if resp.status_code == 200 and resp.json()["healthy_instances"] == 2:
+                        break
+                except httpx.TransportError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise TimeoutError(
+                        "fedinfer edge not ready after 30 s:\n" + edge_proc.log_tail()
+                    )
+                time.sleep(0.2)
+        yield edge_proc
+    finally:
+        edge_proc.stop()
