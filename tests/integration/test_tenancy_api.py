@@ -161,6 +161,10 @@ def test_residency_is_checked_on_update_against_the_stored_policy(
         ({"slug": "ok", "name": "x", "allowed_regions": ["mars-1"]}, "allowed_regions"),
         ({"slug": "ok", "name": "x", "allowed_regions": ["eu\x00west"]}, "allowed_regions"),
         ({"slug": "ok", "name": "x", "is_active": "perhaps"}, "is_active"),
+        ({"slug": "ok", "name": "x", "is_active": 0}, "is_active"),
+        ({"slug": "ok", "name": "x", "requests_per_minute": "600"}, "requests_per_minute"),
+        ({"slug": "ok", "name": "x", "requests_per_minute": 6.5}, "requests_per_minute"),
+        ({"slug": "ok", "name": "x", "requests_per_minute": True}, "requests_per_minute"),
         ({"slug": "ok", "name": "x", "rpm": 10}, "rpm"),
         ({"slug": 7, "name": ["x"]}, "name"),
         ({"name": "x"}, "slug"),
@@ -312,7 +316,7 @@ def test_rotate_with_grace_keeps_the_old_secret_until_the_grace_ends(
     assert selectors.api_key_authenticate(key=new["key"], now=now) is None
 
 
-@pytest.mark.parametrize("grace", [-1, 86401, "soon"])
+@pytest.mark.parametrize("grace", [-1, 86401, "soon", "60", None])
 def test_rotate_refuses_bad_grace(
     operator_client: APIClient, make_tenant: Callable[..., Tenant], grace: Any
 ) -> None:
@@ -560,3 +564,54 @@ def test_audit_events_are_filterable(
     assert detail["object_repr"] == "acme"
     assert operator_client.get(AUDIT, {"created_after": "yesterday"}).status_code == 400
     assert operator_client.delete(f"{AUDIT}{everything[1]['id']}/").status_code == 405
+
+
+# --- corners found by fuzzing: each a clear 4xx, never a database error ----------------------
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        "/api/v1/tenants/%00acme/",
+        "/api/v1/tenants/%C2%84/deactivate/",
+        "/api/v1/api-keys/99999999999999999999999/",
+        "/api/v1/api-keys/abc/",
+        "/api/v1/audit-events/-1/",
+    ],
+)
+def test_impossible_lookups_are_json_404s(admin_client: APIClient, path: str) -> None:
+    response = admin_client.get(path) if "deactivate" not in path else admin_client.post(path)
+    assert response.status_code == 404
+    assert response["Content-Type"] == "application/json"
+
+
+@pytest.mark.parametrize(
+    "when",
+    ["2999-01-01T00:00:00-21:26", "9999-12-31T23:59:59-10:00", "0001-01-01T00:00:00+05:00"],
+)
+def test_datetimes_postgres_cannot_store_are_400s(
+    operator_client: APIClient, make_tenant: Callable[..., Tenant], when: str
+) -> None:
+    make_tenant("acme")
+    created = operator_client.post(KEYS, {"tenant": "acme", "name": "k", "expires_at": when})
+    if when.startswith("2999"):
+        # an offset PostgreSQL refuses is converted to UTC, so the key is stored
+        assert created.status_code == 201, created.content
+        assert created.json()["expires_at"] == "2999-01-01T21:26:00Z"
+    else:
+        assert created.status_code == 400
+        assert "expires_at" in created.json()
+    listed = operator_client.get(AUDIT, {"created_after": when, "created_before": when})
+    if when.startswith("2999"):
+        assert listed.json()["count"] == 0
+    else:
+        assert listed.status_code == 400
+
+
+def test_schema_says_strict_inputs_refuse_unknown_fields(admin_client: APIClient) -> None:
+    schema = admin_client.get("/api/schema/", HTTP_ACCEPT="application/vnd.oai.openapi+json").json()
+    components = schema["components"]["schemas"]
+    for name in ["TenantCreateInputRequest", "ApiKeyCreateInputRequest", "UserCreateInputRequest"]:
+        assert components[name]["additionalProperties"] is False, name
+    # outputs stay open: adding a field later is not a breaking change
+    assert "additionalProperties" not in components["TenantOutput"]

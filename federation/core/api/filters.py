@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import django_filters
 
+from federation.core.api.fields import UTCIsoDateTimeFilter
 from federation.core.models import AuditEvent
 
 
@@ -12,8 +13,8 @@ class AuditEventFilter(django_filters.FilterSet):
     object_id = django_filters.CharFilter()
     actor = django_filters.CharFilter(field_name="actor_repr", label="Username, or 'system'.")
     action = django_filters.CharFilter(label="e.g. 'tenant.create', 'api_key.rotate'.")
-    created_after = django_filters.IsoDateTimeFilter(field_name="created_at", lookup_expr="gte")
-    created_before = django_filters.IsoDateTimeFilter(field_name="created_at", lookup_expr="lt")
+    created_after = UTCIsoDateTimeFilter(field_name="created_at", lookup_expr="gte")
+    created_before = UTCIsoDateTimeFilter(field_name="created_at", lookup_expr="lt")
 
     class Meta:
         model = AuditEvent

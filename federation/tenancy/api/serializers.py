@@ -10,8 +10,9 @@ from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
 from federation.api.serializers import StrictFieldsMixin
+from federation.core.api.fields import StrictBooleanField, StrictIntegerField, UTCDateTimeField
 from federation.core.roles import role_of
-from federation.inventory.models import Jurisdiction, Region
+from federation.inventory.models import Jurisdiction, Region, slug_validator
 from federation.tenancy import selectors
 from federation.tenancy.models import ApiKey, Membership, Tenant
 from federation.tenancy.services import MAX_ROTATION_GRACE_SECONDS
@@ -49,7 +50,7 @@ def _jurisdictions_field(**kwargs: Any) -> serializers.ListField:
 
 
 def _rate_field() -> serializers.IntegerField:
-    return serializers.IntegerField(
+    return StrictIntegerField(
         min_value=1,
         max_value=MAX_INT32,
         allow_null=True,
@@ -59,7 +60,12 @@ def _rate_field() -> serializers.IntegerField:
 
 
 class TenantCreateInput(StrictFieldsMixin, serializers.Serializer):
-    slug = serializers.CharField(max_length=63, help_text="Lowercase letters, digits, hyphens.")
+    slug = serializers.RegexField(
+        regex=slug_validator.regex,
+        max_length=63,
+        error_messages={"invalid": slug_validator.message},
+        help_text="Lowercase letters, digits and inner hyphens; fixed once created.",
+    )
     name = serializers.CharField(max_length=200)
     allowed_jurisdictions = _jurisdictions_field(required=False)
     allowed_regions = _region_field(required=False)
@@ -68,7 +74,7 @@ class TenantCreateInput(StrictFieldsMixin, serializers.Serializer):
     monthly_budget_usd = serializers.DecimalField(
         max_digits=14, decimal_places=2, min_value=0, allow_null=True, required=False
     )
-    is_active = serializers.BooleanField(required=False, default=True)
+    is_active = StrictBooleanField(required=False, default=True)
 
 
 class TenantUpdateInput(StrictFieldsMixin, serializers.Serializer):
@@ -122,7 +128,7 @@ class ApiKeyCreateInput(StrictFieldsMixin, serializers.Serializer):
         required=False,
         help_text="Default: ['inference'].",
     )
-    expires_at = serializers.DateTimeField(
+    expires_at = UTCDateTimeField(
         required=False, allow_null=True, help_text="Must be in the future; null = never."
     )
 
@@ -135,11 +141,11 @@ class ApiKeyUpdateInput(StrictFieldsMixin, serializers.Serializer):
         max_length=len(ApiKey.Scope.values),
         required=False,
     )
-    expires_at = serializers.DateTimeField(required=False, allow_null=True)
+    expires_at = UTCDateTimeField(required=False, allow_null=True)
 
 
 class ApiKeyRotateInput(StrictFieldsMixin, serializers.Serializer):
-    grace_seconds = serializers.IntegerField(
+    grace_seconds = StrictIntegerField(
         min_value=0,
         max_value=MAX_ROTATION_GRACE_SECONDS,
         required=False,
@@ -200,10 +206,18 @@ class ApiKeyIssuedOutput(ApiKeyOutput):
 
 
 class UserCreateInput(StrictFieldsMixin, serializers.Serializer):
-    username = serializers.CharField(max_length=150)
+    username = serializers.RegexField(
+        regex=r"^[\w.@+-]+\Z",
+        max_length=150,
+        error_messages={"invalid": "Use letters, digits and @ . + - _ only."},
+    )
     email = serializers.EmailField(required=False, allow_blank=True, default="")
     password = serializers.CharField(
-        write_only=True, max_length=128, style={"input_type": "password"}
+        write_only=True,
+        min_length=8,
+        max_length=128,
+        trim_whitespace=False,
+        style={"input_type": "password"},
     )
     role = serializers.ChoiceField(choices=Membership.Role.choices)
     tenant = CodeRelatedField(
@@ -218,13 +232,18 @@ class UserCreateInput(StrictFieldsMixin, serializers.Serializer):
 class UserUpdateInput(StrictFieldsMixin, serializers.Serializer):
     email = serializers.EmailField(required=False, allow_blank=True)
     password = serializers.CharField(
-        write_only=True, max_length=128, required=False, style={"input_type": "password"}
+        write_only=True,
+        min_length=8,
+        max_length=128,
+        required=False,
+        trim_whitespace=False,
+        style={"input_type": "password"},
     )
     role = serializers.ChoiceField(choices=Membership.Role.choices, required=False)
     tenant = CodeRelatedField(
         slug_field="slug", queryset=Tenant.objects.all(), required=False, allow_null=True
     )
-    is_active = serializers.BooleanField(required=False)
+    is_active = StrictBooleanField(required=False)
 
 
 def _tenant_slug(user: User) -> str | None:
@@ -234,6 +253,7 @@ def _tenant_slug(user: User) -> str | None:
 
 
 class UserOutput(serializers.ModelSerializer):
+    email = serializers.CharField(help_text="May be empty.")
     role = serializers.SerializerMethodField()
     tenant = serializers.SerializerMethodField()
 
@@ -268,7 +288,9 @@ class MeOutput(serializers.Serializer):
 
 class TokenCreateInput(StrictFieldsMixin, serializers.Serializer):
     username = serializers.CharField(max_length=150)
-    password = serializers.CharField(max_length=128, style={"input_type": "password"})
+    password = serializers.CharField(
+        max_length=128, trim_whitespace=False, style={"input_type": "password"}
+    )
 
 
 class TokenOutput(serializers.Serializer):

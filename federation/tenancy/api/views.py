@@ -5,6 +5,7 @@ Views only parse input, call one service or selector, and render output.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from django.contrib.auth import authenticate
@@ -15,7 +16,7 @@ from drf_spectacular.utils import OpenApiResponse, extend_schema, extend_schema_
 from rest_framework import mixins, status, viewsets
 from rest_framework.authtoken.models import Token
 from rest_framework.decorators import action
-from rest_framework.exceptions import ValidationError
+from rest_framework.exceptions import NotFound, ValidationError
 from rest_framework.permissions import AllowAny, BasePermission, IsAuthenticated
 from rest_framework.request import Request
 from rest_framework.response import Response
@@ -23,25 +24,43 @@ from rest_framework.views import APIView
 
 from federation.api.permissions import IsAdmin
 from federation.core.roles import role_of
+from federation.inventory.models import slug_validator
 from federation.tenancy import selectors, services
 from federation.tenancy.api import serializers as s
 from federation.tenancy.filters import ApiKeyFilter, TenantFilter, UserFilter
 from federation.tenancy.models import ApiKey, Tenant
 
-_NO_CONTENT = {204: OpenApiResponse(description="Deleted.")}
+_SLUG = re.compile(slug_validator.regex)
+
+E400 = OpenApiResponse(description="Invalid input; the body names each field's problem.")
+E401 = OpenApiResponse(description="Not authenticated.")
+E403 = OpenApiResponse(description="Your role does not allow this.")
+E404 = OpenApiResponse(description="No such object, or not visible to you.")
+E409 = OpenApiResponse(description="Conflicts with the current state.")
+READ = {401: E401, 403: E403}
+LIST = {400: E400, **READ}
+DETAIL = {**READ, 404: E404}
+WRITE = {400: E400, **DETAIL, 409: E409}
+DELETED = {204: OpenApiResponse(description="Deleted."), **DETAIL, 409: E409}
 
 
-@extend_schema_view(
-    create=extend_schema(request=s.TenantCreateInput, responses={201: s.TenantOutput}),
-    partial_update=extend_schema(request=s.TenantUpdateInput, responses={200: s.TenantOutput}),
-    destroy=extend_schema(responses=_NO_CONTENT),
-)
+def crud_schema(*, out: Any, create: Any, update: Any, created: Any = None) -> Any:
+    """Document every operation: input and output serializers and the error statuses."""
+    return extend_schema_view(
+        list=extend_schema(responses={200: out, **LIST}),
+        retrieve=extend_schema(responses={200: out, **DETAIL}),
+        create=extend_schema(request=create, responses={201: created or out, **WRITE}),
+        partial_update=extend_schema(request=update, responses={200: out, **WRITE}),
+        destroy=extend_schema(responses=DELETED),
+    )
+
+
+@crud_schema(out=s.TenantOutput, create=s.TenantCreateInput, update=s.TenantUpdateInput)
 class TenantViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet):
     """Tenants and their residency policy, rate limits and budget."""
 
     serializer_class = s.TenantOutput
     lookup_field = "slug"
-    lookup_value_regex = r"[a-z0-9-]+"
     filterset_class = TenantFilter
     ordering_fields = ["slug", "name", "created_at"]
     http_method_names = ["get", "post", "patch", "delete", "head", "options"]
@@ -52,6 +71,13 @@ class TenantViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.G
 
     def get_serializer_context(self) -> dict[str, Any]:
         return {**super().get_serializer_context(), "region_refs": selectors.region_refs()}
+
+    def get_object(self) -> Tenant:
+        # A slug that cannot exist (e.g. one with a NUL character, which PostgreSQL cannot
+        # even compare) is a 404 like any other missing tenant.
+        if not _SLUG.fullmatch(self.kwargs["slug"]):
+            raise NotFound()
+        return super().get_object()
 
     def _render(self, tenant: Tenant, code: int = status.HTTP_200_OK) -> Response:
         return Response(s.TenantOutput(tenant, context=self.get_serializer_context()).data, code)
@@ -73,7 +99,7 @@ class TenantViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.G
         services.tenant_delete(actor=request.user, tenant=self.get_object())
         return Response(status=status.HTTP_204_NO_CONTENT)
 
-    @extend_schema(request=None, responses={200: s.TenantOutput})
+    @extend_schema(request=None, responses={200: s.TenantOutput, **DETAIL, 409: E409})
     @action(detail=True, methods=["post"])
     def deactivate(self, request: Request, slug: str) -> Response:
         """Stop serving the tenant; its keys, members and history stay."""
@@ -81,22 +107,22 @@ class TenantViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.G
             services.tenant_deactivate(actor=request.user, tenant=self.get_object())
         )
 
-    @extend_schema(request=None, responses={200: s.TenantOutput})
+    @extend_schema(request=None, responses={200: s.TenantOutput, **DETAIL, 409: E409})
     @action(detail=True, methods=["post"])
     def activate(self, request: Request, slug: str) -> Response:
         return self._render(services.tenant_activate(actor=request.user, tenant=self.get_object()))
 
 
-@extend_schema_view(
-    create=extend_schema(request=s.ApiKeyCreateInput, responses={201: s.ApiKeyIssuedOutput}),
-    partial_update=extend_schema(request=s.ApiKeyUpdateInput, responses={200: s.ApiKeyOutput}),
-    destroy=extend_schema(responses=_NO_CONTENT),
+@crud_schema(
+    out=s.ApiKeyOutput,
+    create=s.ApiKeyCreateInput,
+    update=s.ApiKeyUpdateInput,
+    created=s.ApiKeyIssuedOutput,
 )
 class ApiKeyViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet):
     """Inference API keys. The plaintext key appears only in the create and rotate responses."""
 
     serializer_class = s.ApiKeyOutput
-    lookup_value_regex = r"[0-9]+"
     filterset_class = ApiKeyFilter
     ordering_fields = ["id", "name", "prefix", "created_at", "expires_at"]
     http_method_names = ["get", "post", "patch", "delete", "head", "options"]
@@ -131,14 +157,14 @@ class ApiKeyViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.G
         services.api_key_delete(actor=request.user, api_key=self.get_object())
         return Response(status=status.HTTP_204_NO_CONTENT)
 
-    @extend_schema(request=None, responses={200: s.ApiKeyOutput})
+    @extend_schema(request=None, responses={200: s.ApiKeyOutput, **DETAIL, 409: E409})
     @action(detail=True, methods=["post"])
     def revoke(self, request: Request, pk: str) -> Response:
         """Revoke the key for good, including a secret still in rotation grace."""
         api_key = services.api_key_revoke(actor=request.user, api_key=self.get_object())
         return Response(s.ApiKeyOutput(api_key, context=self.get_serializer_context()).data)
 
-    @extend_schema(request=s.ApiKeyRotateInput, responses={200: s.ApiKeyIssuedOutput})
+    @extend_schema(request=s.ApiKeyRotateInput, responses={200: s.ApiKeyIssuedOutput, **WRITE})
     @action(detail=True, methods=["post"])
     def rotate(self, request: Request, pk: str) -> Response:
         """Issue a new secret; the old one stops working now or after ``grace_seconds``."""
@@ -151,17 +177,12 @@ class ApiKeyViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.G
         return self._issued(issued, status.HTTP_200_OK)
 
 
-@extend_schema_view(
-    create=extend_schema(request=s.UserCreateInput, responses={201: s.UserOutput}),
-    partial_update=extend_schema(request=s.UserUpdateInput, responses={200: s.UserOutput}),
-    destroy=extend_schema(responses=_NO_CONTENT),
-)
+@crud_schema(out=s.UserOutput, create=s.UserCreateInput, update=s.UserUpdateInput)
 class UserViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet):
     """People who use the console and the API, with their role (admins only)."""
 
     serializer_class = s.UserOutput
     permission_classes = [IsAdmin]
-    lookup_value_regex = r"[0-9]+"
     filterset_class = UserFilter
     ordering_fields = ["id", "username", "date_joined"]
     http_method_names = ["get", "post", "patch", "delete", "head", "options"]
@@ -192,7 +213,7 @@ class MeView(APIView):
 
     permission_classes = [IsAuthenticated]
 
-    @extend_schema(responses={200: s.MeOutput})
+    @extend_schema(responses={200: s.MeOutput, 401: E401})
     def get(self, request: Request) -> Response:
         user = request.user
         membership = getattr(user, "membership", None)
@@ -217,7 +238,7 @@ class AuthTokenView(APIView):
             return [AllowAny()]
         return [IsAuthenticated()]
 
-    @extend_schema(request=s.TokenCreateInput, responses={200: s.TokenOutput})
+    @extend_schema(request=s.TokenCreateInput, responses={200: s.TokenOutput, 400: E400})
     def post(self, request: Request) -> Response:
         data = s.TokenCreateInput(data=request.data)
         data.is_valid(raise_exception=True)
@@ -234,7 +255,9 @@ class AuthTokenView(APIView):
         token, _ = Token.objects.get_or_create(user=user)
         return Response(s.TokenOutput({"token": token.key}).data)
 
-    @extend_schema(request=None, responses={204: OpenApiResponse(description="Token revoked.")})
+    @extend_schema(
+        request=None, responses={204: OpenApiResponse(description="Token revoked."), 401: E401}
+    )
     def delete(self, request: Request) -> Response:
         assert isinstance(request.user, User)  # IsAuthenticated let it through
         Token.objects.filter(user=request.user).delete()
