@@ -107,6 +107,8 @@ STATIC_URL = "static/"
 STATIC_ROOT = VAR_DIR / "static"
 # Serve app static files (console, Swagger UI) straight from the packages, no collectstatic step.
 WHITENOISE_USE_FINDERS = True
+if not PRODUCTION:
+    STATIC_ROOT.mkdir(parents=True, exist_ok=True)
 
 # A request body above this is refused with 413 before it is parsed.
 DATA_UPLOAD_MAX_MEMORY_SIZE = env_int("FEDINFER_MAX_BODY_BYTES", 1024 * 1024)
