@@ -28,6 +28,7 @@ from regions.engines.simulator.engine import (
 )
 from regions.engines.simulator.faults import Fate
 from regions.engines.simulator.scheduler import Request, Status
+from regions.engines.simulator.tokenizer import MAX_CHARS_PER_TOKEN
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -273,6 +274,7 @@ class EngineApp:
             rendered = self.engine.tokenizer.apply_chat_template(messages, add_generation_prompt)
         except ValueError as exc:
             raise _bad_request(str(exc)) from None
+        self._check_chars(rendered)
         prompt_ids = self.engine.tokenizer.encode(rendered)
         max_tokens = _int_field(body, "max_completion_tokens")
         param = "max_completion_tokens"
@@ -294,6 +296,7 @@ class EngineApp:
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
             prompt = prompt[0]  # a batch of one
         if isinstance(prompt, str):
+            self._check_chars(prompt)
             prompt_ids = self.engine.tokenizer.encode(prompt)
         elif isinstance(prompt, list) and all(
             isinstance(t, int) and not isinstance(t, bool) for t in prompt
@@ -322,6 +325,21 @@ class EngineApp:
             "max_tokens",
             False,
         )
+
+    def _check_chars(self, text: str) -> None:
+        """vLLM's cheap pre-check: text longer than limit x longest token cannot fit."""
+        limit = self.engine.max_model_len
+        bound = limit * MAX_CHARS_PER_TOKEN
+        if len(text) > bound:
+            raise ApiError(
+                400,
+                f"This model's maximum context length is {limit} tokens. However, your prompt "
+                f"contains {len(text)} characters (more than {bound} characters, which is the "
+                f"upper bound for {limit} input tokens). Please reduce the length of the input "
+                f"prompt. (parameter=input_text, value={len(text)})",
+                "BadRequestError",
+                "input_text",
+            )
 
     def _model(self, body: dict[str, Any]) -> tuple[str, str | None]:
         name = body.get("model")
@@ -402,12 +420,13 @@ class EngineApp:
                 max_tokens_param,
             )
         if num_prompt > limit:
+            # vLLM tokenizes with truncation to limit + 1, hence "at least".
             raise ApiError(
                 400,
                 f"This model's maximum context length is {limit} tokens. However, your prompt "
-                f"contains {num_prompt} input tokens, which exceeds this limit even without any "
-                "output tokens. Please reduce the length of the input prompt. "
-                f"(parameter=input_tokens, value={num_prompt})",
+                f"contains at least {limit + 1} input tokens, which exceeds this limit even "
+                "without any output tokens. Please reduce the length of the input prompt. "
+                f"(parameter=input_tokens, value={limit + 1})",
                 "BadRequestError",
                 "input_tokens",
             )
@@ -617,10 +636,12 @@ class _Formatter:
         c = len(request.output_token_ids)
         p = self.num_prompt
         cached = max(request.num_cached_tokens, 0)
+        # Chat reports created_cache_tokens (0), completions do not (vLLM 0.32 captures).
+        created = ',"created_cache_tokens":0' if self.chat else ""
         return (
             f'{self.head}],"usage":{{"prompt_tokens":{p},"total_tokens":{p + c},'
-            f'"completion_tokens":{c},"prompt_tokens_details":{{"cached_tokens":{cached}}}}}'
-            f"{self.tail_fp}}}\n\n"
+            f'"completion_tokens":{c},"prompt_tokens_details":{{"cached_tokens":{cached}'
+            f"{created}}}}}{self.tail_fp}}}\n\n"
         ).encode()
 
     def full_response(self, request: Request, texts: list[str]) -> bytes:
@@ -641,16 +662,17 @@ class _Formatter:
             choice = (
                 f'{{"index":0,"text":{text},"logprobs":null,"finish_reason":"{reason}",'
                 '"stop_reason":null,"token_ids":null,"prompt_logprobs":null,'
-                '"prompt_token_ids":null}'
+                '"prompt_token_ids":null,"routed_experts":null}'
             )
             extra = '"kv_transfer_params":null,"ec_transfer_params":null,"metrics":null}'
         c = len(request.output_token_ids)
         p = self.num_prompt
         cached = max(request.num_cached_tokens, 0)
+        created = "0" if self.chat else "null"
         usage = (
             f'{{"prompt_tokens":{p},"total_tokens":{p + c},"completion_tokens":{c},'
-            f'"prompt_tokens_details":{{"cached_tokens":{cached},"created_cache_tokens":null,'
-            '"multimodal_tokens":null},"completion_tokens_details":null}'
+            f'"prompt_tokens_details":{{"cached_tokens":{cached},"created_cache_tokens":'
+            f'{created},"multimodal_tokens":null}},"completion_tokens_details":null}}'
         )
         return (
             f'{self.full_head}"choices":[{choice}],"service_tier":null,'

@@ -27,6 +27,8 @@ SPECIAL_TOKENS: dict[str, int] = {
     "<|eot_id|>": 128_009,
 }
 EOS_TOKEN_ID = SPECIAL_TOKENS["<|eot_id|>"]
+#: The longest token's length in characters (vLLM bounds prompt text by limit x this).
+MAX_CHARS_PER_TOKEN = max(len(s) for s in SPECIAL_TOKENS)
 _ORDINARY_IDS = 128_000 - 256
 
 # Words of at most six letters: each is exactly one token with or without a leading space.
