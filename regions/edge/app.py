@@ -143,6 +143,7 @@ class Edge:
         self._seeds: dict[str, int] = {}
         self.table: RoutingTable = table
         self.by_model: dict[str, tuple[Instance, ...]] = {}
+        self.instances: dict[str, Instance] = {}
         self.models_body = b""
         self._apply_table(table)
 
@@ -162,6 +163,7 @@ class Edge:
             self.prefix.forget_instance(gone)
         self.table = table
         self.by_model = {k: tuple(v) for k, v in by_model.items()}
+        self.instances = {i.id: i for i in table.instances}
         now = int(time.time())
         self.models_body = orjson.dumps(
             {
@@ -396,7 +398,7 @@ class Edge:
                     "model",
                 )
         except EdgeError as err:
-            self.metrics.requests.labels("", "", str(err.status)).inc()
+            self.metrics.count("", "", err.status)
             await self._error(send, err)
             return
         except _ClientGone:
@@ -420,7 +422,7 @@ class Edge:
             if not ex.disconnected or task is None:
                 raise
             task.uncancel()
-            self.metrics.requests.labels(req.model, "", "499").inc()
+            self.metrics.count(req.model, "", 499)
         finally:
             watcher.cancel()
 
@@ -552,11 +554,11 @@ class Edge:
                 await self._no_capacity(send, req, decision, retries, queue_s, last_failure)
                 return
             inst_id = winner.instance
-            inst = next(i for i in self.by_model[model] if i.id == inst_id)
+            inst = self.instances[inst_id]
             load = self.loads.get(inst_id)
             uncached = req.prompt_tokens - winner.cached_tokens
             load.admit(uncached)
-            self.metrics.inflight.labels(inst_id).inc()
+            self.metrics.inflight_of(inst_id).inc()
             # Speculative: after this prefill the winner holds the prompt (SGLang does the same).
             if hashes:
                 self.prefix.insert(hashes, inst_id, time.monotonic())
@@ -589,7 +591,7 @@ class Edge:
                     load.finish(time.perf_counter() - started)
                 else:
                     load.release()
-                self.metrics.inflight.labels(inst_id).dec()
+                self.metrics.inflight_of(inst_id).dec()
                 self._wake_one()
 
     async def _no_capacity(
@@ -609,7 +611,7 @@ class Edge:
         else:
             msg = f"no healthy instance of `{req.model}` in region {self.cfg.region}"
         err = EdgeError(503, msg, reason, retry_after=self.cfg.retry_after_s)
-        self.metrics.requests.labels(req.model, "", "503").inc()
+        self.metrics.count(req.model, "", 503)
         timing = (b"server-timing", server_timing(queue_s, None, None))
         await self._error(send, err, route_header(self.cfg.region, None, retries, reason), [timing])
 
@@ -623,7 +625,7 @@ class Edge:
             retry_after=self.cfg.retry_after_s,
         )
         inst = decision.winner.instance if decision.winner else ""
-        self.metrics.requests.labels(req.model, inst, "502").inc()
+        self.metrics.count(req.model, inst, 502)
         await self._error(send, err, route_header(self.cfg.region, decision, retries))
 
     async def _forward(
@@ -789,17 +791,16 @@ class Edge:
         cached: int | None,
         arrived: float,
     ) -> None:
-        m = self.metrics
-        model = req.model
-        m.requests.labels(model, inst, str(status)).inc()
+        self.metrics.count(req.model, inst, status)
+        series = self.metrics.series(req.model, inst)
         if ttft is not None:
-            m.ttft.labels(model, inst).observe(ttft)
-        m.e2e.labels(model, inst).observe(time.perf_counter() - arrived)
+            series.ttft.observe(ttft)
+        series.e2e.observe(time.perf_counter() - arrived)
         if cached is not None and decision.winner is not None:
-            m.predicted_cached.labels(model, inst).inc(decision.winner.cached_tokens)
-            m.actual_cached.labels(model, inst).inc(cached)
+            series.predicted_cached.inc(decision.winner.cached_tokens)
+            series.actual_cached.inc(cached)
         if prompt is not None:
-            m.prompt_tokens.labels(model, inst).inc(prompt)
+            series.prompt_tokens.inc(prompt)
 
 
 async def _watch_disconnect(

@@ -74,6 +74,20 @@ _LATENCY_BUCKETS = (
 )  # fmt: skip
 
 
+class Series:
+    """The labelled children of one (model, instance), resolved once instead of per request."""
+
+    __slots__ = ("actual_cached", "e2e", "predicted_cached", "prompt_tokens", "statuses", "ttft")
+
+    def __init__(self, m: EdgeMetrics, model: str, instance: str) -> None:
+        self.ttft = m.ttft.labels(model, instance)
+        self.e2e = m.e2e.labels(model, instance)
+        self.predicted_cached = m.predicted_cached.labels(model, instance)
+        self.actual_cached = m.actual_cached.labels(model, instance)
+        self.prompt_tokens = m.prompt_tokens.labels(model, instance)
+        self.statuses: dict[int, Counter] = {}
+
+
 class EdgeMetrics:
     """The edge's metrics in a registry of its own (several edges may share a test process)."""
 
@@ -148,3 +162,26 @@ class EdgeMetrics:
         self.healthy_instances = Gauge(
             "fedinfer_edge_healthy_instances", "Instances currently admitted", registry=r
         )
+        self._series: dict[tuple[str, str], Series] = {}
+        self._inflight: dict[str, Gauge] = {}
+
+    def inflight_of(self, instance: str) -> Gauge:
+        child = self._inflight.get(instance)
+        if child is None:
+            child = self._inflight[instance] = self.inflight.labels(instance)
+        return child
+
+    def series(self, model: str, instance: str) -> Series:
+        key = (model, instance)
+        found = self._series.get(key)
+        if found is None:
+            found = self._series[key] = Series(self, model, instance)
+        return found
+
+    def count(self, model: str, instance: str, status: int) -> None:
+        """One answered request (children cached: ``labels()`` takes a lock per call)."""
+        statuses = self.series(model, instance).statuses
+        child = statuses.get(status)
+        if child is None:
+            child = statuses[status] = self.requests.labels(model, instance, str(status))
+        child.inc()

@@ -78,20 +78,27 @@ class PrefixIndex:
         """
         entries = self._entries
         horizon = now - self.ttl_s
-        alive: set[str] | None = None
         matched: dict[str, int] = {}
-        for depth, h in enumerate(hashes, start=1):
+        alive: list[str] = []
+        depth = 0
+        for h in hashes:
             holders = entries.get(h)
             if not holders:
                 break
-            if alive is None:
-                alive = {i for i, t in holders.items() if t >= horizon}
+            if depth == 0:
+                alive = [i for i, t in holders.items() if t >= horizon]
             else:
-                alive = {i for i in alive if holders.get(i, _NEVER) >= horizon}
+                still = [i for i in alive if holders.get(i, _NEVER) >= horizon]
+                if len(still) != len(alive):
+                    for i in alive:
+                        if i not in still:
+                            matched[i] = depth
+                    alive = still
             if not alive:
                 break
-            for inst in alive:
-                matched[inst] = depth
+            depth += 1
+        for i in alive:
+            matched[i] = depth
         return matched
 
     def insert(self, hashes: Iterable[int], instance: str, now: float) -> None:
