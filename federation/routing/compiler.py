@@ -8,20 +8,19 @@ decodes it with ``regions.edge.table.decode_table``.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 SCHEMA_VERSION = 1
 
-#: Peak dense bf16 FLOP/s of the reference accelerator (H100-80G) and the share of it that
-#: prefill reaches in practice (model FLOPs utilisation). Prefill costs ~2 FLOPs per parameter
-#: per token, so an 8B model prefills ~25k tokens/s on one H100.
-REFERENCE_PEAK_FLOPS = 989e12
-PREFILL_MFU = 0.4
-#: Each doubling of the tensor-parallel size keeps this share of linear speed-up (all-reduce).
-TP_EFFICIENCY_PER_DOUBLING = 0.9
+#: Prefill throughput of an 8B model on one H100-80G, tokens/s. Prefill is compute bound, so
+#: it scales with the accelerator's relative speed and inversely with the parameter count;
+#: tensor parallelism pays all-reduces, so N GPUs give N^0.85 (the simulator's model too,
+#: docs/engine-simulator.md).
+REFERENCE_PREFILL_TOKENS_PER_S = 15_000.0
+REFERENCE_PARAMS_B = 8.0
+TP_EXPONENT = 0.85
 
 #: Instances in these states receive traffic; a draining instance finishes what it has.
 ROUTABLE_STATES = frozenset({"ready"})
@@ -63,10 +62,13 @@ def prefill_tokens_per_s(
     *, relative_speed: float, tensor_parallel_size: int, params_b: float
 ) -> float:
     """Expected prefill throughput of one replica, tokens per second."""
-    tp = tensor_parallel_size
-    efficiency = TP_EFFICIENCY_PER_DOUBLING ** math.log2(tp) if tp > 1 else 1.0
-    flops = REFERENCE_PEAK_FLOPS * relative_speed * PREFILL_MFU * tp * efficiency
-    return flops / (2.0 * params_b * 1e9)
+    return (
+        REFERENCE_PREFILL_TOKENS_PER_S
+        * relative_speed
+        * tensor_parallel_size**TP_EXPONENT
+        * REFERENCE_PARAMS_B
+        / params_b
+    )
 
 
 def _instance_entry(row: InstanceRow) -> dict[str, Any]:

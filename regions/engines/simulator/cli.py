@@ -23,7 +23,7 @@ import uvicorn
 
 from regions.engines.simulator.engine import EngineConfig, SimEngine
 from regions.engines.simulator.faults import FaultConfig, apply_update, parse_fault_flag
-from regions.engines.simulator.perf import ACCELERATORS
+from regions.engines.simulator.perf import ACCELERATOR_ALIASES, ACCELERATORS
 from regions.engines.simulator.server import CUT_FILTER, EngineApp
 from regions.engines.simulator.tokenizer import Tokenizer
 
@@ -43,7 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--model", default="meta-llama/Llama-3.1-8B-Instruct")
     p.add_argument("--served-model-name", nargs="+", default=None)
-    p.add_argument("--accelerator", default="H100-80G", choices=sorted(ACCELERATORS))
+    p.add_argument(
+        "--accelerator", default="H100-80G", choices=sorted([*ACCELERATORS, *ACCELERATOR_ALIASES])
+    )
     p.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-num-seqs", type=int, default=256)

@@ -42,14 +42,19 @@ ACCELERATORS: dict[str, Accelerator] = {
     a.name: a
     for a in (
         Accelerator("H100-80G", 1.0, 80),
-        Accelerator("H200", 1.25, 141),
+        Accelerator("H200-141G", 1.25, 141),
         Accelerator("A100-80G", 0.55, 80),
-        Accelerator("L40S", 0.45, 48),
-        Accelerator("L4", 0.14, 24),
+        Accelerator("L40S-48G", 0.45, 48),
+        Accelerator("L4-24G", 0.14, 24),
         Accelerator("K100-48G", 0.3, 48),
-        Accelerator("B200", 2.2, 180),
+        Accelerator("B200-192G", 2.2, 192),
+        Accelerator("A100-40G", 0.5, 40),
+        Accelerator("H20-96G", 0.45, 96),
+        Accelerator("MI300X-192G", 1.1, 192),
     )
 }
+#: Short names people type; the canonical names are the control plane's catalog names.
+ACCELERATOR_ALIASES = {"H200": "H200-141G", "L40S": "L40S-48G", "L4": "L4-24G", "B200": "B200-192G"}
 
 T_CPU = 1.5e-3
 C_WEIGHTS = 7.0e-3
@@ -78,7 +83,7 @@ def model_params_billion(model: str, default: float = 8.0) -> float:
 
 def accelerator(name: str) -> Accelerator:
     try:
-        return ACCELERATORS[name]
+        return ACCELERATORS[ACCELERATOR_ALIASES.get(name, name)]
     except KeyError:
         known = ", ".join(ACCELERATORS)
         raise ValueError(f"unknown accelerator {name!r}; known: {known}") from None
