@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import django_filters as df
+from django import forms
+from drf_spectacular.types import OpenApiTypes
+from drf_spectacular.utils import extend_schema_field
 
 from federation.inventory.models import (
     AcceleratorType,
@@ -16,6 +19,13 @@ from federation.inventory.models import (
     Region,
     RegionLink,
 )
+
+
+@extend_schema_field(OpenApiTypes.INT)
+class IntegerFilter(df.NumberFilter):
+    """A whole-number filter (NumberFilter would accept and document decimals)."""
+
+    field_class = forms.IntegerField
 
 
 class RegionFilter(df.FilterSet):
@@ -37,7 +47,7 @@ class RegionLinkFilter(df.FilterSet):
 
 
 class AcceleratorTypeFilter(df.FilterSet):
-    min_memory_gib = df.NumberFilter(field_name="memory_gib", lookup_expr="gte")
+    min_memory_gib = IntegerFilter(field_name="memory_gib", lookup_expr="gte")
 
     class Meta:
         model = AcceleratorType
@@ -48,7 +58,7 @@ class PoolFilter(df.FilterSet):
     region = df.CharFilter(field_name="region__code", help_text="Region code.")
     accelerator = df.CharFilter(field_name="accelerator__name", help_text="Accelerator name.")
     jurisdiction = df.ChoiceFilter(field_name="region__jurisdiction", choices=Jurisdiction.choices)
-    min_free_gpus = df.NumberFilter(
+    min_free_gpus = IntegerFilter(
         field_name="free_gpus", lookup_expr="gte", help_text="At least this many unclaimed GPUs."
     )
 
@@ -82,7 +92,7 @@ class DeploymentFilter(df.FilterSet):
 class InstanceFilter(df.FilterSet):
     state = df.MultipleChoiceFilter(choices=Instance.State.choices)
     region = df.CharFilter(field_name="deployment__pool__region__code", help_text="Region code.")
-    model = df.NumberFilter(field_name="deployment__model", help_text="Model id.")
+    model = IntegerFilter(field_name="deployment__model", help_text="Model id.")
 
     class Meta:
         model = Instance

@@ -347,7 +347,7 @@ def check_replicas(deployment: DeploymentSpec) -> list[Problem]:
 
 def _is_scalar(value: Any) -> bool:
     if isinstance(value, str):
-        return len(value) <= MAX_ENGINE_ARG_STRING_LENGTH
+        return len(value) <= MAX_ENGINE_ARG_STRING_LENGTH and "\x00" not in value
     return value is None or isinstance(value, bool | int | float)
 
 
@@ -392,7 +392,7 @@ def check_engine_args(engine_args: Any, *, model: ModelSpec) -> list[Problem]:
                 Problem(
                     "engine_args",
                     f"flag '{name}' must be a string (at most {MAX_ENGINE_ARG_STRING_LENGTH} "
-                    f"characters), number, boolean, null or a list of those",
+                    f"characters, no NUL), number, boolean, null or a list of those",
                 )
             )
         elif name == "max-model-len" and not (

@@ -673,6 +673,11 @@ def deployment_update(
     """Change TP, replicas, engine flags or adapters; model, pool and role are fixed (create
     another deployment to move a model)."""
     fields = dict(data)
+    if "engine_args" in fields:
+        # Refuse malformed flags before anything walks them (the audit diff recurses).
+        problems = fit.check_engine_args(fields["engine_args"], model=model_spec(deployment.model))
+        if problems:
+            raise ValidationError(_problems_as_errors(problems))
     new_adapters: list[LoraAdapter] | None = (
         list(fields.pop("adapters")) if "adapters" in fields else None
     )
@@ -742,15 +747,38 @@ def instance_create(
     return instance
 
 
+MAX_LOAD_DEPTH = 8
+
+
+def _load_snapshot_problem(value: Any) -> str | None:
+    """A load snapshot is a small JSON object: bounded nesting (the audit diff and the
+    routing compiler walk it recursively) and no NUL characters (PostgreSQL refuses them)."""
+    if not isinstance(value, dict):
+        return "must be an object."
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if depth > MAX_LOAD_DEPTH:
+            return f"must not nest deeper than {MAX_LOAD_DEPTH} levels."
+        if isinstance(item, str) and "\x00" in item:
+            return "must not contain NUL characters."
+        if isinstance(item, dict):
+            stack += [(k, depth) for k in item] + [(v, depth + 1) for v in item.values()]
+        elif isinstance(item, list):
+            stack += [(v, depth + 1) for v in item]
+    return None
+
+
 @transaction.atomic
 def instance_update(*, actor: Actor, instance: Instance, data: Mapping[str, Any]) -> Instance:
     """Endpoint, heartbeat and load snapshot; the state changes only by transitions."""
     instance = _lock(instance)
-    extra: Errors = {}
-    if "load" in data and not isinstance(data["load"], dict):
-        extra["load"] = ["must be an object."]
+    if "load" in data:
+        problem = _load_snapshot_problem(data["load"])
+        if problem:
+            raise ValidationError({"load": [problem]})
     diff = _apply(instance, data, ("endpoint_url", "last_heartbeat_at", "load"))
-    _validate_and_save(instance, extra=extra)
+    _validate_and_save(instance)
     if diff:
         # Load snapshots change constantly; the audit trail notes that, not their content.
         if "load" in diff:

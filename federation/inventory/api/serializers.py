@@ -40,10 +40,18 @@ class InputSerializer(StrictFieldsMixin, serializers.ModelSerializer):
     pass
 
 
-def _region_field(help_text: str = "Region code.") -> serializers.SlugRelatedField:
-    return serializers.SlugRelatedField(
-        slug_field="code", queryset=Region.objects.all(), help_text=help_text
-    )
+class SlugLookupField(serializers.SlugRelatedField):
+    """A SlugRelatedField that refuses NUL characters itself: PostgreSQL cannot even compare
+    text containing them, so the lookup would fail with a server error."""
+
+    def to_internal_value(self, data: Any) -> Any:
+        if isinstance(data, str) and "\x00" in data:
+            raise serializers.ValidationError("Null characters are not allowed.")
+        return super().to_internal_value(data)
+
+
+def _region_field(help_text: str = "Region code.") -> SlugLookupField:
+    return SlugLookupField(slug_field="code", queryset=Region.objects.all(), help_text=help_text)
 
 
 # --- regions -------------------------------------------------------------------------------
@@ -164,7 +172,7 @@ class PoolOut(ReadOnlyModelSerializer):
 
 class PoolCreateIn(InputSerializer):
     region = _region_field()
-    accelerator = serializers.SlugRelatedField(
+    accelerator = SlugLookupField(
         slug_field="name",
         queryset=AcceleratorType.objects.all(),
         help_text="Accelerator type name, e.g. 'H100-80G'.",
@@ -263,7 +271,7 @@ class DeploymentOut(ReadOnlyModelSerializer):
 
 
 class DeploymentUpdateIn(InputSerializer):
-    engine_args = serializers.JSONField(
+    engine_args = serializers.DictField(
         required=False,
         help_text="Extra vLLM flags without leading dashes, e.g. {'max-num-seqs': 256}.",
     )

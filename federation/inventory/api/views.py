@@ -9,15 +9,17 @@ from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
 from django.db.models import Model, QuerySet
-from drf_spectacular.utils import OpenApiResponse, extend_schema, extend_schema_view
+from drf_spectacular.utils import extend_schema, extend_schema_view
 from rest_framework import mixins, status, viewsets
 from rest_framework.decorators import action
+from rest_framework.exceptions import NotFound
 from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.serializers import BaseSerializer
 
 from federation.inventory import filters, selectors, services
 from federation.inventory.api import serializers as s
+from federation.inventory.api.schema import InventoryAutoSchema
 from federation.inventory.models import (
     AcceleratorType,
     Deployment,
@@ -30,27 +32,25 @@ from federation.inventory.models import (
     RegionLink,
 )
 
-ERRORS = {
-    400: OpenApiResponse(description="Invalid input; the body names each field's problem."),
-    409: OpenApiResponse(description="Conflicts with the current state or still referenced."),
-}
-
 
 def crud_schema(
     *, out: type[BaseSerializer], create: type[BaseSerializer], update: type[BaseSerializer]
 ) -> Callable[[type], type]:
     """Document that writes take the input serializer and answer with the output one."""
     return extend_schema_view(
-        create=extend_schema(request=create, responses={201: out, **ERRORS}),
-        update=extend_schema(request=update, responses={200: out, **ERRORS}),
-        partial_update=extend_schema(request=update, responses={200: out, **ERRORS}),
-        destroy=extend_schema(responses={204: None, 409: ERRORS[409]}),
+        create=extend_schema(request=create, responses={201: out}),
+        update=extend_schema(request=update, responses={200: out}),
+        partial_update=extend_schema(request=update, responses={200: out}),
     )
 
 
 class ReadViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet):
     """List and retrieve through a selector and the output serializer."""
 
+    schema = InventoryAutoSchema()
+    # Anything up to the next slash reaches the view, so a malformed id is a JSON 404 from
+    # the view rather than Django's HTML 404 from the URL resolver.
+    lookup_value_regex = r"[^/]+"
     output_serializer: ClassVar[type[BaseSerializer]]
     selector: ClassVar[Callable[[], QuerySet[Any]]]
 
@@ -59,6 +59,12 @@ class ReadViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.Gen
 
     def get_serializer_class(self) -> type[BaseSerializer]:
         return self.output_serializer
+
+    def get_object(self) -> Any:
+        # PostgreSQL cannot compare text holding NUL; such a key matches nothing.
+        if "\x00" in str(self.kwargs.get(self.lookup_url_kwarg or self.lookup_field, "")):
+            raise NotFound()
+        return super().get_object()
 
     def respond(self, obj: Model, code: int = status.HTTP_200_OK) -> Response:
         """Render ``obj`` re-read through the selector (fresh annotations and relations)."""
@@ -108,7 +114,6 @@ class RegionViewSet(ServiceViewSet):
 
     tenant_viewer_readable = True
     lookup_field = "code"
-    lookup_value_regex = r"[a-z0-9-]+"
     queryset = Region.objects.none()
     selector = staticmethod(selectors.region_list)
     output_serializer = s.RegionOut
@@ -126,13 +131,13 @@ class RegionViewSet(ServiceViewSet):
     def delete_object(self, obj: Region) -> None:
         services.region_delete(actor=self.request.user, region=obj)
 
-    @extend_schema(request=None, responses={200: s.RegionOut, 409: ERRORS[409]})
+    @extend_schema(request=None, responses={200: s.RegionOut})
     @action(detail=True, methods=["post"])
     def evacuate(self, request: Request, code: str | None = None) -> Response:
         """Take the region out of traffic and drain its ready instances."""
         return self.respond(services.region_evacuate(actor=request.user, region=self.get_object()))
 
-    @extend_schema(request=None, responses={200: s.RegionOut, 409: ERRORS[409]})
+    @extend_schema(request=None, responses={200: s.RegionOut})
     @action(detail=True, methods=["post"])
     def restore(self, request: Request, code: str | None = None) -> Response:
         """Put the region back into traffic and undrain what its evacuation drained."""
@@ -255,6 +260,7 @@ class PoolViewSet(ServiceViewSet):
     @extend_schema(request=None, responses={200: s.PoolOut})
     @action(detail=True, methods=["post"])
     def uncordon(self, request: Request, pk: str | None = None) -> Response:
+        """Let the pool take new deployments and replicas again."""
         return self.respond(services.pool_uncordon(actor=request.user, pool=self.get_object()))
 
 
@@ -301,20 +307,21 @@ class InstanceViewSet(ServiceViewSet):
     def delete_object(self, obj: Instance) -> None:
         services.instance_delete(actor=self.request.user, instance=obj)
 
-    @extend_schema(request=None, responses={200: s.InstanceOut, 409: ERRORS[409]})
+    @extend_schema(request=None, responses={200: s.InstanceOut})
     @action(detail=True, methods=["post"])
     def drain(self, request: Request, pk: str | None = None) -> Response:
         """Stop routing new requests to this ready instance."""
         return self.respond(services.instance_drain(actor=request.user, instance=self.get_object()))
 
-    @extend_schema(request=None, responses={200: s.InstanceOut, 409: ERRORS[409]})
+    @extend_schema(request=None, responses={200: s.InstanceOut})
     @action(detail=True, methods=["post"])
     def undrain(self, request: Request, pk: str | None = None) -> Response:
+        """Route new requests to this draining instance again."""
         return self.respond(
             services.instance_undrain(actor=request.user, instance=self.get_object())
         )
 
-    @extend_schema(request=s.InstanceTransitionIn, responses={200: s.InstanceOut, **ERRORS})
+    @extend_schema(request=s.InstanceTransitionIn, responses={200: s.InstanceOut})
     @action(detail=True, methods=["post"])
     def transition(self, request: Request, pk: str | None = None) -> Response:
         """Move the instance along a legal lifecycle transition (409 lists the legal ones)."""
