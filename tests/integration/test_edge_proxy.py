@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import time
 from collections.abc import Iterator
@@ -202,14 +203,14 @@ def test_models_healthz_and_metrics(edge: EdgeProc) -> None:
         assert name in text, name
 
 
-def test_table_reload_on_sighup_and_bad_table_is_refused(tmp_path: Path, edge: EdgeProc) -> None:
+def test_table_reload_on_sighup_and_bad_table_is_refused(edge: EdgeProc) -> None:
     engines = list(edge.engines.values())
     good = table_doc(
         "r1",
         2,
         [instance(e) for e in engines] + [instance(engines[0], id="i-lora", adapters=["sql"])],
     )
-    edge.table.write_text(json.dumps(good))
+    write_atomically(edge.table, json.dumps(good))
     edge.proc.send_signal(signal.SIGHUP)
     deadline = time.monotonic() + 5
     while httpx.get(edge.url + "/healthz").json()["table_version"] != 2:
@@ -217,9 +218,30 @@ def test_table_reload_on_sighup_and_bad_table_is_refused(tmp_path: Path, edge: E
         time.sleep(0.05)
     assert [m.id for m in client(edge).models.list().data] == ["llama", "sql"]
     # Going backwards, or broken: refused, version 2 stays.
-    edge.table.write_text(json.dumps(table_doc("r1", 1, [instance(engines[0])])))
-    edge.proc.send_signal(signal.SIGHUP)
-    edge.table.write_text("{broken")
-    time.sleep(0.6)
+    for bad in (json.dumps(table_doc("r1", 1, [instance(engines[0])])), "{broken"):
+        before = rejections(edge)
+        write_atomically(edge.table, bad)
+        edge.proc.send_signal(signal.SIGHUP)
+        deadline = time.monotonic() + 5
+        while rejections(edge) == before:
+            assert time.monotonic() < deadline, f"table {bad[:20]!r} was not refused"
+            time.sleep(0.05)
     assert httpx.get(edge.url + "/healthz").json()["table_version"] == 2
-    assert "fedinfer_edge_table_rejections_total 2.0" in httpx.get(edge.url + "/metrics").text
+    answer = client(edge).chat.completions.create(
+        model="sql", messages=[{"role": "user", "content": "still served"}]
+    )
+    assert answer.choices[0].message.content == "i-1: t1 t2 t3 t4"
+
+
+def write_atomically(path: Path, text: str) -> None:
+    """How a table should be published: a reader never sees a half-written file."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def rejections(edge: EdgeProc) -> float:
+    for line in httpx.get(edge.url + "/metrics").text.splitlines():
+        if line.startswith("fedinfer_edge_table_rejections_total "):
+            return float(line.split()[1])
+    raise AssertionError("rejection counter missing")

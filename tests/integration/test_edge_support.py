@@ -31,6 +31,7 @@ p = argparse.ArgumentParser()
 p.add_argument("--port", type=int, required=True)
 p.add_argument("--name", required=True)
 p.add_argument("--model", default="llama")
+p.add_argument("--adapters", default="sql")
 p.add_argument("--tokens", type=int, default=5)
 p.add_argument("--token-delay", type=float, default=0.0)
 o = p.parse_args()
@@ -58,7 +59,7 @@ def cache(prompt):
 
 async def completion(request):
     body = await request.json()
-    if body.get("model") != o.model:
+    if body.get("model") not in [o.model, *o.adapters.split(",")]:
         return web.json_response({"error": {"message": "no such model", "type": "NotFoundError",
                                   "param": None, "code": 404}}, status=404)
     chat = request.path.endswith("chat/completions")
