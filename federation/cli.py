@@ -58,3 +58,7 @@ def _serve(args: list[str]) -> None:
         workers=opts.workers,
         lifespan="off",
     )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,291 @@
+"""``fedinfer demo``: the whole platform on one machine, with simulated engines.
+
+It loads the demo inventory, starts simulated vLLM engines for every deployment (up to
+``--engines-per-deployment`` each), registers them as instances and moves them to ready
+through the lifecycle services, compiles each region's routing table, starts one edge router
+per region and the control-plane web server, prints where everything is, and supervises the
+processes: if one dies the demo says which and stops the rest (no silent half-platform).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import httpx
+from django.conf import settings
+from django.core.management import call_command
+from django.core.management.base import BaseCommand, CommandError, CommandParser
+
+from federation.core.management.commands.loaddemo import DEMO_PASSWORD
+from federation.inventory import lifecycle
+from federation.inventory import services as inventory
+from federation.inventory.models import Deployment, Edge, Instance, Region
+from federation.routing.compiler import compile_region_table
+from federation.routing.selectors import fleet_snapshot
+
+DEMO_PREFIX = "demo-"
+STARTUP_TIMEOUT_S = 60.0
+
+
+def _slug(text: str) -> str:
+    out = "".join(c if c.isalnum() else "-" for c in text.lower())
+    return "-".join(part for part in out.split("-") if part)
+
+
+class Supervisor:
+    """Child processes of the demo, each in its own process group, logs under var/demo/logs."""
+
+    def __init__(self, log_dir: Path) -> None:
+        self.log_dir = log_dir
+        self.children: list[tuple[str, subprocess.Popen[bytes]]] = []
+
+    def start(self, name: str, argv: list[str]) -> subprocess.Popen[bytes]:
+        log = (self.log_dir / f"{name}.log").open("wb")
+        proc = subprocess.Popen(
+            argv,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env=os.environ.copy(),
+        )
+        self.children.append((name, proc))
+        return proc
+
+    def dead(self) -> list[tuple[str, int]]:
+        return [(n, p.returncode) for n, p in self.children if p.poll() is not None]
+
+    def stop(self) -> None:
+        for _, proc in self.children:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        for _, proc in self.children:
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+
+
+class Command(BaseCommand):
+    help = "Run the whole platform on this machine with simulated engines."
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        parser.add_argument("--host", default="127.0.0.1")
+        parser.add_argument("--port", type=int, default=8000, help="control-plane web port")
+        parser.add_argument(
+            "--edge-base-port",
+            type=int,
+            default=8100,
+            help="edges listen on consecutive ports from here+1, regions in code order",
+        )
+        parser.add_argument("--engines-per-deployment", type=int, default=1)
+        parser.add_argument(
+            "--exit-after",
+            type=float,
+            default=None,
+            help="stop after this many seconds (for tests); default: until Ctrl-C",
+        )
+
+    def handle(self, *args: Any, **opts: Any) -> None:
+        host: str = opts["host"]
+        demo_dir = Path(settings.VAR_DIR) / "demo"
+        for sub in ("tables", "logs", "engines"):
+            (demo_dir / sub).mkdir(parents=True, exist_ok=True)
+        call_command("migrate", interactive=False, verbosity=0)
+        call_command("loaddemo", stdout=self.stdout)
+        self._forget_previous_run()
+        sup = Supervisor(demo_dir / "logs")
+        stop = {"now": False}
+
+        def on_signal(signum: int, frame: Any) -> None:
+            stop["now"] = True
+
+        signal.signal(signal.SIGINT, on_signal)
+        signal.signal(signal.SIGTERM, on_signal)
+        try:
+            summary = self._start(sup, demo_dir, host, opts)
+            (demo_dir / "endpoints.json").write_text(json.dumps(summary, indent=2))
+            self._print_summary(summary, demo_dir)
+            started = time.monotonic()
+            while not stop["now"]:
+                if dead := sup.dead():
+                    raise CommandError(
+                        "demo process(es) exited: "
+                        + ", ".join(f"{n} (code {c})" for n, c in dead)
+                        + f"; see {demo_dir / 'logs'}"
+                    )
+                if (
+                    opts["exit_after"] is not None
+                    and time.monotonic() - started > opts["exit_after"]
+                ):
+                    break
+                time.sleep(0.5)
+        finally:
+            self.stdout.write("demo: stopping")
+            sup.stop()
+            self._forget_previous_run()
+
+    def _forget_previous_run(self) -> None:
+        """Stop and remove the instances and edges a demo registered (ports change per run)."""
+        for inst in Instance.objects.filter(name__startswith=DEMO_PREFIX):
+            if inst.state not in lifecycle.TERMINAL_STATES:
+                inst = inventory.instance_transition(actor=None, instance=inst, state="stopped")
+            inventory.instance_delete(actor=None, instance=inst)
+        for edge in Edge.objects.filter(name__startswith=DEMO_PREFIX):
+            inventory.edge_delete(actor=None, edge=edge)
+
+    def _start(
+        self, sup: Supervisor, demo_dir: Path, host: str, opts: dict[str, Any]
+    ) -> dict[str, Any]:
+        fedinfer = [sys.executable, "-m", "federation.cli"]
+        per_dep = max(1, opts["engines_per_deployment"])
+        pending: list[tuple[Deployment, int, Path]] = []
+        deployments = Deployment.objects.select_related(
+            "model", "pool__region", "pool__accelerator"
+        ).prefetch_related("adapters")
+        for dep in deployments:
+            count = max(1, min(dep.desired_replicas, per_dep))
+            name = (
+                f"engines-{dep.pool.region.code}-{dep.pool.name}-{_slug(dep.model.name)}-{dep.role}"
+            )
+            ready_file = demo_dir / "engines" / f"{name}.json"
+            ready_file.unlink(missing_ok=True)
+            argv = [
+                *fedinfer,
+                "engine-sim",
+                "--count",
+                str(count),
+                "--host",
+                host,
+                "--port",
+                "0",
+                "--model",
+                dep.model.name,
+                "--accelerator",
+                dep.pool.accelerator.name,
+                "--tp",
+                str(dep.tensor_parallel_size),
+                "--params-billion",
+                str(dep.model.parameter_count_b),
+                "--max-num-seqs",
+                str(dep.engine_args.get("max-num-seqs", 256)),
+                "--seed",
+                str(dep.pk),
+                "--ready-file",
+                str(ready_file),
+            ]
+            adapters = [f"{a.name}={a.source}" for a in dep.adapters.all()]
+            if adapters:
+                argv += ["--lora-modules", *adapters]
+            sup.start(name, argv)
+            pending.append((dep, count, ready_file))
+        for dep, _count, ready_file in pending:
+            engines = self._wait_for_file(ready_file, sup)["engines"]
+            for engine in engines:
+                name = (
+                    f"{DEMO_PREFIX}{dep.pool.region.code}-{dep.pool.name}-"
+                    f"{_slug(dep.model.name.split('/')[-1])}-{dep.role}-{engine['index']}"
+                )[:63].rstrip("-")
+                inst = inventory.instance_create(
+                    actor=None, deployment=dep, name=name, endpoint_url=engine["url"]
+                )
+                for state in ("loading", "warming", "ready"):
+                    inst = inventory.instance_transition(actor=None, instance=inst, state=state)
+        edges: dict[str, str] = {}
+        for offset, region in enumerate(Region.objects.order_by("code"), start=1):
+            url = f"http://{host}:{opts['edge_base_port'] + offset}"
+            inventory.edge_register(
+                actor=None, region=region, name=f"{DEMO_PREFIX}{region.code}", url=url
+            )
+            edges[region.code] = url
+        snapshot = fleet_snapshot()
+        version = int(time.time())
+        generated_at = datetime.now(UTC).isoformat()
+        for code, url in edges.items():
+            table = compile_region_table(
+                snapshot, region=code, version=version, generated_at=generated_at
+            )
+            path = demo_dir / "tables" / f"{code}.json"
+            path.write_text(json.dumps(table, indent=2))
+            port = url.rsplit(":", 1)[1]
+            sup.start(
+                f"edge-{code}",
+                [
+                    *fedinfer,
+                    "edge",
+                    "--region",
+                    code,
+                    "--table",
+                    str(path),
+                    "--host",
+                    host,
+                    "--port",
+                    port,
+                ],
+            )
+        web = f"http://{host}:{opts['port']}"
+        sup.start(
+            "web", [*fedinfer, "serve", "--no-migrate", "--host", host, "--port", str(opts["port"])]
+        )
+        for url in [*edges.values()]:
+            self._wait_http(f"{url}/healthz", sup)
+        self._wait_http(f"{web}/api/schema/", sup)
+        return {
+            "control_plane": web,
+            "edges": edges,
+            "instances": list(
+                Instance.objects.filter(name__startswith=DEMO_PREFIX).values_list(
+                    "name", "endpoint_url"
+                )
+            ),
+            "table_version": version,
+        }
+
+    def _wait_for_file(self, path: Path, sup: Supervisor) -> Any:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if dead := sup.dead():
+                raise CommandError(f"demo process exited during start-up: {dead}")
+            if path.exists() and path.stat().st_size:
+                return json.loads(path.read_text())
+            time.sleep(0.1)
+        raise CommandError(f"engines did not report ready within {STARTUP_TIMEOUT_S:.0f}s ({path})")
+
+    def _wait_http(self, url: str, sup: Supervisor) -> None:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if dead := sup.dead():
+                raise CommandError(f"demo process exited during start-up: {dead}")
+            try:
+                if httpx.get(url, timeout=1.0).status_code < 500:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise CommandError(f"{url} did not answer within {STARTUP_TIMEOUT_S:.0f}s")
+
+    def _print_summary(self, summary: dict[str, Any], demo_dir: Path) -> None:
+        web = summary["control_plane"]
+        lines = [
+            "",
+            "fedinfer demo is running (Ctrl-C stops it)",
+            f"  control plane  {web}/admin/  ·  API {web}/api/v1/  ·  docs {web}/api/docs/",
+            f"  users          admin / operator / <tenant>-viewer, password {DEMO_PASSWORD!r}",
+        ]
+        for code, url in summary["edges"].items():
+            lines.append(f"  edge {code:<13} {url}/v1/chat/completions")
+        lines += [
+            f"  instances      {len(summary['instances'])} simulated engines",
+            f"  tables         {demo_dir / 'tables'} (version {summary['table_version']})",
+            f"  logs           {demo_dir / 'logs'}",
+            "",
+        ]
+        self.stdout.write("\n".join(lines))
