@@ -3,6 +3,7 @@ built on them hides other tenants' objects: lists leave them out and details ans
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
@@ -78,3 +79,37 @@ def api_key_authenticate(*, key: str, now: datetime | None = None) -> ApiKey | N
     if api_key is None or api_key.status_at(now) != "active" or not api_key.tenant.is_active:
         return None
     return api_key
+
+
+@dataclass(frozen=True, slots=True)
+class KeyTableEntry:
+    """One hash the edge accepts: what the routing-table compiler publishes per key."""
+
+    key_hash: str
+    api_key_id: int
+    tenant_id: int
+    scopes: tuple[str, ...]
+    valid_until: datetime | None  # the edge stops accepting the hash then; None = no end
+
+
+def api_key_table_entries(*, now: datetime | None = None) -> list[KeyTableEntry]:
+    """Every hash usable at ``now``: the current secret of each active key of an active
+    tenant, plus a rotated-out secret while its grace lasts. Same rules as
+    ``api_key_authenticate``, so the edge and the control plane agree."""
+    now = now or timezone.now()
+    entries: list[KeyTableEntry] = []
+    usable = (
+        ApiKey.objects.filter(tenant__is_active=True, revoked_at__isnull=True)
+        .filter(Q(expires_at__isnull=True) | Q(expires_at__gt=now))
+        .order_by("id")
+    )
+    for key in usable:
+        scopes = tuple(key.scopes)
+        entries.append(KeyTableEntry(key.key_hash, key.pk, key.tenant_id, scopes, key.expires_at))
+        grace = key.previous_key_valid_until
+        if key.previous_key_hash and grace is not None and grace > now:
+            until = min(grace, key.expires_at) if key.expires_at else grace
+            entries.append(
+                KeyTableEntry(key.previous_key_hash, key.pk, key.tenant_id, scopes, until)
+            )
+    return entries

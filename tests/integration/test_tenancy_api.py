@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 from django.contrib.auth.models import User
 from django.db import connection
+from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 from rest_framework.test import APIClient
 
@@ -615,3 +616,62 @@ def test_schema_says_strict_inputs_refuse_unknown_fields(admin_client: APIClient
         assert components[name]["additionalProperties"] is False, name
     # outputs stay open: adding a field later is not a breaking change
     assert "additionalProperties" not in components["TenantOutput"]
+
+
+def test_key_table_entries_follow_the_same_rules_as_authentication(
+    admin_user: User, make_tenant: Callable[..., Tenant]
+) -> None:
+    acme, dormant = make_tenant("acme"), make_tenant("dormant")
+    plain = services.api_key_create(actor=admin_user, tenant=acme, name="plain")
+    rotated = services.api_key_create(actor=admin_user, tenant=acme, name="rotated")
+    revoked = services.api_key_create(actor=admin_user, tenant=acme, name="revoked")
+    asleep = services.api_key_create(actor=admin_user, tenant=dormant, name="asleep")
+    services.api_key_revoke(actor=admin_user, api_key=revoked.api_key)
+    services.tenant_deactivate(actor=admin_user, tenant=dormant)
+    new = services.api_key_rotate(actor=admin_user, api_key=rotated.api_key, grace_seconds=60)
+
+    now = timezone.now()
+    entries = selectors.api_key_table_entries(now=now)
+    published = {e.key_hash for e in entries}
+    for plaintext in [plain.plaintext, rotated.plaintext, new.plaintext, revoked.plaintext]:
+        authenticated = selectors.api_key_authenticate(key=plaintext, now=now) is not None
+        assert (hash_key(plaintext) in published) == authenticated
+    assert hash_key(asleep.plaintext) not in published
+    grace_entry = next(e for e in entries if e.key_hash == hash_key(rotated.plaintext))
+    assert grace_entry.valid_until is not None
+    assert grace_entry.valid_until <= now + timedelta(seconds=60)
+    later = {e.key_hash for e in selectors.api_key_table_entries(now=now + timedelta(seconds=61))}
+    assert hash_key(rotated.plaintext) not in later
+    assert hash_key(new.plaintext) in later
+
+
+@pytest.mark.parametrize("url", [TENANTS, KEYS, USERS])
+def test_lists_take_a_fixed_number_of_queries(
+    admin_client: APIClient,
+    admin_user: User,
+    make_tenant: Callable[..., Tenant],
+    regions: dict[str, Region],
+    django_assert_max_num_queries: Any,
+    url: str,
+) -> None:
+    """No N+1: 12 rows cost what 1 row costs."""
+
+    def add(i: int) -> None:
+        tenant = make_tenant(f"t{i}", allowed_jurisdictions=["EU"])
+        tenant.allowed_regions.set([regions["eu-west"]])
+        services.api_key_create(actor=admin_user, tenant=tenant, name=f"k{i}")
+        services.user_create(
+            actor=admin_user,
+            username=f"u{i}",
+            password="long-enough-pw-1",
+            role="tenant_viewer",
+            tenant=tenant,
+        )
+
+    add(0)
+    with CaptureQueriesContext(connection) as one:
+        assert admin_client.get(url).status_code == 200
+    for i in range(1, 12):
+        add(i)
+    with django_assert_max_num_queries(len(one.captured_queries)):
+        assert admin_client.get(url).json()["count"] >= 12

@@ -8,11 +8,13 @@ input to UTC here turns those corners into a clear 400 instead of a database err
 from __future__ import annotations
 
 from datetime import UTC, datetime
+from decimal import Decimal
 from typing import Any
 
 import django_filters
 from django import forms
 from django_filters.fields import IsoDateTimeField
+from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
 
@@ -65,3 +67,21 @@ class StrictIntegerField(serializers.IntegerField):
         if isinstance(data, bool) or not isinstance(data, int):
             self.fail("invalid")
         return int(super().to_internal_value(data))
+
+
+@extend_schema_field(
+    {
+        "oneOf": [
+            {"type": "string", "format": "decimal", "pattern": r"^\d{1,12}(?:\.\d{1,2})?$"},
+            {"type": "number", "minimum": 0, "maximum": 999_999_999_999.99},
+        ],
+        "nullable": True,
+        "example": "1500.00",
+    }
+)
+class MoneyField(serializers.DecimalField):
+    """A non-negative amount with two decimals, as a string ("1500.00", exact) or a JSON
+    number (1500); the schema says both, since both are accepted."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(max_digits=14, decimal_places=2, min_value=Decimal(0), **kwargs)

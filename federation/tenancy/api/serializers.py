@@ -10,7 +10,12 @@ from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
 from federation.api.serializers import StrictFieldsMixin
-from federation.core.api.fields import StrictBooleanField, StrictIntegerField, UTCDateTimeField
+from federation.core.api.fields import (
+    MoneyField,
+    StrictBooleanField,
+    StrictIntegerField,
+    UTCDateTimeField,
+)
 from federation.core.roles import role_of
 from federation.inventory.models import Jurisdiction, Region, slug_validator
 from federation.tenancy import selectors
@@ -71,9 +76,7 @@ class TenantCreateInput(StrictFieldsMixin, serializers.Serializer):
     allowed_regions = _region_field(required=False)
     requests_per_minute = _rate_field()
     tokens_per_minute = _rate_field()
-    monthly_budget_usd = serializers.DecimalField(
-        max_digits=14, decimal_places=2, min_value=0, allow_null=True, required=False
-    )
+    monthly_budget_usd = MoneyField(allow_null=True, required=False)
     is_active = StrictBooleanField(required=False, default=True)
 
 
@@ -83,9 +86,7 @@ class TenantUpdateInput(StrictFieldsMixin, serializers.Serializer):
     allowed_regions = _region_field(required=False)
     requests_per_minute = _rate_field()
     tokens_per_minute = _rate_field()
-    monthly_budget_usd = serializers.DecimalField(
-        max_digits=14, decimal_places=2, min_value=0, allow_null=True, required=False
-    )
+    monthly_budget_usd = MoneyField(allow_null=True, required=False)
 
 
 class TenantOutput(serializers.ModelSerializer):
