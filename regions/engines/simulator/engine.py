@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import math
-import random
 import time
 from dataclasses import dataclass, field
 
@@ -28,7 +26,7 @@ from regions.engines.simulator.scheduler import (
     SchedulerConfig,
     Status,
 )
-from regions.engines.simulator.tokenizer import Tokenizer, plan_output, tokens_digest
+from regions.engines.simulator.tokenizer import OutputPlanner, Tokenizer, tokens_digest
 
 #: The vLLM release whose API, metrics and fingerprint the simulator reproduces.
 VLLM_VERSION = "0.32.0"
@@ -147,7 +145,7 @@ class SimEngine:
         self._ids = itertools.count()
         self._wake = asyncio.Event()
         self._closed = False
-        self._output_seed = config.seed * 1_000_003
+        self.planner = OutputPlanner(self.tokenizer, config.seed, config.output_len_median)
 
     # -- model names --------------------------------------------------------------------
 
@@ -175,13 +173,12 @@ class SimEngine:
     ) -> tuple[Request, list[str]]:
         """A request and its planned output: same prompt, same answer (greedy-like), and the
         answer's natural length is log-normal around ``output_len_median``."""
-        rng = random.Random(self._output_seed ^ tokens_digest(prompt_token_ids))
-        if ignore_eos:
-            length = max_tokens
-        else:
-            natural = round(rng.lognormvariate(math.log(self.config.output_len_median), 0.7))
-            length = min(max_tokens, max(1, min_tokens, natural))
-        ids, texts = plan_output(self.tokenizer, rng, length)
+        ids, texts = self.planner.plan(
+            tokens_digest(prompt_token_ids),
+            max_tokens,
+            ignore_eos=ignore_eos,
+            min_tokens=min_tokens,
+        )
         request = Request(
             request_id=f"{self.index}-{next(self._ids)}",
             prompt_token_ids=prompt_token_ids,

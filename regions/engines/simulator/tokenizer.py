@@ -9,6 +9,7 @@ same ids when a client sends it back as the assistant turn.
 
 from __future__ import annotations
 
+import math
 import random
 import re
 from array import array
@@ -84,13 +85,10 @@ class Tokenizer:
         return tid
 
     def encode(self, text: str) -> list[int]:
-        cache = self._cache
-        out: list[int] = []
-        append = out.append
-        for piece in _PIECE_RE.findall(text):
-            tid = cache.get(piece)
-            append(tid if tid is not None else self.piece_id(piece))
-        return out
+        get = self._cache.get
+        piece_id = self.piece_id
+        # Ids are never 0, so ``or`` only falls through on a cache miss.
+        return [get(piece) or piece_id(piece) for piece in _PIECE_RE.findall(text)]
 
     def apply_chat_template(
         self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
@@ -159,3 +157,45 @@ def plan_output(
             ids.append(tid)
             texts.append(text)
     return ids, texts
+
+
+class OutputPlanner:
+    """The simulated model's answers, cheap and deterministic.
+
+    One pseudo-random text stream is drawn per seed at start-up; a request's answer is the
+    window of that stream chosen by the digest of its prompt, so the same prompt gets the same
+    answer (like greedy decoding) and planning costs a list slice, not a generator run. The
+    length an answer would stop at by itself is log-normal around ``median`` (sigma 0.7).
+    """
+
+    STREAM_LEN = 1 << 16
+    _LENGTHS = 4096
+
+    def __init__(self, tokenizer: Tokenizer, seed: int, median: int):
+        rng = random.Random(seed)
+        self.ids, self.texts = plan_output(tokenizer, rng, self.STREAM_LEN)
+        mu = math.log(max(median, 1))
+        self.natural_lengths = [
+            max(1, round(rng.lognormvariate(mu, 0.7))) for _ in range(self._LENGTHS)
+        ]
+
+    def plan(
+        self, digest: int, max_tokens: int, *, ignore_eos: bool = False, min_tokens: int = 0
+    ) -> tuple[list[int], list[str]]:
+        if ignore_eos:
+            length = max_tokens
+        else:
+            natural = self.natural_lengths[digest % self._LENGTHS]
+            length = min(max_tokens, max(min_tokens, natural))
+        start = (digest >> 12) % self.STREAM_LEN
+        end = start + length
+        if end <= self.STREAM_LEN:
+            return self.ids[start:end], self.texts[start:end]
+        ids: list[int] = []
+        texts: list[str] = []
+        while len(ids) < length:
+            take = min(self.STREAM_LEN - start, length - len(ids))
+            ids += self.ids[start : start + take]
+            texts += self.texts[start : start + take]
+            start = 0
+        return ids, texts
