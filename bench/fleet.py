@@ -53,6 +53,7 @@ def write_table(
     *,
     region: str = "bench",
     accelerator: str = "unknown",
+    tp: int = 1,
     prefill_tokens_per_s: float = 8000.0,
     max_concurrency: int = 64,
 ) -> Path:
@@ -67,6 +68,7 @@ def write_table(
                 url=url,
                 model=engines.model,
                 accelerator=accelerator,
+                tp=tp,
                 max_concurrency=max_concurrency,
                 prefill_tokens_per_s=prefill_tokens_per_s,
             )
