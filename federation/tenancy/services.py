@@ -33,7 +33,10 @@ MAX_ROTATION_GRACE_SECONDS = 24 * 3600
 # --- tenants -------------------------------------------------------------------------------
 
 
-def _residency_errors(jurisdictions: Iterable[str], regions: Iterable[Region]) -> dict[str, Any]:
+def tenant_residency_errors(
+    jurisdictions: Iterable[str], regions: Iterable[Region]
+) -> dict[str, list[str]]:
+    """Why this residency policy is impossible, by field; empty when it is valid."""
     region_list = list(regions)
     policy = residency.ResidencyPolicy.of(jurisdictions, (r.code for r in region_list))
     return residency.policy_errors(
@@ -84,7 +87,7 @@ def tenant_create(
         monthly_budget_usd=monthly_budget_usd,
         is_active=is_active,
     )
-    _clean(tenant, _residency_errors(jurisdictions, regions))
+    _clean(tenant, tenant_residency_errors(jurisdictions, regions))
     tenant.save()
     tenant.allowed_regions.set(regions)
     audit_record(
@@ -136,7 +139,7 @@ def tenant_update(*, actor: Actor, tenant: Tenant, data: Mapping[str, Any]) -> T
         changes["allowed_regions"] = [_region_codes(old_regions), _region_codes(new_regions)]
     for field, value in fields.items():
         setattr(tenant, field, value)
-    _clean(tenant, _residency_errors(tenant.allowed_jurisdictions, new_regions))
+    _clean(tenant, tenant_residency_errors(tenant.allowed_jurisdictions, new_regions))
     if not changes:
         return tenant
     tenant.save()

@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 from django.contrib.auth.models import User
 from django.db import connection
+from django.test import Client
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 from rest_framework.test import APIClient
@@ -675,3 +676,59 @@ def test_lists_take_a_fixed_number_of_queries(
         add(i)
     with django_assert_max_num_queries(len(one.captured_queries)):
         assert admin_client.get(url).json()["count"] >= 12
+
+
+# --- Django admin -----------------------------------------------------------------------------
+
+
+@pytest.fixture
+def admin_site(db: None) -> Client:
+    client = Client()
+    client.force_login(User.objects.create_superuser("root", "root@example.com", "pw-root-12345"))
+    return client
+
+
+def test_admin_lists_tenancy_and_audit_without_key_material(
+    admin_site: Client, admin_user: User, make_tenant: Callable[..., Tenant]
+) -> None:
+    issued = services.api_key_create(actor=admin_user, tenant=make_tenant("acme"), name="prod")
+    for model in ["tenancy/tenant", "tenancy/apikey", "tenancy/membership", "core/auditevent"]:
+        assert admin_site.get(f"/admin/{model}/").status_code == 200, model
+    page = admin_site.get(f"/admin/tenancy/apikey/{issued.api_key.pk}/change/")
+    assert page.status_code == 200
+    assert issued.api_key.key_hash.encode() not in page.content
+    assert issued.api_key.prefix.encode() in page.content
+    event = AuditEvent.objects.first()
+    assert event is not None
+    assert (
+        admin_site.post(f"/admin/core/auditevent/{event.pk}/delete/", {"post": "yes"}).status_code
+        == 403
+    )
+    assert AuditEvent.objects.filter(pk=event.pk).exists()
+
+
+def test_admin_tenant_edits_are_validated_and_audited(
+    admin_site: Client, regions: dict[str, Region]
+) -> None:
+    form = {
+        "slug": "acme",
+        "name": "Acme",
+        "allowed_jurisdictions": '["EU"]',
+        "allowed_regions": [str(regions["us-east"].pk)],
+        "requests_per_minute": "",
+        "tokens_per_minute": "",
+        "monthly_budget_usd": "",
+        "is_active": "on",
+    }
+    refused = admin_site.post("/admin/tenancy/tenant/add/", form)
+    assert refused.status_code == 200  # the form again, with the error
+    assert b"region us-east is in US, outside the allowed jurisdictions [EU]" in refused.content
+    assert not Tenant.objects.exists()
+
+    form["allowed_regions"] = [str(regions["eu-west"].pk)]
+    assert admin_site.post("/admin/tenancy/tenant/add/", form).status_code == 302
+    tenant = Tenant.objects.get(slug="acme")
+    assert list(tenant.allowed_regions.values_list("code", flat=True)) == ["eu-west"]
+    event = AuditEvent.objects.get(action="tenant.create")
+    assert event.actor_repr == "root"
+    assert event.changes["allowed_regions"] == ["eu-west"]
