@@ -16,7 +16,7 @@ from typing import Any
 from django.contrib.auth.models import User
 from django.contrib.auth.password_validation import validate_password
 from django.core.exceptions import ValidationError
-from django.db import transaction
+from django.db import IntegrityError, transaction
 from django.utils import timezone
 from rest_framework.authtoken.models import Token
 
@@ -59,6 +59,18 @@ def _clean(obj: Any, extra_errors: Mapping[str, list[str]] | None = None, **kwar
         raise ValidationError(errors)
 
 
+def _save_new(obj: Any, unique_field: str) -> None:
+    """Insert ``obj``; losing a race on its unique field is a 400 like the ``full_clean``
+    check that the winner slipped past, not a database error."""
+    try:
+        with transaction.atomic():
+            obj.save()
+    except IntegrityError as exc:
+        if type(obj).objects.filter(**{unique_field: getattr(obj, unique_field)}).exists():
+            raise ValidationError({unique_field: ["This value is already taken."]}) from exc
+        raise
+
+
 def _region_codes(regions: Iterable[Region]) -> list[str]:
     return sorted(r.code for r in regions)
 
@@ -88,7 +100,7 @@ def tenant_create(
         is_active=is_active,
     )
     _clean(tenant, tenant_residency_errors(jurisdictions, regions))
-    tenant.save()
+    _save_new(tenant, "slug")
     tenant.allowed_regions.set(regions)
     audit_record(
         actor=actor,
@@ -418,7 +430,7 @@ def user_create(
     _clean(user, errors, exclude=["password"])
     user.set_password(password)
     _apply_role(user, role)
-    user.save()
+    _save_new(user, "username")
     Membership.objects.create(user=user, role=role, tenant=tenant)
     audit_record(
         actor=actor,

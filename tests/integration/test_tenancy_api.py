@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 from django.contrib.auth.models import User
+from django.core.exceptions import ValidationError
 from django.db import connection
 from django.test import Client
 from django.test.utils import CaptureQueriesContext
@@ -732,3 +733,16 @@ def test_admin_tenant_edits_are_validated_and_audited(
     event = AuditEvent.objects.get(action="tenant.create")
     assert event.actor_repr == "root"
     assert event.changes["allowed_regions"] == ["eu-west"]
+
+
+def test_losing_a_race_on_the_slug_is_a_400_not_a_500(
+    admin_user: User, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another request inserts the same slug between our check and our insert."""
+    Tenant.objects.create(slug="acme", name="The winner")
+    monkeypatch.setattr(Tenant, "validate_unique", lambda self, exclude=None: None)
+    with pytest.raises(ValidationError) as raised:
+        services.tenant_create(actor=admin_user, slug="acme", name="The loser")
+    assert raised.value.message_dict == {"slug": ["This value is already taken."]}
+    assert Tenant.objects.get().name == "The winner"
+    assert not AuditEvent.objects.exists()
