@@ -12,6 +12,7 @@ from typing import Any
 
 import orjson
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from regions.engines.metrics import parse_vllm_metrics
 from regions.engines.simulator.engine import EngineConfig, SimEngine
@@ -190,6 +191,15 @@ def test_repeated_long_prompt_reports_cached_tokens_like_vllm() -> None:
         assert load.prefix_cache_hits_total == (prompt - 1) // 16 * 16
         assert load.request_success_total == 2
         assert load.model_names == ("tiny-llama",) and load.block_size == 16
+        samples = {
+            sample.name: sample.value
+            for family in text_string_to_metric_families(engine.metrics_text().decode())
+            for sample in family.samples
+        }
+        assert samples["vllm:time_to_first_token_seconds_count"] == 2
+        tokens = first["usage"]["completion_tokens"] + second["usage"]["completion_tokens"]
+        assert samples["vllm:inter_token_latency_seconds_count"] == tokens - 2
+        assert samples["vllm:e2e_request_latency_seconds_count"] == 2
 
     with_engine(check)
 

@@ -203,6 +203,7 @@ class SimEngine:
         counters = self.scheduler.counters
         n = len(request.planned_output_ids)
         request.output_token_ids = request.planned_output_ids
+        request.num_tokens += n
         request.num_cached_tokens = 0
         request.status = Status.FINISHED
         request.finish_reason = "length" if n >= request.max_tokens else "stop"

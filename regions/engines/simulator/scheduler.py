@@ -49,18 +49,19 @@ class Request:
     status: Status = Status.WAITING
     finish_reason: str | None = None
     num_preemptions: int = 0
+    #: Prompt plus output tokens so far (kept as a field: read several times per step).
+    num_tokens: int = 0
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None
     finished_time: float | None = None
 
+    def __post_init__(self) -> None:
+        self.num_tokens = len(self.prompt_token_ids) + len(self.output_token_ids)
+
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
@@ -297,6 +298,7 @@ class Scheduler:
                 request.first_token_time = now
                 result.first_tokens.append(request)
             request.output_token_ids.append(request.planned_output_ids[n_out])
+            request.num_tokens += 1
             request.last_token_time = now
             counters.generation_tokens += 1
             result.sampled.append(request)
