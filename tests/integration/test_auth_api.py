@@ -98,3 +98,12 @@ def test_session_auth_reads_and_writes_with_csrf(admin_user: User) -> None:
     )
     assert accepted.status_code == 201, accepted.content
     assert accepted.json()["slug"] == "acme"
+
+
+def test_logout_ends_a_session_login(admin_user: User) -> None:
+    client = APIClient()
+    assert client.login(username="alice-admin", password="pw-alice-admin")
+    Token.objects.create(user=admin_user)
+    assert client.delete(TOKEN).status_code == 204
+    assert client.get(ME).status_code == 401
+    assert not Token.objects.filter(user=admin_user).exists()

@@ -8,7 +8,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from django.contrib.auth import authenticate
+from django.contrib.auth import authenticate, logout
 from django.contrib.auth.models import User
 from django.db.models import QuerySet
 from django.utils import timezone
@@ -231,7 +231,8 @@ class MeView(APIView):
 
 
 class AuthTokenView(APIView):
-    """Log in for an API token (POST) or log out, revoking it (DELETE)."""
+    """Log in for an API token (POST), or log out (DELETE): the token is revoked and a
+    session login ends."""
 
     def get_permissions(self) -> list[BasePermission]:
         if self.request.method == "POST":
@@ -261,4 +262,6 @@ class AuthTokenView(APIView):
     def delete(self, request: Request) -> Response:
         assert isinstance(request.user, User)  # IsAuthenticated let it through
         Token.objects.filter(user=request.user).delete()
+        if request.auth is None:  # authenticated by session: end it too
+            logout(request._request)
         return Response(status=status.HTTP_204_NO_CONTENT)
