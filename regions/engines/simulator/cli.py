@@ -25,7 +25,7 @@ from regions.engines.simulator.engine import EngineConfig, SimEngine
 from regions.engines.simulator.faults import FaultConfig, apply_update, parse_fault_flag
 from regions.engines.simulator.perf import ACCELERATOR_ALIASES, ACCELERATORS
 from regions.engines.simulator.server import CUT_FILTER, EngineApp
-from regions.engines.simulator.tokenizer import Tokenizer
+from regions.engines.simulator.tokenizer import OutputPlanner, Tokenizer
 
 log = logging.getLogger("fedinfer.engine_sim")
 
@@ -137,9 +137,21 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-async def serve(args: argparse.Namespace, configs: list[EngineConfig]) -> None:
+def build_engines(configs: list[EngineConfig]) -> list[SimEngine]:
+    """The engines, sharing a tokenizer and (same seed, same median) an answer planner."""
     tokenizer = Tokenizer()
-    engines = [SimEngine(cfg, i, tokenizer) for i, cfg in enumerate(configs)]
+    planners: dict[tuple[int, int], OutputPlanner] = {}
+    engines = []
+    for i, cfg in enumerate(configs):
+        key = (cfg.seed, cfg.output_len_median)
+        if key not in planners:
+            planners[key] = OutputPlanner(tokenizer, cfg.seed, cfg.output_len_median)
+        engines.append(SimEngine(cfg, i, tokenizer, planners[key]))
+    return engines
+
+
+async def serve(args: argparse.Namespace, engines: list[SimEngine]) -> None:
+    configs = [engine.config for engine in engines]
     sockets = [_bind(args.host, args.port + i if args.port else 0) for i in range(len(engines))]
     loop = asyncio.get_running_loop()
     servers: list[_Server] = []
@@ -216,14 +228,12 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s %(message)s")
     try:
-        configs = engine_configs(args)
-        # Fail on an impossible configuration before binding anything.
-        for i, cfg in enumerate(configs):
-            SimEngine(cfg, i)
+        # An impossible configuration fails here, before anything is bound.
+        engines = build_engines(engine_configs(args))
     except ValueError as exc:
         raise SystemExit(f"engine-sim: {exc}") from None
     import uvloop
 
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-        runner.run(serve(args, configs))
+        runner.run(serve(args, engines))
     sys.stdout.flush()

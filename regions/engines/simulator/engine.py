@@ -90,7 +90,13 @@ class ModelNotFound(Exception):
 
 
 class SimEngine:
-    def __init__(self, config: EngineConfig, index: int = 0, tokenizer: Tokenizer | None = None):
+    def __init__(
+        self,
+        config: EngineConfig,
+        index: int = 0,
+        tokenizer: Tokenizer | None = None,
+        planner: OutputPlanner | None = None,
+    ):
         self.config = config
         self.index = index
         self.tokenizer = tokenizer or Tokenizer()
@@ -145,7 +151,9 @@ class SimEngine:
         self._ids = itertools.count()
         self._wake = asyncio.Event()
         self._closed = False
-        self.planner = OutputPlanner(self.tokenizer, config.seed, config.output_len_median)
+        self.planner = planner or OutputPlanner(
+            self.tokenizer, config.seed, config.output_len_median
+        )
 
     # -- model names --------------------------------------------------------------------
 
