@@ -1,0 +1,54 @@
+"""A FilterSet base whose query parameters mean exactly what the OpenAPI schema says.
+
+django-filter is lenient by default: ``?rdma=null`` is read as "no filter" and
+``?pool=0`` (an id that does not exist) is a 400. A client (or schemathesis) reading the schema
+expects the opposite: a boolean parameter takes ``true``/``false`` only, and an integer id that
+matches nothing simply matches nothing.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import django_filters as df
+from django import forms
+from django.core.exceptions import ValidationError
+from django.db import models
+from drf_spectacular.types import OpenApiTypes
+from drf_spectacular.utils import extend_schema_field
+
+_TRUE = frozenset({"true", "True", "1"})
+_FALSE = frozenset({"false", "False", "0"})
+
+
+class StrictBooleanField(forms.Field):
+    def to_python(self, value: Any) -> bool | None:
+        if value in (None, ""):
+            return None
+        if value in _TRUE:
+            return True
+        if value in _FALSE:
+            return False
+        raise ValidationError("Use true or false.", code="invalid")
+
+
+@extend_schema_field(OpenApiTypes.BOOL)
+class StrictBooleanFilter(df.BooleanFilter):
+    field_class = StrictBooleanField
+
+
+@extend_schema_field(OpenApiTypes.INT)
+class IntegerFilter(df.NumberFilter):
+    """A whole-number filter (NumberFilter would accept and document decimals)."""
+
+    field_class = forms.IntegerField
+
+
+class StrictFilterSet(df.FilterSet):
+    FILTER_DEFAULTS = {
+        **df.FilterSet.FILTER_DEFAULTS,
+        models.BooleanField: {"filter_class": StrictBooleanFilter},
+        # Filter foreign keys by id: an unknown id matches nothing instead of a 400.
+        models.ForeignKey: {"filter_class": IntegerFilter},
+        models.OneToOneField: {"filter_class": IntegerFilter},
+    }
