@@ -329,7 +329,25 @@ class Edge:
             await self._error(send, EdgeError(404, f"no route for {method} {path}", "not_found"))
 
     async def _healthz(self, send: Send) -> None:
-        healthy = sum(1 for s in self.health.states.values() if s.healthy)
+        """Liveness plus what the scheduler currently believes about each instance."""
+        now = time.monotonic()
+        stale = self.cfg.scrape_interval_s * 4 + 1.0
+        instances = {}
+        for inst in self.table.instances:
+            health = self.health.states.get(inst.id)
+            load = self.loads.get(inst.id)
+            outstanding, waiting, kv = load.snapshot(now, stale)
+            instances[inst.id] = {
+                "state": inst.state,
+                "healthy": health is not None and health.healthy,
+                "reason": health.reason if health is not None else "",
+                "inflight": load.inflight,
+                "outstanding": outstanding,
+                "waiting": waiting,
+                "kv_cache_usage": kv,
+                "scraped_age_s": round(now - load.scraped_at, 3) if load.engine else None,
+            }
+        healthy = sum(1 for v in instances.values() if v["healthy"])
         body = orjson.dumps(
             {
                 "status": "ok" if healthy else "degraded",
@@ -337,9 +355,12 @@ class Edge:
                 "table_version": self.table.version,
                 "instances": len(self.table.instances),
                 "healthy_instances": healthy,
+                "queue_depth": len(self._waiters),
+                "detail": instances,
             }
         )
-        await _respond(send, 200 if healthy else 503, body, _JSON)
+        # Always 200: the edge itself is alive; restarting it would not bring engines back.
+        await _respond(send, 200, body, _JSON)
 
     async def _error(
         self, send: Send, err: EdgeError, route: bytes | None = None, extra: list[Any] | None = None

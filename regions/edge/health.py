@@ -2,8 +2,9 @@
 
 One failed probe must not reshuffle the prefix caches of a whole fleet, so ejection takes
 ``eject_after`` consecutive failures (active probes or 5xx answers) and readmission takes
-``readmit_after`` consecutive successful probes *and* the end of an exponential backoff. A
-refused connection is different: the process is gone, so it ejects at once.
+``readmit_after`` consecutive successful probes *and* the end of an exponential backoff; until
+the backoff resets after a quiet period, one more failure ejects again. A refused connection is
+different: the process is gone, so it ejects at once.
 """
 
 from __future__ import annotations
@@ -32,7 +33,12 @@ class HealthConfig:
 @dataclass(frozen=True, slots=True)
 class Health:
     healthy: bool = True
-    failures: int = 0
+    #: Consecutive failed active probes.
+    probe_failures: int = 0
+    #: Consecutive failed requests (5xx); counted apart, since a server can pass its probes
+    #: and still fail requests, and a passing probe must not hide that.
+    request_failures: int = 0
+    #: Consecutive successful probes while ejected.
     successes: int = 0
     #: Consecutive ejections without a quiet period in between (drives the backoff).
     ejections: int = 0
@@ -45,8 +51,6 @@ def _eject(state: Health, now: float, cfg: HealthConfig, reason: str) -> Health:
     backoff = min(cfg.backoff_max_s, cfg.backoff_base_s * (2**state.ejections))
     return Health(
         healthy=False,
-        failures=state.failures,
-        successes=0,
         ejections=state.ejections + 1,
         ejected_until=now + backoff,
         changed_at=now,
@@ -54,36 +58,59 @@ def _eject(state: Health, now: float, cfg: HealthConfig, reason: str) -> Health:
     )
 
 
-def on_success(state: Health, now: float, cfg: HealthConfig) -> Health:
-    """A probe answered 200 (or a request succeeded)."""
+def _quiet(state: Health, now: float, cfg: HealthConfig) -> int:
+    """Ejection count, forgotten once the instance has stayed admitted ``backoff_reset_s``."""
+    if state.ejections and now - state.changed_at >= cfg.backoff_reset_s:
+        return 0
+    return state.ejections
+
+
+def on_success(state: Health, now: float, cfg: HealthConfig, probe: bool = True) -> Health:
+    """A probe answered 200 (``probe``) or a request succeeded."""
     if state.healthy:
-        ejections = state.ejections
-        if ejections and now - state.changed_at >= cfg.backoff_reset_s:
-            ejections = 0
-        if state.failures == 0 and ejections == state.ejections:
+        ejections = _quiet(state, now, cfg)
+        if probe:
+            if state.probe_failures == 0 and ejections == state.ejections:
+                return state
+            return replace(state, probe_failures=0, ejections=ejections)
+        if state.request_failures == 0 and ejections == state.ejections:
             return state
-        return replace(state, failures=0, ejections=ejections)
+        return replace(state, request_failures=0, ejections=ejections)
+    if not probe:
+        return state  # a request that was already in flight when the instance was ejected
     successes = state.successes + 1
     if successes >= cfg.readmit_after and now >= state.ejected_until:
         return Health(healthy=True, ejections=state.ejections, changed_at=now, reason="readmitted")
-    return replace(state, successes=successes, failures=0)
+    return replace(state, successes=successes)
 
 
-def on_failure(state: Health, now: float, cfg: HealthConfig, reason: str) -> Health:
-    """A probe failed or the instance answered 5xx: eject after ``eject_after`` in a row."""
-    failures = state.failures + 1
-    if state.healthy:
-        if failures >= cfg.eject_after:
-            return _eject(replace(state, failures=failures), now, cfg, reason)
-        return replace(state, failures=failures)
-    return replace(state, failures=failures, successes=0)
+def on_failure(
+    state: Health, now: float, cfg: HealthConfig, reason: str, probe: bool = True
+) -> Health:
+    """A probe failed, or a request got 5xx: eject after ``eject_after`` in a row.
+
+    A readmitted instance is on probation until its backoff resets: one failure ejects it again
+    (for twice as long), so a server that passes probes but fails requests cannot flap back in
+    at full weight.
+    """
+    if not state.healthy:
+        return replace(state, successes=0) if probe else state
+    if probe:
+        state = replace(state, probe_failures=state.probe_failures + 1)
+        count = state.probe_failures
+    else:
+        state = replace(state, request_failures=state.request_failures + 1)
+        count = state.request_failures
+    if count >= cfg.eject_after or _quiet(state, now, cfg) > 0:
+        return _eject(state, now, cfg, reason)
+    return state
 
 
 def on_connect_error(state: Health, now: float, cfg: HealthConfig, reason: str) -> Health:
-    """The instance refused or dropped the connection: eject now (or stay out, longer)."""
+    """The instance refused or dropped the connection: eject now (or restart probation)."""
     if state.healthy:
-        return _eject(replace(state, failures=state.failures + 1), now, cfg, reason)
-    return replace(state, failures=state.failures + 1, successes=0)
+        return _eject(state, now, cfg, reason)
+    return replace(state, successes=0)
 
 
 class HealthBoard:
@@ -117,15 +144,15 @@ class HealthBoard:
         elif new.healthy and not old.healthy:
             log.info("instance %s readmitted", instance)
 
-    def success(self, instance: str) -> None:
+    def success(self, instance: str, probe: bool = False) -> None:
         state = self.states.get(instance)
         if state is not None:
-            self._apply(instance, on_success(state, time.monotonic(), self.cfg))
+            self._apply(instance, on_success(state, time.monotonic(), self.cfg, probe))
 
-    def failure(self, instance: str, reason: str) -> None:
+    def failure(self, instance: str, reason: str, probe: bool = False) -> None:
         state = self.states.get(instance)
         if state is not None:
-            self._apply(instance, on_failure(state, time.monotonic(), self.cfg, reason))
+            self._apply(instance, on_failure(state, time.monotonic(), self.cfg, reason, probe))
 
     def connect_error(self, instance: str, reason: str) -> None:
         state = self.states.get(instance)
@@ -143,12 +170,12 @@ async def probe_once(
         board.connect_error(instance, f"probe connect error: {exc.__class__.__name__}")
         return
     except httpx.HTTPError as exc:
-        board.failure(instance, f"probe failed: {exc.__class__.__name__}")
+        board.failure(instance, f"probe failed: {exc.__class__.__name__}", probe=True)
         return
     if resp.status_code == 200:
-        board.success(instance)
+        board.success(instance, probe=True)
     else:
-        board.failure(instance, f"probe status {resp.status_code}")
+        board.failure(instance, f"probe status {resp.status_code}", probe=True)
 
 
 async def probe_loop(

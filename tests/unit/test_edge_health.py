@@ -20,7 +20,7 @@ def test_one_flap_does_not_eject() -> None:
     s = on_failure(s, 0.1, CFG, "x")
     assert s.healthy
     s = on_success(s, 0.2, CFG)
-    assert s.healthy and s.failures == 0
+    assert s.healthy and s.probe_failures == 0
     s = on_failure(s, 0.3, CFG, "x")
     s = on_failure(s, 0.4, CFG, "x")
     assert s.healthy
@@ -81,3 +81,36 @@ def test_board_reports_ejections_once_and_tracks_table_changes() -> None:
     assert not board.is_healthy("a") and board.is_healthy("b")
     board.sync(["b", "c"])
     assert set(board.states) == {"b", "c"} and board.is_healthy("c")
+
+
+def test_a_readmitted_instance_is_on_probation_until_its_backoff_resets() -> None:
+    s = on_connect_error(Health(), 0.0, CFG, "refused")
+    s = on_success(on_success(s, 1.0, CFG), 1.0, CFG)
+    assert s.healthy
+    s = on_failure(s, 1.5, CFG, "status 500")
+    assert not s.healthy and s.ejected_until == 1.5 + 2.0
+    s = on_success(on_success(s, 4.0, CFG), 4.0, CFG)
+    s = on_success(s, 4.0 + CFG.backoff_reset_s, CFG)
+    assert s.healthy and s.ejections == 0
+    s = on_failure(s, 70.0, CFG, "status 500")
+    assert s.healthy, "after a quiet period one failure is a flap again"
+
+
+def test_passing_probes_do_not_hide_failing_requests() -> None:
+    s = on_failure(Health(), 0.0, CFG, "status 500", probe=False)
+    s = on_success(s, 0.1, CFG, probe=True)
+    s = on_failure(s, 0.2, CFG, "status 500", probe=False)
+    assert s.healthy and s.request_failures == 2
+    s = on_success(s, 0.3, CFG, probe=False)
+    assert s.request_failures == 0
+    for t in range(3):
+        s = on_failure(s, 1.0 + t, CFG, "status 500", probe=False)
+    assert not s.healthy and s.reason == "status 500"
+
+
+def test_requests_do_not_readmit_an_ejected_instance() -> None:
+    s = on_connect_error(Health(), 0.0, CFG, "refused")
+    for _ in range(5):
+        s = on_success(s, 5.0, CFG, probe=False)
+    assert not s.healthy
+    assert on_success(on_success(s, 5.0, CFG), 5.0, CFG).healthy

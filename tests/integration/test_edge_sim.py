@@ -1,0 +1,223 @@
+"""The edge in front of ``fedinfer engine-sim`` (vLLM-faithful engines), as real processes.
+
+One simulator process hosts three engines; faults are set through its admin endpoint: an
+engine killed mid-stream, an engine answering 500, an engine failing its health checks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from tests.integration.test_edge_support import (
+    EdgeProc,
+    route_of,
+    start_edge,
+    stop,
+    table_doc,
+)
+
+FEDINFER = str(Path(sys.executable).with_name("fedinfer"))
+MODEL = "meta-llama/Llama-3.1-8B-Instruct"
+SYSTEM = "You are the billing assistant of a large company; answer in one line. " * 40
+
+
+@dataclass
+class SimEdge:
+    edge: EdgeProc
+    urls: dict[str, str]
+
+    def sdk(self) -> openai.OpenAI:
+        return openai.OpenAI(
+            base_url=self.edge.url + "/v1", api_key="unused", max_retries=0, timeout=20
+        )
+
+    def fault(self, instance: str, **faults: Any) -> None:
+        r = httpx.post(self.urls[instance] + "/admin/faults", json=faults, timeout=5)
+        r.raise_for_status()
+
+    def health(self) -> dict[str, Any]:
+        return dict(httpx.get(self.edge.url + "/healthz", timeout=5).json())
+
+
+@pytest.fixture
+def sim_edge(tmp_path: Path) -> Iterator[SimEdge]:
+    ready = tmp_path / "ready.json"
+    cmd = [FEDINFER, "engine-sim", "--count", "3", "--port", "0", "--model", MODEL]
+    cmd += ["--num-gpu-blocks", "4096", "--max-model-len", "8192", "--seed", "5"]
+    cmd += ["--ready-file", str(ready)]
+    sim = subprocess.Popen(
+        cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=dict(os.environ)
+    )
+    edge: EdgeProc | None = None
+    try:
+        deadline = time.monotonic() + 30
+        while not ready.exists() or not ready.read_text():
+            assert sim.poll() is None, "engine-sim exited"
+            assert time.monotonic() < deadline, "engine-sim did not become ready"
+            time.sleep(0.05)
+        engines = json.loads(ready.read_text())["engines"]
+        urls = {f"sim-{e['index']}": e["url"] for e in engines}
+        instances = [
+            {
+                "id": name,
+                "url": url,
+                "model": MODEL,
+                "accelerator": "H100-80G",
+                "max_concurrency": 32,
+                "prefill_tokens_per_s": 15000,
+            }
+            for name, url in urls.items()
+        ]
+        edge = start_edge(
+            tmp_path,
+            table_doc("sim", 1, instances),
+            "--eject-after",
+            "2",
+            "--probe-interval",
+            "0.2",
+            "--backoff-base",
+            "0.5",
+        )
+        yield SimEdge(edge, urls)
+    finally:
+        if edge is not None:
+            stop(edge.proc)
+        if sim.poll() is None:
+            sim.send_signal(signal.SIGTERM)
+            try:
+                sim.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                sim.kill()
+                sim.wait(timeout=5)
+
+
+def ask(se: SimEdge, content: str, **kw: Any) -> httpx.Response:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": 4}
+    body.update(kw)
+    return httpx.post(se.edge.url + "/v1/chat/completions", json=body, timeout=20)
+
+
+def test_sdk_through_the_edge_to_simulated_engines(sim_edge: SimEdge) -> None:
+    client = sim_edge.sdk()
+    assert [m.id for m in client.models.list()] == [MODEL]
+    messages: Any = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "hi"}]
+    raw = client.chat.completions.with_raw_response.create(
+        model=MODEL, messages=messages, max_tokens=8
+    )
+    full = raw.parse()
+    first = route_of(raw.headers)["instance"]
+    assert full.choices[0].message.content and full.usage is not None
+
+    stream = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=8, stream=True
+    )
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == full.choices[0].message.content
+    assert all(c.usage is None for c in chunks)
+
+    # The shared prefix went back to where it is cached, and the engine confirms the hit.
+    raw = client.chat.completions.with_raw_response.create(
+        model=MODEL, messages=messages, max_tokens=8
+    )
+    assert route_of(raw.headers)["instance"] == first
+    usage = raw.parse().usage
+    assert usage is not None and usage.prompt_tokens_details is not None
+    assert (usage.prompt_tokens_details.cached_tokens or 0) >= 512
+    assert "cached:" in route_of(raw.headers)["score"]
+
+    completion = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=4)
+    assert completion.choices[0].text
+
+    # The edge reads the simulator's real /metrics.
+    time.sleep(0.6)
+    detail = sim_edge.health()["detail"]
+    assert all(d["scraped_age_s"] is not None and d["scraped_age_s"] < 2 for d in detail.values())
+    metrics = httpx.get(sim_edge.edge.url + "/metrics").text
+    assert f'fedinfer_edge_actual_cached_tokens_total{{instance="{first}"' in metrics
+
+
+def test_engine_killed_mid_stream_on_the_simulator(sim_edge: SimEdge) -> None:
+    client = sim_edge.sdk()
+    raw = client.chat.completions.with_raw_response.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Tell me a long story."}],
+        max_tokens=400,
+        stream=True,
+    )
+    victim = route_of(raw.headers)["instance"]
+    stream = raw.parse()
+    next(iter(stream))
+    with ThreadPoolExecutor(6) as pool:
+        during = [pool.submit(ask, sim_edge, f"independent {k}") for k in range(9)]
+        sim_edge.fault(victim, kill=True)
+        statuses = [f.result().status_code for f in during]
+    assert statuses == [200] * 9
+    with pytest.raises(openai.APIError, match="mid-stream"):
+        for _ in stream:
+            pass
+    time.sleep(0.5)
+    after = [ask(sim_edge, f"after {k}") for k in range(12)]
+    assert all(r.status_code == 200 for r in after)
+    assert victim not in {route_of(r.headers)["instance"] for r in after}
+    assert sim_edge.health()["detail"][victim]["healthy"] is False
+
+
+def test_5xx_answers_are_retried_elsewhere_and_eject(sim_edge: SimEdge) -> None:
+    sick = "sim-1"
+    sim_edge.fault(sick, error_rate=1.0)
+    routes = []
+    for k in range(12):
+        r = ask(sim_edge, f"q{k}")
+        assert r.status_code == 200, r.text
+        routes.append(route_of(r.headers))
+    assert all(r["instance"] != sick for r in routes)
+    retried = sum(r["retries"] == "1" for r in routes)
+    metrics = httpx.get(sim_edge.edge.url + "/metrics").text
+    ejections = metric_value(metrics, f'fedinfer_edge_ejections_total{{instance="{sick}"}}')
+    # Two 5xx eject it; after each backoff it is readmitted on probation and one 5xx ejects it
+    # again (for twice as long): every retry is accounted for by that rule.
+    assert ejections >= 1
+    assert retried == 2 + (ejections - 1), (retried, ejections)
+    assert metric_value(metrics, f'fedinfer_edge_retries_total{{model="{MODEL}"}}') == retried
+
+
+def metric_value(text: str, series: str) -> int:
+    for line in text.splitlines():
+        if line.startswith(series + " "):
+            return int(float(line.split()[-1]))
+    raise AssertionError(
+        f"{series} not in /metrics: {[x for x in text.splitlines() if 'eject' in x]}"
+    )
+
+
+def test_health_probe_hysteresis_ejects_and_readmits(sim_edge: SimEdge) -> None:
+    flaky = "sim-2"
+    sim_edge.fault(flaky, health_fail=True)
+    deadline = time.monotonic() + 5
+    while sim_edge.health()["detail"][flaky]["healthy"]:
+        assert time.monotonic() < deadline, "not ejected by failing probes"
+        time.sleep(0.05)
+    assert "probe status 503" in sim_edge.health()["detail"][flaky]["reason"]
+    assert all(route_of(ask(sim_edge, f"x{k}").headers)["instance"] != flaky for k in range(6))
+    sim_edge.fault(flaky, reset=True)
+    deadline = time.monotonic() + 5
+    while not sim_edge.health()["detail"][flaky]["healthy"]:
+        assert time.monotonic() < deadline, "not readmitted after probes recovered"
+        time.sleep(0.05)
+    seen = {route_of(ask(sim_edge, f"y{k}").headers)["instance"] for k in range(9)}
+    assert flaky in seen
