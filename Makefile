@@ -42,7 +42,7 @@ integration: $(STAMP)
 
 ## make schemathesis: fuzz the whole REST API against its OpenAPI schema on a live server
 schemathesis: $(STAMP)
-	DATABASE_URL=$(TEST_DATABASE_URL) REDIS_URL=$(TEST_REDIS_URL) bash bench/schemathesis.sh
+	bash tests/fuzz/run_schemathesis.sh
 
 bench: $(STAMP)
 	$(BIN)/python -m bench
