@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import django_filters as df
-from django import forms
-from drf_spectacular.types import OpenApiTypes
-from drf_spectacular.utils import extend_schema_field
 
+from federation.api.filters import IntegerFilter, StrictFilterSet
 from federation.inventory.models import (
     AcceleratorType,
     Deployment,
@@ -21,14 +19,7 @@ from federation.inventory.models import (
 )
 
 
-@extend_schema_field(OpenApiTypes.INT)
-class IntegerFilter(df.NumberFilter):
-    """A whole-number filter (NumberFilter would accept and document decimals)."""
-
-    field_class = forms.IntegerField
-
-
-class RegionFilter(df.FilterSet):
+class RegionFilter(StrictFilterSet):
     jurisdiction = df.MultipleChoiceFilter(choices=Jurisdiction.choices)
     status = df.MultipleChoiceFilter(choices=Region.Status.choices)
 
@@ -37,7 +28,7 @@ class RegionFilter(df.FilterSet):
         fields = ["jurisdiction", "provider", "status"]
 
 
-class RegionLinkFilter(df.FilterSet):
+class RegionLinkFilter(StrictFilterSet):
     source = df.CharFilter(field_name="source__code", help_text="Source region code.")
     target = df.CharFilter(field_name="target__code", help_text="Target region code.")
 
@@ -46,7 +37,7 @@ class RegionLinkFilter(df.FilterSet):
         fields = ["source", "target"]
 
 
-class AcceleratorTypeFilter(df.FilterSet):
+class AcceleratorTypeFilter(StrictFilterSet):
     min_memory_gib = IntegerFilter(field_name="memory_gib", lookup_expr="gte")
 
     class Meta:
@@ -54,7 +45,7 @@ class AcceleratorTypeFilter(df.FilterSet):
         fields = ["vendor", "name", "supports_nvlink"]
 
 
-class PoolFilter(df.FilterSet):
+class PoolFilter(StrictFilterSet):
     region = df.CharFilter(field_name="region__code", help_text="Region code.")
     accelerator = df.CharFilter(field_name="accelerator__name", help_text="Accelerator name.")
     jurisdiction = df.ChoiceFilter(field_name="region__jurisdiction", choices=Jurisdiction.choices)
@@ -67,7 +58,7 @@ class PoolFilter(df.FilterSet):
         fields = ["region", "accelerator", "status", "capacity_type", "interconnect", "rdma"]
 
 
-class LanguageModelFilter(df.FilterSet):
+class LanguageModelFilter(StrictFilterSet):
     name = df.CharFilter(lookup_expr="icontains")
 
     class Meta:
@@ -75,13 +66,13 @@ class LanguageModelFilter(df.FilterSet):
         fields = ["name", "family", "dtype"]
 
 
-class AdapterFilter(df.FilterSet):
+class AdapterFilter(StrictFilterSet):
     class Meta:
         model = LoraAdapter
         fields = ["base_model"]
 
 
-class DeploymentFilter(df.FilterSet):
+class DeploymentFilter(StrictFilterSet):
     region = df.CharFilter(field_name="pool__region__code", help_text="Region code.")
 
     class Meta:
@@ -89,7 +80,7 @@ class DeploymentFilter(df.FilterSet):
         fields = ["model", "pool", "region", "role"]
 
 
-class InstanceFilter(df.FilterSet):
+class InstanceFilter(StrictFilterSet):
     state = df.MultipleChoiceFilter(choices=Instance.State.choices)
     region = df.CharFilter(field_name="deployment__pool__region__code", help_text="Region code.")
     model = IntegerFilter(field_name="deployment__model", help_text="Model id.")
@@ -99,7 +90,7 @@ class InstanceFilter(df.FilterSet):
         fields = ["state", "deployment", "region", "model"]
 
 
-class EdgeFilter(df.FilterSet):
+class EdgeFilter(StrictFilterSet):
     region = df.CharFilter(field_name="region__code", help_text="Region code.")
 
     class Meta:

@@ -36,8 +36,38 @@ class ReadOnlyModelSerializer(serializers.ModelSerializer):
         return fields
 
 
+class StrictCharField(serializers.CharField):
+    """JSON strings only: DRF would store ``{"name": 0}`` as "0"."""
+
+    def to_internal_value(self, data: Any) -> Any:
+        if not isinstance(data, str):
+            self.fail("invalid")
+        return super().to_internal_value(data)
+
+
+class StrictBooleanField(serializers.BooleanField):
+    """JSON true and false only: DRF would take "yes", "on" and 1."""
+
+    def to_internal_value(self, data: Any) -> Any:
+        if not isinstance(data, bool):
+            self.fail("invalid", input=data)
+        return data
+
+
+# Numbers are already held to JSON numbers by StrictFieldsMixin.
+_STRICT = {
+    serializers.CharField: StrictCharField,
+    serializers.BooleanField: StrictBooleanField,
+}
+
+
 class InputSerializer(StrictFieldsMixin, serializers.ModelSerializer):
-    pass
+    """Base of input bodies: unknown fields and loosely typed JSON values are refused."""
+
+    serializer_field_mapping = {
+        model_field: _STRICT.get(field, field)
+        for model_field, field in serializers.ModelSerializer.serializer_field_mapping.items()
+    }
 
 
 class SlugLookupField(serializers.SlugRelatedField):
