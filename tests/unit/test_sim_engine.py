@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from regions.engines.simulator.engine import EngineConfig, SimEngine
-from regions.engines.simulator.tokenizer import OutputPlanner, Tokenizer
+from regions.engines.simulator.tokenizer import EOS_TOKEN_ID, OutputPlanner, Tokenizer
 
 
 def answers(seed: int, prompts: list[list[int]], **kw: object) -> list[list[int]]:
@@ -69,3 +69,11 @@ def test_impossible_configurations_fail_clearly() -> None:
     assert engine.max_model_len == min(32768, engine.num_gpu_blocks * 16)
     assert engine.system_fingerprint.startswith("vllm-0.32.0-")
     assert "tp2" in SimEngine(EngineConfig(tp=2)).system_fingerprint
+
+
+def test_an_answer_that_stops_by_itself_ends_with_the_end_of_turn_token() -> None:
+    engine = SimEngine(EngineConfig(output_len_median=5, num_gpu_blocks=512, max_model_len=2048))
+    request, texts = engine.new_request([1, 2, 3], 1000)
+    assert request.planned_output_ids[-1] == EOS_TOKEN_ID and texts[-1] == ""
+    forced, _ = engine.new_request([1, 2, 3], 1000, ignore_eos=True)
+    assert len(forced.planned_output_ids) == 1000 and EOS_TOKEN_ID not in forced.planned_output_ids

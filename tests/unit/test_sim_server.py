@@ -424,3 +424,43 @@ def test_zero_latency_answers_at_once_with_the_same_bodies() -> None:
         assert parse_vllm_metrics(engine.metrics_text().decode()).generation_tokens_total == 8
 
     with_engine(check, zero_latency=True)
+
+
+def test_next_turn_hits_the_previous_prompt_and_answer() -> None:
+    async def check(app: EngineApp, engine: SimEngine) -> None:
+        turns = [
+            {"role": "system", "content": "You answer questions about invoices. " * 8},
+            {"role": "user", "content": "Why was I charged twice in March?"},
+        ]
+        first = (await call(app, "POST", CHAT, {"messages": turns, "max_tokens": 200})).json()
+        assert first["choices"][0]["finish_reason"] == "stop"  # ended by itself, with EOS
+        answer = first["choices"][0]["message"]["content"]
+        turns += [
+            {"role": "assistant", "content": answer},
+            {"role": "user", "content": "And in April?"},
+        ]
+        second = (await call(app, "POST", CHAT, {"messages": turns, "max_tokens": 5})).json()
+        computed = first["usage"]["prompt_tokens"] + first["usage"]["completion_tokens"] - 1
+        cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
+        assert cached == computed // 16 * 16 > first["usage"]["prompt_tokens"]
+
+    with_engine(check, output_len_median=40)
+
+
+def test_continuous_usage_on_every_chunk_including_the_role_chunk() -> None:
+    async def check(app: EngineApp, engine: SimEngine) -> None:
+        body = {
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 3,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+        }
+        events = (await call(app, "POST", CHAT, body)).events()
+        usages = [e["usage"] for e in events[:-1]]
+        assert [u["completion_tokens"] for u in usages] == [0, 1, 2, 3, 3]
+        assert usages[0]["completion_tokens_details"] is None
+        keys = ["id", "object", "created", "model", "choices", "usage"]
+        assert list(events[0]) == [*keys, "prompt_token_ids", "prompt_text"]
+
+    with_engine(check)

@@ -584,10 +584,20 @@ class _Formatter:
         self.num_prompt = num_prompt
 
     def first_chunk(self) -> bytes:
+        usage = self._usage(0) if self.continuous else ""
         return (
             self.head + '{"index":0,"delta":{"role":"assistant","content":""},"logprobs":null,'
-            '"finish_reason":null}],"prompt_token_ids":null,"prompt_text":null}\n\n'
+            f'"finish_reason":null}}]{usage},"prompt_token_ids":null,"prompt_text":null}}\n\n'
         ).encode()
+
+    def _usage(self, k: int) -> str:
+        """``continuous_usage_stats``: chat also sends ``completion_tokens_details``."""
+        p = self.num_prompt
+        details = ',"completion_tokens_details":null' if self.chat else ""
+        return (
+            f',"usage":{{"prompt_tokens":{p},"total_tokens":{p + k},"completion_tokens":{k}'
+            f"{details}}}"
+        )
 
     def token_chunks(self, texts: list[str], start: int, end: int, request: Request) -> bytes:
         head = self.head
@@ -621,13 +631,7 @@ class _Formatter:
                     f'{{"index":0,"text":{text},"logprobs":null,"finish_reason":null,'
                     '"stop_reason":null,"prompt_token_ids":null,"token_ids":null}]'
                 )
-            usage = ""
-            if continuous:
-                k = i + 1
-                usage = (
-                    f',"usage":{{"prompt_tokens":{self.num_prompt},"total_tokens":'
-                    f'{self.num_prompt + k},"completion_tokens":{k}}}'
-                )
+            usage = self._usage(i + 1) if continuous else ""
             fp = final_fp if i == last else ""
             out.append(f"{head}{choice}{usage}{fp}}}\n\n")
         return "".join(out).encode()

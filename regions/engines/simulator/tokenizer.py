@@ -56,13 +56,15 @@ _WORDS = tuple(dict.fromkeys(w for w in _WORD_TEXT.split() if len(w) <= 6))
 
 _PIECE_RE = re.compile(
     "|".join(re.escape(s) for s in SPECIAL_TOKENS)
-    + r"| ?[A-Za-z]{1,6}| ?[0-9]{1,3}| ?[^\sA-Za-z0-9]|\s+(?!\S)|\s"
+    + r"| ?[A-Za-z]{1,6}| ?[0-9]{1,3}| ?[^\sA-Za-z0-9]|\s*[\r\n]+|\s+(?!\S)|\s"
 )
 
 
 class Tokenizer:
     """Splits text into pieces (special tokens, <= 6-letter word chunks, 1-3 digit numbers,
-    punctuation, whitespace runs) and maps each piece to an id by hashing it."""
+    punctuation, newline runs, whitespace runs) and maps each piece to an id by hashing it.
+    Newline runs are one piece wherever they stand, as in Llama 3's pre-tokenizer, so the
+    ``\n\n`` ending a generation prompt is the same token when an answer follows it."""
 
     def __init__(self) -> None:
         self._cache: dict[str, int] = dict(SPECIAL_TOKENS)
@@ -165,7 +167,8 @@ class OutputPlanner:
     One pseudo-random text stream is drawn per seed at start-up; a request's answer is the
     window of that stream chosen by the digest of its prompt, so the same prompt gets the same
     answer (like greedy decoding) and planning costs a list slice, not a generator run. The
-    length an answer would stop at by itself is log-normal around ``median`` (sigma 0.7).
+    length an answer would stop at by itself is log-normal around ``median`` (sigma 0.7); such
+    an answer ends with the end-of-turn token, as a model's does.
     """
 
     STREAM_LEN = 1 << 16
@@ -190,12 +193,17 @@ class OutputPlanner:
         start = (digest >> 12) % self.STREAM_LEN
         end = start + length
         if end <= self.STREAM_LEN:
-            return self.ids[start:end], self.texts[start:end]
-        ids: list[int] = []
-        texts: list[str] = []
-        while len(ids) < length:
-            take = min(self.STREAM_LEN - start, length - len(ids))
-            ids += self.ids[start : start + take]
-            texts += self.texts[start : start + take]
-            start = 0
+            ids, texts = self.ids[start:end], self.texts[start:end]
+        else:
+            ids, texts = [], []
+            while len(ids) < length:
+                take = min(self.STREAM_LEN - start, length - len(ids))
+                ids += self.ids[start : start + take]
+                texts += self.texts[start : start + take]
+                start = 0
+        if length < max_tokens and ids:
+            # Stopping by itself: the last token is the end-of-turn token, which counts as a
+            # completion token but has no text (and is what the chat template appends to the
+            # answer in the next turn, so the cache still matches).
+            ids[-1], texts[-1] = EOS_TOKEN_ID, ""
         return ids, texts
