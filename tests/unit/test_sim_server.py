@@ -200,6 +200,9 @@ def test_repeated_long_prompt_reports_cached_tokens_like_vllm() -> None:
         tokens = first["usage"]["completion_tokens"] + second["usage"]["completion_tokens"]
         assert samples["vllm:inter_token_latency_seconds_count"] == tokens - 2
         assert samples["vllm:e2e_request_latency_seconds_count"] == 2
+        assert (await call(app, "POST", "/reset_prefix_cache")).status == 200
+        third = (await call(app, "POST", CHAT, body)).json()
+        assert third["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
 
     with_engine(check)
 

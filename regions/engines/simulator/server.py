@@ -125,6 +125,7 @@ class EngineApp:
             "/version": ("GET", self.version),
             "/v1/load_lora_adapter": ("POST", self.load_lora),
             "/v1/unload_lora_adapter": ("POST", self.unload_lora),
+            "/reset_prefix_cache": ("POST", self.reset_prefix_cache),
             "/admin/faults": ("*", self.admin_faults),
         }
         names = engine.served_model_names
@@ -175,6 +176,12 @@ class EngineApp:
             for name, path in engine.loras.items()
         ]
         await _send_json(send, 200, {"object": "list", "data": cards})
+
+    async def reset_prefix_cache(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """vLLM's dev endpoint (benchmarks start cold): 200 either way; the cache is only
+        dropped when no request holds blocks, as in vLLM."""
+        self.engine.kv.reset_prefix_cache()
+        await _send_text(send, 200, "")
 
     async def load_lora(self, scope: Scope, receive: Receive, send: Send) -> None:
         body = await _json_body(scope, receive)
