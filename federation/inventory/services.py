@@ -147,7 +147,9 @@ def _recheck_deployments(
     """
     messages: list[str] = []
     for dep in deployments:
-        spec = _deployment_spec(dep, dep.adapters.all())
+        # Adapters are left out: a model or pool change cannot move them to another model,
+        # and renaming the model would otherwise look like a mismatch.
+        spec = _deployment_spec(dep, ())
         demands = _other_demands(dep.pool, exclude=dep)
         current = (model_spec(dep.model), pool_spec(dep.pool))
         old_model, old_pool = (before[0] or current[0], before[1] or current[1])
@@ -162,9 +164,7 @@ def _recheck_deployments(
 
 
 def _deployments_with_context(qs: models.QuerySet[Deployment]) -> models.QuerySet[Deployment]:
-    return qs.select_related("model", "pool__region", "pool__accelerator").prefetch_related(
-        "adapters__base_model"
-    )
+    return qs.select_related("model", "pool__region", "pool__accelerator")
 
 
 # --- regions -------------------------------------------------------------------------------

@@ -228,7 +228,7 @@ def test_evacuate_drains_ready_instances_and_restore_undrains_only_those(
 def test_region_delete_refused_while_used(admin_client: APIClient, fleet: dict[str, Any]) -> None:
     response = admin_client.delete(f"{API}/regions/us-east/")
     assert response.status_code == 409
-    assert "GPU pools" in response.json()["detail"] or "gpu" in response.json()["detail"].lower()
+    assert response.json()["detail"] == "Cannot delete: still used by gpu pools."
     assert Region.objects.filter(code="us-east").exists()
     assert not AuditEvent.objects.filter(action="region.delete").exists()
 
@@ -264,6 +264,9 @@ def test_region_links_upsert(admin_client: APIClient, fleet: dict[str, Any]) -> 
     listed = admin_client.get(f"{API}/region-links/", {"source": "us-east"})
     assert listed.json()["count"] == 1
     assert admin_client.get(f"{API}/region-links/", {"source": "eu-west"}).json()["count"] == 0
+    assert admin_client.delete(f"{API}/region-links/{link.pk}/").status_code == 204
+    assert not RegionLink.objects.exists()
+    assert actions_for(link)[0] == "region_link.delete"
 
 
 @pytest.mark.parametrize(
@@ -500,7 +503,8 @@ def test_model_update_that_would_break_a_deployment_is_refused(
     assert fleet["m8"].weight_size_gib == 15.0
     assert counts() == before
     # A change that keeps every deployment fitting goes through.
-    assert admin_client.patch(f"{API}/models/{fleet['m8'].pk}/", {"weight_size_gib": 16})
+    ok = admin_client.patch(f"{API}/models/{fleet['m8'].pk}/", {"weight_size_gib": 16})
+    assert ok.status_code == 200, ok.json()
     fleet["m8"].refresh_from_db()
     assert fleet["m8"].weight_size_gib == 16
 
@@ -510,6 +514,16 @@ def test_adapters(admin_client: APIClient, fleet: dict[str, Any]) -> None:
     created = admin_client.post(f"{API}/adapters/", body, format="json")
     assert created.status_code == 201, created.json()
     assert created.json()["base_model_name"] == LLAMA_8B["name"]
+    patched = admin_client.patch(f"{API}/adapters/{created.json()['id']}/", {"rank": 32})
+    assert patched.status_code == 200
+    assert patched.json()["rank"] == 32
+    assert (
+        admin_client.patch(f"{API}/adapters/{created.json()['id']}/", {"rank": 0}).status_code
+        == 400
+    )
+    duplicate = admin_client.post(f"{API}/adapters/", body, format="json")
+    assert duplicate.status_code == 400
+    assert "already exists" in duplicate.json()["name"][0]
     foreign = admin_client.post(
         f"{API}/adapters/",
         {**body, "name": "acme/70b-lora", "base_model": fleet["m70"].pk},
@@ -972,3 +986,19 @@ def test_list_queries_are_bounded(
         response = admin_client.get(f"{API}/{resource}/")
     assert response.status_code == 200
     assert response.json()["count"] >= 2
+
+
+# --- schema --------------------------------------------------------------------------------
+
+
+def test_schema_documents_errors_and_strict_bodies(admin_client: APIClient) -> None:
+    schema = admin_client.get("/api/schema/", HTTP_ACCEPT="application/vnd.oai.openapi+json")
+    doc = schema.json()
+    create = doc["paths"]["/api/v1/deployments/"]["post"]
+    assert {"201", "400", "401", "403", "409", "413"} <= set(create["responses"])
+    transition = doc["paths"]["/api/v1/instances/{id}/transition/"]["post"]
+    assert {"200", "400", "404", "409"} <= set(transition["responses"])
+    body = doc["components"]["schemas"]["DeploymentCreateInRequest"]
+    assert body["additionalProperties"] is False
+    assert body["properties"]["engine_args"]["type"] == "object"
+    assert "description" not in doc["components"]["schemas"]["RegionCreateInRequest"]

@@ -204,3 +204,14 @@ def test_admin_lists_the_fleet_read_only(fleet: dict[str, Any]) -> None:
         assert client.get(f"/admin/inventory/{name}/add/").status_code == 403, name
     response = client.get("/admin/inventory/instance/", {"q": "i-1", "state__exact": "ready"})
     assert b"i-1" in response.content
+
+
+def test_renaming_a_model_keeps_its_adapters_valid(fleet: dict[str, Any]) -> None:
+    adapter = services.adapter_create(
+        actor=None, base_model=fleet["m8"], name="sql", rank=8, source="s3://a"
+    )
+    make_deployment(fleet["m8"], fleet["pool"], adapters=[adapter])
+    model = services.model_update(actor=None, model=fleet["m8"], data={"name": "llama-8b-v2"})
+    assert model.name == "llama-8b-v2"
+    event = AuditEvent.objects.get(action="model.update")
+    assert event.changes == {"name": [LLAMA_8B["name"], "llama-8b-v2"]}
