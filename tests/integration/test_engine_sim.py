@@ -19,8 +19,10 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from regions.engines.metrics import parse_vllm_metrics
+from regions.engines.simulator.perf import PerfModel, accelerator
 
 FEDINFER = str(Path(sys.executable).with_name("fedinfer"))
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
@@ -162,6 +164,31 @@ def test_ttft_follows_the_performance_model(sim: Sim) -> None:
     cold, warm = ttft(), ttft()
     assert 0.15 < cold < 1.5
     assert warm < cold / 3
+
+
+def test_inter_token_latency_is_the_modelled_decode_step(sim: Sim) -> None:
+    def itl() -> tuple[float, float]:
+        text = httpx.get(sim.urls[1] + "/metrics", timeout=5).text
+        samples = {
+            sample.name: sample.value
+            for family in text_string_to_metric_families(text)
+            for sample in family.samples
+        }
+        return (
+            samples["vllm:inter_token_latency_seconds_sum"],
+            samples["vllm:inter_token_latency_seconds_count"],
+        )
+
+    s0, c0 = itl()
+    sim.sdk(1).completions.create(
+        model=MODEL, prompt="count", max_tokens=60, extra_body={"ignore_eos": True}
+    )
+    s1, c1 = itl()
+    assert c1 - c0 == 59
+    modelled = PerfModel(accelerator("H100-80G")).step_time(0, 1, 40)
+    mean = (s1 - s0) / (c1 - c0)
+    # Never faster than the model; slower only by scheduling noise of a busy machine.
+    assert modelled * 0.95 <= mean <= modelled * 3, (mean, modelled)
 
 
 def test_sdk_completions(sim: Sim) -> None:

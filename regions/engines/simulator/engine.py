@@ -234,21 +234,27 @@ class SimEngine:
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
         scheduler = self.scheduler
+        # A step starts when the previous one ended, so the simulator's own CPU time (applying
+        # the step, waking handlers, writing chunks) is absorbed by the next step's sleep
+        # instead of stretching the modelled step times.
+        step_start = loop.time()
         while not self._closed:
             if not scheduler.has_work():
                 self._wake.clear()
                 await self._wake.wait()
+                step_start = loop.time()
                 continue
-            t0 = loop.time()
             plan = scheduler.schedule(time.monotonic())
             if plan.empty:
                 # Only possible when every waiting request is blocked (e.g. LoRA slots); wait
                 # for a change rather than spin.
                 self._wake.clear()
                 await self._wake.wait()
+                step_start = loop.time()
                 continue
-            delay = t0 + self.perf.plan_time(plan) - loop.time()
+            delay = step_start + self.perf.plan_time(plan) - loop.time()
             await asyncio.sleep(delay if delay > 0 else 0)
+            step_start = loop.time()
             now = time.monotonic()
             result = scheduler.update(plan, now)
             self.metrics.iteration_tokens.observe(plan.num_scheduled_tokens)
