@@ -12,6 +12,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -282,11 +283,22 @@ def test_kill_stops_one_engine_and_cuts_its_streams() -> None:
         )
         first = next(iter(stream))
         assert first.choices[0].delta.role == "assistant"
-        r = httpx.post(sim.urls[1] + "/admin/faults", json={"kill": True}, timeout=5)
-        assert r.json()["killed"] is True
-        with pytest.raises((httpx.RemoteProtocolError, openai.APIError)):
-            for _ in stream:
-                pass
+        with ThreadPoolExecutor(1) as pool:
+            waiting = pool.submit(
+                httpx.post,
+                sim.urls[1] + "/v1/chat/completions",
+                json={"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                      "max_tokens": 2000, "ignore_eos": True},
+                timeout=10,
+            )  # fmt: skip
+            time.sleep(0.2)
+            r = httpx.post(sim.urls[1] + "/admin/faults", json={"kill": True}, timeout=5)
+            assert r.json()["killed"] is True
+            with pytest.raises((httpx.RemoteProtocolError, openai.APIError)):
+                for _ in stream:
+                    pass
+            with pytest.raises(httpx.RemoteProtocolError):  # dropped, not answered with a 500
+                waiting.result()
         deadline = time.monotonic() + 5
         while True:  # the listener closes within a server tick
             try:

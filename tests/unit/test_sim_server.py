@@ -351,11 +351,12 @@ def test_faults_by_flag_and_kill_cuts_open_streams() -> None:
             "stream": True,
         }
         stream = asyncio.ensure_future(call(app, "POST", CHAT, body))
+        full = asyncio.ensure_future(call(app, "POST", CHAT, {**body, "stream": False}))
         await asyncio.sleep(0.05)
         r = await call(app, "POST", "/admin/faults", {"kill": True})
         assert r.json()["killed"] is True
-        cut = await stream
-        assert cut.status == 200 and not cut.complete
+        for cut in (await stream, await full):
+            assert cut.status == 200 and not cut.complete  # dropped, not a 500
         assert killed == [True] and engine.killed
 
     with_engine(check, faults=FaultConfig(health_fail=True))

@@ -525,8 +525,14 @@ class EngineApp:
             if die_at is not None and len(request.output_token_ids) >= die_at:
                 break
             await handle.wait()
-        if handle.cut or request.finish_reason == "abort":
+        if handle.cut:
+            # The engine died: headers promising a body, then the connection drops (an ASGI
+            # app cannot reset a connection before its response starts).
+            headers = [*JSON_HEADERS, (b"content-length", b"1")]
+            await send({"type": "http.response.start", "status": 200, "headers": headers})
             return
+        if request.finish_reason == "abort":
+            return  # the client left
         body = fmt.full_response(request, handle.texts)
         if die_at is not None and len(request.output_token_ids) >= die_at:
             # Promise the whole body, deliver half, hang up.
