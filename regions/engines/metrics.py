@@ -149,11 +149,14 @@ def parse_vllm_metrics(text: str) -> EngineLoad:
     """
     text = "\n" + text
     totals: dict[str, int] = {}
+    running_samples: list[tuple[str, float]] = []
     for field, names in _SUMMED:
         for name in names:
             samples = _series(text, name)
             if samples:
                 totals[field] = int(sum(_finite(v) for _, v in samples))
+                if name == _MODEL_LABEL_SOURCE:
+                    running_samples = samples
                 break
 
     kv_usage = 0.0
@@ -188,7 +191,7 @@ def parse_vllm_metrics(text: str) -> EngineLoad:
         num_gpu_blocks = _int_or_none(labels.get("num_gpu_blocks", ""))
 
     models: dict[str, None] = {}
-    for label_text, _ in _series(text, _MODEL_LABEL_SOURCE):
+    for label_text, _ in running_samples:
         model = parse_labels(label_text).get("model_name")
         if model:
             models[model] = None
