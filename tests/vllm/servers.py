@@ -24,7 +24,7 @@ SERVED_MODEL = "tiny-llama"
 MAX_MODEL_LEN = 1024
 KV_BLOCK_SIZE = 128  # vLLM's block size on the CPU backend
 MAX_NUM_SEQS = 8
-HEALTH_TIMEOUT_S = float(os.environ.get("FEDINFER_VLLM_HEALTH_TIMEOUT", "240"))
+HEALTH_TIMEOUT_S = float(os.environ.get("FEDINFER_VLLM_HEALTH_TIMEOUT", "420"))
 LOG_DIR = ROOT / "var" / "vllm-logs"
 
 

@@ -29,7 +29,8 @@ from tests.vllm.servers import (
     VllmServer,
 )
 
-pytestmark = pytest.mark.vllm
+# Starting two servers on 2 shared cores takes 1-4 min (inside the first test's setup).
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "vllm"
 
