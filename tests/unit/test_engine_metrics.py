@@ -289,16 +289,17 @@ def test_generated_full_exposition_matches_prometheus_client_parser() -> None:
 
 
 def test_parser_is_much_cheaper_than_prometheus_client() -> None:
-    """The edge scrapes every engine twice a second; parsing must stay far below 1 ms."""
+    """The edge scrapes every engine twice a second; parsing must stay far below 1 ms of CPU
+    (CPU time, not wall time: the machine is shared)."""
     text = _vllm_like_exposition(engines=1)
 
     def per_call(fn: object, n: int) -> float:
         best = float("inf")
         for _ in range(3):
-            t0 = time.perf_counter()
+            t0 = time.process_time()
             for _ in range(n):
                 fn(text)  # type: ignore[operator]
-            best = min(best, (time.perf_counter() - t0) / n)
+            best = min(best, (time.process_time() - t0) / n)
         return best
 
     ours = per_call(parse_vllm_metrics, 200)

@@ -1,6 +1,7 @@
 """A vLLM-compatible engine simulator: same HTTP API and metrics, a vLLM v1 performance model.
 
-Pure core (``tokenizer``, ``kv_cache``, ``scheduler``, ``perf``, ``faults``) is free of I/O and
-deterministic given a seed; ``engine`` runs it in real time on asyncio, ``server`` speaks
-vLLM's OpenAI-compatible protocol, ``cli`` hosts several engines in one process.
+The pure core (``tokenizer``, ``kv_cache``, ``scheduler``, ``perf``, ``faults``) is free of
+I/O and deterministic given a seed; ``engine`` runs it in real time on asyncio, ``prom`` keeps
+its vLLM metrics, ``server`` speaks vLLM's OpenAI-compatible protocol, ``cli`` hosts several
+engines in one process. See ``docs/engine-simulator.md``.
 """
