@@ -84,6 +84,9 @@ class Config:
     calibrate_warmup_s: float = 5.0
     n_system_prompts: int = 12
     think_time_mean_s: float = 1.0
+    #: The table's per-instance ``max_concurrency`` (the edge's cap); 0 = ``max_num_seqs``,
+    #: as the routing-table schema documents it.
+    edge_cap: int = 0
     extra_engine_args: tuple[str, ...] = ()
 
     def engine_args(self) -> list[str]:
@@ -283,7 +286,7 @@ def run_policy(
                 engines,
                 accelerator=cfg.accelerator,
                 tp=cfg.tp,
-                max_concurrency=cfg.max_num_seqs,
+                max_concurrency=cfg.edge_cap or cfg.max_num_seqs,
                 prefill_tokens_per_s=prefill_rate(cfg),
             )
             edge, url = start_edge(pg, table, policy=policy, cpus=EDGE_CPUS, model=cfg.model)
@@ -492,18 +495,22 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--calibrate", type=float, default=d.calibrate_s, help="seconds of saturation")
     ap.add_argument("--policies", default=",".join(POLICIES))
     ap.add_argument("--scenarios", default=",".join(s.name for s in SCENARIOS))
+    ap.add_argument("--edge-cap", type=int, default=0, help="table max_concurrency (0: seqs)")
     ap.add_argument("--engine-arg", action="append", default=[], help="extra engine-sim flag")
     a = ap.parse_args(argv)
     if not 5 <= a.duration <= 300 or not 0 <= a.warmup < a.duration:
         ap.error("--duration must be 5..300 s and --warmup below it")
     cfg = Config(
         engines=a.engines,
+        model=a.model,
         accelerator=a.accelerator,
+        tp=a.tp,
         max_num_seqs=a.max_num_seqs,
         seed=a.seed,
         duration_s=a.duration,
         warmup_s=a.warmup,
         calibrate_s=a.calibrate,
+        edge_cap=a.edge_cap,
         extra_engine_args=tuple(a.engine_arg),
     )
     scen = tuple(s for s in SCENARIOS if s.name in a.scenarios.split(","))
