@@ -109,6 +109,19 @@ class _Exchange:
         self.complete = False
 
 
+class _Waiter:
+    """A request waiting at the gateway; stays in its line until it has decided."""
+
+    __slots__ = ("fut",)
+
+    def __init__(self) -> None:
+        self.fut: asyncio.Future[None] | None = None
+
+
+_SATURATED = Decision(None, None, "saturated")
+_QUEUED = Decision(None, None, "queued")
+
+
 class _ClientGone(Exception):
     """The client disconnected while sending its request body."""
 
@@ -134,7 +147,8 @@ class Edge:
         self.sessions: OrderedDict[str, str] = OrderedDict()
         self.block_tokens = cfg.block_bytes / cfg.bytes_per_token
         self.turn = 0
-        self._waiters: deque[asyncio.Future[None]] = deque()
+        self._lines: dict[str, deque[_Waiter]] = {}
+        self._queued = 0
         self._tasks: list[asyncio.Task[None]] = []
         self._http: aiohttp.ClientSession | None = None
         self._probe_client: httpx.AsyncClient | None = None
@@ -355,7 +369,7 @@ class Edge:
                 "table_version": self.table.version,
                 "instances": len(self.table.instances),
                 "healthy_instances": healthy,
-                "queue_depth": len(self._waiters),
+                "queue_depth": self._queued,
                 "detail": instances,
             }
         )
@@ -480,7 +494,11 @@ class Edge:
     async def _decide(
         self, req: ParsedRequest, hashes: list[int], sticky: str | None, exclude: frozenset[str]
     ) -> tuple[Decision, float]:
-        """Decide, waiting at the gateway (bounded queue, deadline) while all are at their cap."""
+        """Decide, waiting at the gateway (bounded queue, deadline) while all are at their cap.
+
+        The line is FIFO per model: an arrival does not overtake requests already waiting (or
+        woken and about to decide), so a sustained load cannot starve the queue into timeouts.
+        """
         route = RouteRequest(
             model=req.model,
             prompt_tokens=req.prompt_tokens,
@@ -489,53 +507,63 @@ class Edge:
             exclude=exclude,
         )
         started = time.monotonic()
-        deadline = started + self.cfg.queue_timeout_s
-        queued = False
+        line = self._lines.get(req.model)
+        if line is None:
+            line = self._lines[req.model] = deque()
+        waiter: _Waiter | None = None
         try:
             while True:
                 now = time.monotonic()
-                self.turn += 1
-                decision = decide(
-                    self._candidates(req.model, hashes, now), route, self.cfg.scheduler, self.turn
-                )
-                if decision.reason != "saturated":
-                    return decision, now - started
-                if not queued:
-                    if len(self._waiters) >= self.cfg.queue_size:
+                if waiter is None and line:
+                    decision = _QUEUED  # someone is ahead: join the line without deciding
+                else:
+                    self.turn += 1
+                    decision = decide(
+                        self._candidates(req.model, hashes, now),
+                        route,
+                        self.cfg.scheduler,
+                        self.turn,
+                    )
+                    if decision.reason != "saturated":
                         return decision, now - started
-                    queued = True
+                if waiter is None:
+                    if self._queued >= self.cfg.queue_size:
+                        return _SATURATED, now - started
+                    waiter = _Waiter()
+                    line.append(waiter)
+                    self._queued += 1
                     self.metrics.queue_depth.inc()
-                remaining = deadline - now
+                remaining = started + self.cfg.queue_timeout_s - now
                 if remaining <= 0:
-                    return decision, now - started
-                fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-                self._waiters.append(fut)
-                try:
-                    # Woken when a slot frees; the short poll covers slots freed elsewhere.
-                    await asyncio.wait_for(fut, min(remaining, 0.05))
-                except TimeoutError:
-                    pass
-                finally:
-                    if not fut.done():
-                        fut.cancel()
-                    with contextlib.suppress(ValueError):
-                        self._waiters.remove(fut)
+                    return _SATURATED, now - started
+                waiter.fut = asyncio.get_running_loop().create_future()
+                with contextlib.suppress(TimeoutError):
+                    # Woken when a slot frees; the short poll covers slots freed elsewhere
+                    # (a table change, a readmitted instance).
+                    await asyncio.wait_for(waiter.fut, min(remaining, 0.05))
         finally:
-            if queued:
+            if waiter is not None:
+                line.remove(waiter)
+                self._queued -= 1
                 self.metrics.queue_depth.dec()
 
-    def _wake_one(self) -> None:
-        while self._waiters:
-            fut = self._waiters.popleft()
-            if not fut.done():
-                fut.set_result(None)
-                return
+    def _wake(self, inst: Instance) -> None:
+        """A slot of ``inst`` freed: wake the first waiter of a model it serves."""
+        lines = self._lines
+        for name in (inst.model, *inst.adapters):
+            line = lines.get(name)
+            if line:
+                for waiter in line:
+                    fut = waiter.fut
+                    if fut is not None and not fut.done():
+                        fut.set_result(None)
+                        return
 
     def _wake_all(self) -> None:
-        while self._waiters:
-            fut = self._waiters.popleft()
-            if not fut.done():
-                fut.set_result(None)
+        for line in self._lines.values():
+            for waiter in line:
+                if waiter.fut is not None and not waiter.fut.done():
+                    waiter.fut.set_result(None)
 
     def _remember_session(self, key: str, instance: str) -> None:
         sessions = self.sessions
@@ -613,7 +641,7 @@ class Edge:
                 else:
                     load.release()
                 self.metrics.inflight_of(inst_id).dec()
-                self._wake_one()
+                self._wake(inst)
 
     async def _no_capacity(
         self,

@@ -137,3 +137,27 @@ def test_saturated_region_queues_then_refuses_with_retry_after(tmp_path: Path) -
             if r.status_code == 200
         ]
         assert max(queued) > 300, "the second request waited at the gateway for the slot"
+
+
+def test_gateway_queue_is_first_in_first_out(tmp_path: Path) -> None:
+    with cluster(
+        tmp_path,
+        1,
+        engine_args=("--tokens", "2", "--token-delay", "0.1"),
+        edge_args=("--queue-size", "16", "--queue-timeout", "10"),
+        max_concurrency=1,
+    ) as edge:
+
+        def ask(k: int) -> int:
+            time.sleep(0.05 * k)  # staggered arrivals: q0 first
+            r = httpx.post(
+                edge.url + "/v1/chat/completions",
+                json={"model": "llama", "messages": [{"role": "user", "content": f"fifo-q{k}"}]},
+                timeout=20,
+            )
+            return r.status_code
+
+        with ThreadPoolExecutor(6) as pool:
+            assert list(pool.map(ask, range(6))) == [200] * 6
+        order = [p.split("fifo-")[1].strip() for p in edge.engines["i-1"].stats()["prompts"]]
+        assert order == [f"q{k}" for k in range(6)]
