@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -1002,3 +1003,7 @@ def test_schema_documents_errors_and_strict_bodies(admin_client: APIClient) -> N
     assert body["additionalProperties"] is False
     assert body["properties"]["engine_args"]["type"] == "object"
     assert "description" not in doc["components"]["schemas"]["RegionCreateInRequest"]
+    price = doc["components"]["schemas"]["PoolCreateInRequest"]["properties"]["price_per_gpu_hour"]
+    pattern = re.compile(price["pattern"])
+    assert [bool(pattern.match(v)) for v in ("2.5", "2", ".25", "123456.1234")] == [True] * 4
+    assert [bool(pattern.match(v)) for v in ("", "-1", ".", "1.23456", "1234567")] == [False] * 5

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import subprocess
+import sys
 
 import pytest
 from hypothesis import given
@@ -335,3 +337,13 @@ def test_every_problem_names_a_deployment_field(model: ModelSpec, pool: PoolSpec
     for problem in check_deployment_fit(dep(tp), model=model, pool=pool):
         assert problem.field in {"tensor_parallel_size", "desired_replicas"}
         assert problem.message
+
+
+def test_fit_and_lifecycle_are_pure() -> None:
+    """The planner and table compiler reuse these without Django: importing them loads none."""
+    code = (
+        "import sys, federation.inventory.fit, federation.inventory.lifecycle\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in {'django', 'rest_framework'}))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"

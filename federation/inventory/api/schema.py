@@ -38,6 +38,19 @@ CONFLICT = OpenApiResponse(
 TOO_LARGE = OpenApiResponse(ErrorOut, description="The request body exceeds the size limit.")
 
 
+def _decimal_pattern(field: serializers.DecimalField) -> str:
+    """drf-spectacular's decimal pattern also matches "", "-" and "."; this one needs a
+    digit, and has no minus sign when the field refuses negatives."""
+    places = field.decimal_places or 0
+    whole = (field.max_digits or 30) - places
+    sign = "" if field.min_value is not None and field.min_value >= 0 else "-?"
+    fraction = rf"(?:\.\d{{0,{places}}})?" if places else ""
+    alternatives = [rf"\d{{1,{whole}}}{fraction}"] if whole else []
+    if places:
+        alternatives.append(rf"\.\d{{1,{places}}}")
+    return rf"^{sign}(?:{'|'.join(alternatives)})$"
+
+
 class InventoryAutoSchema(AutoSchema):
     def _error_responses(self) -> dict[str, OpenApiResponse]:
         errors = {"401": UNAUTHENTICATED, "403": FORBIDDEN, "400": FIELD_ERRORS}
@@ -57,6 +70,14 @@ class InventoryAutoSchema(AutoSchema):
                     code, self._get_response_for_code(response, code, direction=direction)
                 )
         return responses
+
+    def _map_serializer_field(
+        self, field: Any, direction: Any, bypass_extensions: bool = False
+    ) -> dict[str, Any]:
+        schema = super()._map_serializer_field(field, direction, bypass_extensions)
+        if isinstance(field, serializers.DecimalField) and schema.get("type") == "string":
+            schema["pattern"] = _decimal_pattern(field)
+        return schema
 
     def _map_serializer(
         self, serializer: Any, direction: Any, bypass_extensions: bool = False
