@@ -746,3 +746,25 @@ def test_losing_a_race_on_the_slug_is_a_400_not_a_500(
     assert raised.value.message_dict == {"slug": ["This value is already taken."]}
     assert Tenant.objects.get().name == "The winner"
     assert not AuditEvent.objects.exists()
+
+
+def test_schema_marks_every_nullable_output_field_nullable(admin_client: APIClient) -> None:
+    """A null in a response must be allowed by the schema (found by schemathesis)."""
+    schema = admin_client.get("/api/schema/", HTTP_ACCEPT="application/vnd.oai.openapi+json").json()
+    components = schema["components"]["schemas"]
+    expected = {
+        "TenantOutput": ["requests_per_minute", "tokens_per_minute", "monthly_budget_usd"],
+        "ApiKeyOutput": [
+            "expires_at",
+            "revoked_at",
+            "last_used_at",
+            "previous_secret_valid_until",
+            "created_by",
+        ],
+        "UserOutput": ["role", "tenant", "last_login"],
+        "MeOutput": ["role", "tenant"],
+    }
+    for component, fields in expected.items():
+        properties = components[component]["properties"]
+        for field in fields:
+            assert properties[field].get("nullable") is True, (component, field)

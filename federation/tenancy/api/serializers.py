@@ -161,11 +161,12 @@ class ApiKeyOutput(serializers.ModelSerializer):
     )
     status = serializers.SerializerMethodField()
     created_by: serializers.SlugRelatedField[User] = serializers.SlugRelatedField(
-        read_only=True, slug_field="username"
+        read_only=True, slug_field="username", allow_null=True
     )
     previous_secret_valid_until = serializers.DateTimeField(
         source="previous_key_valid_until",
         read_only=True,
+        allow_null=True,
         help_text="Until when the secret replaced by the last rotation still works.",
     )
 
