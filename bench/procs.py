@@ -87,6 +87,10 @@ class ProcGroup:
     procs: list[Proc] = field(default_factory=list)
 
     def __enter__(self) -> ProcGroup:
+        if self.logdir.exists():  # keep the logs of earlier runs: move them aside
+            stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime(self.logdir.stat().st_mtime))
+            with contextlib.suppress(OSError):
+                self.logdir.rename(self.logdir.with_name(f"{self.logdir.name}.{stamp}"))
         self.logdir.mkdir(parents=True, exist_ok=True)
         return self
 
@@ -193,13 +197,20 @@ def machine_info() -> dict[str, object]:
 
 
 def git_rev() -> str:
+    """Short HEAD, with ``+dirty`` when ``regions/`` (the code under test) has local changes."""
     try:
         out = subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
         )
-        return out.stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--", "regions"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+        )
     except OSError:
         return ""
+    return out.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
 
 
 def fedinfer_argv(*args: str) -> list[str]:

@@ -149,6 +149,28 @@ def metric_delta(before: list[EngineLoad], after: list[EngineLoad]) -> dict[str,
     }
 
 
+def edge_metrics(url: str, save: Path) -> dict[str, float]:
+    """The edge's own counters worth reading next to the results (ejections, retries, ...)."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=5) as r:
+        text = r.read().decode()
+    save.write_text(text)
+    wanted = ("fedinfer_edge_ejections_total", "fedinfer_edge_retries_total",
+              "fedinfer_edge_midstream_failures_total", "fedinfer_edge_requests_total")  # fmt: skip
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("#"):
+            continue
+        name, _, rest = line.partition("{") if "{" in line else line.partition(" ")
+        if name in wanted:
+            labels = rest.rsplit("}", 1)[0] if "}" in rest else ""
+            key = name
+            if name == "fedinfer_edge_requests_total":
+                status = [x for x in labels.split(",") if x.startswith("status=")]
+                key = f"{name}{{{status[0] if status else ''}}}"
+            out[key] = out.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
+
+
 def summarise(records: list[Record], lo: float, hi: float) -> dict[str, Any]:
     """Stats over requests sent in ``[lo, hi)`` (the measurement window)."""
     window = [r for r in records if lo <= r.sent < hi]
@@ -316,6 +338,9 @@ def run_policy(
         finally:
             os.sched_setaffinity(0, before)
         end = scrape(engines.urls)
+        edge_counters: dict[str, float] = {}
+        if edge is not None:
+            edge_counters = edge_metrics(url, pg.logdir / "edge-metrics.txt")
         wall = time.monotonic() - cpu.get("t0", time.monotonic())
         cpu_share = {
             "engines": (engines.proc.cpu_seconds() - cpu.get("engines0", math.nan)) / wall,
@@ -327,6 +352,7 @@ def run_policy(
     result = summarise(state.records, cfg.warmup_s, cfg.duration_s)
     result.update(metric_delta(snaps["warm"], end))
     result["cpu_share"] = cpu_share
+    result["edge_counters"] = edge_counters
     result["client_lag"] = lag_stats(state)
     print(
         f"[{sc.name}] {policy:12s} TTFT mean {result['ttft_mean_s'] * 1000:7.1f} ms  "
