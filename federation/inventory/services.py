@@ -14,7 +14,7 @@ from decimal import Decimal
 from typing import Any, TypeVar
 
 from django.core.exceptions import NON_FIELD_ERRORS, ValidationError
-from django.db import models, transaction
+from django.db import IntegrityError, models, transaction
 from django.utils import timezone
 
 from federation.core.audit import Actor, audit_record, model_diff
@@ -58,7 +58,15 @@ def _validate_and_save(obj: M, *, extra: Errors | None = None) -> M:
     errors = _merge(_clean_errors(obj, validate_constraints=not extra), extra or {})
     if errors:
         raise ValidationError(errors)
-    obj.save()
+    try:
+        with transaction.atomic():
+            obj.save()
+    except IntegrityError as exc:
+        # full_clean saw no clash, so a concurrent request won the race for a unique value.
+        raise Conflict(
+            f"{obj._meta.verbose_name} conflicts with a concurrent change; retry.",
+            code="concurrent_change",
+        ) from exc
     return obj
 
 

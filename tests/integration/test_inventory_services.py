@@ -14,7 +14,13 @@ from rest_framework.test import APIClient
 from federation.core.errors import Conflict
 from federation.core.models import AuditEvent
 from federation.inventory import services
-from federation.inventory.models import AcceleratorType, Instance, LoraAdapter, RegionLink
+from federation.inventory.models import (
+    AcceleratorType,
+    Instance,
+    LoraAdapter,
+    Region,
+    RegionLink,
+)
 from tests.integration.inventory_factories import (
     LLAMA_8B,
     LLAMA_70B,
@@ -215,3 +221,14 @@ def test_renaming_a_model_keeps_its_adapters_valid(fleet: dict[str, Any]) -> Non
     assert model.name == "llama-8b-v2"
     event = AuditEvent.objects.get(action="model.update")
     assert event.changes == {"name": [LLAMA_8B["name"], "llama-8b-v2"]}
+
+
+def test_a_lost_race_for_a_unique_value_is_a_conflict(
+    fleet: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """full_clean passed, then the insert hit the unique index: 409, not a 500."""
+    monkeypatch.setattr(Region, "validate_constraints", lambda self, exclude=None: None)
+    monkeypatch.setattr(Region, "validate_unique", lambda self, exclude=None: None)
+    with pytest.raises(Conflict, match="concurrent change"):
+        make_region("us-east")
+    assert Region.objects.filter(code="us-east").count() == 1
