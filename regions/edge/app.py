@@ -112,14 +112,27 @@ class _Exchange:
 class _Waiter:
     """A request waiting at the gateway; stays in its line until it has decided."""
 
-    __slots__ = ("fut",)
+    __slots__ = ("freed", "fut", "target")
 
     def __init__(self) -> None:
         self.fut: asyncio.Future[None] | None = None
+        #: The instance it waits for (None: any instance of the model).
+        self.target: str | None = None
+        #: The instance whose freed slot woke it.
+        self.freed: str | None = None
+
+
+def _blocked(line: deque[_Waiter], inst_id: str, me: _Waiter | None) -> bool:
+    """Would taking a slot of ``inst_id`` now overtake someone ahead waiting for it?"""
+    for w in line:
+        if w is me:
+            return False
+        if w.target is None or w.target == inst_id:
+            return True
+    return False
 
 
 _SATURATED = Decision(None, None, "saturated")
-_QUEUED = Decision(None, None, "queued")
 
 
 class _ClientGone(Exception):
@@ -149,6 +162,7 @@ class Edge:
         self.turn = 0
         self._lines: dict[str, deque[_Waiter]] = {}
         self._queued = 0
+        self._targeted: dict[str, int] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self._http: aiohttp.ClientSession | None = None
         self._probe_client: httpx.AsyncClient | None = None
@@ -461,10 +475,13 @@ class Edge:
         finally:
             watcher.cancel()
 
-    def _candidates(self, model: str, hashes: list[int], now: float) -> list[Candidate]:
+    def _candidates(
+        self, model: str, hashes: list[int], now: float, own_target: str | None = None
+    ) -> list[Candidate]:
         matched = self.prefix.match(hashes, time.monotonic()) if hashes else {}
         out = []
         states = self.health.states
+        targeted = self._targeted
         stale = self.cfg.scrape_interval_s * 4 + 1.0
         for inst in self.by_model[model]:
             load = self.loads.get(inst.id)
@@ -487,6 +504,8 @@ class Edge:
                     mean_uncached_tokens=load.mean_uncached_tokens,
                     mean_service_s=load.mean_service_s,
                     cached_blocks=matched.get(inst.id, 0),
+                    # A waiter does not count itself in the line it may leave.
+                    queued=targeted.get(inst.id, 0) - (inst.id == own_target),
                 )
             )
         return out
@@ -494,10 +513,12 @@ class Edge:
     async def _decide(
         self, req: ParsedRequest, hashes: list[int], sticky: str | None, exclude: frozenset[str]
     ) -> tuple[Decision, float]:
-        """Decide, waiting at the gateway (bounded queue, deadline) while all are at their cap.
+        """Decide; wait at the gateway (bounded queue, deadline) while the choice has no slot.
 
-        The line is FIFO per model: an arrival does not overtake requests already waiting (or
-        woken and about to decide), so a sustained load cannot starve the queue into timeouts.
+        A waiter targets the instance it chose (or any instance, for the baseline policies)
+        and re-decides when a slot of its target frees, or every 50 ms. Nobody takes a slot
+        ahead of an earlier waiter for the same instance (or for any instance), so a sustained
+        load cannot starve the line into timeouts.
         """
         route = RouteRequest(
             model=req.model,
@@ -514,18 +535,24 @@ class Edge:
         try:
             while True:
                 now = time.monotonic()
-                if waiter is None and line:
-                    decision = _QUEUED  # someone is ahead: join the line without deciding
-                else:
-                    self.turn += 1
-                    decision = decide(
-                        self._candidates(req.model, hashes, now),
-                        route,
-                        self.cfg.scheduler,
-                        self.turn,
-                    )
-                    if decision.reason != "saturated":
+                self.turn += 1
+                own = waiter.target if waiter is not None else None
+                decision = decide(
+                    self._candidates(req.model, hashes, now, own),
+                    route,
+                    self.cfg.scheduler,
+                    self.turn,
+                )
+                winner = decision.winner
+                target: str | None
+                if winner is not None:
+                    target = winner.instance
+                    if not winner.wait and not _blocked(line, target, waiter):
                         return decision, now - started
+                elif decision.reason == "saturated":
+                    target = None  # any slot of the model (hard-cap policies)
+                else:
+                    return decision, now - started
                 if waiter is None:
                     if self._queued >= self.cfg.queue_size:
                         return _SATURATED, now - started
@@ -533,31 +560,55 @@ class Edge:
                     line.append(waiter)
                     self._queued += 1
                     self.metrics.queue_depth.inc()
+                elif waiter.freed is not None:
+                    # Woken for a slot this waiter did not take: hand it to the next in line.
+                    self._wake_in(line, waiter.freed, after=waiter)
+                self._retarget(waiter, target)
                 remaining = started + self.cfg.queue_timeout_s - now
                 if remaining <= 0:
                     return _SATURATED, now - started
                 waiter.fut = asyncio.get_running_loop().create_future()
+                waiter.freed = None
                 with contextlib.suppress(TimeoutError):
-                    # Woken when a slot frees; the short poll covers slots freed elsewhere
-                    # (a table change, a readmitted instance).
                     await asyncio.wait_for(waiter.fut, min(remaining, 0.05))
         finally:
             if waiter is not None:
                 line.remove(waiter)
+                self._retarget(waiter, None)
                 self._queued -= 1
                 self.metrics.queue_depth.dec()
 
+    def _retarget(self, waiter: _Waiter, target: str | None) -> None:
+        counts = self._targeted
+        if waiter.target is not None:
+            counts[waiter.target] -= 1
+        waiter.target = target
+        if target is not None:
+            counts[target] = counts.get(target, 0) + 1
+
     def _wake(self, inst: Instance) -> None:
-        """A slot of ``inst`` freed: wake the first waiter of a model it serves."""
-        lines = self._lines
+        """A slot of ``inst`` freed: wake the first waiter that wants it."""
         for name in (inst.model, *inst.adapters):
-            line = lines.get(name)
-            if line:
-                for waiter in line:
-                    fut = waiter.fut
-                    if fut is not None and not fut.done():
-                        fut.set_result(None)
-                        return
+            line = self._lines.get(name)
+            if line and self._wake_in(line, inst.id, None):
+                return
+
+    def _wake_in(self, line: deque[_Waiter], inst_id: str, after: _Waiter | None) -> bool:
+        passed = after is None
+        for waiter in line:
+            if not passed:
+                passed = waiter is after
+                continue
+            fut = waiter.fut
+            if (
+                (waiter.target is None or waiter.target == inst_id)
+                and fut is not None
+                and not fut.done()
+            ):
+                waiter.freed = inst_id
+                fut.set_result(None)
+                return True
+        return False
 
     def _wake_all(self) -> None:
         for line in self._lines.values():

@@ -6,11 +6,15 @@ time-to-first-token in seconds. The formula and the reasons for it are in
 ``docs/edge-scheduling.md``::
 
     cached   = min(matched_blocks * block_tokens, prompt_tokens - 1)
+    busy     = max(outstanding, inflight) + queued      (max_concurrency when the KV cache is full)
     rate     = prefill_tokens_per_s / (1 + decode_slowdown * min(1, outstanding / max_concurrency))
     queue_s  = waiting * mean_uncached_tokens / rate
              + max(0, busy - max_concurrency + 1) * mean_service_s / max_concurrency
     ttft_s   = rtt_s + queue_s + (prompt_tokens - cached) / rate
 
+where ``busy = max(outstanding, own in-flight) + gateway waiters for the instance``. Under the
+``fedinfer`` policy an instance at its cap stays a candidate (its slot wait is in ``queue_s``);
+the decision then says ``wait`` and the request waits at the gateway for that instance.
 Session affinity with hysteresis: the session's instance keeps the request while its expected
 TTFT stays within ``affinity_factor * best + affinity_margin_s``.
 """
@@ -35,6 +39,10 @@ class SchedulerConfig:
     decode_slowdown: float = 1.0
     #: KV-cache usage at which an engine has no room for another sequence.
     kv_full: float = 0.95
+    #: ``fedinfer`` policy: an instance at its cap stays a candidate, scored with the wait
+    #: for one of its slots, so a request may wait at the gateway for a warm instance when
+    #: that is sooner than a cold prefill elsewhere.
+    wait_for_warm: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +68,8 @@ class Candidate:
     #: Leading prompt blocks this instance is believed to hold (prefix index).
     cached_blocks: int = 0
     rtt_ms: float = 0.0
+    #: Requests waiting at this edge's gateway for a slot of this instance.
+    queued: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +91,8 @@ class Scored:
     prefill_s: float
     cached_tokens: int
     outstanding: int
+    #: No free slot now: the request waits at the gateway for this instance.
+    wait: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,7 +113,7 @@ class Decision:
 def score(c: Candidate, req: RouteRequest, cfg: SchedulerConfig) -> Scored:
     """Expected TTFT of ``req`` on ``c`` in seconds, with its terms."""
     cap = c.max_concurrency
-    busy = c.outstanding
+    busy = max(c.outstanding, c.inflight) + c.queued
     if c.kv_usage >= cfg.kv_full and busy < cap:
         busy = cap  # no free KV blocks: as good as no free slot
     rate = c.prefill_tokens_per_s / (1.0 + cfg.decode_slowdown * min(1.0, busy / cap))
@@ -113,7 +125,9 @@ def score(c: Candidate, req: RouteRequest, cfg: SchedulerConfig) -> Scored:
         cached = 0
     prefill_s = (req.prompt_tokens - cached) / rate
     ttft = c.rtt_ms / 1000.0 + queue_s + prefill_s
-    return Scored(c.id, ttft, queue_s, prefill_s, cached, c.outstanding)
+    return Scored(
+        c.id, ttft, queue_s, prefill_s, cached, c.outstanding, c.inflight >= c.max_concurrency
+    )
 
 
 def serves(c: Candidate, model: str) -> bool:
@@ -126,6 +140,7 @@ def decide(
     """Pick the instance for ``req``; ``turn`` (a counter) rotates ties and round robin."""
     feasible: list[Candidate] = []
     any_model = any_healthy = False
+    may_wait = cfg.policy == "fedinfer" and cfg.wait_for_warm
     for c in candidates:
         if not serves(c, req.model) or c.role != req.role:
             continue
@@ -133,7 +148,7 @@ def decide(
         if c.state != "ready" or not c.healthy or c.id in req.exclude:
             continue
         any_healthy = True
-        if c.inflight >= c.max_concurrency:
+        if c.inflight >= c.max_concurrency and not may_wait:
             continue
         feasible.append(c)
     if not feasible:

@@ -144,20 +144,32 @@ def test_gateway_queue_is_first_in_first_out(tmp_path: Path) -> None:
         tmp_path,
         1,
         engine_args=("--tokens", "2", "--token-delay", "0.1"),
-        edge_args=("--queue-size", "16", "--queue-timeout", "10"),
+        edge_args=("--queue-size", "16", "--queue-timeout", "20"),
         max_concurrency=1,
     ) as edge:
+        engine = edge.engines["i-1"]
 
         def ask(k: int) -> int:
-            time.sleep(0.05 * k)  # staggered arrivals: q0 first
             r = httpx.post(
                 edge.url + "/v1/chat/completions",
                 json={"model": "llama", "messages": [{"role": "user", "content": f"fifo-q{k}"}]},
-                timeout=20,
+                timeout=30,
             )
             return r.status_code
 
         with ThreadPoolExecutor(6) as pool:
-            assert list(pool.map(ask, range(6))) == [200] * 6
-        order = [p.split("fifo-")[1].strip() for p in edge.engines["i-1"].stats()["prompts"]]
+            futures = []
+            for k in range(6):
+                futures.append(pool.submit(ask, k))
+                # Send the next one only once this one is in line (or already at the engine),
+                # so the arrival order is known whatever the machine's load.
+                deadline = time.monotonic() + 10
+                while True:
+                    queued = httpx.get(edge.url + "/healthz").json()["queue_depth"]
+                    if queued + len(engine.stats()["prompts"]) >= k + 1:
+                        break
+                    assert time.monotonic() < deadline, f"q{k} never arrived"
+                    time.sleep(0.01)
+            assert [f.result() for f in futures] == [200] * 6
+        order = [p.split("fifo-")[1].strip() for p in engine.stats()["prompts"]]
         assert order == [f"q{k}" for k in range(6)]

@@ -9,6 +9,7 @@ import pytest
 from regions.edge.scheduler import Candidate, RouteRequest, SchedulerConfig, decide, score
 
 CFG = SchedulerConfig()
+HARD_CAP = SchedulerConfig(wait_for_warm=False)
 
 
 def cand(id: str, **kw: object) -> Candidate:
@@ -74,9 +75,13 @@ def test_filter_by_model_adapter_role_state_health_and_cap() -> None:
         cand("full", inflight=8),
         cand("ok", outstanding=3),
     ]
-    d = decide(cands, req(), CFG)
+    d = decide(cands, req(), HARD_CAP)
     assert d.winner is not None and d.winner.instance == "ok"
     assert d.runner_up is None
+    # Waiting for a slot is allowed by default, but "full" is no better, so it is only runner-up.
+    d = decide(cands, req(), CFG)
+    assert d.winner is not None and d.winner.instance == "ok" and not d.winner.wait
+    assert d.runner_up is not None and d.runner_up.instance == "full" and d.runner_up.wait
     lora = decide(cands, req(model="sql-lora"), CFG)
     assert lora.winner is not None and lora.winner.instance == "ok"
 
@@ -84,8 +89,14 @@ def test_filter_by_model_adapter_role_state_health_and_cap() -> None:
 def test_reasons_when_nothing_fits() -> None:
     assert decide([cand("a")], req(model="nope"), CFG).reason == "unknown_model"
     assert decide([cand("a", healthy=False)], req(), CFG).reason == "no_healthy_instance"
-    saturated = decide([cand("a", inflight=8), cand("b", healthy=False)], req(), CFG)
+    full = [cand("a", inflight=8), cand("b", healthy=False)]
+    saturated = decide(full, req(), HARD_CAP)
     assert saturated.winner is None and saturated.reason == "saturated"
+    for policy in ("round_robin", "least_loaded"):
+        cfg = dataclasses.replace(CFG, policy=policy)
+        assert decide(full, req(), cfg).reason == "saturated"
+    waits = decide(full, req(), CFG)
+    assert waits.winner is not None and waits.winner.instance == "a" and waits.winner.wait
     excluded = decide([cand("a")], req(exclude=frozenset({"a"})), CFG)
     assert excluded.reason == "no_healthy_instance"
 
@@ -153,3 +164,14 @@ def test_remote_rtt_is_part_of_the_same_seconds() -> None:
     near = cand("near", outstanding=2)
     d = decide([far, near], req(prompt_tokens=400), CFG)
     assert d.winner is not None and d.winner.instance == "near"
+
+
+def test_waiting_for_a_warm_instance_beats_a_cold_prefill_until_its_line_grows() -> None:
+    warm = cand("warm", inflight=8, outstanding=8, cached_blocks=240, mean_service_s=1.0)
+    cold = cand("cold", outstanding=4)
+    d = decide([cold, warm], req(), CFG)
+    # Slot wait 1 s / 8 slots plus a 160-token prefill beats 4000 cold tokens.
+    assert d.winner is not None and d.winner.instance == "warm" and d.winner.wait
+    busy_line = dataclasses.replace(warm, queued=6)
+    d = decide([cold, busy_line], req(), CFG)
+    assert d.winner is not None and d.winner.instance == "cold" and not d.winner.wait
