@@ -357,6 +357,8 @@ def test_faults_by_flag_and_kill_cuts_open_streams() -> None:
         assert r.json()["killed"] is True
         for cut in (await stream, await full):
             assert cut.status == 200 and not cut.complete  # dropped, not a 500
+        late = await call(app, "GET", "/health")  # between the kill and the listener closing
+        assert late.status == 200 and not late.complete
         assert killed == [True] and engine.killed
 
     with_engine(check, faults=FaultConfig(health_fail=True))

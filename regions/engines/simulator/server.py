@@ -134,6 +134,13 @@ class EngineApp:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return
+        if self.engine.killed:
+            # Accepted in the instant between the kill and the listener closing: a dead
+            # process answers nothing; drop the connection.
+            CUT_FILTER.expected += 1
+            headers = [(b"content-length", b"1")]
+            await send({"type": "http.response.start", "status": 200, "headers": headers})
+            return
         route = self.routes.get(scope["path"])
         if route is None:
             await _send_json(send, 404, {"detail": "Not Found"})
