@@ -103,5 +103,6 @@ def main(argv: list[str]) -> None:
         http="httptools",
         lifespan="on",
         access_log=False,
+        server_header=False,
         log_level=opts.log_level,
     )

@@ -1,6 +1,8 @@
 """The routing decision as a pure function: plain data in, a :class:`Decision` out, no I/O.
 
-Two stages, as in the field notes: *filter* (serves the model or adapter, right role, ready,
+Inputs and outputs are plain slotted dataclasses (not frozen: a frozen dataclass costs ~3x to
+build, and several are built per request); treat them as values. Two stages, as in the field
+notes: *filter* (serves the model or adapter, right role, ready,
 healthy, under its concurrency cap, not already tried) and *score* by the expected
 time-to-first-token in seconds. The formula and the reasons for it are in
 ``docs/edge-scheduling.md``::
@@ -45,7 +47,7 @@ class SchedulerConfig:
     wait_for_warm: bool = True
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Candidate:
     """One instance as the scheduler sees it: static facts from the table plus live load."""
 
@@ -72,7 +74,7 @@ class Candidate:
     queued: int = 0
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class RouteRequest:
     model: str
     prompt_tokens: int
@@ -83,7 +85,7 @@ class RouteRequest:
     exclude: frozenset[str] = frozenset()
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Scored:
     instance: str
     ttft_s: float
@@ -95,7 +97,7 @@ class Scored:
     wait: bool = False
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Decision:
     """``winner`` is None when nothing can take the request; ``reason`` says why.
 
