@@ -232,30 +232,33 @@ class SimEngine:
     # -- the loop -----------------------------------------------------------------------
 
     async def run(self) -> None:
-        loop = asyncio.get_running_loop()
         scheduler = self.scheduler
-        # A step starts when the previous one ended, so the simulator's own CPU time (applying
-        # the step, waking handlers, writing chunks) is absorbed by the next step's sleep
-        # instead of stretching the modelled step times.
-        step_start = loop.time()
+        clock = time.monotonic
+        # Steps are laid end to end on a precise clock: a step starts when the previous one was
+        # due to end, so the simulator's own CPU time (applying a step, waking handlers, writing
+        # chunks) and the event loop's millisecond timer rounding are absorbed by the next
+        # sleep instead of stretching or shrinking the modelled step times. Only when the
+        # process falls behind by more than 2 ms does the timeline restart from now.
+        step_start = clock()
         while not self._closed:
             if not scheduler.has_work():
                 self._wake.clear()
                 await self._wake.wait()
-                step_start = loop.time()
+                step_start = clock()
                 continue
-            plan = scheduler.schedule(time.monotonic())
+            plan = scheduler.schedule(clock())
             if plan.empty:
                 # Only possible when every waiting request is blocked (e.g. LoRA slots); wait
                 # for a change rather than spin.
                 self._wake.clear()
                 await self._wake.wait()
-                step_start = loop.time()
+                step_start = clock()
                 continue
-            delay = step_start + self.perf.plan_time(plan) - loop.time()
+            step_end = step_start + self.perf.plan_time(plan)
+            delay = step_end - clock()
             await asyncio.sleep(delay if delay > 0 else 0)
-            step_start = loop.time()
-            now = time.monotonic()
+            now = clock()
+            step_start = step_end if now - step_end < 0.002 else now
             result = scheduler.update(plan, now)
             self.metrics.iteration_tokens.observe(plan.num_scheduled_tokens)
             ttft = self.metrics.ttft.observe
