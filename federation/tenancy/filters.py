@@ -9,13 +9,14 @@ from django.contrib.auth.models import User
 from django.db import connection
 from django.db.models import QuerySet
 
+from federation.api.filters import StrictBooleanFilter, StrictFilterSet
 from federation.inventory.models import Jurisdiction
 from federation.tenancy.models import ApiKey, Membership, Tenant
 
 
-class TenantFilter(django_filters.FilterSet):
+class TenantFilter(StrictFilterSet):
     slug = django_filters.CharFilter()
-    is_active = django_filters.BooleanFilter()
+    is_active = StrictBooleanFilter()
     jurisdiction = django_filters.ChoiceFilter(
         choices=Jurisdiction.choices,
         method="filter_jurisdiction",
@@ -34,12 +35,12 @@ class TenantFilter(django_filters.FilterSet):
         return qs.filter(allowed_jurisdictions__icontains=f'"{value}"')
 
 
-class ApiKeyFilter(django_filters.FilterSet):
+class ApiKeyFilter(StrictFilterSet):
     # A plain slug match, not a choice of tenants: naming a tenant the caller may not see
     # answers exactly like naming one that does not exist (an empty list, never a 400).
     tenant = django_filters.CharFilter(field_name="tenant__slug", label="Tenant slug.")
     prefix = django_filters.CharFilter()
-    revoked = django_filters.BooleanFilter(
+    revoked = StrictBooleanFilter(
         method="filter_revoked", label="true: revoked keys only; false: unrevoked keys only."
     )
 
@@ -51,9 +52,9 @@ class ApiKeyFilter(django_filters.FilterSet):
         return qs.filter(revoked_at__isnull=not value)
 
 
-class UserFilter(django_filters.FilterSet):
+class UserFilter(StrictFilterSet):
     username = django_filters.CharFilter()
-    is_active = django_filters.BooleanFilter()
+    is_active = StrictBooleanFilter()
     role = django_filters.ChoiceFilter(
         field_name="membership__role", choices=Membership.Role.choices
     )

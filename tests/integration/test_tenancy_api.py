@@ -768,3 +768,20 @@ def test_schema_marks_every_nullable_output_field_nullable(admin_client: APIClie
         properties = components[component]["properties"]
         for field in fields:
             assert properties[field].get("nullable") is True, (component, field)
+
+
+@pytest.mark.parametrize(
+    ("url", "query"),
+    [
+        (TENANTS, "is_active=null"),
+        (TENANTS, "is_active=perhaps"),
+        (KEYS, "revoked=maybe"),
+        (USERS, "is_active=2"),
+        (AUDIT, "created_after=not-a-date"),
+        (TENANTS, "offset=-1"),
+    ],
+)
+def test_malformed_filters_are_400s_not_ignored(
+    admin_client: APIClient, url: str, query: str
+) -> None:
+    assert admin_client.get(f"{url}?{query}").status_code == 400

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import django_filters
 
+from federation.api.filters import StrictFilterSet
 from federation.core.api.fields import UTCIsoDateTimeFilter
 from federation.core.models import AuditEvent
 
 
-class AuditEventFilter(django_filters.FilterSet):
+class AuditEventFilter(StrictFilterSet):
     object_type = django_filters.CharFilter(label="App label and model, e.g. 'tenancy.tenant'.")
     object_id = django_filters.CharFilter()
     actor = django_filters.CharFilter(field_name="actor_repr", label="Username, or 'system'.")
