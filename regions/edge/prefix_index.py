@@ -73,38 +73,44 @@ class PrefixIndex:
     def match(self, hashes: Sequence[int], now: float) -> dict[str, int]:
         """Number of leading blocks of ``hashes`` each instance holds (instances with >= 1).
 
-        Walks the chain once and stops when no instance still matches; entries older than the
-        TTL count as absent.
+        Holdings are prefix-closed (a chain is inserted whole and evicted tail first, as vLLM
+        frees a sequence's blocks), so each instance holding the first block is resolved by a
+        binary search for its deepest block: O(log n) lookups, one when it holds the whole
+        prompt. Entries older than the TTL count as absent.
         """
         entries = self._entries
+        n = len(hashes)
+        first = entries.get(hashes[0]) if n else None
+        if not first:
+            return {}
         horizon = now - self.ttl_s
+        last = entries.get(hashes[-1]) or {}
         matched: dict[str, int] = {}
-        alive: list[str] = []
-        depth = 0
-        for h in hashes:
-            holders = entries.get(h)
-            if not holders:
-                break
-            if depth == 0:
-                alive = [i for i, t in holders.items() if t >= horizon]
-            else:
-                still = [i for i in alive if holders.get(i, _NEVER) >= horizon]
-                if len(still) != len(alive):
-                    for i in alive:
-                        if i not in still:
-                            matched[i] = depth
-                    alive = still
-            if not alive:
-                break
-            depth += 1
-        for i in alive:
-            matched[i] = depth
+        for inst, seen in first.items():
+            if seen < horizon:
+                continue
+            if last.get(inst, _NEVER) >= horizon:
+                matched[inst] = n
+                continue
+            lo, hi = 1, n - 1  # block lo is held, block n is not
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                holders = entries.get(hashes[mid - 1])
+                if holders is not None and holders.get(inst, _NEVER) >= horizon:
+                    lo = mid
+                else:
+                    hi = mid - 1
+            matched[inst] = lo
         return matched
 
-    def insert(self, hashes: Iterable[int], instance: str, now: float) -> None:
-        """Record that ``instance`` holds these blocks (most recent use at ``now``)."""
+    def insert(self, hashes: Sequence[int], instance: str, now: float) -> None:
+        """Record that ``instance`` holds these blocks (most recent use at ``now``).
+
+        Tail first, so that the LRU end holds the tails: eviction shortens a chain from its end
+        and what remains is still a prefix.
+        """
         entries = self._entries
-        for h in hashes:
+        for h in reversed(hashes):
             holders = entries.get(h)
             if holders is None:
                 entries[h] = {instance: now}

@@ -43,23 +43,28 @@ def test_match_counts_leading_blocks_per_instance() -> None:
     assert idx.match(other, now=1.0) == {}
 
 
-def test_a_gap_in_the_chain_stops_the_match() -> None:
-    idx = PrefixIndex(capacity=1000)
-    hashes = block_hashes(text(5), SEED)
-    idx.insert(hashes[:2] + hashes[3:], "i-1", now=0.0)
-    assert idx.match(hashes, now=0.0) == {"i-1": 2}
-
-
-def test_memory_is_bounded_and_the_least_recently_used_blocks_go_first() -> None:
+def test_memory_is_bounded_and_eviction_shortens_the_oldest_chain_from_its_tail() -> None:
     idx = PrefixIndex(capacity=10)
     old = block_hashes(text(6, "o"), SEED)
     new = block_hashes(text(6, "n"), SEED)
     idx.insert(old, "i-1", now=0.0)
     idx.insert(new, "i-2", now=1.0)
     assert len(idx) == 10
-    # The oldest blocks are the first ones of ``old``: its prefix no longer matches at all.
-    assert idx.match(old, now=2.0) == {}
+    # The two least recently used blocks are the tail of ``old``: what is left is a prefix.
+    assert idx.match(old, now=2.0) == {"i-1": 4}
     assert idx.match(new, now=2.0) == {"i-2": 6}
+    for k in range(3):
+        idx.insert(block_hashes(text(2, f"x{k}"), SEED), "i-3", now=3.0 + k)
+    assert idx.match(old, now=9.0) == {}
+
+
+def test_match_finds_the_deepest_block_of_each_instance() -> None:
+    idx = PrefixIndex(capacity=10_000)
+    hashes = block_hashes(text(100), SEED)
+    for depth, inst in ((1, "a"), (37, "b"), (99, "c"), (100, "d")):
+        idx.insert(hashes[:depth], inst, now=0.0)
+    assert idx.match(hashes, now=0.0) == {"a": 1, "b": 37, "c": 99, "d": 100}
+    assert idx.match(hashes[:50], now=0.0) == {"a": 1, "b": 37, "c": 50, "d": 50}
 
 
 def test_touching_a_prefix_keeps_it_alive_under_pressure() -> None:
