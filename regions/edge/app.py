@@ -266,7 +266,7 @@ class Edge:
                 sock_read=self.cfg.read_timeout_s,
             ),
             auto_decompress=False,
-            skip_auto_headers=("User-Agent",),
+            skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding"),
         )
         self._probe_client = httpx.AsyncClient(
             timeout=httpx.Timeout(self.cfg.probe_timeout_s),
@@ -756,7 +756,7 @@ class Edge:
             if status >= 500:
                 raise _Upstream(f"status {status}", connect=False)
             ctype = resp.headers.get("content-type", "application/json").encode("latin-1")
-            if req.stream and status == 200:
+            if req.stream and status == 200 and ctype.startswith(_SSE):
                 clean = await self._pump_stream(
                     resp,
                     inst,
