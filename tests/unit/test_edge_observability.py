@@ -1,0 +1,75 @@
+"""Route explanation, Server-Timing and W3C trace context; the CLI's flags."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from regions.edge.cli import build_parser, config_from_args
+from regions.edge.observability import child_traceparent, route_header, server_timing
+from regions.edge.scheduler import Decision, Scored
+
+TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
+
+
+def test_a_valid_caller_trace_is_continued_with_a_new_span() -> None:
+    trace_id, parent = child_traceparent(f"00-{TRACE}-00f067aa0ba902b7-01")
+    assert trace_id == TRACE
+    version, tid, span, flags = parent.split("-")
+    assert (version, tid, flags) == ("00", TRACE, "01")
+    assert len(span) == 16 and span != "00f067aa0ba902b7"
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        None,
+        "",
+        "garbage",
+        f"ff-{TRACE}-00f067aa0ba902b7-01",
+        f"00-{'0' * 32}-00f067aa0ba902b7-01",
+        f"00-{TRACE}-{'0' * 16}-01",
+        f"00-{TRACE[:-1]}g-00f067aa0ba902b7-01",
+    ],
+)
+def test_an_invalid_or_missing_trace_starts_a_new_one(bad: str | None) -> None:
+    trace_id, parent = child_traceparent(bad)
+    assert trace_id != TRACE and len(trace_id) == 32
+    assert parent.startswith(f"00-{trace_id}-") and parent.endswith("-01")
+
+
+def test_route_header_names_winner_terms_runner_up_and_retries() -> None:
+    w = Scored("i-3", 0.0121, 0.003, 0.0091, 512, 4)
+    r = Scored("i-1", 0.0402, 0.0, 0.0402, 0, 0)
+    text = route_header("us-east", Decision(w, r, "best_ttft"), 1).decode()
+    assert text == (
+        "region=us-east;instance=i-3;policy_reason=best_ttft;"
+        "score=ttft_ms:12.1,queue_ms:3.0,prefill_ms:9.1,cached:512,load:4;"
+        "runner_up=i-1:40.2;retries=1"
+    )
+    refused = route_header("us-east", None, 0, "saturated").decode()
+    assert refused == "region=us-east;instance=none;reason=saturated;retries=0"
+
+
+def test_server_timing() -> None:
+    assert server_timing(0.001, 0.0005, 0.02) == b"queue;dur=1.00, connect;dur=0.50, ttft;dur=20.00"
+    assert server_timing(0.0, None, None) == b"queue;dur=0.00"
+
+
+def test_cli_flags_reach_the_config(tmp_path: Path) -> None:
+    opts = build_parser().parse_args(
+        [
+            "--region", "eu", "--table", str(tmp_path / "t.json"), "--policy", "least_loaded",
+            "--max-body-bytes", "1000", "--queue-size", "3", "--queue-timeout", "0.5",
+            "--eject-after", "4", "--readmit-after", "5", "--affinity-margin-ms", "20",
+        ]
+    )  # fmt: skip
+    cfg = config_from_args(opts)
+    assert cfg.region == "eu" and cfg.scheduler.policy == "least_loaded"
+    assert cfg.max_body_bytes == 1000 and cfg.queue_size == 3 and cfg.queue_timeout_s == 0.5
+    assert cfg.health.eject_after == 4 and cfg.health.readmit_after == 5
+    assert cfg.scheduler.affinity_margin_s == pytest.approx(0.02)
+    assert build_parser().parse_args(["--region", "r", "--table", "t"]).policy == "fedinfer"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--region", "r", "--table", "t", "--policy", "random"])
