@@ -90,6 +90,17 @@ MIGRATION_MODULES = {
 }
 
 REDIS_URL = env_str("REDIS_URL", "", required_in_production=True)
+
+# Throttle counters must be shared by every web process: Redis when there is one.
+CACHES = {
+    "default": (
+        {"BACKEND": "django.core.cache.backends.redis.RedisCache", "LOCATION": REDIS_URL}
+        if REDIS_URL
+        else {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"}
+    )
+}
+#: Login attempts (``POST /api/v1/auth/token/``) per client address.
+FEDINFER_LOGIN_RATE = env_str("FEDINFER_LOGIN_RATE", "20/min")
 CELERY_BROKER_URL = env_str("CELERY_BROKER_URL", REDIS_URL or "filesystem://")
 
 AUTH_PASSWORD_VALIDATORS = [

@@ -8,3 +8,7 @@ os.environ.setdefault("REDIS_URL", "redis://127.0.0.1:6379/15")
 from federation.settings import *  # noqa: F403
 
 PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
+
+# Tests share one cache and log in often; the login throttle has its own test.
+CACHES = {"default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"}}
+FEDINFER_LOGIN_RATE = "10000/min"

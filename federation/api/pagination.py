@@ -41,7 +41,9 @@ class Pagination(LimitOffsetPagination):
         params = super().get_schema_operation_parameters(view)
         for param in params:
             if param["name"] == self.limit_query_param:
-                param["schema"].update({"minimum": 1, "maximum": self.max_limit})
+                # Larger limits are accepted and capped, so the schema states no maximum.
+                param["schema"]["minimum"] = 1
+                param["description"] += f" At most {self.max_limit} are returned."
             elif param["name"] == self.offset_query_param:
                 param["schema"]["minimum"] = 0
         return params

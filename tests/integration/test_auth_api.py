@@ -107,3 +107,18 @@ def test_logout_ends_a_session_login(admin_user: User) -> None:
     assert client.delete(TOKEN).status_code == 204
     assert client.get(ME).status_code == 401
     assert not Token.objects.filter(user=admin_user).exists()
+
+
+@pytest.mark.django_db
+def test_password_guessing_is_throttled_with_retry_after(settings, admin_user) -> None:
+    from django.core.cache import cache
+
+    settings.FEDINFER_LOGIN_RATE = "3/min"
+    cache.clear()
+    client = APIClient()
+    body = {"username": admin_user.username, "password": "wrong"}
+    codes = [client.post("/api/v1/auth/token/", body, format="json").status_code for _ in range(4)]
+    assert codes == [400, 400, 400, 429]
+    last = client.post("/api/v1/auth/token/", body, format="json")
+    assert last.status_code == 429 and int(last["Retry-After"]) > 0
+    cache.clear()

@@ -20,9 +20,11 @@ from rest_framework.exceptions import NotFound, ValidationError
 from rest_framework.permissions import AllowAny, BasePermission, IsAuthenticated
 from rest_framework.request import Request
 from rest_framework.response import Response
+from rest_framework.throttling import BaseThrottle
 from rest_framework.views import APIView
 
 from federation.api.permissions import IsAdmin
+from federation.api.throttles import LoginThrottle
 from federation.core.roles import role_of
 from federation.inventory.models import slug_validator
 from federation.tenancy import selectors, services
@@ -234,12 +236,23 @@ class AuthTokenView(APIView):
     """Log in for an API token (POST), or log out (DELETE): the token is revoked and a
     session login ends."""
 
+    def get_throttles(self) -> list[BaseThrottle]:
+        return [LoginThrottle()] if self.request.method == "POST" else []
+
     def get_permissions(self) -> list[BasePermission]:
         if self.request.method == "POST":
             return [AllowAny()]
         return [IsAuthenticated()]
 
-    @extend_schema(request=s.TokenCreateInput, responses={200: s.TokenOutput, 400: E400})
+    @extend_schema(
+        request=s.TokenCreateInput,
+        responses={
+            200: s.TokenOutput,
+            400: E400,
+            401: OpenApiResponse(description="An Authorization header with an invalid token."),
+            429: OpenApiResponse(description="Too many attempts; see Retry-After."),
+        },
+    )
     def post(self, request: Request) -> Response:
         data = s.TokenCreateInput(data=request.data)
         data.is_valid(raise_exception=True)
