@@ -280,7 +280,11 @@ class Edge:
             ),
             asyncio.create_task(
                 scrape_loop(
-                    self._probe_client, self.loads, self._targets, self.cfg.scrape_interval_s
+                    self._probe_client,
+                    self.loads,
+                    self._targets,
+                    self.cfg.scrape_interval_s,
+                    lambda instance: self.metrics.scrape_failures.labels(instance).inc(),
                 )
             ),
             asyncio.create_task(self._watch_table()),

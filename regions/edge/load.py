@@ -96,14 +96,23 @@ class LoadBoard:
         return load
 
 
-async def scrape_once(client: httpx.AsyncClient, board: LoadBoard, instance: str, url: str) -> None:
+async def scrape_once(
+    client: httpx.AsyncClient,
+    board: LoadBoard,
+    instance: str,
+    url: str,
+    on_error: Callable[[str], None] | None = None,
+) -> None:
     try:
         resp = await client.get(url + "/metrics")
         resp.raise_for_status()
         engine = parse_vllm_metrics(resp.text)
     except (httpx.HTTPError, ValueError) as exc:
-        # Health decides ejection; a failed scrape only lets the numbers go stale.
+        # Health decides ejection; a failed scrape only lets the numbers go stale (and is
+        # counted, so a parser that stopped understanding an engine shows on a dashboard).
         log.debug("scrape of %s failed: %s", instance, exc)
+        if on_error is not None:
+            on_error(instance)
         return
     load = board.loads.get(instance)
     if load is not None:
@@ -115,11 +124,12 @@ async def scrape_loop(
     board: LoadBoard,
     targets: Callable[[], list[tuple[str, str]]],
     interval_s: float,
+    on_error: Callable[[str], None] | None = None,
 ) -> None:
     """Scrape every instance's ``/metrics`` every ``interval_s`` until cancelled."""
     while True:
         started = time.monotonic()
         pairs = targets()
         if pairs:
-            await asyncio.gather(*(scrape_once(client, board, i, u) for i, u in pairs))
+            await asyncio.gather(*(scrape_once(client, board, i, u, on_error) for i, u in pairs))
         await asyncio.sleep(max(0.0, interval_s - (time.monotonic() - started)))

@@ -153,6 +153,12 @@ class EdgeMetrics:
             ["instance"],
             registry=r,
         )
+        self.scrape_failures = Counter(
+            "fedinfer_edge_scrape_failures",
+            "Engine /metrics scrapes that failed or did not parse",
+            ["instance"],
+            registry=r,
+        )
         self.table_version = Gauge(
             "fedinfer_edge_table_version", "Version of the routing table in use", registry=r
         )

@@ -73,6 +73,7 @@ def test_engine_killed_mid_run(tmp_path: Path) -> None:
         metrics = httpx.get(edge.url + "/metrics").text
         assert f'fedinfer_edge_ejections_total{{instance="{victim}"}} 1.0' in metrics
         assert f'fedinfer_edge_midstream_failures_total{{instance="{victim}"}} 1.0' in metrics
+        assert f'fedinfer_edge_scrape_failures_total{{instance="{victim}"}}' in metrics
 
 
 def test_cut_stream_error_event_on_the_wire(tmp_path: Path) -> None:
