@@ -6,12 +6,47 @@ deployment fit its pool?) live in ``fit.py`` (pure) and are enforced by ``servic
 
 from __future__ import annotations
 
+import re
 from decimal import Decimal
 
-from django.core.validators import MaxValueValidator, MinValueValidator, RegexValidator
+from django.core.validators import (
+    MaxValueValidator,
+    MinValueValidator,
+    RegexValidator,
+    URLValidator,
+)
 from django.db import models
+from django.utils.regex_helper import _lazy_re_compile
 
 from federation.core.models import TimeStampedModel
+
+
+class ServiceURLValidator(URLValidator):
+    """http(s) URLs whose host may also be a single DNS label: inside a cluster an engine is
+    often ``http://vllm-0:8000`` (Django's URLValidator wants a dot or 'localhost')."""
+
+    schemes = ["http", "https"]
+    host_re = (
+        "("
+        + URLValidator.hostname_re
+        + URLValidator.domain_re
+        + URLValidator.tld_re
+        + "|"
+        + URLValidator.hostname_re
+        + ")"
+    )
+    regex = _lazy_re_compile(
+        r"^(?:[a-z0-9.+-]*)://"
+        r"(?:[^\s:@/]+(?::[^\s:@/]*)?@)?"
+        r"(?:" + URLValidator.ipv4_re + "|" + URLValidator.ipv6_re + "|" + host_re + ")"
+        r"(?::[0-9]{1,5})?"
+        r"(?:[/?#][^\s]*)?"
+        r"\Z",
+        re.IGNORECASE,
+    )
+
+
+service_url_validator = ServiceURLValidator()
 
 slug_validator = RegexValidator(
     r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$",
@@ -286,7 +321,7 @@ class Instance(TimeStampedModel):
 
     deployment = models.ForeignKey(Deployment, on_delete=models.PROTECT, related_name="instances")
     name = models.CharField(max_length=63, unique=True, validators=[slug_validator])
-    endpoint_url = models.URLField(max_length=300, unique=True)
+    endpoint_url = models.CharField(max_length=300, unique=True, validators=[service_url_validator])
     state = models.CharField(max_length=16, choices=State.choices, default=State.PENDING)
     state_changed_at = models.DateTimeField(null=True, blank=True)
     drain_reason = models.CharField(
@@ -311,7 +346,7 @@ class Edge(TimeStampedModel):
 
     region = models.ForeignKey(Region, on_delete=models.PROTECT, related_name="edges")
     name = models.CharField(max_length=63, unique=True, validators=[slug_validator])
-    url = models.URLField(max_length=300)
+    url = models.CharField(max_length=300, validators=[service_url_validator])
     last_heartbeat_at = models.DateTimeField(null=True, blank=True)
     applied_table_version = models.PositiveBigIntegerField(null=True, blank=True)
 

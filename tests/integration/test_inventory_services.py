@@ -232,3 +232,24 @@ def test_a_lost_race_for_a_unique_value_is_a_conflict(
     with pytest.raises(Conflict, match="concurrent change"):
         make_region("us-east")
     assert Region.objects.filter(code="us-east").count() == 1
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("url", ["http://vllm-0:8000", "http://vllm-0.vllm.svc.cluster.local:8000"])
+def test_edges_and_instances_may_use_in_cluster_service_names(url) -> None:
+    region = Region.objects.create(
+        code="r1", name="R1", provider="cloud", latitude=0, longitude=0, jurisdiction="EU"
+    )
+    edge = services.edge_register(actor=None, region=region, name="edge-1", url=url)
+    assert edge.url == url
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("url", ["ftp://vllm-0:21", "http://", "vllm-0:8000", "http://a b"])
+def test_non_http_or_malformed_urls_are_refused(url) -> None:
+    region = Region.objects.create(
+        code="r1", name="R1", provider="cloud", latitude=0, longitude=0, jurisdiction="EU"
+    )
+    with pytest.raises(ValidationError) as err:
+        services.edge_register(actor=None, region=region, name="edge-1", url=url)
+    assert "url" in err.value.message_dict
