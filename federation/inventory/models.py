@@ -119,7 +119,7 @@ class RegionLink(TimeStampedModel):
         ]
 
     def __str__(self) -> str:
-        return f"{self.source_id}->{self.target_id}"
+        return f"{self.source.code}->{self.target.code}"
 
 
 class AcceleratorType(models.Model):
@@ -189,7 +189,7 @@ class GPUPool(TimeStampedModel):
         ]
 
     def __str__(self) -> str:
-        return f"{self.region_id}/{self.name}"
+        return f"{self.region.code}/{self.name}"
 
     @property
     def total_gpus(self) -> int:
@@ -299,7 +299,7 @@ class Deployment(TimeStampedModel):
         ]
 
     def __str__(self) -> str:
-        return f"{self.model_id}@{self.pool_id}/{self.role}"
+        return f"{self.model.name}@{self.pool}/{self.role}"
 
 
 class Instance(TimeStampedModel):
