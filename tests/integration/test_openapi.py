@@ -27,3 +27,14 @@ def test_schema_and_interactive_docs_are_served() -> None:
     docs = client.get("/api/docs/")
     assert docs.status_code == 200
     assert b"swagger" in docs.content.lower()
+
+
+@pytest.mark.django_db
+def test_api_root_lists_every_resource_of_every_domain(admin_client) -> None:
+    root = admin_client.get("/api/v1/")
+    assert root.status_code == 200
+    listed = set(root.json())
+    assert {"regions", "pools", "deployments", "instances", "edges"} <= listed
+    assert {"tenants", "api-keys", "users", "audit-events"} <= listed
+    for url in root.json().values():
+        assert admin_client.get(url).status_code == 200, url

@@ -1,8 +1,8 @@
-from rest_framework.routers import DefaultRouter
+from rest_framework.routers import SimpleRouter
 
 from federation.inventory.api import views
 
-router = DefaultRouter()
+router = SimpleRouter()
 router.register("regions", views.RegionViewSet, basename="region")
 router.register("region-links", views.RegionLinkViewSet, basename="region-link")
 router.register("accelerator-types", views.AcceleratorTypeViewSet, basename="accelerator-type")

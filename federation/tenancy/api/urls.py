@@ -1,9 +1,9 @@
 from django.urls import path
-from rest_framework.routers import DefaultRouter
+from rest_framework.routers import SimpleRouter
 
 from federation.tenancy.api import views
 
-router = DefaultRouter()
+router = SimpleRouter()
 router.register("tenants", views.TenantViewSet, basename="tenant")
 router.register("api-keys", views.ApiKeyViewSet, basename="apikey")
 router.register("users", views.UserViewSet, basename="user")
