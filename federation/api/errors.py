@@ -20,16 +20,43 @@ from rest_framework.views import exception_handler as drf_exception_handler
 
 from federation.core.errors import Conflict
 
+#: Error codes meaning "another object already has this": a conflict with the stored state,
+#: not a malformed request, so the answer is 409 (a client can tell it apart and look it up).
+UNIQUENESS_CODES = frozenset({"unique", "unique_together", "unique_constraint"})
+
+
+def _codes(detail: Any) -> set[str]:
+    """Every error code in a DRF ``get_codes()`` structure."""
+    if isinstance(detail, dict):
+        return {code for value in detail.values() for code in _codes(value)}
+    if isinstance(detail, list):
+        return {code for value in detail for code in _codes(value)}
+    return {str(detail)}
+
+
+def _as_drf(exc: DjangoValidationError) -> exceptions.ValidationError:
+    """A service's Django ValidationError as DRF's, keeping the codes."""
+    detail = as_serializer_error(exc)
+    # Django keys whole-object errors (unique constraints, cross-field rules) "__all__";
+    # DRF clients expect them under "non_field_errors", as serializers report them.
+    if NON_FIELD_ERRORS in detail:
+        detail[api_settings.NON_FIELD_ERRORS_KEY] = detail.pop(NON_FIELD_ERRORS)
+    return exceptions.ValidationError(detail)
+
 
 def exception_handler(exc: Exception, context: dict[str, Any]) -> Response | None:
     if isinstance(exc, DjangoValidationError):
-        detail = as_serializer_error(exc)
-        # Django keys whole-object errors (unique constraints, cross-field rules) "__all__";
-        # DRF clients expect them under "non_field_errors", as serializers report them.
-        if NON_FIELD_ERRORS in detail:
-            detail[api_settings.NON_FIELD_ERRORS_KEY] = detail.pop(NON_FIELD_ERRORS)
-        exc = exceptions.ValidationError(detail)
-    elif isinstance(exc, ProtectedError | RestrictedError):
+        exc = _as_drf(exc)
+    if isinstance(exc, exceptions.ValidationError):
+        response = drf_exception_handler(exc, context)
+        if response is not None and _codes(exc.get_codes()) <= UNIQUENESS_CODES:
+            response.status_code = status.HTTP_409_CONFLICT
+        return response
+    return _other_response(exc, context)
+
+
+def _other_response(exc: Exception, context: dict[str, Any]) -> Response | None:
+    if isinstance(exc, ProtectedError | RestrictedError):
         blockers = (
             exc.protected_objects if isinstance(exc, ProtectedError) else exc.restricted_objects
         )

@@ -47,27 +47,31 @@ def tenant_residency_errors(
 
 
 def _clean(obj: Any, extra_errors: Mapping[str, list[str]] | None = None, **kwargs: Any) -> None:
-    """``full_clean`` merged with errors found elsewhere, raised as one 400."""
-    errors: dict[str, list[str]] = {}
+    """``full_clean`` merged with errors found elsewhere, raised as one 400 (error codes kept,
+    so a duplicate alone becomes a 409)."""
+    errors: dict[str, list[ValidationError]] = {}
     try:
         obj.full_clean(**kwargs)
     except ValidationError as exc:
-        errors.update(exc.message_dict)
+        for field, found in exc.error_dict.items():
+            errors.setdefault(field, []).extend(found)
     for field, messages in (extra_errors or {}).items():
-        errors.setdefault(field, []).extend(messages)
+        errors.setdefault(field, []).extend(ValidationError(m) for m in messages)
     if errors:
         raise ValidationError(errors)
 
 
 def _save_new(obj: Any, unique_field: str) -> None:
-    """Insert ``obj``; losing a race on its unique field is a 400 like the ``full_clean``
-    check that the winner slipped past, not a database error."""
+    """Insert ``obj``; losing a race on its unique field is the same conflict as the
+    ``full_clean`` check that the winner slipped past, not a database error."""
     try:
         with transaction.atomic():
             obj.save()
     except IntegrityError as exc:
         if type(obj).objects.filter(**{unique_field: getattr(obj, unique_field)}).exists():
-            raise ValidationError({unique_field: ["This value is already taken."]}) from exc
+            raise ValidationError(
+                {unique_field: [ValidationError("This value is already taken.", code="unique")]}
+            ) from exc
         raise
 
 

@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # Fuzz the whole management API against its own OpenAPI schema, on a live server backed by a
 # scratch PostgreSQL database. Fails on any 5xx or schema violation.
+# Every check runs except positive_data_acceptance: a schema cannot say "this deployment fits
+# its pool", "this id exists" or "this password is not too common", so schema-valid bodies
+# that break a business rule are rightly refused with a 400 that names the rule.
 #   FUZZ_SECONDS (default 300)   time budget;   FUZZ_DB (default fedinfer_fuzz)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -20,5 +23,5 @@ SERVER=$!
 trap 'kill $SERVER 2>/dev/null || true' EXIT
 SCHEMATHESIS_HOOKS=tests.fuzz.schemathesis_hooks $BIN/schemathesis --no-color run \
   "http://127.0.0.1:$PORT/api/schema/" \
-  --wait-for-schema 60 --checks all --max-time "${FUZZ_SECONDS:-300}" --workers 2 \
+  --wait-for-schema 60 --checks all --exclude-checks positive_data_acceptance --max-time "${FUZZ_SECONDS:-300}" --workers 2 \
   --seed "${FUZZ_SEED:-1}"

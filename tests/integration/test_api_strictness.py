@@ -59,3 +59,22 @@ def test_unknown_fields_and_bad_numbers_are_reported_together(operator_client) -
     )
     assert response.status_code == 400
     assert set(response.json()) == {"latitude", "colour"}
+
+
+@pytest.mark.django_db
+def test_a_duplicate_is_a_409_conflict_in_every_domain(operator_client) -> None:
+    assert operator_client.post("/api/v1/regions/", REGION, format="json").status_code == 201
+    again = operator_client.post("/api/v1/regions/", REGION, format="json")
+    assert again.status_code == 409 and "code" in again.json()
+    tenant = {"slug": "globex", "name": "Globex"}
+    assert operator_client.post("/api/v1/tenants/", tenant, format="json").status_code == 201
+    again = operator_client.post("/api/v1/tenants/", tenant, format="json")
+    assert again.status_code == 409 and "slug" in again.json()
+
+
+@pytest.mark.django_db
+def test_a_duplicate_mixed_with_bad_input_stays_a_400(operator_client) -> None:
+    operator_client.post("/api/v1/regions/", REGION, format="json")
+    response = operator_client.post("/api/v1/regions/", {**REGION, "latitude": 500}, format="json")
+    assert response.status_code == 400
+    assert set(response.json()) == {"code", "latitude"}

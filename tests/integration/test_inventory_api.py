@@ -171,9 +171,13 @@ def test_oversized_body_is_a_413(admin_client: APIClient) -> None:
     assert not Region.objects.exists()
 
 
-def test_duplicate_region_code_is_a_400(admin_client: APIClient, fleet: dict[str, Any]) -> None:
+def test_duplicate_region_code_is_a_409_conflict(
+    admin_client: APIClient, fleet: dict[str, Any]
+) -> None:
+    before = Region.objects.count()
     response = admin_client.post(f"{API}/regions/", region_body(code="us-east"), format="json")
-    assert response.status_code == 400
+    assert response.status_code == 409
+    assert Region.objects.count() == before
     assert "already exists" in response.json()["code"][0]
 
 
@@ -366,7 +370,7 @@ def test_pool_bad_input(
 
 def test_duplicate_pool_name_in_region(admin_client: APIClient, fleet: dict[str, Any]) -> None:
     response = admin_client.post(f"{API}/pools/", pool_body(), format="json")
-    assert response.status_code == 400
+    assert response.status_code == 409  # a conflict with an existing pool, not bad syntax
     assert "unique" in str(response.json())
 
 
@@ -523,7 +527,7 @@ def test_adapters(admin_client: APIClient, fleet: dict[str, Any]) -> None:
         == 400
     )
     duplicate = admin_client.post(f"{API}/adapters/", body, format="json")
-    assert duplicate.status_code == 400
+    assert duplicate.status_code == 409
     assert "already exists" in duplicate.json()["name"][0]
     foreign = admin_client.post(
         f"{API}/adapters/",
@@ -825,7 +829,8 @@ def test_instance_bad_input(
         **body,
     }
     response = admin_client.post(f"{API}/instances/", full, format="json")
-    assert response.status_code == 400, response.json()
+    expected = 409 if text == "already exists" else 400  # duplicates conflict with state
+    assert response.status_code == expected, response.json()
     assert text in " ".join(response.json()[field])
     assert counts() == before
 

@@ -157,6 +157,11 @@ class RegionLinkViewSet(ServiceViewSet):
     filterset_class = filters.RegionLinkFilter
     ordering_fields = ("rtt_ms", "measured_rtt_ms", "created_at")
 
+    @extend_schema(
+        request=s.RegionLinkSetIn,
+        responses={201: s.RegionLinkOut, 200: s.RegionLinkOut},
+        description="Set the RTT of a pair: 201 when the pair is new, 200 when it is updated.",
+    )
     def create(self, request: Request, *args: Any, **kwargs: Any) -> Response:
         ser = self.create_input(data=request.data)
         ser.is_valid(raise_exception=True)
