@@ -1,16 +1,30 @@
-"""Compile a region's routing table from a snapshot of the fleet. Pure: no Django, no I/O.
+"""Compile every region's routing table from a snapshot of the fleet. Pure: no Django, no I/O.
 
-This first version lists the region's routable instances and the other regions (with their
-RTT and the models they serve). Tenants, the cross-region demand split and signing come with
-the federation work (issue 4); the document's schema is ``docs/routing-table.md`` and the edge
-decodes it with ``regions.edge.table.decode_table``.
+One :func:`fleet_plan` per snapshot does the fleet-wide work once — capacities and prices of
+every (region, model), residency classes, the demand split (``demand.py``, a linear programme)
+and the tenant entries — and :func:`compile_region_table` cuts one region's document out of
+it. The document's schema is ``docs/routing-table.md``; the edge decodes it with
+``regions.edge.table.decode_table`` and verifies it with ``regions.tables.signing``.
+
+Output is deterministic (everything sorted, floats rounded), so an unchanged fleet compiles to
+a byte-identical body; the version and ``generated_at`` are the caller's.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import hashlib
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from typing import Any
+
+from federation.routing.demand import (
+    DEFAULT_LATENCY_PENALTY_USD_PER_MTOK_PER_MS,
+    DemandSplit,
+    Offer,
+    split_demand,
+)
+from federation.tenancy.residency import ResidencyPolicy, region_allowed
 
 SCHEMA_VERSION = 1
 
@@ -21,9 +35,25 @@ SCHEMA_VERSION = 1
 REFERENCE_PREFILL_TOKENS_PER_S = 15_000.0
 REFERENCE_PARAMS_B = 8.0
 TP_EXPONENT = 0.85
+#: Generated tokens/s of the same replica with a full batch (~64 sequences at 2k context: one
+#: 15 ms step per 64 tokens in the simulator's model). Decode is memory-bandwidth bound.
+REFERENCE_DECODE_TOKENS_PER_S = 4_000.0
+#: Share of prompt tokens in the traffic (chat and RAG: about three prompt tokens per
+#: generated one); blends the two rates into one token throughput.
+PROMPT_TOKEN_SHARE = 0.75
+#: Utilisation capacity is planned at. The mean queueing wait is rho/(1-rho) service times:
+#: about two at 65 %, nine at 90 %, unbounded towards 100 % (docs/demand-split.md).
+TARGET_UTILISATION = 0.65
+#: A disaggregated replica is a prefill and a decode instance: each counts for half.
+ROLE_CAPACITY_SHARE = {"mixed": 1.0, "prefill": 0.5, "decode": 0.5}
+#: Spend at or above this share of the monthly budget is published as ``warn``.
+BUDGET_WARN_SHARE = 0.8
+#: Only keys with this scope are published: the edge serves inference and nothing else.
+INFERENCE_SCOPE = "inference"
 
 #: Instances in these states receive traffic; a draining instance finishes what it has.
 ROUTABLE_STATES = frozenset({"ready"})
+EVACUATED = "evacuated"
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +70,10 @@ class InstanceRow:
     parameter_count_b: float
     max_num_seqs: int
     adapters: tuple[str, ...] = ()
+    #: Price of one GPU of the instance's pool, USD per hour.
+    price_per_gpu_hour: float = 0.0
+    #: Tokens/s the instance served at its last load snapshot (edge heartbeat), if known.
+    load_tokens_per_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,11 +85,36 @@ class RegionRow:
 
 
 @dataclass(frozen=True, slots=True)
+class KeyRow:
+    """One API-key hash the edge accepts (the current secret or a rotated-out one in grace)."""
+
+    key_hash: str
+    valid_until: datetime | None = None
+    scopes: tuple[str, ...] = (INFERENCE_SCOPE,)
+
+
+@dataclass(frozen=True, slots=True)
+class TenantRow:
+    slug: str
+    policy: ResidencyPolicy = field(default_factory=ResidencyPolicy)
+    requests_per_minute: int | None = None
+    tokens_per_minute: int | None = None
+    monthly_budget_usd: float | None = None
+    #: Spend this month, USD. There is no metering yet: callers pass 0 until there is.
+    spend_usd: float = 0.0
+    keys: tuple[KeyRow, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
 class FleetSnapshot:
     regions: tuple[RegionRow, ...]
     instances: tuple[InstanceRow, ...]
     #: (source, target) -> round-trip milliseconds (measured preferred over configured).
     rtt_ms: dict[tuple[str, str], float] = field(default_factory=dict)
+    tenants: tuple[TenantRow, ...] = ()
+    #: Expected demand per (origin region, served model), tokens/s. When empty, each region's
+    #: demand is what its ready instances served at their last load snapshot.
+    demand_tokens_per_s: dict[tuple[str, str], float] = field(default_factory=dict)
 
 
 def prefill_tokens_per_s(
@@ -71,71 +130,449 @@ def prefill_tokens_per_s(
     )
 
 
-def _instance_entry(row: InstanceRow) -> dict[str, Any]:
+def replica_tokens_per_s(
+    *, relative_speed: float, tensor_parallel_size: int, params_b: float
+) -> float:
+    """Prompt plus generated tokens per second one replica sustains at full load: the
+    harmonic blend of its prefill and decode rates at :data:`PROMPT_TOKEN_SHARE`."""
+    scale = relative_speed * tensor_parallel_size**TP_EXPONENT * REFERENCE_PARAMS_B / params_b
+    prefill = REFERENCE_PREFILL_TOKENS_PER_S * scale
+    decode = REFERENCE_DECODE_TOKENS_PER_S * scale
+    return 1.0 / (PROMPT_TOKEN_SHARE / prefill + (1.0 - PROMPT_TOKEN_SHARE) / decode)
+
+
+def cost_per_mtok(*, price_per_gpu_hour: float, gpus: int, tokens_per_s: float) -> float:
+    """USD for the GPU time one million tokens occupy on a replica running flat out."""
+    return price_per_gpu_hour * gpus / 3600.0 / tokens_per_s * 1e6
+
+
+def budget_state(*, monthly_budget_usd: float | None, spend_usd: float) -> str:
+    """``exhausted`` at or over budget, ``warn`` from :data:`BUDGET_WARN_SHARE`, else ``ok``."""
+    if monthly_budget_usd is None:
+        return "ok"
+    if spend_usd >= monthly_budget_usd:
+        return "exhausted"
+    return "warn" if spend_usd >= BUDGET_WARN_SHARE * monthly_budget_usd else "ok"
+
+
+def _rfc3339(moment: datetime) -> str:
+    # Rounded down to the second: the edge stops accepting a key no later than it should.
+    return moment.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _r(value: float, digits: int = 4) -> float:
+    return round(value, digits) + 0.0  # + 0.0 turns -0.0 into 0.0 (stable bytes)
+
+
+# --- the fleet-wide plan -------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Supply:
+    """What one region offers for one base model: capacity at the target and blended price."""
+
+    capacity_tokens_per_s: float
+    cost_per_mtok: float
+    usd_per_hour: float
+    tokens_per_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class ResidencyClass:
+    """Tenants whose policies allow the same regions: one commodity of the demand split."""
+
+    id: str
+    allowed: frozenset[str]
+    tenants: int
+
+
+@dataclass(slots=True)
+class FleetPlan:
+    """Everything the per-region documents share, computed once per snapshot."""
+
+    regions: dict[str, RegionRow]
+    #: (region, served name) -> the base model whose capacity serves it there (an adapter
+    #: draws on its base model's GPUs).
+    base_at: dict[tuple[str, str], str]
+    #: served name -> serving regions (active, with ready instances).
+    serving: dict[str, set[str]]
+    #: (region, base model) -> supply.
+    supply: dict[tuple[str, str], Supply]
+    #: origin -> reachable remote regions -> rtt (active, with an edge, RTT known).
+    reach: dict[str, dict[str, float]]
+    classes: list[ResidencyClass]
+    #: (origin, served name) -> expected demand, tokens/s.
+    demand: dict[tuple[str, str], float]
+    split: DemandSplit
+    #: LP class id -> share of every origin's demand it carries.
+    class_shares: dict[str, float]
+    latency_penalty: float
+    tenant_entries: list[dict[str, Any]]
+    instance_entries: dict[str, list[dict[str, Any]]]
+    #: region -> (USD/h, tokens/s, capacity at the target, expected load) over its models.
+    region_totals: dict[str, tuple[float, float, float, float]]
+
+
+def _rtt(rtt_ms: Mapping[tuple[str, str], float], a: str, b: str) -> float | None:
+    """RTT is symmetric when only one direction is known."""
+    value = rtt_ms.get((a, b))
+    return rtt_ms.get((b, a)) if value is None else value
+
+
+def _class_id(allowed: frozenset[str]) -> str:
+    """Stable across compiles: derived from the allowed regions only."""
+    return "rc-" + hashlib.sha256(",".join(sorted(allowed)).encode()).hexdigest()[:12]
+
+
+def _instance_tokens(row: InstanceRow) -> float:
+    return replica_tokens_per_s(
+        relative_speed=row.relative_speed,
+        tensor_parallel_size=row.tensor_parallel_size,
+        params_b=row.parameter_count_b,
+    ) * ROLE_CAPACITY_SHARE.get(row.role, 1.0)
+
+
+def _instance_entries(rows: Iterable[InstanceRow]) -> list[dict[str, Any]]:
+    """Entries of one region's routable instances, with capacity weights per (model, role)."""
+    ordered = sorted(rows, key=lambda r: r.name)
+    caps = [_instance_tokens(r) * TARGET_UTILISATION for r in ordered]
+    totals: dict[tuple[str, str], float] = {}
+    for row, cap in zip(ordered, caps, strict=True):
+        totals[(row.model, row.role)] = totals.get((row.model, row.role), 0.0) + cap
+    entries = []
+    for row, cap in zip(ordered, caps, strict=True):
+        entries.append(
+            {
+                "id": row.name,
+                "url": row.endpoint_url,
+                "model": row.model,
+                "adapters": list(row.adapters),
+                "role": row.role,
+                "accelerator": row.accelerator,
+                "tp": row.tensor_parallel_size,
+                "max_concurrency": row.max_num_seqs,
+                "prefill_tokens_per_s": round(
+                    prefill_tokens_per_s(
+                        relative_speed=row.relative_speed,
+                        tensor_parallel_size=row.tensor_parallel_size,
+                        params_b=row.parameter_count_b,
+                    ),
+                    1,
+                ),
+                "state": "ready",
+                "capacity_tokens_per_s": _r(cap, 1),
+                "weight": _r(cap / totals[(row.model, row.role)]),
+            }
+        )
+    return entries
+
+
+def _tenant_entry(tenant: TenantRow, allowed: frozenset[str], class_id: str) -> dict[str, Any]:
+    keys = sorted((k for k in tenant.keys if INFERENCE_SCOPE in k.scopes), key=lambda k: k.key_hash)
     return {
-        "id": row.name,
-        "url": row.endpoint_url,
-        "model": row.model,
-        "adapters": list(row.adapters),
-        "role": row.role,
-        "accelerator": row.accelerator,
-        "tp": row.tensor_parallel_size,
-        "max_concurrency": row.max_num_seqs,
-        "prefill_tokens_per_s": round(
-            prefill_tokens_per_s(
-                relative_speed=row.relative_speed,
-                tensor_parallel_size=row.tensor_parallel_size,
-                params_b=row.parameter_count_b,
-            ),
-            1,
+        "tenant": tenant.slug,
+        "key_hashes": [k.key_hash for k in keys],
+        "key_valid_until": {
+            k.key_hash: _rfc3339(k.valid_until) for k in keys if k.valid_until is not None
+        },
+        "allowed_regions": sorted(allowed),
+        "residency_class": class_id,
+        "requests_per_s": None
+        if tenant.requests_per_minute is None
+        else _r(tenant.requests_per_minute / 60.0),
+        "tokens_per_s": None
+        if tenant.tokens_per_minute is None
+        else _r(tenant.tokens_per_minute / 60.0),
+        "budget_state": budget_state(
+            monthly_budget_usd=tenant.monthly_budget_usd, spend_usd=tenant.spend_usd
         ),
-        "state": "ready",
     }
 
 
-def _models_by_region(instances: Iterable[InstanceRow]) -> dict[str, set[str]]:
-    served: dict[str, set[str]] = {}
-    for row in instances:
-        if row.state in ROUTABLE_STATES:
-            served.setdefault(row.region, set()).update((row.model, *row.adapters))
-    return served
+def fleet_plan(
+    snapshot: FleetSnapshot,
+    *,
+    latency_penalty: float = DEFAULT_LATENCY_PENALTY_USD_PER_MTOK_PER_MS,
+) -> FleetPlan:
+    """The fleet-wide part of every table: compute once, then cut per region."""
+    regions = {r.code: r for r in snapshot.regions}
+    active = {c for c, r in regions.items() if r.status != EVACUATED}
+    routable = [
+        row for row in snapshot.instances if row.state in ROUTABLE_STATES and row.region in active
+    ]
+    by_region: dict[str, list[InstanceRow]] = {}
+    base_at: dict[tuple[str, str], str] = {}
+    serving: dict[str, set[str]] = {}
+    usd: dict[tuple[str, str], float] = {}
+    tokens: dict[tuple[str, str], float] = {}
+    for row in routable:
+        by_region.setdefault(row.region, []).append(row)
+        for name in (row.model, *row.adapters):
+            base_at.setdefault((row.region, name), row.model)
+            serving.setdefault(name, set()).add(row.region)
+        key = (row.region, row.model)
+        usd[key] = usd.get(key, 0.0) + row.price_per_gpu_hour * row.tensor_parallel_size
+        tokens[key] = tokens.get(key, 0.0) + _instance_tokens(row)
+    supply = {
+        key: Supply(
+            capacity_tokens_per_s=tokens[key] * TARGET_UTILISATION,
+            cost_per_mtok=usd[key] / 3600.0 / tokens[key] * 1e6 if tokens[key] else 0.0,
+            usd_per_hour=usd[key],
+            tokens_per_s=tokens[key],
+        )
+        for key in tokens
+    }
+    reach: dict[str, dict[str, float]] = {}
+    for origin in sorted(regions):
+        reach[origin] = {}
+        for other in sorted(active):
+            if other == origin or not regions[other].edge_url:
+                continue
+            rtt = _rtt(snapshot.rtt_ms, origin, other)
+            if rtt is not None:
+                reach[origin][other] = rtt
+
+    # Residency classes: tenants grouped by the regions they may be served in.
+    jurisdiction = {c: r.jurisdiction for c, r in regions.items()}
+    by_allowed: dict[frozenset[str], list[TenantRow]] = {}
+    for tenant in snapshot.tenants:
+        allowed = frozenset(c for c in regions if region_allowed(tenant.policy, c, jurisdiction[c]))
+        by_allowed.setdefault(allowed, []).append(tenant)
+    classes = sorted(
+        (ResidencyClass(_class_id(a), a, len(t)) for a, t in by_allowed.items()),
+        key=lambda c: c.id,
+    )
+    tenant_entries = sorted(
+        (
+            _tenant_entry(t, allowed, _class_id(allowed))
+            for allowed, group in by_allowed.items()
+            for t in group
+        ),
+        key=lambda e: e["tenant"],
+    )
+
+    # Expected demand per (origin, served name), shared among classes by their tenant count
+    # (until metering attributes demand to tenants).
+    if snapshot.demand_tokens_per_s:
+        demand = {k: float(v) for k, v in snapshot.demand_tokens_per_s.items() if v > 0}
+    else:
+        demand = {}
+        for row in routable:
+            if row.load_tokens_per_s:
+                key = (row.region, row.model)
+                demand[key] = demand.get(key, 0.0) + row.load_tokens_per_s
+    lp_classes = classes or [ResidencyClass("any", frozenset(regions), 1)]
+    total_tenants = sum(c.tenants for c in lp_classes)
+    class_demand = {
+        (c.id, origin, name): tokens_s * c.tenants / total_tenants
+        for (origin, name), tokens_s in demand.items()
+        for c in lp_classes
+    }
+    offers = {
+        name: {
+            s: Offer(supply[(s, base_at[(s, name)])].cost_per_mtok, base_at[(s, name)])
+            for s in sorted(where)
+        }
+        for name, where in serving.items()
+    }
+    split = split_demand(
+        demand=class_demand,
+        allowed={c.id: c.allowed for c in lp_classes},
+        offers=offers,
+        capacity={k: s.capacity_tokens_per_s for k, s in supply.items()},
+        rtt_ms={(o, s): rtt for o, targets in reach.items() for s, rtt in targets.items()},
+        latency_penalty=latency_penalty,
+    )
+    return FleetPlan(
+        regions=regions,
+        base_at=base_at,
+        serving=serving,
+        supply=supply,
+        reach=reach,
+        classes=classes,
+        demand=demand,
+        split=split,
+        class_shares={c.id: c.tenants / total_tenants for c in lp_classes},
+        latency_penalty=latency_penalty,
+        tenant_entries=tenant_entries,
+        instance_entries={c: _instance_entries(rows) for c, rows in by_region.items()},
+        region_totals=_region_totals(supply, split),
+    )
+
+
+def _region_totals(
+    supply: Mapping[tuple[str, str], Supply], split: DemandSplit
+) -> dict[str, tuple[float, float, float, float]]:
+    totals: dict[str, tuple[float, float, float, float]] = {}
+    for key, s in supply.items():
+        usd, tokens, cap, load = totals.get(key[0], (0.0, 0.0, 0.0, 0.0))
+        totals[key[0]] = (
+            usd + s.usd_per_hour,
+            tokens + s.tokens_per_s,
+            cap + s.capacity_tokens_per_s,
+            load + split.load.get(key, 0.0),
+        )
+    return totals
+
+
+# --- one region's document -----------------------------------------------------------------
+
+
+def _headroom(plan: FleetPlan, region: str, name: str) -> tuple[float, float]:
+    """Tokens/s left at the target after the split's expected load, and as a share."""
+    key = (region, plan.base_at[(region, name)])
+    cap = plan.supply[key].capacity_tokens_per_s
+    spare = cap - plan.split.load.get(key, 0.0)
+    return spare, (spare / cap if cap > 0 else 0.0)
+
+
+def _route(plan: FleetPlan, origin: str, name: str) -> dict[str, Any]:
+    """Where ``origin``'s traffic for ``name`` goes: local share and ordered remotes."""
+    local = origin in plan.serving[name]
+    remotes = {s: rtt for s, rtt in plan.reach[origin].items() if s in plan.serving[name]}
+    demand = plan.demand.get((origin, name), 0.0)
+    weights: dict[str, float] = {}
+    unserved = 0.0
+    if demand > 0:
+        for cls, share in plan.class_shares.items():
+            key = (cls, origin, name)
+            for s, x in plan.split.fractions.get(key, {}).items():
+                weights[s] = weights.get(s, 0.0) + x * share
+            unserved += plan.split.unserved.get(key, 0.0)
+
+    def effective(s: str) -> float:
+        rtt = 0.0 if s == origin else remotes[s]
+        return plan.supply[(s, plan.base_at[(s, name)])].cost_per_mtok + plan.latency_penalty * rtt
+
+    candidates = sorted([*remotes, *([origin] if local else [])])
+    if demand <= 0 and candidates:
+        # The split's answer for a vanishing demand: the cheapest target with headroom.
+        roomy = [s for s in candidates if _headroom(plan, s, name)[0] > 0] or candidates
+        weights = {min(roomy, key=lambda s: (effective(s), s)): 1.0}
+    entries: list[dict[str, Any]] = []
+    for s in remotes:
+        spare, share = _headroom(plan, s, name)
+        entries.append(
+            {
+                "code": s,
+                "weight": _r(weights.get(s, 0.0)),
+                "rtt_ms": remotes[s],
+                "cost_per_mtok": _r(plan.supply[(s, plan.base_at[(s, name)])].cost_per_mtok),
+                "headroom_tokens_per_s": _r(max(spare, 0.0), 1),
+                "headroom": _r(max(share, 0.0)),
+            }
+        )
+    # Spill-over order: regions with headroom first, then cheapest after the latency penalty.
+    entries.sort(key=lambda e: (e["headroom_tokens_per_s"] <= 0, effective(e["code"]), e["code"]))
+    route: dict[str, Any] = {
+        "model": name,
+        "demand_tokens_per_s": _r(demand, 1),
+        "local_weight": _r(weights.get(origin, 0.0)),
+        "unserved_tokens_per_s": _r(unserved, 1),
+        "local_capacity_tokens_per_s": 0.0,
+        "local_headroom_tokens_per_s": 0.0,
+        "local_cost_per_mtok": 0.0,
+        "remotes": entries,
+    }
+    if local:
+        spare, _ = _headroom(plan, origin, name)
+        supply = plan.supply[(origin, plan.base_at[(origin, name)])]
+        route["local_capacity_tokens_per_s"] = _r(supply.capacity_tokens_per_s, 1)
+        route["local_headroom_tokens_per_s"] = _r(max(spare, 0.0), 1)
+        route["local_cost_per_mtok"] = _r(supply.cost_per_mtok)
+    return route
+
+
+def _refusals(plan: FleetPlan, origin: str, cls: ResidencyClass) -> dict[str, str]:
+    """Served names this class can get nowhere from ``origin``, with the reason."""
+    reachable = set(plan.reach[origin])
+    if plan.regions[origin].status != EVACUATED:
+        reachable.add(origin)
+    refusals = {}
+    allowed = ", ".join(sorted(cls.allowed)) or "none"
+    for name in sorted(plan.serving):
+        where = plan.serving[name]
+        permitted = where & cls.allowed
+        if not permitted:
+            refusals[name] = (
+                f"residency: {name} is served only in [{', '.join(sorted(where))}], "
+                f"outside the allowed regions [{allowed}]"
+            )
+        elif not permitted & reachable:
+            refusals[name] = (
+                f"{name} is served in the allowed regions [{', '.join(sorted(permitted))}], "
+                f"none of which is reachable from {origin}"
+            )
+    return refusals
+
+
+def _remote_region(plan: FleetPlan, origin: str, code: str, rtt: float) -> dict[str, Any]:
+    region = plan.regions[code]
+    names = sorted(n for n, where in plan.serving.items() if code in where)
+    usd, tokens, cap, load = plan.region_totals.get(code, (0.0, 0.0, 0.0, 0.0))
+    return {
+        "code": code,
+        "edge_url": region.edge_url,
+        "rtt_ms": rtt,
+        "models": names,
+        # Blended over its models: USD per hour of all its replicas over their tokens.
+        "cost_per_mtok": _r(usd / 3600.0 / tokens * 1e6) if tokens else 0.0,
+        "headroom": _r(max(cap - load, 0.0) / cap) if cap else 0.0,
+    }
 
 
 def compile_region_table(
-    snapshot: FleetSnapshot, *, region: str, version: int, generated_at: str
+    snapshot: FleetSnapshot,
+    *,
+    region: str,
+    version: int,
+    generated_at: str,
+    plan: FleetPlan | None = None,
 ) -> dict[str, Any]:
-    """The routing-table document for ``region`` (a plain dict, ready for JSON)."""
-    by_code = {r.code: r for r in snapshot.regions}
-    if region not in by_code:
+    """The routing-table document for ``region`` (a plain dict, ready for JSON).
+
+    Pass the ``plan`` of the same snapshot when compiling several regions: the demand split
+    and the tenant entries are then computed once, not once per region.
+    """
+    if region not in {r.code for r in snapshot.regions}:
         raise KeyError(f"unknown region {region!r}")
-    own = by_code[region]
-    evacuated = own.status == "evacuated"
-    instances = [
-        _instance_entry(row)
-        for row in sorted(snapshot.instances, key=lambda r: r.name)
-        if row.region == region and row.state in ROUTABLE_STATES and not evacuated
+    plan = plan if plan is not None else fleet_plan(snapshot)
+    remotes = [
+        _remote_region(plan, region, code, rtt) for code, rtt in sorted(plan.reach[region].items())
     ]
-    served = _models_by_region(snapshot.instances)
-    remotes = []
-    for other in sorted(snapshot.regions, key=lambda r: r.code):
-        if other.code == region or other.status == "evacuated" or not other.edge_url:
-            continue
-        rtt = snapshot.rtt_ms.get((region, other.code), snapshot.rtt_ms.get((other.code, region)))
-        if rtt is None:
-            continue
-        remotes.append(
-            {
-                "code": other.code,
-                "edge_url": other.edge_url,
-                "rtt_ms": rtt,
-                "models": sorted(served.get(other.code, ())),
-            }
-        )
+    classes = [
+        {
+            "id": cls.id,
+            "allowed_regions": sorted(cls.allowed),
+            "refusals": _refusals(plan, region, cls),
+        }
+        for cls in plan.classes
+    ]
     return {
         "schema_version": SCHEMA_VERSION,
         "version": version,
         "region": region,
         "generated_at": generated_at,
-        "instances": instances,
+        "instances": plan.instance_entries.get(region, []),
         "remote_regions": remotes,
+        "routes": [_route(plan, region, name) for name in sorted(plan.serving)],
+        "residency_classes": classes,
+        "tenants": plan.tenant_entries,
+    }
+
+
+def compile_fleet_tables(
+    snapshot: FleetSnapshot,
+    *,
+    versions: Mapping[str, int],
+    generated_at: str,
+    latency_penalty: float = DEFAULT_LATENCY_PENALTY_USD_PER_MTOK_PER_MS,
+) -> dict[str, dict[str, Any]]:
+    """Every region's document (``versions``: region code -> its next version), one plan."""
+    plan = fleet_plan(snapshot, latency_penalty=latency_penalty)
+    return {
+        code: compile_region_table(
+            snapshot, region=code, version=versions[code], generated_at=generated_at, plan=plan
+        )
+        for code in sorted(plan.regions)
     }

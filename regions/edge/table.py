@@ -45,6 +45,10 @@ class Instance(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     kv_block_tokens: int = 16
     #: ZMQ endpoint of vLLM KV-cache events, when the engine publishes them.
     kv_events_endpoint: str | None = None
+    #: Tokens/s it sustains at the target utilisation, and its share of that among the
+    #: region's instances of the same model and role (issue 4, from the compiler).
+    capacity_tokens_per_s: float = 0.0
+    weight: float = 0.0
 
 
 class RemoteRegion(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -58,6 +62,42 @@ class RemoteRegion(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     headroom: float = 0.0
 
 
+class RouteTarget(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A remote region's offer for one model, as seen from this region (issue 4)."""
+
+    code: str
+    #: Share of this region's expected demand for the model the demand split sends there.
+    weight: float = 0.0
+    rtt_ms: float = 0.0
+    cost_per_mtok: float = 0.0
+    #: Capacity at the target utilisation minus the split's expected load there.
+    headroom_tokens_per_s: float = 0.0
+    headroom: float = 0.0
+
+
+class ModelRoute(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Where this region's traffic for one model (or adapter) goes (issue 4)."""
+
+    model: str
+    demand_tokens_per_s: float = 0.0
+    local_weight: float = 0.0
+    #: Expected demand no allowed region can take within capacity.
+    unserved_tokens_per_s: float = 0.0
+    local_capacity_tokens_per_s: float = 0.0
+    local_headroom_tokens_per_s: float = 0.0
+    local_cost_per_mtok: float = 0.0
+    #: Spill-over order: regions with headroom first, cheapest after the latency penalty.
+    remotes: tuple[RouteTarget, ...] = ()
+
+
+class ResidencyClass(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Tenants allowed the same regions; ``refusals``: model -> why it is refused here."""
+
+    id: str
+    allowed_regions: tuple[str, ...] = ()
+    refusals: dict[str, str] = msgspec.field(default_factory=dict)
+
+
 class TenantPolicy(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """A tenant's admission rules, keyed by API-key hash (reserved: enforced in issue 4)."""
 
@@ -67,6 +107,10 @@ class TenantPolicy(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     requests_per_s: float | None = None
     tokens_per_s: float | None = None
     budget_state: Literal["ok", "warn", "exhausted"] = "ok"
+    #: Key hash -> RFC 3339 UTC time the edge stops accepting it (absent: no expiry).
+    key_valid_until: dict[str, str] = msgspec.field(default_factory=dict)
+    #: Id of its entry in ``residency_classes`` (refusals live there, once per class).
+    residency_class: str | None = None
 
 
 class Signature(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -86,6 +130,8 @@ class RoutingTable(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     remote_regions: tuple[RemoteRegion, ...] = ()
     tenants: tuple[TenantPolicy, ...] | None = None
     signature: Signature | None = None
+    routes: tuple[ModelRoute, ...] = ()
+    residency_classes: tuple[ResidencyClass, ...] = ()
 
 
 _decoder = msgspec.json.Decoder(RoutingTable)

@@ -1,0 +1,2 @@
+"""Routing-table documents shared by the control plane (which signs) and the edge (which
+verifies). Pure: no Django, no I/O."""
