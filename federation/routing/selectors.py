@@ -2,14 +2,75 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from datetime import datetime
+from typing import Any
+
 from federation.inventory.models import Edge, Instance, Region, RegionLink
-from federation.routing.compiler import FleetSnapshot, InstanceRow, RegionRow
+from federation.routing.compiler import (
+    FleetSnapshot,
+    InstanceRow,
+    KeyRow,
+    RegionRow,
+    TenantRow,
+)
+from federation.tenancy.models import Tenant
+from federation.tenancy.residency import ResidencyPolicy
+from federation.tenancy.selectors import api_key_table_entries
 
 #: vLLM's default ``--max-num-seqs`` when a deployment does not set it.
 VLLM_DEFAULT_MAX_NUM_SEQS = 256
+#: Key of the instance load snapshot (edge heartbeat) the compiler reads demand from.
+LOAD_TOKENS_PER_S = "tokens_per_s"
 
 
-def fleet_snapshot() -> FleetSnapshot:
+def _load_tokens_per_s(load: Any) -> float | None:
+    """Tokens/s from a heartbeat's load snapshot; absent or malformed means unknown."""
+    if not isinstance(load, dict):
+        return None
+    value = load.get(LOAD_TOKENS_PER_S)
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
+        return None
+    return float(value)
+
+
+def tenant_rows(
+    *, now: datetime | None = None, spend_usd: Mapping[str, float] | None = None
+) -> tuple[TenantRow, ...]:
+    """Active tenants with their residency policy, limits, budget and usable key hashes.
+
+    ``spend_usd`` (tenant slug -> spend this month) defaults to nothing spent: there is no
+    metering yet, so no budget is exhausted until a caller passes real figures.
+    """
+    keys: dict[int, list[KeyRow]] = {}
+    for entry in api_key_table_entries(now=now):
+        keys.setdefault(entry.tenant_id, []).append(
+            KeyRow(entry.key_hash, entry.valid_until, entry.scopes)
+        )
+    spend = spend_usd or {}
+    rows = []
+    for tenant in Tenant.objects.filter(is_active=True).prefetch_related("allowed_regions"):
+        rows.append(
+            TenantRow(
+                slug=tenant.slug,
+                policy=ResidencyPolicy.of(
+                    tenant.allowed_jurisdictions, (r.code for r in tenant.allowed_regions.all())
+                ),
+                requests_per_minute=tenant.requests_per_minute,
+                tokens_per_minute=tenant.tokens_per_minute,
+                monthly_budget_usd=None
+                if tenant.monthly_budget_usd is None
+                else float(tenant.monthly_budget_usd),
+                spend_usd=float(spend.get(tenant.slug, 0.0)),
+                keys=tuple(keys.get(tenant.pk, ())),
+            )
+        )
+    return tuple(rows)
+
+
+def fleet_snapshot(
+    *, now: datetime | None = None, spend_usd: Mapping[str, float] | None = None
+) -> FleetSnapshot:
     # The first registered edge of a region receives its spill-over (issue 4 adds health).
     edge_urls: dict[str, str] = {}
     for code, url in Edge.objects.order_by("name").values_list("region__code", "url"):
@@ -43,6 +104,8 @@ def fleet_snapshot() -> FleetSnapshot:
                 parameter_count_b=float(dep.model.parameter_count_b),
                 max_num_seqs=int(dep.engine_args.get("max-num-seqs", VLLM_DEFAULT_MAX_NUM_SEQS)),
                 adapters=tuple(sorted(a.name for a in dep.adapters.all())),
+                price_per_gpu_hour=float(dep.pool.price_per_gpu_hour),
+                load_tokens_per_s=_load_tokens_per_s(inst.load),
             )
         )
     rtt = {
@@ -51,4 +114,9 @@ def fleet_snapshot() -> FleetSnapshot:
         )
         for link in RegionLink.objects.select_related("source", "target")
     }
-    return FleetSnapshot(regions=regions, instances=tuple(instances), rtt_ms=rtt)
+    return FleetSnapshot(
+        regions=regions,
+        instances=tuple(instances),
+        rtt_ms=rtt,
+        tenants=tenant_rows(now=now, spend_usd=spend_usd),
+    )
