@@ -26,6 +26,8 @@ def main(argv: list[str] | None = None) -> None:
     command = args[0] if args else "help"
     if command == "serve":
         _serve(args[1:])
+    elif command == "worker":
+        _worker(args[1:])
     elif command in {"engine-sim", "edge"}:
         # The region's processes never import Django (import-linter enforces it).
         from regions.cli import main as region_main
@@ -58,6 +60,14 @@ def _serve(args: list[str]) -> None:
         workers=opts.workers,
         lifespan="off",
     )
+
+
+def _worker(args: list[str]) -> None:
+    """Celery worker with beat embedded; extra arguments go to ``celery worker``."""
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "federation.settings")
+    from workers.celery import app
+
+    app.worker_main(["worker", "--beat", "--loglevel", "INFO", *args])
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hmac
 from pathlib import Path
 
 import dj_database_url
@@ -40,6 +41,7 @@ INSTALLED_APPS = [
     "federation.core",
     "federation.inventory",
     "federation.tenancy",
+    "federation.routing",
 ]
 
 MIDDLEWARE = [
@@ -87,6 +89,7 @@ MIGRATION_MODULES = {
     "core": "migrations.core",
     "inventory": "migrations.inventory",
     "tenancy": "migrations.tenancy",
+    "routing": "migrations.routing",
 }
 
 REDIS_URL = env_str("REDIS_URL", "", required_in_production=True)
@@ -102,6 +105,32 @@ CACHES = {
 #: Login attempts (``POST /api/v1/auth/token/``) per client address.
 FEDINFER_LOGIN_RATE = env_str("FEDINFER_LOGIN_RATE", "20/min")
 CELERY_BROKER_URL = env_str("CELERY_BROKER_URL", REDIS_URL or "filesystem://")
+# The embedded broker is a folder: producers and the worker share it (kombu's filesystem
+# transport), so `fedinfer demo` needs no server.
+_broker_dir = VAR_DIR / "broker"
+CELERY_BROKER_TRANSPORT_OPTIONS = (
+    {"data_folder_in": str(_broker_dir), "data_folder_out": str(_broker_dir)}
+    if CELERY_BROKER_URL.startswith("filesystem://")
+    else {}
+)
+if CELERY_BROKER_URL.startswith("filesystem://") and not PRODUCTION:
+    _broker_dir.mkdir(parents=True, exist_ok=True)
+CELERY_TASK_IGNORE_RESULT = True
+CELERY_TASK_SERIALIZER = "json"
+CELERY_ACCEPT_CONTENT = ["json"]
+CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
+# Embedded beat keeps its schedule in memory: its only entries are short intervals.
+CELERY_BEAT_SCHEDULER = "celery.beat:Scheduler"
+#: Seconds between periodic recompiles (telemetry changes without an inventory write).
+FEDINFER_TABLES_REFRESH_SECONDS = env_int("FEDINFER_TABLES_REFRESH_SECONDS", 30)
+#: HMAC key of routing tables. Production requires it (edges hold the same key); embedded
+#: mode derives one from SECRET_KEY so the demo's edges and control plane agree.
+FEDINFER_TABLE_SIGNING_KEY = env_str(
+    "FEDINFER_TABLE_SIGNING_KEY",
+    hmac.new(SECRET_KEY.encode(), b"fedinfer routing-table signing", "sha256").hexdigest(),
+    required_in_production=True,
+)
+FEDINFER_TABLE_SIGNING_KEY_ID = env_str("FEDINFER_TABLE_SIGNING_KEY_ID", "k1")
 
 AUTH_PASSWORD_VALIDATORS = [
     {"NAME": "django.contrib.auth.password_validation.UserAttributeSimilarityValidator"},

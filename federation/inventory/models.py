@@ -349,6 +349,14 @@ class Edge(TimeStampedModel):
     url = models.CharField(max_length=300, validators=[service_url_validator])
     last_heartbeat_at = models.DateTimeField(null=True, blank=True)
     applied_table_version = models.PositiveBigIntegerField(null=True, blank=True)
+    credential_hash = models.CharField(
+        max_length=64,
+        blank=True,
+        default="",
+        editable=False,
+        db_index=True,
+        help_text="SHA-256 of the edge's credential; the plaintext is shown once, at rotation.",
+    )
 
     class Meta:
         ordering = ["region__code", "name"]

@@ -15,6 +15,7 @@ PROD = {
     "FEDINFER_SECRET_KEY": "s" * 50,
     "DATABASE_URL": "postgres://fedinfer@db:5432/fedinfer",
     "REDIS_URL": "redis://cache:6379/0",
+    "FEDINFER_TABLE_SIGNING_KEY": "t" * 64,
 }
 
 
@@ -41,7 +42,9 @@ def test_production_boots_with_everything_set() -> None:
     assert result.stdout.split() == ["django.db.backends.postgresql", "False"]
 
 
-@pytest.mark.parametrize("missing", ["FEDINFER_SECRET_KEY", "DATABASE_URL", "REDIS_URL"])
+@pytest.mark.parametrize(
+    "missing", ["FEDINFER_SECRET_KEY", "DATABASE_URL", "REDIS_URL", "FEDINFER_TABLE_SIGNING_KEY"]
+)
 def test_production_refuses_to_boot_without_a_required_variable(missing: str) -> None:
     result = _boot({k: v for k, v in PROD.items() if k != missing})
     assert result.returncode != 0

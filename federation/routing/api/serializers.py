@@ -1,0 +1,95 @@
+"""Input and output shapes of the distribution API."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.utils import timezone
+from rest_framework import serializers
+
+from federation.api.serializers import StrictFieldsMixin
+from federation.inventory.api.serializers import StrictBooleanField, StrictCharField
+from federation.inventory.models import Edge, Region
+
+#: More reports than this in one heartbeat is not an edge talking.
+MAX_INSTANCE_REPORTS = 10_000
+
+
+class InstanceReportIn(StrictFieldsMixin, serializers.Serializer):
+    id = StrictCharField(max_length=63, help_text="Instance id as in the routing table.")
+    healthy = StrictBooleanField(help_text="Admitted by the edge's health checks.")
+    in_flight = serializers.IntegerField(min_value=0, max_value=1_000_000, required=False)
+    queued = serializers.IntegerField(min_value=0, max_value=1_000_000, required=False)
+    kv_cache_usage = serializers.FloatField(min_value=0.0, max_value=1.0, required=False)
+
+
+class HeartbeatIn(StrictFieldsMixin, serializers.Serializer):
+    applied_table_version = serializers.IntegerField(
+        min_value=1,
+        allow_null=True,
+        required=False,
+        help_text="Version of the routing table the edge serves from (null: none yet).",
+    )
+    instances = serializers.ListField(
+        child=InstanceReportIn(), max_length=MAX_INSTANCE_REPORTS, required=False, default=list
+    )
+
+    def validate_instances(self, value: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        seen: set[str] = set()
+        for report in value:
+            if report["id"] in seen:
+                raise serializers.ValidationError(f"Instance {report['id']!r} is reported twice.")
+            seen.add(report["id"])
+        return value
+
+
+class HeartbeatOut(serializers.Serializer):
+    edge = serializers.CharField()
+    applied_table_version = serializers.IntegerField(allow_null=True)
+    latest_table_version = serializers.IntegerField(
+        allow_null=True, help_text="Latest version published for the edge's region."
+    )
+    updated_instances = serializers.ListField(child=serializers.CharField())
+    unknown_instances = serializers.ListField(
+        child=serializers.CharField(),
+        help_text="Reported ids that are not instances of the edge's region (ignored).",
+    )
+
+
+class EdgeCredentialOut(serializers.Serializer):
+    id = serializers.IntegerField()
+    name = serializers.CharField()
+    region = serializers.CharField()
+    credential = serializers.CharField(
+        help_text="Shown this once; send it as 'Authorization: Bearer <credential>'."
+    )
+
+
+class EdgeVersionOut(serializers.ModelSerializer):
+    heartbeat_age_s = serializers.SerializerMethodField(
+        help_text="Seconds since the last heartbeat (null: never)."
+    )
+
+    class Meta:
+        model = Edge
+        fields = ("id", "name", "applied_table_version", "last_heartbeat_at", "heartbeat_age_s")
+        read_only_fields = fields
+
+    def get_heartbeat_age_s(self, edge: Edge) -> float | None:
+        if edge.last_heartbeat_at is None:
+            return None
+        return round((timezone.now() - edge.last_heartbeat_at).total_seconds(), 3)
+
+
+class RegionTableOut(serializers.ModelSerializer):
+    region = serializers.CharField(source="code", read_only=True)
+    latest_version = serializers.IntegerField(read_only=True, allow_null=True)
+    created_at = serializers.DateTimeField(
+        source="latest_created_at", read_only=True, allow_null=True
+    )
+    edges = EdgeVersionOut(many=True, read_only=True)
+
+    class Meta:
+        model = Region
+        fields = ("region", "status", "latest_version", "created_at", "edges")
+        read_only_fields = fields

@@ -1,0 +1,213 @@
+"""Distribution API views: load, check who asks, call one service or selector, answer."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from drf_spectacular.types import OpenApiTypes
+from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema
+from rest_framework import status
+from rest_framework.authentication import SessionAuthentication, TokenAuthentication
+from rest_framework.exceptions import NotFound, PermissionDenied, ValidationError
+from rest_framework.request import Request
+from rest_framework.response import Response
+from rest_framework.views import APIView
+
+from federation.api.pagination import _whole_number
+from federation.inventory.api.schema import (
+    CONFLICT,
+    FIELD_ERRORS,
+    FORBIDDEN,
+    NOT_FOUND,
+    UNAUTHENTICATED,
+    ErrorOut,
+)
+from federation.inventory.api.views import ReadViewSet
+from federation.inventory.models import Edge, Region
+from federation.routing import distribution, services
+from federation.routing.api import serializers as s
+from federation.routing.api.authentication import (
+    EdgeCredentialAuthentication,
+    authenticated_edge,
+)
+from federation.routing.api.longpoll import WAITED, WaitFor
+from federation.routing.api.permissions import IsEdge, IsEdgeOrStaff
+
+#: Longest long-poll a client may ask for, seconds.
+MAX_WAIT_S = 30
+EDGE_AUTH = [EdgeCredentialAuthentication, TokenAuthentication, SessionAuthentication]
+
+
+def _etag(version: int) -> str:
+    return f'"{version}"'
+
+
+def _known_version(request: Request) -> int | None:
+    """The version named by ``If-None-Match`` (``"7"``, ``W/"7"`` or ``7``), else None."""
+    raw = request.headers.get("If-None-Match", "").strip()
+    if raw.startswith("W/"):
+        raw = raw[2:]
+    raw = raw.strip('"')
+    return int(raw) if raw.isdigit() and len(raw) < 20 else None
+
+
+def _lookup(model: type[Region] | type[Edge], **filters: str) -> Any:
+    if any("\x00" in v for v in filters.values()):
+        raise NotFound()
+    obj = model.objects.select_related(*(["region"] if model is Edge else [])).filter(**filters)
+    found = obj.first()
+    if found is None:
+        raise NotFound(f"No {model._meta.verbose_name} {next(iter(filters.values()))!r}.")
+    return found
+
+
+class RoutingTableView(APIView):
+    """The latest routing table of a region, for its edges (and staff)."""
+
+    authentication_classes = EDGE_AUTH
+    permission_classes = [IsEdgeOrStaff]
+
+    @extend_schema(
+        operation_id="edge_routing_table",
+        parameters=[
+            OpenApiParameter(
+                "wait",
+                OpenApiTypes.INT,
+                description=f"Long-poll: when the client already has the latest version "
+                f"(If-None-Match), hold the request up to this many seconds (0-{MAX_WAIT_S}) "
+                f"for a newer one.",
+            ),
+            OpenApiParameter(
+                "If-None-Match",
+                OpenApiTypes.STR,
+                location=OpenApiParameter.HEADER,
+                description='The ETag (version) the client has, e.g. "7".',
+            ),
+        ],
+        responses={
+            200: OpenApiResponse(
+                OpenApiTypes.OBJECT,
+                description="The routing-table document (docs/routing-table.md); ETag is its "
+                "version.",
+            ),
+            304: OpenApiResponse(description="The client's version is still the latest."),
+            400: FIELD_ERRORS,
+            401: UNAUTHENTICATED,
+            403: FORBIDDEN,
+            404: NOT_FOUND,
+            503: OpenApiResponse(ErrorOut, description="No table published for the region yet."),
+        },
+    )
+    def get(self, request: Request, region: str, **kwargs: Any) -> Response:
+        wait = _whole_number(request, "wait", 0) or 0
+        if wait > MAX_WAIT_S:
+            raise ValidationError({"wait": [f"Must be at most {MAX_WAIT_S}."]})
+        target: Region = _lookup(Region, code=region)
+        edge = authenticated_edge(request)
+        if edge is not None and edge.region_id != target.pk:
+            raise PermissionDenied(
+                f"Edge {edge.name} belongs to region {edge.region.code}; it may not read the "
+                f"table of {target.code}."
+            )
+        known = _known_version(request)
+        table = distribution.routing_table_latest(region=target)
+        if table is not None and table.version != known:
+            response = Response(distribution.routing_table_document(table))
+            response["ETag"] = _etag(table.version)
+            response["Cache-Control"] = "no-cache"
+            return response
+        if wait and not kwargs.get(WAITED):
+            response = Response(status=status.HTTP_304_NOT_MODIFIED)
+            response.wait_for = WaitFor(  # type: ignore[attr-defined]
+                region_id=target.pk, region_code=target.code, known=known, seconds=wait
+            )
+            return response
+        if table is None:
+            response = Response(
+                {
+                    "detail": f"No routing table published for {target.code} yet.",
+                    "code": "no_table",
+                },
+                status=status.HTTP_503_SERVICE_UNAVAILABLE,
+            )
+            response["Retry-After"] = "1"
+            return response
+        response = Response(status=status.HTTP_304_NOT_MODIFIED)
+        response["ETag"] = _etag(table.version)
+        return response
+
+
+class EdgeHeartbeatView(APIView):
+    """An edge reports its liveness, applied table version and instances' health and load."""
+
+    authentication_classes = EDGE_AUTH
+    permission_classes = [IsEdge]
+
+    @extend_schema(
+        operation_id="edge_heartbeat",
+        request=s.HeartbeatIn,
+        responses={
+            200: s.HeartbeatOut,
+            400: FIELD_ERRORS,
+            401: UNAUTHENTICATED,
+            403: FORBIDDEN,
+            404: NOT_FOUND,
+            409: CONFLICT,
+        },
+    )
+    def post(self, request: Request, name: str) -> Response:
+        target: Edge = _lookup(Edge, name=name)
+        edge = authenticated_edge(request)
+        if edge is None or edge.pk != target.pk:
+            raise PermissionDenied("An edge may send heartbeats only for itself.")
+        ser = s.HeartbeatIn(data=request.data)
+        ser.is_valid(raise_exception=True)
+        data = ser.validated_data
+        reports = [
+            services.InstanceReport(
+                id=r["id"],
+                healthy=r["healthy"],
+                load={k: v for k, v in r.items() if k not in {"id", "healthy"}},
+            )
+            for r in data["instances"]
+        ]
+        result = services.edge_heartbeat_record(
+            edge=target,
+            applied_table_version=data.get("applied_table_version"),
+            instances=reports,
+        )
+        out = {
+            "edge": result.edge.name,
+            "applied_table_version": result.edge.applied_table_version,
+            "latest_table_version": distribution.routing_table_latest_version(
+                region_id=result.edge.region_id
+            ),
+            "updated_instances": result.updated_instances,
+            "unknown_instances": result.unknown_instances,
+        }
+        return Response(s.HeartbeatOut(out).data)
+
+
+class EdgeCredentialRotateView(APIView):
+    """Issue a new credential for an edge; the old one stops working."""
+
+    @extend_schema(
+        operation_id="edge_rotate_credential",
+        request=None,
+        responses={200: s.EdgeCredentialOut, 401: UNAUTHENTICATED, 403: FORBIDDEN, 404: NOT_FOUND},
+    )
+    def post(self, request: Request, pk: int) -> Response:
+        edge: Edge = _lookup(Edge, pk=str(pk))
+        credential = services.edge_credential_rotate(actor=request.user, edge=edge)
+        out = {"id": edge.pk, "name": edge.name, "region": edge.region.code}
+        return Response(s.EdgeCredentialOut({**out, "credential": credential}).data)
+
+
+class RoutingTableOverviewViewSet(ReadViewSet):
+    """Each region's latest table version and the edges running it."""
+
+    lookup_field = "code"
+    queryset = Region.objects.none()
+    selector = staticmethod(distribution.routing_table_overview)
+    output_serializer = s.RegionTableOut
+    ordering_fields = ("code", "latest_version")

@@ -1,0 +1,65 @@
+"""Reads of the distribution side: the latest table of a region (signed for an edge), the
+edge behind a credential, and the per-region overview of versions and the edges running them.
+
+(``selectors.py`` holds the compiler's fleet snapshot; these are the distribution's selectors.)
+"""
+
+from __future__ import annotations
+
+import hmac
+from typing import Any
+
+from django.db.models import OuterRef, Prefetch, QuerySet, Subquery
+
+from federation.inventory.models import Edge, Region
+from federation.routing.models import RoutingTableVersion
+from federation.routing.services import EDGE_CREDENTIAL_PREFIX, credential_hash
+
+
+def edge_by_credential(plaintext: str) -> Edge | None:
+    """The edge whose credential this is, or None. Only hashes are stored and compared."""
+    if not plaintext.startswith(EDGE_CREDENTIAL_PREFIX) or "\x00" in plaintext:
+        return None
+    digest = credential_hash(plaintext)
+    edge = Edge.objects.select_related("region").filter(credential_hash=digest).first()
+    if edge is None or not hmac.compare_digest(edge.credential_hash, digest):
+        return None
+    return edge
+
+
+def routing_table_latest(*, region: Region) -> RoutingTableVersion | None:
+    return (
+        RoutingTableVersion.objects.select_related("region")
+        .filter(region=region)
+        .order_by("-version")
+        .first()
+    )
+
+
+def routing_table_latest_version(*, region_id: int) -> int | None:
+    """Just the number: what a long-poll checks every time it wakes."""
+    return (
+        RoutingTableVersion.objects.filter(region_id=region_id)
+        .order_by("-version")
+        .values_list("version", flat=True)
+        .first()
+    )
+
+
+def routing_table_document(table: RoutingTableVersion) -> dict[str, Any]:
+    """The document an edge receives for ``table``."""
+    return dict(table.document)
+
+
+def routing_table_overview() -> QuerySet[Region]:
+    """Regions with their latest version (``latest_version``, ``latest_created_at``) and
+    their edges, in three queries whatever the number of regions."""
+    latest = RoutingTableVersion.objects.filter(region=OuterRef("pk")).order_by("-version")
+    return (
+        Region.objects.annotate(
+            latest_version=Subquery(latest.values("version")[:1]),
+            latest_created_at=Subquery(latest.values("created_at")[:1]),
+        )
+        .prefetch_related(Prefetch("edges", queryset=Edge.objects.order_by("name")))
+        .order_by("code")
+    )

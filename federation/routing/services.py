@@ -1,0 +1,324 @@
+"""Writes of the distribution side: publishing table versions, edge credentials, heartbeats,
+and scheduling the debounced recompile after inventory and tenancy changes.
+
+Publishing locks the per-region version counters *before* reading the fleet, so two
+compilers run one after the other and the later one always sees at least what the earlier
+one saw: versions only go up, and a newer version never carries an older fleet.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import secrets
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+import orjson
+import redis
+from django.conf import settings
+from django.core.exceptions import ValidationError
+from django.db import transaction
+from django.db.models import OuterRef, Subquery
+from django.utils import timezone
+
+from federation.core.audit import Actor, audit_record
+from federation.core.errors import Conflict
+from federation.core.models import AuditEvent
+from federation.inventory.models import Edge, Instance, Region
+from federation.routing.compiler import compile_region_table
+from federation.routing.models import RoutingTableCounter, RoutingTableVersion
+from federation.routing.selectors import fleet_snapshot
+
+logger = logging.getLogger(__name__)
+
+#: Fields that change with every compile even when the fleet does not.
+VOLATILE_FIELDS = ("version", "generated_at", "signature")
+#: Redis channel an edge's long-poll waits on; the message is the new version.
+NUDGE_CHANNEL = "fedinfer:tables:{region}"
+#: Set while a recompile is queued: further changes within that window ride along.
+RECOMPILE_PENDING_KEY = "fedinfer:tables:recompile-pending"
+#: Let a burst of changes settle before compiling (many changes in a second, one compile).
+RECOMPILE_DELAY_S = 0.5
+#: The pending mark expires on its own, so a lost task cannot block recompiles for good.
+RECOMPILE_PENDING_TTL_MS = 10_000
+#: Edge credentials read ``fe_<secret>``: the prefix tells them apart from staff tokens.
+EDGE_CREDENTIAL_PREFIX = "fe_"
+#: Audit actions that change nothing a table contains.
+ACTIONS_WITHOUT_RECOMPILE = frozenset({"edge.rotate_credential"})
+
+
+def redis_client() -> redis.Redis | None:
+    """A client for ``REDIS_URL``, or None in embedded mode (no Redis configured)."""
+    url = settings.REDIS_URL
+    if not url:
+        return None
+    return redis.Redis.from_url(url, socket_timeout=2, socket_connect_timeout=2)
+
+
+def body_hash(document: dict[str, Any]) -> str:
+    """SHA-256 of the canonical document without its volatile fields."""
+    body = {k: v for k, v in document.items() if k not in VOLATILE_FIELDS}
+    return hashlib.sha256(orjson.dumps(body, option=orjson.OPT_SORT_KEYS)).hexdigest()
+
+
+# --- publishing ----------------------------------------------------------------------------
+
+
+def _locked_counters(codes: Sequence[str]) -> dict[str, RoutingTableCounter]:
+    """Create missing counters, then lock them all in code order (no deadlock between two
+    publishers of overlapping region sets)."""
+    RoutingTableCounter.objects.bulk_create(
+        [RoutingTableCounter(region_code=c) for c in codes], ignore_conflicts=True
+    )
+    locked = (
+        RoutingTableCounter.objects.select_for_update()
+        .filter(region_code__in=codes)
+        .order_by("region_code")
+    )
+    return {c.region_code: c for c in locked}
+
+
+def _publish_nudges(versions: Iterable[RoutingTableVersion]) -> None:
+    """Wake the long-polls of edges waiting for these regions. Without Redis they notice on
+    their next database poll, so a failure here delays, never loses, a table."""
+    pairs = [(v.region.code, v.version) for v in versions]
+    client = redis_client()
+    if client is None or not pairs:
+        return
+    try:
+        with client.pipeline(transaction=False) as pipe:
+            for code, version in pairs:
+                pipe.publish(NUDGE_CHANNEL.format(region=code), str(version))
+            pipe.execute()
+    except redis.RedisError as exc:
+        logger.warning("table nudge not sent (edges fall back to polling): %s", exc)
+    finally:
+        client.close()
+
+
+def routing_tables_publish(*, regions: Sequence[str] | None = None) -> list[RoutingTableVersion]:
+    """Compile the tables of ``regions`` (default: all) and store those whose content changed,
+    each under its region's next version. Returns the new versions (empty: nothing changed)."""
+    with transaction.atomic():
+        region_qs = Region.objects.order_by("code")
+        if regions is not None:
+            region_qs = region_qs.filter(code__in=list(regions))
+        codes = list(region_qs.values_list("code", flat=True))
+        if not codes:
+            return []
+        counters = _locked_counters(codes)
+        # Read the fleet only now, under the locks: a later publisher sees at least this.
+        snapshot = fleet_snapshot()
+        latest = RoutingTableVersion.objects.filter(region=OuterRef("pk")).order_by("-version")
+        targets = Region.objects.filter(code__in=codes).annotate(
+            latest_hash=Subquery(latest.values("body_hash")[:1])
+        )
+        generated_at = timezone.now().isoformat().replace("+00:00", "Z")
+        created: list[RoutingTableVersion] = []
+        for region in targets.order_by("code"):
+            counter = counters[region.code]
+            document = compile_region_table(
+                snapshot,
+                region=region.code,
+                version=counter.last_version + 1,
+                generated_at=generated_at,
+            )
+            digest = body_hash(document)
+            if region.latest_hash == digest:
+                continue
+            counter.last_version += 1
+            counter.save(update_fields=["last_version"])
+            created.append(
+                RoutingTableVersion.objects.create(
+                    region=region, version=counter.last_version, document=document, body_hash=digest
+                )
+            )
+        if created:
+            transaction.on_commit(lambda: _publish_nudges(created))
+    return created
+
+
+# --- the debounced recompile ---------------------------------------------------------------
+
+
+def routing_tables_schedule_recompile() -> bool:
+    """Queue one publish ``RECOMPILE_DELAY_S`` from now unless one is already pending.
+
+    Returns True when a task was queued. The pending mark lives in Redis (shared by every
+    web process and cleared by the task when it starts); without Redis every call queues a
+    task, which is harmless: an unchanged fleet publishes nothing.
+    """
+    from workers.tasks import routing_tables_publish_task
+
+    client = redis_client()
+    if client is not None:
+        try:
+            first = client.set(RECOMPILE_PENDING_KEY, "1", nx=True, px=RECOMPILE_PENDING_TTL_MS)
+        except redis.RedisError as exc:
+            logger.warning("recompile debounce unavailable, queueing anyway: %s", exc)
+            first = True
+        finally:
+            client.close()
+        if not first:
+            return False
+    routing_tables_publish_task.apply_async(countdown=RECOMPILE_DELAY_S)
+    return True
+
+
+def routing_tables_recompile_claim() -> None:
+    """Clear the pending mark as a recompile starts: changes committed from now on queue a
+    new one, changes committed before are in the snapshot this recompile reads."""
+    client = redis_client()
+    if client is None:
+        return
+    try:
+        client.delete(RECOMPILE_PENDING_KEY)
+    except redis.RedisError as exc:
+        # The mark expires by itself within RECOMPILE_PENDING_TTL_MS.
+        logger.warning("recompile mark not cleared: %s", exc)
+    finally:
+        client.close()
+
+
+def recompile_on_audit_event(
+    sender: type[AuditEvent], instance: AuditEvent, created: bool, **kwargs: Any
+) -> None:
+    """Receiver: an inventory or tenancy change schedules a recompile once it commits."""
+    if not created or instance.action in ACTIONS_WITHOUT_RECOMPILE:
+        return
+    if instance.object_type.startswith(("inventory.", "tenancy.")):
+        transaction.on_commit(routing_tables_schedule_recompile, robust=True)
+
+
+# --- edge credentials ----------------------------------------------------------------------
+
+
+def credential_hash(plaintext: str) -> str:
+    return hashlib.sha256(plaintext.encode("utf-8")).hexdigest()
+
+
+@transaction.atomic
+def edge_credential_rotate(*, actor: Actor, edge: Edge) -> str:
+    """Give the edge a new credential and return its plaintext (shown this once; only the
+    hash is stored). The old credential stops working at once."""
+    edge = Edge.objects.select_for_update().get(pk=edge.pk)
+    plaintext = EDGE_CREDENTIAL_PREFIX + secrets.token_urlsafe(32)
+    edge.credential_hash = credential_hash(plaintext)
+    edge.save(update_fields=["credential_hash", "updated_at"])
+    audit_record(actor=actor, action="edge.rotate_credential", obj=edge)
+    return plaintext
+
+
+# --- heartbeats ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class InstanceReport:
+    """One instance as an edge sees it."""
+
+    id: str
+    healthy: bool
+    load: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class HeartbeatResult:
+    edge: Edge
+    updated_instances: list[str]
+    unknown_instances: list[str]
+
+
+def edge_heartbeat_record(
+    *,
+    edge: Edge,
+    applied_table_version: int | None,
+    instances: Sequence[InstanceReport],
+    at: datetime | None = None,
+) -> HeartbeatResult:
+    """Store an edge's heartbeat: its liveness, the table version it applied and what it sees
+    of its region's instances, in one transaction.
+
+    A version lower than the one the edge reported before is refused (``Conflict``), yet the
+    edge's liveness is still recorded: it is alive, only confused. Instances the edge names
+    that are not in its region are listed back, not refused: its table may predate a delete.
+    """
+    now = at or timezone.now()
+    refusal: Conflict | None = None
+    with transaction.atomic():
+        edge = Edge.objects.select_related("region").select_for_update().get(pk=edge.pk)
+        edge.last_heartbeat_at = now
+        previous = edge.applied_table_version
+        if (
+            applied_table_version is not None
+            and previous is not None
+            and applied_table_version < previous
+        ):
+            edge.save(update_fields=["last_heartbeat_at"])
+            refusal = Conflict(
+                f"applied_table_version {applied_table_version} goes backwards: edge "
+                f"{edge.name} reported version {previous} before. Liveness was recorded; "
+                f"the version and instance reports were not.",
+                code="table_version_backwards",
+            )
+        else:
+            _check_published(edge, applied_table_version)
+            edge.applied_table_version = (
+                applied_table_version if applied_table_version is not None else previous
+            )
+            edge.save(update_fields=["last_heartbeat_at", "applied_table_version"])
+            updated, unknown = _store_instance_reports(edge, instances, now)
+    if refusal is not None:
+        raise refusal
+    return HeartbeatResult(edge=edge, updated_instances=updated, unknown_instances=unknown)
+
+
+def _check_published(edge: Edge, version: int | None) -> None:
+    if version is None:
+        return
+    latest = (
+        RoutingTableVersion.objects.filter(region_id=edge.region_id)
+        .order_by("-version")
+        .values_list("version", flat=True)
+        .first()
+    )
+    if latest is None or version > latest:
+        raise ValidationError(
+            {
+                "applied_table_version": [
+                    f"Version {version} of region {edge.region.code}'s table was never "
+                    f"published (latest: {latest if latest is not None else 'none'})."
+                ]
+            }
+        )
+
+
+def _store_instance_reports(
+    edge: Edge, reports: Sequence[InstanceReport], now: datetime
+) -> tuple[list[str], list[str]]:
+    names = [r.id for r in reports]
+    known = {
+        inst.name: inst
+        for inst in Instance.objects.select_for_update()
+        .filter(name__in=names, deployment__pool__region_id=edge.region_id)
+        .order_by("pk")
+    }
+    updated: list[Instance] = []
+    for report in reports:
+        inst = known.get(report.id)
+        if inst is None:
+            continue
+        inst.load = {
+            **report.load,
+            "healthy": report.healthy,
+            "edge": edge.name,
+            "reported_at": now.isoformat(),
+        }
+        inst.last_heartbeat_at = now
+        updated.append(inst)
+    # No audit event per heartbeat (they arrive every few seconds) and no recompile either:
+    # the periodic recompile picks telemetry up.
+    Instance.objects.bulk_update(updated, ["load", "last_heartbeat_at"])
+    return [i.name for i in updated], sorted(set(names) - set(known))
