@@ -48,11 +48,25 @@ def exception_handler(exc: Exception, context: dict[str, Any]) -> Response | Non
     if isinstance(exc, DjangoValidationError):
         exc = _as_drf(exc)
     if isinstance(exc, exceptions.ValidationError):
-        response = drf_exception_handler(exc, context)
-        if response is not None and _codes(exc.get_codes()) <= UNIQUENESS_CODES:
-            response.status_code = status.HTTP_409_CONFLICT
-        return response
+        if _codes(exc.get_codes()) <= UNIQUENESS_CODES:
+            return _duplicate_response(exc)
+        return drf_exception_handler(exc, context)
     return _other_response(exc, context)
+
+
+def _duplicate_response(exc: exceptions.ValidationError) -> Response:
+    """409 in the one conflict shape (``detail``, ``code``), with the per-field messages."""
+    fields = exc.detail if isinstance(exc.detail, dict) else {"non_field_errors": exc.detail}
+    summary = "; ".join(
+        f"{field}: {' '.join(str(m) for m in messages)}"
+        if isinstance(messages, list)
+        else f"{field}: {messages}"
+        for field, messages in fields.items()
+    )
+    return Response(
+        {"detail": f"Already exists ({summary}).", "code": "duplicate", "errors": fields},
+        status=status.HTTP_409_CONFLICT,
+    )
 
 
 def _other_response(exc: Exception, context: dict[str, Any]) -> Response | None:

@@ -16,13 +16,14 @@ FUZZ_USER = os.environ.get("FUZZ_USER", "fuzz-admin")
 class FreshToken:
     def get(self, case: schemathesis.Case, context: schemathesis.AuthContext) -> str:
         # A management command, not the API: the fuzzer may have changed the password.
-        out = subprocess.run(
+        result = subprocess.run(
             [sys.executable, "-m", "federation.cli", "drf_create_token", FUZZ_USER],
-            check=True,
             capture_output=True,
             text=True,
-        ).stdout
-        return out.split()[2]
+        )
+        if result.returncode != 0:
+            raise RuntimeError(f"could not issue a token for {FUZZ_USER}: {result.stderr[-2000:]}")
+        return result.stdout.split()[2]
 
     def set(self, case: schemathesis.Case, data: str, context: schemathesis.AuthContext) -> None:
         case.headers = {**(case.headers or {}), "Authorization": f"Token {data}"}

@@ -65,11 +65,13 @@ def test_unknown_fields_and_bad_numbers_are_reported_together(operator_client) -
 def test_a_duplicate_is_a_409_conflict_in_every_domain(operator_client) -> None:
     assert operator_client.post("/api/v1/regions/", REGION, format="json").status_code == 201
     again = operator_client.post("/api/v1/regions/", REGION, format="json")
-    assert again.status_code == 409 and "code" in again.json()
+    assert again.status_code == 409
+    assert again.json()["code"] == "duplicate" and "code" in again.json()["errors"]
     tenant = {"slug": "globex", "name": "Globex"}
     assert operator_client.post("/api/v1/tenants/", tenant, format="json").status_code == 201
     again = operator_client.post("/api/v1/tenants/", tenant, format="json")
-    assert again.status_code == 409 and "slug" in again.json()
+    assert again.status_code == 409 and "slug" in again.json()["errors"]
+    assert again.json()["detail"].startswith("Already exists (slug:")
 
 
 @pytest.mark.django_db

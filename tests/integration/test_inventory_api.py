@@ -178,7 +178,7 @@ def test_duplicate_region_code_is_a_409_conflict(
     response = admin_client.post(f"{API}/regions/", region_body(code="us-east"), format="json")
     assert response.status_code == 409
     assert Region.objects.count() == before
-    assert "already exists" in response.json()["code"][0]
+    assert "already exists" in response.json()["errors"]["code"][0]
 
 
 def test_region_status_evacuated_only_through_the_action(
@@ -528,7 +528,7 @@ def test_adapters(admin_client: APIClient, fleet: dict[str, Any]) -> None:
     )
     duplicate = admin_client.post(f"{API}/adapters/", body, format="json")
     assert duplicate.status_code == 409
-    assert "already exists" in duplicate.json()["name"][0]
+    assert "already exists" in duplicate.json()["errors"]["name"][0]
     foreign = admin_client.post(
         f"{API}/adapters/",
         {**body, "name": "acme/70b-lora", "base_model": fleet["m70"].pk},
@@ -831,7 +831,8 @@ def test_instance_bad_input(
     response = admin_client.post(f"{API}/instances/", full, format="json")
     expected = 409 if text == "already exists" else 400  # duplicates conflict with state
     assert response.status_code == expected, response.json()
-    assert text in " ".join(response.json()[field])
+    errors = response.json()["errors"] if expected == 409 else response.json()
+    assert text in " ".join(errors[field])
     assert counts() == before
 
 

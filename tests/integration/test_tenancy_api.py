@@ -189,7 +189,7 @@ def test_duplicate_slug_is_a_409_conflict(
     make_tenant("acme")
     response = admin_client.post(TENANTS, {"slug": "acme", "name": "Again"})
     assert response.status_code == 409
-    assert "slug" in errors_of(response)
+    assert "slug" in errors_of(response)["errors"]
 
 
 def test_duplicate_username_is_a_409_and_writes_nothing(admin_client: APIClient) -> None:
@@ -198,7 +198,7 @@ def test_duplicate_username_is_a_409_and_writes_nothing(admin_client: APIClient)
         USERS, {"username": "alice-admin", "password": "correct-horse-battery", "role": "admin"}
     )
     assert response.status_code == 409
-    assert "username" in response.json()
+    assert "username" in response.json()["errors"]
     assert counts() == before
 
 

@@ -145,6 +145,13 @@ class RegionViewSet(ServiceViewSet):
 
 
 @crud_schema(out=s.RegionLinkOut, create=s.RegionLinkSetIn, update=s.RegionLinkUpdateIn)
+@extend_schema_view(
+    create=extend_schema(
+        request=s.RegionLinkSetIn,
+        responses={201: s.RegionLinkOut, 200: s.RegionLinkOut},
+        description="Set the RTT of a pair: 201 when the pair is new, 200 when it is updated.",
+    )
+)
 class RegionLinkViewSet(ServiceViewSet):
     """The inter-region RTT matrix. POSTing an existing pair updates it."""
 
@@ -157,11 +164,6 @@ class RegionLinkViewSet(ServiceViewSet):
     filterset_class = filters.RegionLinkFilter
     ordering_fields = ("rtt_ms", "measured_rtt_ms", "created_at")
 
-    @extend_schema(
-        request=s.RegionLinkSetIn,
-        responses={201: s.RegionLinkOut, 200: s.RegionLinkOut},
-        description="Set the RTT of a pair: 201 when the pair is new, 200 when it is updated.",
-    )
     def create(self, request: Request, *args: Any, **kwargs: Any) -> Response:
         ser = self.create_input(data=request.data)
         ser.is_valid(raise_exception=True)
