@@ -123,6 +123,12 @@ CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 CELERY_BEAT_SCHEDULER = "celery.beat:Scheduler"
 #: Seconds between periodic recompiles (telemetry changes without an inventory write).
 FEDINFER_TABLES_REFRESH_SECONDS = env_int("FEDINFER_TABLES_REFRESH_SECONDS", 30)
+CELERY_BEAT_SCHEDULE = {
+    "routing-tables-refresh": {
+        "task": "fedinfer.routing_tables.publish",
+        "schedule": float(FEDINFER_TABLES_REFRESH_SECONDS),
+    }
+}
 #: HMAC key of routing tables. Production requires it (edges hold the same key); embedded
 #: mode derives one from SECRET_KEY so the demo's edges and control plane agree.
 FEDINFER_TABLE_SIGNING_KEY = env_str(

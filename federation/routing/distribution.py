@@ -9,11 +9,13 @@ from __future__ import annotations
 import hmac
 from typing import Any
 
+from django.conf import settings
 from django.db.models import OuterRef, Prefetch, QuerySet, Subquery
 
 from federation.inventory.models import Edge, Region
 from federation.routing.models import RoutingTableVersion
 from federation.routing.services import EDGE_CREDENTIAL_PREFIX, credential_hash
+from regions.tables.signing import sign
 
 
 def edge_by_credential(plaintext: str) -> Edge | None:
@@ -47,8 +49,13 @@ def routing_table_latest_version(*, region_id: int) -> int | None:
 
 
 def routing_table_document(table: RoutingTableVersion) -> dict[str, Any]:
-    """The document an edge receives for ``table``."""
-    return dict(table.document)
+    """The document an edge receives: the stored one, signed with the current key (so a
+    rotated key applies to every version at once; an HMAC costs microseconds)."""
+    return sign(
+        table.document,
+        settings.FEDINFER_TABLE_SIGNING_KEY,
+        settings.FEDINFER_TABLE_SIGNING_KEY_ID,
+    )
 
 
 def routing_table_overview() -> QuerySet[Region]:

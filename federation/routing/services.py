@@ -28,7 +28,7 @@ from federation.core.audit import Actor, audit_record
 from federation.core.errors import Conflict
 from federation.core.models import AuditEvent
 from federation.inventory.models import Edge, Instance, Region
-from federation.routing.compiler import compile_region_table
+from federation.routing.compiler import compile_region_table, fleet_plan
 from federation.routing.models import RoutingTableCounter, RoutingTableVersion
 from federation.routing.selectors import fleet_snapshot
 
@@ -112,6 +112,7 @@ def routing_tables_publish(*, regions: Sequence[str] | None = None) -> list[Rout
         counters = _locked_counters(codes)
         # Read the fleet only now, under the locks: a later publisher sees at least this.
         snapshot = fleet_snapshot()
+        plan = fleet_plan(snapshot)  # the fleet-wide demand split, once for every region
         latest = RoutingTableVersion.objects.filter(region=OuterRef("pk")).order_by("-version")
         targets = Region.objects.filter(code__in=codes).annotate(
             latest_hash=Subquery(latest.values("body_hash")[:1])
@@ -125,6 +126,7 @@ def routing_tables_publish(*, regions: Sequence[str] | None = None) -> list[Rout
                 region=region.code,
                 version=counter.last_version + 1,
                 generated_at=generated_at,
+                plan=plan,
             )
             digest = body_hash(document)
             if region.latest_hash == digest:

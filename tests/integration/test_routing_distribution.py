@@ -28,6 +28,7 @@ from federation.inventory import services as inventory
 from federation.inventory.models import Edge, Instance, Region
 from federation.routing import services
 from federation.routing.models import RoutingTableCounter, RoutingTableVersion
+from regions.tables import signing
 from tests.integration.inventory_factories import (
     make_deployment,
     make_instance,
@@ -188,6 +189,13 @@ def test_etag_and_if_none_match(fleet: Fleet) -> None:
     doc = r.json()
     assert doc["version"] == 1 and doc["region"] == "eu-west"
     assert [i["id"] for i in doc["instances"]] == ["eu-west-0"]
+    # Signed with the configured key: the edge's verify() accepts it, and nothing else.
+    keys = {settings.FEDINFER_TABLE_SIGNING_KEY_ID: settings.FEDINFER_TABLE_SIGNING_KEY}
+    assert signing.verify(r.content, keys).version == 1
+    with pytest.raises(signing.SignatureError):
+        signing.verify({**doc, "version": 9}, keys)
+    with pytest.raises(signing.SignatureError):
+        signing.verify(r.content, {settings.FEDINFER_TABLE_SIGNING_KEY_ID: "another key"})
 
     r = client.get("/api/v1/edges/eu-west/routing-table", HTTP_IF_NONE_MATCH='"1"')
     assert r.status_code == 304 and r["ETag"] == '"1"' and r.content == b""

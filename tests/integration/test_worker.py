@@ -1,0 +1,164 @@
+"""The Celery side of distribution: the debounced recompile after commit, and a real
+``fedinfer worker`` (with embedded beat) on the Redis broker publishing new versions."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from rest_framework.test import APIClient
+
+from federation.inventory.models import Instance, Region
+from federation.routing import services
+from federation.routing.models import RoutingTableVersion
+from tests.integration.test_routing_distribution import (  # noqa: F401  (fixture)
+    FEDINFER,
+    build_fleet,
+    stop_process_group,
+    subprocess_env,
+    test_redis,
+)
+from workers.tasks import routing_tables_publish_task
+
+
+def queued(client: redis.Redis) -> list[dict[str, Any]]:
+    """Messages waiting on the default Celery queue."""
+    return [json.loads(raw) for raw in client.lrange("celery", 0, -1)]
+
+
+@pytest.mark.django_db
+def test_a_burst_of_changes_queues_one_delayed_recompile(
+    test_redis: redis.Redis,  # noqa: F811
+    admin_client: APIClient,
+    django_capture_on_commit_callbacks: Callable[..., Any],
+) -> None:
+    with django_capture_on_commit_callbacks(execute=True):
+        fleet = build_fleet(admin_client)
+    with django_capture_on_commit_callbacks(execute=True):
+        for code in ("ap-1", "ap-2", "ap-3"):
+            admin_client.post(
+                "/api/v1/regions/",
+                {
+                    "code": code,
+                    "name": code,
+                    "provider": "cloud",
+                    "latitude": 1.0,
+                    "longitude": 2.0,
+                    "jurisdiction": "IN",
+                },
+                format="json",
+            )
+        admin_client.post(f"/api/v1/regions/{fleet.eu.code}/evacuate/")
+    (message,) = queued(test_redis)
+    assert message["headers"]["task"] == "fedinfer.routing_tables.publish"
+    assert message["headers"]["eta"] is not None  # the countdown lets the burst settle
+    assert test_redis.exists(services.RECOMPILE_PENDING_KEY)
+
+    # The task clears the mark first: a change committed from then on queues a new one.
+    result = routing_tables_publish_task.apply()
+    assert sorted(result.get()) == ["ap-1@1", "ap-2@1", "ap-3@1", "eu-west@1", "us-east@1"]
+    assert not test_redis.exists(services.RECOMPILE_PENDING_KEY)
+    with django_capture_on_commit_callbacks(execute=True):
+        admin_client.post(f"/api/v1/regions/{fleet.eu.code}/restore/")
+    assert len(queued(test_redis)) == 2
+
+
+@pytest.mark.django_db
+def test_heartbeats_and_credential_rotation_queue_no_recompile(
+    test_redis: redis.Redis,  # noqa: F811
+    admin_client: APIClient,
+    django_capture_on_commit_callbacks: Callable[..., Any],
+) -> None:
+    fleet = build_fleet(admin_client)
+    services.routing_tables_publish()
+    with django_capture_on_commit_callbacks(execute=True) as callbacks:
+        services.edge_credential_rotate(actor=None, edge=fleet.eu_edge)
+        services.edge_heartbeat_record(
+            edge=fleet.eu_edge,
+            applied_table_version=1,
+            instances=[services.InstanceReport(id="eu-west-0", healthy=True, load={})],
+        )
+    assert callbacks == [] and queued(test_redis) == []
+
+
+@pytest.fixture
+def worker(transactional_db: None, tmp_path: Path) -> Iterator[Path]:
+    """``fedinfer worker`` on Redis DB 14 and this test's database; beat every 2 s."""
+    log_path = tmp_path / "worker.log"
+    log = log_path.open("wb")
+    env = {**subprocess_env(), "FEDINFER_TABLES_REFRESH_SECONDS": "2"}
+    proc = subprocess.Popen(
+        [FEDINFER, "worker", "--pool", "solo", "--without-gossip", "--without-mingle"],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    try:
+        yield log_path
+    finally:
+        stop_process_group(proc)
+        log.close()
+
+
+def wait_for(predicate: Callable[[], Any], *, timeout: float, what: str, log: Path) -> float:
+    """Seconds until ``predicate()`` holds; fails with the worker's log after ``timeout``."""
+    started = time.monotonic()
+    while not predicate():
+        if time.monotonic() - started > timeout:
+            pytest.fail(f"{what} within {timeout} s; worker log:\n{log.read_text()[-4000:]}")
+        time.sleep(0.05)
+    return time.monotonic() - started
+
+
+def latest_document(code: str) -> dict[str, Any] | None:
+    table = RoutingTableVersion.objects.filter(region__code=code).order_by("-version").first()
+    return None if table is None else table.document
+
+
+@pytest.mark.django_db(transaction=True, serialized_rollback=True)
+def test_the_worker_publishes_after_an_evacuation_and_periodically(
+    worker: Path,
+    admin_client: APIClient,
+    test_redis: redis.Redis,  # noqa: F811
+) -> None:
+    fleet = build_fleet(admin_client)  # its commits queue a recompile for the worker
+    wait_for(
+        lambda: latest_document("eu-west") is not None,
+        timeout=30,
+        what="the worker did not publish the first tables",
+        log=worker,
+    )
+    first = latest_document("eu-west")
+    assert first is not None and [i["id"] for i in first["instances"]] == ["eu-west-0"]
+
+    r = admin_client.post(f"/api/v1/regions/{fleet.eu.code}/evacuate/")
+    assert r.status_code == 200
+    elapsed = wait_for(
+        lambda: (latest_document("eu-west") or {}).get("instances") == [],
+        timeout=10,
+        what="no table without eu-west's instances",
+        log=worker,
+    )
+    print(f"evacuation -> new eu-west version published by the worker: {elapsed * 1000:.0f} ms")
+    assert elapsed < 5
+    doc = latest_document("eu-west")
+    assert doc is not None and doc["version"] > first["version"]
+
+    # A change no service announces (no audit event, no task queued) still reaches the
+    # tables through beat's periodic recompile.
+    assert queued(test_redis) == []
+    Region.objects.filter(pk=fleet.us.pk).update(status="evacuated")
+    Instance.objects.filter(name="us-east-0").update(state="draining")
+    wait_for(
+        lambda: (latest_document("us-east") or {}).get("instances") == [],
+        timeout=10,
+        what="beat's periodic recompile did not publish us-east",
+        log=worker,
+    )
