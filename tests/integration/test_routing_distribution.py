@@ -383,6 +383,7 @@ def free_port() -> int:
 class Server:
     url: str
     proc: subprocess.Popen[bytes]
+    redis: str
 
 
 def stop_process_group(proc: subprocess.Popen[bytes]) -> None:
@@ -409,13 +410,24 @@ def subprocess_env() -> dict[str, str]:
     }
 
 
+#: Nothing listens there: the server's Redis is "down" and it must poll the database.
+DEAD_REDIS_URL = "redis://127.0.0.1:1/0"
+
+
 @pytest.fixture
-def server(transactional_db: None, tmp_path: Path) -> Iterator[Server]:
+def server(
+    transactional_db: None, tmp_path: Path, request: pytest.FixtureRequest
+) -> Iterator[Server]:
+    """``fedinfer serve`` (uvicorn) on this test's database; ``request.param`` picks its
+    Redis: ``"redis"`` (DB 14, nudged by the publisher) or ``"redis-down"``."""
     port = free_port()
     log = (tmp_path / "serve.log").open("wb")
+    env = subprocess_env()
+    if getattr(request, "param", "redis") == "redis-down":
+        env["REDIS_URL"] = DEAD_REDIS_URL
     proc = subprocess.Popen(
         [FEDINFER, "serve", "--no-migrate", "--port", str(port)],
-        env=subprocess_env(),
+        env=env,
         stdout=log,
         stderr=subprocess.STDOUT,
         start_new_session=True,
@@ -431,12 +443,13 @@ def server(transactional_db: None, tmp_path: Path) -> Iterator[Server]:
                 break
             except httpx.TransportError:
                 time.sleep(0.1)
-        yield Server(url, proc)
+        yield Server(url, proc, getattr(request, "param", "redis"))
     finally:
         stop_process_group(proc)
         log.close()
 
 
+@pytest.mark.parametrize("server", ["redis", "redis-down"], indirect=True)
 @pytest.mark.django_db(transaction=True, serialized_rollback=True)
 def test_long_poll_answers_as_soon_as_a_version_is_published(
     server: Server, admin_client: APIClient, settings: Any
@@ -464,7 +477,7 @@ def test_long_poll_answers_as_soon_as_a_version_is_published(
     r = answer["response"]
     assert r.status_code == 200 and r.headers["ETag"] == f'"{version.version}"'
     latency = answer["at"] - published_at
-    print(f"long-poll latency after publish: {latency * 1000:.0f} ms")
+    print(f"long-poll latency after publish ({server.redis}): {latency * 1000:.0f} ms")
     assert latency < 1.0, latency
 
     # Nothing newer: 304 once the wait is over.
