@@ -297,6 +297,46 @@ def _check_published(edge: Edge, version: int | None) -> None:
         )
 
 
+#: Reports older than this no longer count towards an instance's load.
+LOAD_REPORT_MAX_AGE_S = 60.0
+#: Per-edge figures that add up across the edges of a region.
+SUMMED_LOAD_FIELDS = ("tokens_per_s", "in_flight", "queued")
+
+
+def _report_age_s(report: Any, now: datetime) -> float | None:
+    try:
+        return (now - datetime.fromisoformat(report["reported_at"])).total_seconds()
+    except (TypeError, KeyError, ValueError):
+        return None
+
+
+def merge_load(current: Any, *, edge: str, report: InstanceReport, now: datetime) -> dict[str, Any]:
+    """An instance's load snapshot after ``edge``'s report.
+
+    Every edge of a region sends part of the instance's traffic, so the snapshot keeps each
+    edge's latest report (``edges``) and sums them: ``tokens_per_s`` (the demand the compiler
+    reads), ``in_flight`` and ``queued``. Reports older than ``LOAD_REPORT_MAX_AGE_S`` (an
+    edge that stopped) drop out. ``healthy`` is true while any fresh report says so.
+    """
+    previous = current.get("edges") if isinstance(current, dict) else None
+    edges: dict[str, dict[str, Any]] = {}
+    if isinstance(previous, dict):
+        for name, old in previous.items():
+            age = _report_age_s(old, now)
+            if isinstance(old, dict) and age is not None and age <= LOAD_REPORT_MAX_AGE_S:
+                edges[name] = old
+    edges[edge] = {**report.load, "healthy": report.healthy, "reported_at": now.isoformat()}
+    merged: dict[str, Any] = {
+        key: sum(e[key] for e in edges.values() if key in e)
+        for key in SUMMED_LOAD_FIELDS
+        if any(key in e for e in edges.values())
+    }
+    merged["healthy"] = any(e.get("healthy") is True for e in edges.values())
+    merged["edges"] = edges
+    merged["reported_at"] = now.isoformat()
+    return merged
+
+
 def _store_instance_reports(
     edge: Edge, reports: Sequence[InstanceReport], now: datetime
 ) -> tuple[list[str], list[str]]:
@@ -312,12 +352,7 @@ def _store_instance_reports(
         inst = known.get(report.id)
         if inst is None:
             continue
-        inst.load = {
-            **report.load,
-            "healthy": report.healthy,
-            "edge": edge.name,
-            "reported_at": now.isoformat(),
-        }
+        inst.load = merge_load(inst.load, edge=edge.name, report=report, now=now)
         inst.last_heartbeat_at = now
         updated.append(inst)
     # No audit event per heartbeat (they arrive every few seconds) and no recompile either:

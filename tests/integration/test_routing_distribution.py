@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,7 @@ import httpx
 import pytest
 import redis
 from django.conf import settings
+from django.utils import timezone
 from rest_framework.test import APIClient
 
 from federation.inventory import services as inventory
@@ -285,7 +287,13 @@ def test_heartbeat_stores_liveness_version_and_instance_load(fleet: Fleet) -> No
         {
             "applied_table_version": 1,
             "instances": [
-                {"id": "eu-west-0", "healthy": True, "in_flight": 3, "kv_cache_usage": 0.4},
+                {
+                    "id": "eu-west-0",
+                    "healthy": True,
+                    "in_flight": 3,
+                    "kv_cache_usage": 0.4,
+                    "tokens_per_s": 1200.0,
+                },
                 {"id": "us-east-0", "healthy": True},
                 {"id": "gone-7", "healthy": False},
             ],
@@ -302,8 +310,38 @@ def test_heartbeat_stores_liveness_version_and_instance_load(fleet: Fleet) -> No
     assert edge.last_heartbeat_at is not None
     inst = Instance.objects.get(name="eu-west-0")
     assert inst.load["in_flight"] == 3 and inst.load["healthy"] is True
-    assert inst.load["edge"] == "edge-eu-1" and inst.last_heartbeat_at == edge.last_heartbeat_at
+    assert inst.load["tokens_per_s"] == 1200.0 and inst.last_heartbeat_at == edge.last_heartbeat_at
+    assert inst.load["edges"]["edge-eu-1"]["kv_cache_usage"] == 0.4
+
     assert Instance.objects.get(name="us-east-0").last_heartbeat_at is None
+
+    # A second edge of the region sends the instance more traffic: the demand adds up.
+    other = inventory.edge_register(
+        actor=None, region=fleet.eu, name="edge-eu-2", url="http://edge-eu-2.local:8080"
+    )
+    credential = services.edge_credential_rotate(actor=None, edge=other)
+    r = edge_client(credential).post(
+        "/api/v1/edges/edge-eu-2/heartbeat",
+        {"instances": [{"id": "eu-west-0", "healthy": False, "tokens_per_s": 300, "in_flight": 1}]},
+        format="json",
+    )
+    assert r.status_code == 200, r.content
+    load = Instance.objects.get(name="eu-west-0").load
+    assert load["tokens_per_s"] == 1500.0 and load["in_flight"] == 4
+    assert load["healthy"] is True  # edge-eu-1 still admits it
+    assert set(load["edges"]) == {"edge-eu-1", "edge-eu-2"}
+
+
+def test_stale_edge_reports_drop_out_of_an_instances_load() -> None:
+    now = timezone.now()
+    report = services.InstanceReport(id="i", healthy=True, load={"tokens_per_s": 10.0})
+    stale = services.merge_load({}, edge="old", report=report, now=now - timedelta(seconds=61))
+    fresh = services.merge_load(stale, edge="new", report=report, now=now)
+    assert set(fresh["edges"]) == {"new"} and fresh["tokens_per_s"] == 10.0
+    # A malformed snapshot (written by hand through the instance API) is replaced.
+    assert services.merge_load({"edges": "x"}, edge="e", report=report, now=now)["edges"] == {
+        "e": {"tokens_per_s": 10.0, "healthy": True, "reported_at": now.isoformat()}
+    }
 
 
 @pytest.mark.django_db

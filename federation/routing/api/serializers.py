@@ -21,6 +21,13 @@ class InstanceReportIn(StrictFieldsMixin, serializers.Serializer):
     in_flight = serializers.IntegerField(min_value=0, max_value=1_000_000, required=False)
     queued = serializers.IntegerField(min_value=0, max_value=1_000_000, required=False)
     kv_cache_usage = serializers.FloatField(min_value=0.0, max_value=1.0, required=False)
+    tokens_per_s = serializers.FloatField(
+        min_value=0.0,
+        max_value=1e9,
+        required=False,
+        help_text="Tokens per second this edge sent the instance lately (prompt + output): "
+        "summed over the region's edges, the demand the table compiler splits.",
+    )
 
 
 class HeartbeatIn(StrictFieldsMixin, serializers.Serializer):
