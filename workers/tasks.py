@@ -17,6 +17,5 @@ from workers.celery import app
 )
 def routing_tables_publish_task(regions: list[str] | None = None) -> list[str]:
     """Compile and publish the tables whose content changed; ``region@version`` of each."""
-    routing.routing_tables_recompile_claim()
-    versions = routing.routing_tables_publish(regions=regions)
+    versions = routing.routing_tables_recompile(regions=regions)
     return [f"{v.region.code}@{v.version}" for v in versions]

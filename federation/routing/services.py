@@ -170,7 +170,13 @@ def routing_tables_schedule_recompile() -> bool:
     return True
 
 
-def routing_tables_recompile_claim() -> None:
+def routing_tables_recompile(*, regions: Sequence[str] | None = None) -> list[RoutingTableVersion]:
+    """What the queued and the periodic task run: claim the pending mark, then publish."""
+    _recompile_claim()
+    return routing_tables_publish(regions=regions)
+
+
+def _recompile_claim() -> None:
     """Clear the pending mark as a recompile starts: changes committed from now on queue a
     new one, changes committed before are in the snapshot this recompile reads."""
     client = redis_client()
