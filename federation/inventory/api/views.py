@@ -144,7 +144,6 @@ class RegionViewSet(ServiceViewSet):
         return self.respond(services.region_restore(actor=request.user, region=self.get_object()))
 
 
-@crud_schema(out=s.RegionLinkOut, create=s.RegionLinkSetIn, update=s.RegionLinkUpdateIn)
 @extend_schema_view(
     create=extend_schema(
         request=s.RegionLinkSetIn,
@@ -152,6 +151,7 @@ class RegionViewSet(ServiceViewSet):
         description="Set the RTT of a pair: 201 when the pair is new, 200 when it is updated.",
     )
 )
+@crud_schema(out=s.RegionLinkOut, create=s.RegionLinkSetIn, update=s.RegionLinkUpdateIn)
 class RegionLinkViewSet(ServiceViewSet):
     """The inter-region RTT matrix. POSTing an existing pair updates it."""
 
