@@ -22,7 +22,7 @@ from federation.routing.demand import (
     DEFAULT_LATENCY_PENALTY_USD_PER_MTOK_PER_MS,
     DemandSplit,
     Offer,
-    split_demand,
+    split_shared_demand,
 )
 from federation.tenancy.residency import ResidencyPolicy, region_allowed
 
@@ -48,6 +48,10 @@ TARGET_UTILISATION = 0.65
 ROLE_CAPACITY_SHARE = {"mixed": 1.0, "prefill": 0.5, "decode": 0.5}
 #: Spend at or above this share of the monthly budget is published as ``warn``.
 BUDGET_WARN_SHARE = 0.8
+#: Why a model is refused to a residency class (``residency_classes[].refusals``): no region
+#: the policy allows serves it, or those that do cannot be reached from this region.
+REFUSAL_RESIDENCY = "residency"
+REFUSAL_UNREACHABLE = "unreachable"
 #: Only keys with this scope are published: the edge serves inference and nothing else.
 INFERENCE_SCOPE = "inference"
 
@@ -204,11 +208,15 @@ class FleetPlan:
     #: (origin, served name) -> expected demand, tokens/s.
     demand: dict[tuple[str, str], float]
     split: DemandSplit
-    #: LP class id -> share of every origin's demand it carries.
-    class_shares: dict[str, float]
     latency_penalty: float
     tenant_entries: list[dict[str, Any]]
     instance_entries: dict[str, list[dict[str, Any]]]
+    #: (region, served name) -> its offer as :func:`_offer` rounds it (filled on first use).
+    offers: dict[tuple[str, str], tuple[float, float, float, float]]
+    #: class id -> served name -> refusal reason, the same from every origin.
+    class_refusals: dict[str, dict[str, str]]
+    #: Active regions with at least one routable instance.
+    serving_regions: set[str]
     #: region -> (USD/h, tokens/s, capacity at the target, expected load) over its models.
     region_totals: dict[str, tuple[float, float, float, float]]
 
@@ -351,8 +359,8 @@ def fleet_plan(
         key=lambda e: e["tenant"],
     )
 
-    # Expected demand per (origin, served name), shared among classes by their tenant count
-    # (until metering attributes demand to tenants).
+    # Expected demand per (origin, served name), attributed to residency classes by
+    # _origin_shares (until metering attributes demand to tenants).
     if snapshot.demand_tokens_per_s:
         demand = {k: float(v) for k, v in snapshot.demand_tokens_per_s.items() if v > 0}
     else:
@@ -362,12 +370,6 @@ def fleet_plan(
                 key = (row.region, row.model)
                 demand[key] = demand.get(key, 0.0) + row.load_tokens_per_s
     lp_classes = classes or [ResidencyClass("any", frozenset(regions), 1)]
-    total_tenants = sum(c.tenants for c in lp_classes)
-    class_demand = {
-        (c.id, origin, name): tokens_s * c.tenants / total_tenants
-        for (origin, name), tokens_s in demand.items()
-        for c in lp_classes
-    }
     offers = {
         name: {
             s: Offer(supply[(s, base_at[(s, name)])].cost_per_mtok, base_at[(s, name)])
@@ -375,8 +377,9 @@ def fleet_plan(
         }
         for name, where in serving.items()
     }
-    split = split_demand(
-        demand=class_demand,
+    split = split_shared_demand(
+        demand=demand,
+        class_shares={o: _origin_shares(o, lp_classes) for o in sorted({o for o, _ in demand})},
         allowed={c.id: c.allowed for c in lp_classes},
         offers=offers,
         capacity={k: s.capacity_tokens_per_s for k, s in supply.items()},
@@ -392,12 +395,23 @@ def fleet_plan(
         classes=classes,
         demand=demand,
         split=split,
-        class_shares={c.id: c.tenants / total_tenants for c in lp_classes},
         latency_penalty=latency_penalty,
         tenant_entries=tenant_entries,
         instance_entries={c: _instance_entries(rows) for c, rows in by_region.items()},
+        offers={},
+        class_refusals=_class_refusals(serving, classes),
+        serving_regions=set(by_region),
         region_totals=_region_totals(supply, split),
     )
+
+
+def _origin_shares(origin: str, classes: list[ResidencyClass]) -> dict[str, float]:
+    """Who an origin's demand belongs to, until metering says: the tenants that may be served
+    there (geo-steering sends clients to an edge of a region their data may live in), each
+    class by its number of tenants; all classes alike when none may be served there."""
+    local = [c for c in classes if origin in c.allowed] or classes
+    total = sum(c.tenants for c in local)
+    return {c.id: c.tenants / total for c in local}
 
 
 def _region_totals(
@@ -426,44 +440,53 @@ def _headroom(plan: FleetPlan, region: str, name: str) -> tuple[float, float]:
     return spare, (spare / cap if cap > 0 else 0.0)
 
 
+def _offer(plan: FleetPlan, region: str, name: str) -> tuple[float, float, float, float]:
+    """(cost per Mtok, headroom tokens/s, headroom share, raw cost): the same from every
+    origin, so computed once per (region, name) and rounded once."""
+    key = (region, name)
+    cached = plan.offers.get(key)
+    if cached is None:
+        cost = plan.supply[(region, plan.base_at[key])].cost_per_mtok
+        spare, share = _headroom(plan, region, name)
+        cached = plan.offers[key] = (_r(cost), _r(max(spare, 0.0), 1), _r(max(share, 0.0)), cost)
+    return cached
+
+
 def _route(plan: FleetPlan, origin: str, name: str) -> dict[str, Any]:
     """Where ``origin``'s traffic for ``name`` goes: local share and ordered remotes."""
-    local = origin in plan.serving[name]
-    remotes = {s: rtt for s, rtt in plan.reach[origin].items() if s in plan.serving[name]}
+    where = plan.serving[name]
+    local = origin in where
+    remotes = [(s, rtt) for s, rtt in plan.reach[origin].items() if s in where]
     demand = plan.demand.get((origin, name), 0.0)
-    weights: dict[str, float] = {}
-    unserved = 0.0
-    if demand > 0:
-        for cls, share in plan.class_shares.items():
-            key = (cls, origin, name)
-            for s, x in plan.split.fractions.get(key, {}).items():
-                weights[s] = weights.get(s, 0.0) + x * share
-            unserved += plan.split.unserved.get(key, 0.0)
-
-    def effective(s: str) -> float:
-        rtt = 0.0 if s == origin else remotes[s]
-        return plan.supply[(s, plan.base_at[(s, name)])].cost_per_mtok + plan.latency_penalty * rtt
-
-    candidates = sorted([*remotes, *([origin] if local else [])])
-    if demand <= 0 and candidates:
+    weights = plan.split.origin_fractions.get((origin, name), {})
+    unserved = plan.split.origin_unserved.get((origin, name), 0.0)
+    penalty = plan.latency_penalty
+    ranked = []  # (no headroom, cost after the latency penalty, code, rtt)
+    for s, rtt in remotes:
+        _, spare, _, cost = _offer(plan, s, name)
+        ranked.append((spare <= 0, cost + penalty * rtt, s, rtt))
+    if demand <= 0 and (remotes or local):
         # The split's answer for a vanishing demand: the cheapest target with headroom.
-        roomy = [s for s in candidates if _headroom(plan, s, name)[0] > 0] or candidates
-        weights = {min(roomy, key=lambda s: (effective(s), s)): 1.0}
-    entries: list[dict[str, Any]] = []
-    for s in remotes:
-        spare, share = _headroom(plan, s, name)
+        options = [(h, c, s) for h, c, s, _ in ranked]
+        if local:
+            _, spare, _, cost = _offer(plan, origin, name)
+            options.append((spare <= 0, cost, origin))
+        weights = {min(options)[2]: 1.0}
+    # Spill-over order: regions with headroom first, then cheapest after the latency penalty.
+    ranked.sort()
+    entries = []
+    for _, _, s, rtt in ranked:
+        cost_r, spare_r, share_r, _ = _offer(plan, s, name)
         entries.append(
             {
                 "code": s,
                 "weight": _r(weights.get(s, 0.0)),
-                "rtt_ms": remotes[s],
-                "cost_per_mtok": _r(plan.supply[(s, plan.base_at[(s, name)])].cost_per_mtok),
-                "headroom_tokens_per_s": _r(max(spare, 0.0), 1),
-                "headroom": _r(max(share, 0.0)),
+                "rtt_ms": rtt,
+                "cost_per_mtok": cost_r,
+                "headroom_tokens_per_s": spare_r,
+                "headroom": share_r,
             }
         )
-    # Spill-over order: regions with headroom first, then cheapest after the latency penalty.
-    entries.sort(key=lambda e: (e["headroom_tokens_per_s"] <= 0, effective(e["code"]), e["code"]))
     route: dict[str, Any] = {
         "model": name,
         "demand_tokens_per_s": _r(demand, 1),
@@ -475,35 +498,42 @@ def _route(plan: FleetPlan, origin: str, name: str) -> dict[str, Any]:
         "remotes": entries,
     }
     if local:
-        spare, _ = _headroom(plan, origin, name)
+        cost_r, spare_r, _, _ = _offer(plan, origin, name)
         supply = plan.supply[(origin, plan.base_at[(origin, name)])]
         route["local_capacity_tokens_per_s"] = _r(supply.capacity_tokens_per_s, 1)
-        route["local_headroom_tokens_per_s"] = _r(max(spare, 0.0), 1)
-        route["local_cost_per_mtok"] = _r(supply.cost_per_mtok)
+        route["local_headroom_tokens_per_s"] = spare_r
+        route["local_cost_per_mtok"] = cost_r
     return route
 
 
+def _class_refusals(
+    serving: Mapping[str, set[str]], classes: Iterable[ResidencyClass]
+) -> dict[str, dict[str, str]]:
+    """Served names no allowed region of a class serves anywhere (the same from every origin)."""
+    return {
+        cls.id: {
+            name: REFUSAL_RESIDENCY for name in sorted(serving) if not serving[name] & cls.allowed
+        }
+        for cls in classes
+    }
+
+
 def _refusals(plan: FleetPlan, origin: str, cls: ResidencyClass) -> dict[str, str]:
-    """Served names this class can get nowhere from ``origin``, with the reason."""
+    """The class's refusals as seen from ``origin``: residency ones, plus names whose allowed
+    serving regions are all unreachable from here (no edge or no RTT link)."""
+    refusals = plan.class_refusals[cls.id]
     reachable = set(plan.reach[origin])
     if plan.regions[origin].status != EVACUATED:
         reachable.add(origin)
-    refusals = {}
-    allowed = ", ".join(sorted(cls.allowed)) or "none"
-    for name in sorted(plan.serving):
-        where = plan.serving[name]
+    missing = plan.serving_regions - reachable
+    if not missing:
+        return refusals
+    patched = dict(refusals)
+    for name, where in plan.serving.items():
         permitted = where & cls.allowed
-        if not permitted:
-            refusals[name] = (
-                f"residency: {name} is served only in [{', '.join(sorted(where))}], "
-                f"outside the allowed regions [{allowed}]"
-            )
-        elif not permitted & reachable:
-            refusals[name] = (
-                f"{name} is served in the allowed regions [{', '.join(sorted(permitted))}], "
-                f"none of which is reachable from {origin}"
-            )
-    return refusals
+        if permitted and permitted <= missing:
+            patched[name] = REFUSAL_UNREACHABLE
+    return dict(sorted(patched.items()))
 
 
 def _remote_region(plan: FleetPlan, origin: str, code: str, rtt: float) -> dict[str, Any]:

@@ -55,9 +55,13 @@ class Offer:
     capacity_key: str
 
 
+Commodity = tuple[str, str, tuple[str, ...]]  # (origin, model, allowed reachable targets)
+
+
 @dataclass(frozen=True, slots=True)
 class DemandSplit:
-    """The solution. Keys of ``fractions`` and ``unserved`` are ``(class, origin, model)``."""
+    """The solution. Keys of ``fractions`` and ``unserved`` are ``(class, origin, model)``;
+    the ``origin_*`` fields aggregate the classes of each ``(origin, model)``."""
 
     #: Share of the demand sent to each serving region (origin included), zeros left out.
     fractions: dict[tuple[str, str, str], dict[str, float]]
@@ -65,9 +69,22 @@ class DemandSplit:
     unserved: dict[tuple[str, str, str], float]
     #: Expected load the split puts on each ``(region, capacity key)``, tokens/s.
     load: dict[tuple[str, str], float]
-    #: Objective value, USD per second (cost + latency penalty + unserved penalty).
+    #: Objective value, USD/Mtok x tokens/s (cost + latency penalty + unserved penalty).
     objective: float
     variables: int
+    #: ``(origin, model)`` -> serving region -> share of all its demand (classes together).
+    origin_fractions: dict[tuple[str, str], dict[str, float]]
+    #: ``(origin, model)`` -> tokens/s no allowed region can take (non-zero entries).
+    origin_unserved: dict[tuple[str, str], float]
+
+
+def _candidates(
+    origin: str,
+    model: str,
+    offers: Mapping[str, Mapping[str, Offer]],
+    rtt_ms: Mapping[tuple[str, str], float],
+) -> frozenset[str]:
+    return frozenset(s for s in offers.get(model, {}) if s == origin or (origin, s) in rtt_ms)
 
 
 def split_demand(
@@ -79,7 +96,7 @@ def split_demand(
     rtt_ms: Mapping[tuple[str, str], float],
     latency_penalty: float = DEFAULT_LATENCY_PENALTY_USD_PER_MTOK_PER_MS,
 ) -> DemandSplit:
-    """Solve the split.
+    """Solve the split for demand given per residency class.
 
     ``demand``: ``(class, origin, model) -> tokens/s``; ``allowed``: class -> region codes it
     may be served in; ``offers``: model -> serving region -> :class:`Offer`; ``capacity``:
@@ -87,10 +104,10 @@ def split_demand(
     region)`` -> round trip, where a missing pair means *not reachable* (the origin itself is
     always reachable at 0 ms).
     """
-    # 1. Merge classes into commodities: (origin, model, candidate targets) -> demand.
-    commodities: dict[tuple[str, str, tuple[str, ...]], float] = {}
-    members: list[tuple[tuple[str, str, str], tuple[str, str, tuple[str, ...]]]] = []
-    unserved: dict[tuple[str, str, str], float] = {}
+    commodities: dict[Commodity, float] = {}
+    members: dict[tuple[str, str, str], Commodity] = {}
+    dropped: dict[tuple[str, str, str], float] = {}
+    cands: dict[tuple[str, str], frozenset[str]] = {}
     for key in sorted(demand):
         tokens = float(demand[key])
         if tokens < 0:
@@ -100,45 +117,160 @@ def split_demand(
         cls, origin, model = key
         if cls not in allowed:
             raise KeyError(f"demand for unknown residency class {cls!r}")
-        permitted = allowed[cls]
-        targets = tuple(
-            s
-            for s in sorted(offers.get(model, {}))
-            if s in permitted and (s == origin or (origin, s) in rtt_ms)
-        )
+        cand = cands.get((origin, model))
+        if cand is None:
+            cand = cands[(origin, model)] = _candidates(origin, model, offers, rtt_ms)
+        targets = tuple(sorted(cand & allowed[cls]))
         if not targets:
-            unserved[key] = tokens
+            dropped[key] = tokens
             continue
         ckey = (origin, model, targets)
         commodities[ckey] = commodities.get(ckey, 0.0) + tokens
-        members.append((key, ckey))
+        members[key] = ckey
+    solved = _solve(commodities, offers, capacity, rtt_ms, latency_penalty)
+    fractions: dict[tuple[str, str, str], dict[str, float]] = {}
+    unserved = dict(dropped)
+    for key, ckey in members.items():
+        fractions[key] = dict(solved.fractions[ckey])
+        slack = solved.slack[ckey]
+        if slack > _EPS:
+            unserved[key] = slack * float(demand[key])
+    origin_unserved: dict[tuple[str, str], float] = {}
+    for (_, origin, model), tokens in unserved.items():
+        origin_unserved[(origin, model)] = origin_unserved.get((origin, model), 0.0) + tokens
+    totals: dict[tuple[str, str], float] = {}
+    for (_, origin, model), tokens in demand.items():
+        if tokens > 0:
+            totals[(origin, model)] = totals.get((origin, model), 0.0) + float(tokens)
+    return DemandSplit(
+        fractions=fractions,
+        unserved=unserved,
+        load=solved.load,
+        objective=solved.objective + sum(dropped.values()) * UNSERVED_PENALTY_USD_PER_MTOK,
+        variables=solved.variables,
+        origin_fractions=_origin_fractions(commodities, solved, totals),
+        origin_unserved=origin_unserved,
+    )
 
-    # 2. Columns: one x per (commodity, target), then one slack per commodity.
+
+def split_shared_demand(
+    *,
+    demand: Mapping[tuple[str, str], float],
+    class_shares: Mapping[str, Mapping[str, float]],
+    allowed: Mapping[str, frozenset[str]],
+    offers: Mapping[str, Mapping[str, Offer]],
+    capacity: Mapping[tuple[str, str], float],
+    rtt_ms: Mapping[tuple[str, str], float],
+    latency_penalty: float = DEFAULT_LATENCY_PENALTY_USD_PER_MTOK_PER_MS,
+) -> DemandSplit:
+    """The same programme when each origin's demand ``(origin, model) -> tokens/s`` is
+    shared among classes in fixed proportions: ``class_shares[origin][class]`` (summing to 1
+    per origin). Builds the commodities without materialising a demand entry per class, so
+    thousands of tenants in hundreds of classes stay cheap; per-class ``fractions`` and
+    ``unserved`` are left empty and the ``origin_*`` aggregates carry the answer."""
+    commodities: dict[Commodity, float] = {}
+    origin_unserved: dict[tuple[str, str], float] = {}
+    totals: dict[tuple[str, str], float] = {}
+    dropped = 0.0
+    shares = {o: sorted(by_class.items()) for o, by_class in class_shares.items()}
+    # Pairs of one origin with the same candidate targets group the classes the same way:
+    # work the grouping out once per (origin, candidate set).
+    grouping: dict[tuple[str, frozenset[str]], list[tuple[frozenset[str], float]]] = {}
+    for (origin, model), tokens in sorted(demand.items()):
+        if tokens < 0:
+            raise ValueError(f"negative demand {tokens} for {(origin, model)}")
+        if tokens == 0:
+            continue
+        totals[(origin, model)] = float(tokens)
+        cand = _candidates(origin, model, offers, rtt_ms)
+        groups = grouping.get((origin, cand))
+        if groups is None:
+            if origin not in shares:
+                raise KeyError(f"no class shares for origin {origin!r}")
+            acc: dict[frozenset[str], float] = {}
+            for cls, share in shares[origin]:
+                permitted = cand & allowed[cls]
+                acc[permitted] = acc.get(permitted, 0.0) + share
+            groups = grouping[(origin, cand)] = sorted(acc.items(), key=lambda g: sorted(g[0]))
+        for permitted, share in groups:
+            if not permitted:
+                origin_unserved[(origin, model)] = tokens * share
+                dropped += tokens * share
+                continue
+            ckey = (origin, model, tuple(sorted(permitted)))
+            commodities[ckey] = commodities.get(ckey, 0.0) + tokens * share
+    solved = _solve(commodities, offers, capacity, rtt_ms, latency_penalty)
+    for ckey, slack in solved.slack.items():
+        if slack > _EPS:
+            key = (ckey[0], ckey[1])
+            origin_unserved[key] = origin_unserved.get(key, 0.0) + slack * commodities[ckey]
+    return DemandSplit(
+        fractions={},
+        unserved={},
+        load=solved.load,
+        objective=solved.objective + dropped * UNSERVED_PENALTY_USD_PER_MTOK,
+        variables=solved.variables,
+        origin_fractions=_origin_fractions(commodities, solved, totals),
+        origin_unserved=origin_unserved,
+    )
+
+
+def _origin_fractions(
+    commodities: Mapping[Commodity, float],
+    solved: _Solved,
+    totals: Mapping[tuple[str, str], float],
+) -> dict[tuple[str, str], dict[str, float]]:
+    out: dict[tuple[str, str], dict[str, float]] = {}
+    for ckey, tokens in commodities.items():
+        origin, model, _ = ckey
+        share = tokens / totals[(origin, model)]
+        acc = out.setdefault((origin, model), {})
+        for s, x in solved.fractions[ckey].items():
+            acc[s] = acc.get(s, 0.0) + x * share
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class _Solved:
+    fractions: dict[Commodity, dict[str, float]]
+    slack: dict[Commodity, float]
+    load: dict[tuple[str, str], float]
+    objective: float
+    variables: int
+
+
+def _solve(
+    commodities: Mapping[Commodity, float],
+    offers: Mapping[str, Mapping[str, Offer]],
+    capacity: Mapping[tuple[str, str], float],
+    rtt_ms: Mapping[tuple[str, str], float],
+    latency_penalty: float,
+) -> _Solved:
+    """One LP over all commodities: a column per (commodity, target) plus a slack each."""
     order = sorted(commodities)
-    index = {c: i for i, c in enumerate(order)}
     cap_rows: dict[tuple[str, str], int] = {}
     x_cost: list[float] = []
     x_row: list[int] = []  # commodity of each x
     x_cap: list[int] = []  # capacity row of each x
-    x_meta: list[tuple[int, str]] = []
+    x_target: list[str] = []
     for i, (origin, model, targets) in enumerate(order):
+        model_offers = offers[model]
         for s in targets:
-            offer = offers[model][s]
+            offer = model_offers[s]
             rtt = 0.0 if s == origin else rtt_ms[(origin, s)]
             x_cost.append(offer.cost_per_mtok + latency_penalty * rtt)
             x_row.append(i)
-            cap_rows.setdefault((s, offer.capacity_key), len(cap_rows))
-            x_cap.append(cap_rows[(s, offer.capacity_key)])
-            x_meta.append((i, s))
+            row = cap_rows.get((s, offer.capacity_key))
+            if row is None:
+                row = cap_rows[(s, offer.capacity_key)] = len(cap_rows)
+            x_cap.append(row)
+            x_target.append(s)
     n_x, n_c = len(x_cost), len(order)
-    fractions: dict[tuple[str, str, str], dict[str, float]] = {}
-    load: dict[tuple[str, str], float] = {}
     if n_c == 0:
-        return DemandSplit(fractions, unserved, load, _unserved_cost(unserved), 0)
-
+        return _Solved({}, {}, {}, 0.0, 0)
     d = np.array([commodities[c] for c in order])
     xr = np.array(x_row, dtype=np.int64)
-    # Scale every column by its commodity's demand: the objective is in USD/Mtok·tokens/s.
+    # Scale every column by its commodity's demand: the objective is in USD/Mtok x tokens/s.
     c_vec = np.concatenate([np.array(x_cost) * d[xr], d * UNSERVED_PENALTY_USD_PER_MTOK])
     a_eq = csr_matrix(
         (np.ones(n_x + n_c), (np.concatenate([xr, np.arange(n_c)]), np.arange(n_x + n_c))),
@@ -156,40 +288,18 @@ def split_demand(
         b_ub=b_ub,
         A_eq=a_eq,
         b_eq=np.ones(n_c),
-        bounds=(0.0, 1.0),
+        bounds=(0.0, None),  # x <= 1 follows from the equality rows
         method="highs",
     )
     if result.status != 0:
         raise DemandSplitError(f"HiGHS did not solve the demand split: {result.message}")
     sol = result.x
-
-    # 3. Expand commodities back to the classes that make them up.
-    per_commodity: list[dict[str, float]] = [{} for _ in order]
-    for j, (i, s) in enumerate(x_meta):
-        if sol[j] > _EPS:
-            per_commodity[i][s] = float(sol[j])
-            cap_key = caps[x_cap[j]]
-            load[cap_key] = load.get(cap_key, 0.0) + float(sol[j] * d[i])
-    for key, ckey in members:
-        i = index[ckey]
-        fractions[key] = dict(per_commodity[i])
-        slack = float(sol[n_x + i])
-        if slack > _EPS:
-            unserved[key] = slack * float(demand[key])
-    return DemandSplit(
-        fractions=fractions,
-        unserved=unserved,
-        load=load,
-        objective=float(result.fun) + _unserved_cost(unserved, only_unmodelled=members),
-        variables=n_x + n_c,
-    )
-
-
-def _unserved_cost(
-    unserved: Mapping[tuple[str, str, str], float],
-    only_unmodelled: list[tuple[tuple[str, str, str], tuple[str, str, tuple[str, ...]]]]
-    | None = None,
-) -> float:
-    """Penalty of demand that never entered the programme (no allowed region serves it)."""
-    modelled = {k for k, _ in only_unmodelled or ()}
-    return sum(v for k, v in unserved.items() if k not in modelled) * UNSERVED_PENALTY_USD_PER_MTOK
+    fractions: dict[Commodity, dict[str, float]] = {c: {} for c in order}
+    load: dict[tuple[str, str], float] = {}
+    for j in np.flatnonzero(sol[:n_x] > _EPS).tolist():
+        i = x_row[j]
+        fractions[order[i]][x_target[j]] = float(sol[j])
+        cap_key = caps[x_cap[j]]
+        load[cap_key] = load.get(cap_key, 0.0) + float(sol[j] * d[i])
+    slack = {c: float(sol[n_x + i]) for i, c in enumerate(order)}
+    return _Solved(fractions, slack, load, float(result.fun), n_x + n_c)

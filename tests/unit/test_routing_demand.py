@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from federation.routing.demand import Offer, split_demand
+from federation.routing.demand import Offer, split_demand, split_shared_demand
 
 RTT = {
     ("us", "eu"): 75.0,
@@ -197,3 +197,37 @@ def test_property_residency_capacity_and_conservation(problem: dict) -> None:
             load[(s, model)] = load.get((s, model), 0.0) + x * d
     for key, used in load.items():
         assert used <= problem["capacity"][key] * (1 + 1e-6) + 1e-6
+
+
+@settings(max_examples=40, deadline=None)
+@given(problems(), st.data())
+def test_property_shared_demand_solves_the_same_programme(
+    problem: dict, data: st.DataObject
+) -> None:
+    classes = sorted(problem["allowed"])
+    weights = [data.draw(st.floats(0.1, 1.0)) for _ in classes]
+    shares = {c: w / sum(weights) for c, w in zip(classes, weights, strict=True)}
+    per_origin: dict[tuple[str, str], float] = {}
+    for (_, o, m), d in problem["demand"].items():
+        per_origin[(o, m)] = per_origin.get((o, m), 0.0) + d
+    shared = split_shared_demand(
+        demand=per_origin,
+        class_shares={o: shares for o, _ in per_origin},
+        allowed=problem["allowed"],
+        offers=problem["offers"],
+        capacity=problem["capacity"],
+        rtt_ms=problem["rtt_ms"],
+    )
+    explicit = split_demand(
+        demand={(c, o, m): d * shares[c] for (o, m), d in per_origin.items() for c in classes},
+        allowed=problem["allowed"],
+        offers=problem["offers"],
+        capacity=problem["capacity"],
+        rtt_ms=problem["rtt_ms"],
+    )
+    assert shared.objective == pytest.approx(explicit.objective, rel=1e-6, abs=1e-6)
+    for key, d in per_origin.items():
+        if d > 0:
+            served = sum(shared.origin_fractions.get(key, {}).values()) * d
+            unserved = shared.origin_unserved.get(key, 0.0)
+            assert served + unserved == pytest.approx(d, rel=1e-6, abs=1e-6)

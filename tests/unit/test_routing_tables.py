@@ -149,12 +149,25 @@ def test_a_tenant_allowed_no_serving_region_gets_explicit_refusals() -> None:
     assert umbrella["allowed_regions"] == ["ap-south"]
     # ap-south is evacuated: nothing is served there, so every model is refused with why.
     assert set(umbrella["refusals"]) == {M8, M70, "sql"}
-    assert "outside the allowed regions [ap-south]" in umbrella["refusals"][M8]
+    assert umbrella["refusals"][M8] == "residency"
     globex = classes[tenants["globex-eu"]["residency_class"]]
     # EU serves the 8B model; the 70B and the adapter run only in the US.
     assert set(globex["refusals"]) == {M70, "sql"}
-    assert "served only in [us-east]" in globex["refusals"][M70]
+    assert globex["refusals"][M70] == "residency"
     assert classes[tenants["initech"]["residency_class"]]["refusals"] == {}
+
+
+def test_an_allowed_region_that_cannot_be_reached_from_here_is_an_unreachable_refusal() -> None:
+    nordic = TenantRow("nordic", ResidencyPolicy.of(["EU"], ["eu-north"]), keys=(KeyRow("e" * 64),))
+    rtt = {k: v for k, v in RTT.items() if k != ("us-east", "eu-north")}
+    tables = _tables(FleetSnapshot(REGIONS, INSTANCES, rtt, (*TENANTS, nordic)))
+
+    def refusals(doc: dict) -> dict[str, str]:
+        cls = next(t for t in doc["tenants"] if t["tenant"] == "nordic")["residency_class"]
+        return next(c for c in doc["residency_classes"] if c["id"] == cls)["refusals"]
+
+    assert refusals(tables["us-east"]) == {M8: "unreachable", M70: "residency", "sql": "residency"}
+    assert refusals(tables["eu-west"]) == {M70: "residency", "sql": "residency"}
 
 
 def test_evacuated_region_has_no_instances_and_is_never_a_remote_target() -> None:
@@ -243,10 +256,21 @@ def test_demand_defaults_to_the_load_the_instances_report() -> None:
     )
     plan = fleet_plan(FleetSnapshot(REGIONS, loaded, RTT, TENANTS))
     assert plan.demand == {("us-east", M8): 1500.0}
-    # Shared among the three residency classes by tenant count; EU-only demand cannot stay.
-    assert sum(plan.split.load.values()) + sum(plan.split.unserved.values()) == pytest.approx(
-        1500.0
+    # Demand seen in us-east belongs to the tenants that may be served there (initech, who
+    # may go anywhere): all served, in eu-north, whose GPUs cost a third of us-east's even
+    # after 95 ms of latency penalty.
+    assert sum(plan.split.load.values()) == pytest.approx(1500.0)
+    assert plan.split.origin_fractions[("us-east", M8)] == pytest.approx({"eu-north": 1.0})
+
+
+def test_demand_at_an_origin_no_tenant_may_use_is_shared_by_all_classes() -> None:
+    plan = fleet_plan(
+        FleetSnapshot(REGIONS, INSTANCES, RTT, TENANTS, demand_tokens_per_s={("ap-south", M8): 900})
     )
+    # Classes containing ap-south: initech (any) and umbrella (APAC): half each. Umbrella's
+    # only region is evacuated, so its half is reported unserved; initech's half is served.
+    assert plan.split.origin_unserved[("ap-south", M8)] == pytest.approx(450.0)
+    assert sum(plan.split.origin_fractions[("ap-south", M8)].values()) == pytest.approx(0.5)
 
 
 def test_unchanged_fleet_compiles_to_identical_bytes() -> None:

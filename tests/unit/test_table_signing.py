@@ -16,9 +16,7 @@ DOC = {
     "generated_at": "2026-11-29T10:00:00Z",
     "instances": [{"id": "eu-1", "url": "http://127.0.0.1:9000", "model": "m-8b"}],
     "remote_regions": [],
-    "tenants": [
-        {"tenant": "globex-eu", "key_hashes": ["ab" * 32], "allowed_regions": ["eu-west"]}
-    ],
+    "tenants": [{"tenant": "globex-eu", "key_hashes": ["ab" * 32], "allowed_regions": ["eu-west"]}],
 }
 
 
