@@ -527,3 +527,15 @@ def test_long_poll_answers_as_soon_as_a_version_is_published(
         timeout=10,
     )
     assert r.status_code == 304 and 0.9 <= time.monotonic() - started < 3
+
+
+@pytest.mark.django_db
+def test_admin_lists_published_versions_read_only(fleet: Fleet, client: Any) -> None:
+    from django.contrib.auth.models import User
+
+    services.routing_tables_publish()
+    client.force_login(User.objects.create_superuser("root", password="pw-root"))
+    r = client.get("/admin/routing/routingtableversion/")
+    assert r.status_code == 200 and b"eu-west" in r.content
+    table = latest(fleet.eu)
+    assert client.post(f"/admin/routing/routingtableversion/{table.pk}/delete/").status_code == 403
