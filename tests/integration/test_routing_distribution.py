@@ -201,6 +201,11 @@ def test_etag_and_if_none_match(fleet: Fleet) -> None:
 
     r = client.get("/api/v1/edges/eu-west/routing-table", HTTP_IF_NONE_MATCH='"1"')
     assert r.status_code == 304 and r["ETag"] == '"1"' and r.content == b""
+    for etag in ('W/"1"', "1", '"7"'):  # weak, bare, and ahead of us (restored database)
+        r = client.get("/api/v1/edges/eu-west/routing-table", HTTP_IF_NONE_MATCH=etag)
+        assert r.status_code == 304, etag
+    r = client.get("/api/v1/edges/eu-west/routing-table", HTTP_IF_NONE_MATCH='"0"')
+    assert r.status_code == 200
 
     inventory.region_evacuate(actor=None, region=fleet.eu)
     services.routing_tables_publish()

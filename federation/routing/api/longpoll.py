@@ -38,8 +38,8 @@ WAITED = "_waited"
 
 @dataclass(frozen=True, slots=True)
 class WaitFor:
-    """Hold the request until ``region_id`` has a version other than ``known`` (or any
-    version, when ``known`` is None), for at most ``seconds``."""
+    """Hold the request until ``region_id`` has a version above ``known`` (or any version,
+    when ``known`` is None), for at most ``seconds``."""
 
     region_id: int
     region_code: str
@@ -74,7 +74,7 @@ async def wait_for_newer(wait: WaitFor) -> None:
         while True:
             # Checked after subscribing: a version published in between is not missed.
             latest = await latest_version(region_id=wait.region_id)
-            if latest is not None and latest != wait.known:
+            if latest is not None and (wait.known is None or latest > wait.known):
                 return
             remaining = deadline - loop.time()
             if remaining <= 0:

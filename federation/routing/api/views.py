@@ -111,7 +111,9 @@ class RoutingTableView(APIView):
             )
         known = _known_version(request)
         table = distribution.routing_table_latest(region=target)
-        if table is not None and table.version != known:
+        # Versions only grow, so a client at or above the latest has nothing to fetch (one
+        # above it, after a database restore, keeps its table instead of looping on ours).
+        if table is not None and (known is None or table.version > known):
             response = Response(distribution.routing_table_document(table))
             response["ETag"] = _etag(table.version)
             response["Cache-Control"] = "no-cache"
