@@ -35,6 +35,25 @@ def _key_bytes(key: str | bytes) -> bytes:
     return raw
 
 
+def parse_key_ring(text: str) -> dict[str, str]:
+    """``"k2=<secret>,k1=<old secret>"`` (an environment variable or CLI flag) as
+    ``{key_id: key}``; a malformed or duplicate entry is an error, not a silently dropped key."""
+    ring: dict[str, str] = {}
+    for position, item in enumerate(text.split(","), start=1):
+        item = item.strip()
+        if not item:
+            continue
+        key_id, sep, key = item.partition("=")
+        key_id, key = key_id.strip(), key.strip()
+        if not sep or not key_id or not key:
+            # By position, not content: the entry may be a bare secret.
+            raise ValueError(f"key ring entry {position} is not 'key_id=key'")
+        if key_id in ring:
+            raise ValueError(f"key id {key_id!r} appears twice in the key ring")
+        ring[key_id] = key
+    return ring
+
+
 def canonical_bytes(document: Mapping[str, Any]) -> bytes:
     """What the signature covers: the document without ``signature``, keys sorted."""
     body = {k: v for k, v in document.items() if k != "signature"}

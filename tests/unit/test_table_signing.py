@@ -6,7 +6,13 @@ import orjson
 import pytest
 
 from regions.edge.table import TableError
-from regions.tables.signing import SignatureError, canonical_bytes, sign, verify
+from regions.tables.signing import (
+    SignatureError,
+    canonical_bytes,
+    parse_key_ring,
+    sign,
+    verify,
+)
 
 KEY = "0f" * 32
 DOC = {
@@ -94,3 +100,14 @@ def test_empty_key_or_key_id_cannot_sign() -> None:
         sign(DOC, "", "k1")
     with pytest.raises(ValueError, match="key_id"):
         sign(DOC, KEY, "")
+
+
+def test_key_ring_from_text() -> None:
+    assert parse_key_ring(" k2=new , k1=old=with=equals,") == {"k2": "new", "k1": "old=with=equals"}
+    assert parse_key_ring("") == {}
+    with pytest.raises(ValueError, match="not 'key_id=key'"):
+        parse_key_ring("k1")
+    with pytest.raises(ValueError, match="not 'key_id=key'"):
+        parse_key_ring("k1=")
+    with pytest.raises(ValueError, match="twice"):
+        parse_key_ring("k1=a,k1=b")
