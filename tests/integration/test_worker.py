@@ -4,7 +4,9 @@
 from __future__ import annotations
 
 import json
+import sqlite3
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -162,3 +164,43 @@ def test_the_worker_publishes_after_an_evacuation_and_periodically(
         what="beat's periodic recompile did not publish us-east",
         log=worker,
     )
+
+
+def test_embedded_mode_worker_uses_the_filesystem_broker_and_sqlite(tmp_path: Path) -> None:
+    """``fedinfer demo``'s setting: no Redis, no PostgreSQL; a change made by one process is
+    compiled by the worker through kombu's filesystem transport under ``var/broker/``."""
+    env = {
+        k: v
+        for k, v in subprocess_env().items()
+        if k not in {"DATABASE_URL", "REDIS_URL", "CELERY_BROKER_URL"}
+    }
+    env["FEDINFER_VAR_DIR"] = str(tmp_path)
+    env["FEDINFER_TABLES_REFRESH_SECONDS"] = "3600"  # the change's own task, not beat
+    subprocess.run([FEDINFER, "migrate", "-v0"], env=env, check=True, timeout=120)
+    log_path = tmp_path / "worker.log"
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(
+            [FEDINFER, "worker", "--pool", "solo"],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        try:
+            code = (
+                "import django; django.setup()\n"
+                "from federation.inventory import services\n"
+                "services.region_create(actor=None, code='eu-west', name='EU', "
+                "provider='cloud', latitude=1, longitude=1, jurisdiction='EU')\n"
+            )
+            subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=60)
+            db = sqlite3.connect(tmp_path / "fedinfer.sqlite3")
+
+            def published() -> bool:
+                row = db.execute("SELECT count(*) FROM routing_routingtableversion").fetchone()
+                return bool(row[0])
+
+            wait_for(published, timeout=30, what="no table published", log=log_path)
+            db.close()
+        finally:
+            stop_process_group(proc)
