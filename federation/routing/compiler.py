@@ -217,6 +217,8 @@ class FleetPlan:
     class_refusals: dict[str, dict[str, str]]
     #: Active regions with at least one routable instance.
     serving_regions: set[str]
+    #: region -> the names it serves, sorted.
+    models_at: dict[str, list[str]]
     #: region -> (USD/h, tokens/s, capacity at the target, expected load) over its models.
     region_totals: dict[str, tuple[float, float, float, float]]
 
@@ -362,7 +364,8 @@ def fleet_plan(
     # Expected demand per (origin, served name), attributed to residency classes by
     # _origin_shares (until metering attributes demand to tenants).
     if snapshot.demand_tokens_per_s:
-        demand = {k: float(v) for k, v in snapshot.demand_tokens_per_s.items() if v > 0}
+        # Zeros are dropped; a negative figure is refused by the split, not hidden.
+        demand = {k: float(v) for k, v in snapshot.demand_tokens_per_s.items() if v != 0}
     else:
         demand = {}
         for row in routable:
@@ -401,6 +404,9 @@ def fleet_plan(
         offers={},
         class_refusals=_class_refusals(serving, classes),
         serving_regions=set(by_region),
+        models_at={
+            code: sorted(n for n, where in serving.items() if code in where) for code in by_region
+        },
         region_totals=_region_totals(supply, split),
     )
 
@@ -538,13 +544,12 @@ def _refusals(plan: FleetPlan, origin: str, cls: ResidencyClass) -> dict[str, st
 
 def _remote_region(plan: FleetPlan, origin: str, code: str, rtt: float) -> dict[str, Any]:
     region = plan.regions[code]
-    names = sorted(n for n, where in plan.serving.items() if code in where)
     usd, tokens, cap, load = plan.region_totals.get(code, (0.0, 0.0, 0.0, 0.0))
     return {
         "code": code,
         "edge_url": region.edge_url,
         "rtt_ms": rtt,
-        "models": names,
+        "models": plan.models_at.get(code, []),
         # Blended over its models: USD per hour of all its replicas over their tokens.
         "cost_per_mtok": _r(usd / 3600.0 / tokens * 1e6) if tokens else 0.0,
         "headroom": _r(max(cap - load, 0.0) / cap) if cap else 0.0,

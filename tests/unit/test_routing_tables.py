@@ -286,3 +286,11 @@ def test_unchanged_fleet_compiles_to_identical_bytes() -> None:
         SNAPSHOT, region="eu-west", version=1, generated_at="2026-11-29T10:00:00Z"
     )
     assert orjson.dumps(single) == first["eu-west"]
+
+
+def test_a_negative_demand_forecast_is_refused() -> None:
+    snapshot = FleetSnapshot(
+        REGIONS, INSTANCES, RTT, TENANTS, demand_tokens_per_s={("us-east", M8): -5.0}
+    )
+    with pytest.raises(ValueError, match="negative demand"):
+        fleet_plan(snapshot)
