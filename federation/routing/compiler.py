@@ -119,6 +119,9 @@ class FleetSnapshot:
     #: Expected demand per (origin region, served model), tokens/s. When empty, each region's
     #: demand is what its ready instances served at their last load snapshot.
     demand_tokens_per_s: dict[tuple[str, str], float] = field(default_factory=dict)
+    #: Memo of :func:`fleet_plan` by latency penalty, so that compiling region after region
+    #: of one snapshot solves the demand split once (a snapshot is not changed once built).
+    plans: dict[float, FleetPlan] = field(default_factory=dict, compare=False, repr=False)
 
 
 def prefill_tokens_per_s(
@@ -566,12 +569,17 @@ def compile_region_table(
 ) -> dict[str, Any]:
     """The routing-table document for ``region`` (a plain dict, ready for JSON).
 
-    Pass the ``plan`` of the same snapshot when compiling several regions: the demand split
-    and the tenant entries are then computed once, not once per region.
+    The fleet-wide ``plan`` (demand split, tenant entries) is computed on the first call for
+    a snapshot and reused for its other regions; pass one to use another latency penalty.
     """
     if region not in {r.code for r in snapshot.regions}:
         raise KeyError(f"unknown region {region!r}")
-    plan = plan if plan is not None else fleet_plan(snapshot)
+    if plan is None:
+        plan = snapshot.plans.get(DEFAULT_LATENCY_PENALTY_USD_PER_MTOK_PER_MS)
+        if plan is None:
+            plan = snapshot.plans[DEFAULT_LATENCY_PENALTY_USD_PER_MTOK_PER_MS] = fleet_plan(
+                snapshot
+            )
     remotes = [
         _remote_region(plan, region, code, rtt) for code, rtt in sorted(plan.reach[region].items())
     ]

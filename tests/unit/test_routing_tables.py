@@ -294,3 +294,15 @@ def test_a_negative_demand_forecast_is_refused() -> None:
     )
     with pytest.raises(ValueError, match="negative demand"):
         fleet_plan(snapshot)
+
+
+def test_compiling_region_by_region_plans_the_snapshot_once() -> None:
+    snapshot = FleetSnapshot(REGIONS, INSTANCES, RTT, TENANTS)
+    docs = {
+        r.code: compile_region_table(
+            snapshot, region=r.code, version=1, generated_at="2026-11-29T10:00:00Z"
+        )
+        for r in REGIONS
+    }
+    assert len(snapshot.plans) == 1  # one demand split for all four regions
+    assert docs == _tables(FleetSnapshot(REGIONS, INSTANCES, RTT, TENANTS))
