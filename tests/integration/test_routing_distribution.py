@@ -225,11 +225,13 @@ def test_long_poll_without_a_newer_version_answers_304_after_the_wait(fleet: Fle
 
 
 @pytest.mark.django_db
-def test_no_table_yet_is_503_and_wait_is_bounded(fleet: Fleet) -> None:
+def test_first_fetch_compiles_a_missing_table_and_wait_is_bounded(fleet: Fleet) -> None:
     client = edge_client(fleet.eu_credential)
+    assert not RoutingTableVersion.objects.filter(region=fleet.eu).exists()
     r = client.get("/api/v1/edges/eu-west/routing-table")
-    assert r.status_code == 503 and r["Retry-After"] == "1"
-    assert r.json()["code"] == "no_table"
+    assert r.status_code == 200 and r.json()["region"] == "eu-west"
+    assert r["ETag"] == f'"{r.json()["version"]}"'
+    assert RoutingTableVersion.objects.filter(region=fleet.eu).count() == 1
     for bad in ("31", "-1", "soon"):
         r = client.get(f"/api/v1/edges/eu-west/routing-table?wait={bad}")
         assert r.status_code == 400 and "wait" in r.json(), bad

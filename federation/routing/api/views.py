@@ -20,7 +20,6 @@ from federation.inventory.api.schema import (
     FORBIDDEN,
     NOT_FOUND,
     UNAUTHENTICATED,
-    ErrorOut,
 )
 from federation.inventory.api.views import ReadViewSet
 from federation.inventory.models import Edge, Region
@@ -95,7 +94,6 @@ class RoutingTableView(APIView):
             401: UNAUTHENTICATED,
             403: FORBIDDEN,
             404: NOT_FOUND,
-            503: OpenApiResponse(ErrorOut, description="No table published for the region yet."),
         },
     )
     def get(self, request: Request, region: str, **kwargs: Any) -> Response:
@@ -111,6 +109,11 @@ class RoutingTableView(APIView):
             )
         known = _known_version(request)
         table = distribution.routing_table_latest(region=target)
+        if table is None:
+            # Nothing published yet (a new region, or no worker running): compile it now
+            # rather than turn the edge away until the next periodic compile.
+            services.routing_tables_publish(regions=[target.code])
+            table = distribution.routing_table_latest(region=target)
         # Versions only grow, so a client at or above the latest has nothing to fetch (one
         # above it, after a database restore, keeps its table instead of looping on ours).
         if table is not None and (known is None or table.version > known):
@@ -124,18 +127,9 @@ class RoutingTableView(APIView):
                 region_id=target.pk, region_code=target.code, known=known, seconds=wait
             )
             return response
-        if table is None:
-            response = Response(
-                {
-                    "detail": f"No routing table published for {target.code} yet.",
-                    "code": "no_table",
-                },
-                status=status.HTTP_503_SERVICE_UNAVAILABLE,
-            )
-            response["Retry-After"] = "1"
-            return response
         response = Response(status=status.HTTP_304_NOT_MODIFIED)
-        response["ETag"] = _etag(table.version)
+        if table is not None:
+            response["ETag"] = _etag(table.version)
         return response
 
 
