@@ -109,12 +109,17 @@ CELERY_BROKER_URL = env_str("CELERY_BROKER_URL", REDIS_URL or "filesystem://")
 # transport), so `fedinfer demo` needs no server.
 _broker_dir = VAR_DIR / "broker"
 CELERY_BROKER_TRANSPORT_OPTIONS = (
-    {"data_folder_in": str(_broker_dir), "data_folder_out": str(_broker_dir)}
+    {
+        "data_folder_in": str(_broker_dir),
+        "data_folder_out": str(_broker_dir),
+        # Without it kombu writes its broadcast exchange into ./control of the working dir.
+        "control_folder": str(_broker_dir / "control"),
+    }
     if CELERY_BROKER_URL.startswith("filesystem://")
     else {}
 )
 if CELERY_BROKER_URL.startswith("filesystem://") and not PRODUCTION:
-    _broker_dir.mkdir(parents=True, exist_ok=True)
+    (_broker_dir / "control").mkdir(parents=True, exist_ok=True)
 CELERY_TASK_IGNORE_RESULT = True
 CELERY_TASK_SERIALIZER = "json"
 CELERY_ACCEPT_CONTENT = ["json"]
