@@ -76,8 +76,11 @@ def test_demo_serves_a_request_in_every_region_and_stops_cleanly(demo) -> None:
     proc, endpoints = demo
     assert set(endpoints["edges"]) == {"us-east", "eu-west", "ap-southeast"}
     assert len(endpoints["instances"]) == 10
+    assert set(endpoints["api_keys"]) == {"acme-us", "globex-eu", "umbrella-sg", "initech"}
+    key = endpoints["api_keys"]["initech"]  # the tenant allowed everywhere
+    assert key.startswith("fi_")
     for region, edge_url in endpoints["edges"].items():
-        client = openai.OpenAI(base_url=f"{edge_url}/v1", api_key="demo", max_retries=0)
+        client = openai.OpenAI(base_url=f"{edge_url}/v1", api_key=key, max_retries=0)
         raw = client.chat.completions.with_raw_response.create(
             model="meta-llama/Llama-3.1-8B-Instruct",
             messages=[{"role": "user", "content": f"Hello from the {region} test"}],

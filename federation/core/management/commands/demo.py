@@ -30,6 +30,8 @@ from federation.inventory import services as inventory
 from federation.inventory.models import Deployment, Edge, Instance, Region
 from federation.routing.compiler import compile_region_table
 from federation.routing.selectors import fleet_snapshot
+from federation.tenancy import services as tenancy
+from federation.tenancy.models import ApiKey
 
 DEMO_PREFIX = "demo-"
 STARTUP_TIMEOUT_S = 60.0
@@ -112,7 +114,12 @@ class Command(BaseCommand):
         signal.signal(signal.SIGTERM, on_signal)
         try:
             summary = self._start(sup, demo_dir, host, opts)
-            (demo_dir / "endpoints.json").write_text(json.dumps(summary, indent=2))
+            # It holds this run's API keys: readable by the demo's user only.
+            endpoints = demo_dir / "endpoints.json"
+            endpoints.unlink(missing_ok=True)
+            fd = os.open(endpoints, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as out:
+                json.dump(summary, out, indent=2)
             self._print_summary(summary, demo_dir)
             started = time.monotonic()
             while not stop["now"]:
@@ -141,6 +148,18 @@ class Command(BaseCommand):
             inventory.instance_delete(actor=None, instance=inst)
         for edge in Edge.objects.filter(name__startswith=DEMO_PREFIX):
             inventory.edge_delete(actor=None, edge=edge)
+
+    def _fresh_keys(self) -> dict[str, str]:
+        """Rotate each tenant's 'demo' key, so this run can show (and test with) its plaintext;
+        the tables compiled next carry the new hashes."""
+        keys = {}
+        for api_key in ApiKey.objects.filter(name="demo", revoked_at__isnull=True).select_related(
+            "tenant"
+        ):
+            keys[api_key.tenant.slug] = tenancy.api_key_rotate(
+                actor=None, api_key=api_key
+            ).plaintext
+        return keys
 
     def _start(
         self, sup: Supervisor, demo_dir: Path, host: str, opts: dict[str, Any]
@@ -199,6 +218,7 @@ class Command(BaseCommand):
                 )
                 for state in ("loading", "warming", "ready"):
                     inst = inventory.instance_transition(actor=None, instance=inst, state=state)
+        keys = self._fresh_keys()
         edges: dict[str, str] = {}
         for offset, region in enumerate(Region.objects.order_by("code"), start=1):
             url = f"http://{host}:{opts['edge_base_port'] + offset}"
@@ -247,6 +267,7 @@ class Command(BaseCommand):
                 )
             ),
             "table_version": version,
+            "api_keys": keys,
         }
 
     def _wait_for_file(self, path: Path, sup: Supervisor) -> Any:
@@ -285,6 +306,7 @@ class Command(BaseCommand):
         lines += [
             f"  instances      {len(summary['instances'])} simulated engines",
             f"  tables         {demo_dir / 'tables'} (version {summary['table_version']})",
+            f"  API keys       one per tenant, this run only: {demo_dir / 'endpoints.json'}",
             f"  logs           {demo_dir / 'logs'}",
             "",
         ]
