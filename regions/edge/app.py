@@ -44,6 +44,7 @@ from regions.edge.scheduler import (
     SchedulerConfig,
     decide,
 )
+from regions.edge.sync import SyncConfig, TableSync
 from regions.edge.table import (
     FileStamp,
     Instance,
@@ -73,7 +74,8 @@ _UPSTREAM_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError)
 @dataclass(frozen=True, slots=True)
 class EdgeConfig:
     region: str
-    table_path: Path
+    #: File mode (``--table``); None when the table comes from the control plane.
+    table_path: Path | None
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     health: HealthConfig = field(default_factory=HealthConfig)
     max_body_bytes: int = 4 * 1024 * 1024
@@ -92,6 +94,8 @@ class EdgeConfig:
     prefix_ttl_s: float = 600.0
     session_capacity: int = 100_000
     retry_after_s: int = 1
+    #: Control-plane mode (``--control-plane``): table sync and heartbeats.
+    sync: SyncConfig | None = None
 
 
 class _Exchange:
@@ -174,6 +178,10 @@ class Edge:
         self.instances: dict[str, Instance] = {}
         self.models_body = b""
         self._apply_table(table)
+        self.sync = TableSync(cfg.sync, cfg.region, self) if cfg.sync is not None else None
+        self._sync_client: httpx.AsyncClient | None = None
+        self._beat_at = time.monotonic()
+        self._beat_tokens: dict[str, int] = {}
 
     # ---------------------------------------------------------------- table
 
@@ -205,9 +213,47 @@ class Edge:
         self.metrics.table_version.set(table.version)
         self._update_healthy_gauge()
 
+    def install_table(self, table: RoutingTable) -> None:
+        """Apply a table already checked (signature, region, version) and wake the waiters."""
+        self._apply_table(table)
+        self._wake_all()
+
+    def table_rejected(self, reason: str) -> None:
+        self.metrics.table_rejections.inc()
+
+    def heartbeat_document(self) -> dict[str, Any]:
+        """Heartbeat v1 (``docs/distribution.md``): applied version, health and load."""
+        now = time.monotonic()
+        elapsed = max(now - self._beat_at, 1e-3)
+        self._beat_at = now
+        stale = self.cfg.scrape_interval_s * 4 + 1.0
+        previous = self._beat_tokens
+        tokens: dict[str, int] = {}
+        instances = []
+        for inst in self.table.instances:
+            health = self.health.states.get(inst.id)
+            load = self.loads.get(inst.id)
+            _, waiting, kv = load.snapshot(now, stale)
+            tokens[inst.id] = load.tokens
+            sent = load.tokens - previous.get(inst.id, load.tokens)
+            instances.append(
+                {
+                    "id": inst.id,
+                    "healthy": health is not None and health.healthy,
+                    "in_flight": load.inflight,
+                    "queued": waiting + self._targeted.get(inst.id, 0),
+                    "kv_cache_usage": min(1.0, max(0.0, kv)),
+                    "tokens_per_s": round(max(0, sent) / elapsed, 3),
+                }
+            )
+        self._beat_tokens = tokens
+        return {"applied_table_version": self.table.version, "instances": instances}
+
     def reload_table(self, force: bool = False) -> bool:
         """Re-read the table file; a bad or non-advancing table is refused, the old one kept."""
         path = self.cfg.table_path
+        if path is None:
+            return False
         try:
             stamp = file_stamp(path)
             if not force and stamp == self._table_stamp:
@@ -241,6 +287,8 @@ class Edge:
     def mark_loaded(self, data: bytes) -> None:
         """Remember the bytes of the initial table so an untouched file is not re-applied."""
         self._table_bytes = data
+        if self.cfg.table_path is None:
+            return
         try:
             self._table_stamp = file_stamp(self.cfg.table_path)
         except OSError:
@@ -287,8 +335,16 @@ class Edge:
                     lambda instance: self.metrics.scrape_failures.labels(instance).inc(),
                 )
             ),
-            asyncio.create_task(self._watch_table()),
         ]
+        if self.sync is not None:
+            self._sync_client = httpx.AsyncClient(
+                limits=httpx.Limits(max_connections=4, max_keepalive_connections=4)
+            )
+            self._tasks.append(asyncio.create_task(self.sync.fetch_loop(self._sync_client)))
+            if self.sync.cfg.edge_name:
+                self._tasks.append(asyncio.create_task(self.sync.heartbeat_loop(self._sync_client)))
+            return
+        self._tasks.append(asyncio.create_task(self._watch_table()))
         try:
             asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, self.reload_table, True)
         except (NotImplementedError, RuntimeError, ValueError):
@@ -303,6 +359,8 @@ class Edge:
             await self._http.close()
         if self._probe_client is not None:
             await self._probe_client.aclose()
+        if self._sync_client is not None:
+            await self._sync_client.aclose()
         with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
             asyncio.get_running_loop().remove_signal_handler(signal.SIGHUP)
 
@@ -388,6 +446,8 @@ class Edge:
                 "instances": len(self.table.instances),
                 "healthy_instances": healthy,
                 "queue_depth": self._queued,
+                "table_source": "file" if self.sync is None else "control-plane",
+                "sync_error": self.sync.last_error if self.sync is not None else "",
                 "detail": instances,
             }
         )
@@ -662,6 +722,7 @@ class Edge:
             load = self.loads.get(inst_id)
             uncached = req.prompt_tokens - winner.cached_tokens
             load.admit(uncached)
+            load.tokens += req.prompt_tokens
             self.metrics.inflight_of(inst_id).inc()
             # Speculative: after this prefill the winner holds the prompt (SGLang does the same).
             if hashes:

@@ -4,18 +4,37 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 from pathlib import Path
 
 from regions.edge.app import Edge, EdgeConfig
 from regions.edge.health import HealthConfig
 from regions.edge.scheduler import POLICIES, SchedulerConfig
+from regions.edge.sync import SyncConfig, initial_table
 from regions.edge.table import TableError, check_successor, decode_table
+from regions.tables.signing import parse_key_ring
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="fedinfer edge", description=__doc__)
     p.add_argument("--region", required=True, help="region code this edge serves")
-    p.add_argument("--table", required=True, type=Path, help="routing-table JSON document")
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--table", type=Path, help="routing-table JSON document (file mode)")
+    source.add_argument(
+        "--control-plane", help="control plane base URL: fetch signed tables from it"
+    )
+    p.add_argument("--credential-file", type=Path, help="file holding this edge's credential")
+    p.add_argument(
+        "--table-keys",
+        help="table verification key ring 'k1=key,k0=old' (default: $FEDINFER_TABLE_KEYS)",
+    )
+    p.add_argument("--state-dir", type=Path, help="persisted table (default var/edge-<region>)")
+    p.add_argument("--edge-name", help="this edge's registered name (heartbeats)")
+    p.add_argument("--heartbeat-interval", type=float, default=5.0)
+    p.add_argument("--sync-wait", type=int, default=25, help="long-poll seconds (0-30)")
+    p.add_argument(
+        "--initial-timeout", type=float, default=60.0, help="first start without a saved table"
+    )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8080)
     p.add_argument("--policy", choices=POLICIES, default="fedinfer")
@@ -42,10 +61,44 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def sync_from_args(opts: argparse.Namespace) -> SyncConfig | None:
+    """Control-plane mode settings; a missing or malformed one is a clear error."""
+    if opts.control_plane is None:
+        for flag in ("credential_file", "table_keys", "edge_name"):
+            if getattr(opts, flag) is not None:
+                raise ValueError(f"--{flag.replace('_', '-')} needs --control-plane")
+        return None
+    if opts.credential_file is None:
+        raise ValueError("--control-plane needs --credential-file")
+    try:
+        credential = opts.credential_file.read_text().strip()
+    except OSError as exc:
+        raise ValueError(f"cannot read credential file {opts.credential_file}: {exc}") from exc
+    if not credential:
+        raise ValueError(f"credential file {opts.credential_file} is empty")
+    ring_text = opts.table_keys or os.environ.get("FEDINFER_TABLE_KEYS", "")
+    keys = parse_key_ring(ring_text)
+    if not keys:
+        raise ValueError("--control-plane needs --table-keys (or $FEDINFER_TABLE_KEYS)")
+    if not 0 <= opts.sync_wait <= 30:
+        raise ValueError("--sync-wait must be 0..30")
+    return SyncConfig(
+        control_plane=opts.control_plane,
+        credential=credential,
+        keys=keys,
+        state_dir=opts.state_dir or Path("var") / f"edge-{opts.region}",
+        edge_name=opts.edge_name,
+        wait_s=opts.sync_wait,
+        heartbeat_s=opts.heartbeat_interval,
+        initial_timeout_s=opts.initial_timeout,
+    )
+
+
 def config_from_args(opts: argparse.Namespace) -> EdgeConfig:
     return EdgeConfig(
         region=opts.region,
         table_path=opts.table,
+        sync=sync_from_args(opts),
         scheduler=SchedulerConfig(
             policy=opts.policy,
             affinity_factor=opts.affinity_factor,
@@ -72,7 +125,13 @@ def config_from_args(opts: argparse.Namespace) -> EdgeConfig:
 
 
 def make_edge(cfg: EdgeConfig) -> Edge:
-    """Load the initial table (a bad one stops the edge loudly: there is nothing to serve)."""
+    """Load the initial table (a bad one stops the edge loudly: there is nothing to serve).
+
+    Control-plane mode: the control plane's current table, or the persisted last good one
+    when it does not answer (static stability)."""
+    if cfg.sync is not None:
+        return Edge(cfg, initial_table(cfg.sync, cfg.region))
+    assert cfg.table_path is not None
     try:
         data = cfg.table_path.read_bytes()
     except OSError as exc:
@@ -93,7 +152,7 @@ def main(argv: list[str]) -> None:
     )
     try:
         edge = make_edge(config_from_args(opts))
-    except TableError as exc:
+    except (TableError, ValueError) as exc:
         raise SystemExit(f"fedinfer edge: {exc}") from exc
     uvicorn.run(
         edge,

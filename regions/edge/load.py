@@ -31,6 +31,7 @@ class InstanceLoad:
         "mean_service_s",
         "mean_uncached_tokens",
         "scraped_at",
+        "tokens",
     )
 
     def __init__(self) -> None:
@@ -43,6 +44,8 @@ class InstanceLoad:
         self.mean_service_s = 2.0
         #: EWMA of uncached prompt tokens per request routed here (queued prefill work).
         self.mean_uncached_tokens = 256.0
+        #: Prompt tokens (edge estimate) sent to this instance since start (heartbeat rate).
+        self.tokens = 0
 
     def admit(self, uncached_tokens: int) -> None:
         self.inflight += 1
