@@ -25,6 +25,7 @@ import httpx
 import orjson
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from regions.edge.admission import Admission, TenantState
 from regions.edge.errors import EdgeError, sse_error_event
 from regions.edge.health import HealthBoard, HealthConfig, probe_loop
 from regions.edge.load import LoadBoard, scrape_loop
@@ -96,6 +97,8 @@ class EdgeConfig:
     retry_after_s: int = 1
     #: Control-plane mode (``--control-plane``): table sync and heartbeats.
     sync: SyncConfig | None = None
+    #: Seconds of a tenant's rate a token bucket holds (burst), see admission.py.
+    rate_burst_s: float = 2.0
 
 
 class _Exchange:
@@ -177,6 +180,7 @@ class Edge:
         self.by_model: dict[str, tuple[Instance, ...]] = {}
         self.instances: dict[str, Instance] = {}
         self.models_body = b""
+        self.admission = Admission(cfg.region, cfg.rate_burst_s)
         self._apply_table(table)
         self.sync = TableSync(cfg.sync, cfg.region, self) if cfg.sync is not None else None
         self._sync_client: httpx.AsyncClient | None = None
@@ -187,6 +191,8 @@ class Edge:
 
     def _apply_table(self, table: RoutingTable) -> None:
         """Switch to ``table`` in one step (no await: requests see old or new, never a mix)."""
+        # First: it is the only step that can refuse the table (nothing changed yet).
+        self.admission.load(table, time.monotonic())
         old_ids = {i.id for i in self.table.instances}
         ids = [i.id for i in table.instances]
         by_model: dict[str, list[Instance]] = {}
@@ -408,6 +414,13 @@ class Edge:
                 return
             await self._completion(scope, receive, send, path == _CHAT)
         elif path == "/v1/models" and method == "GET":
+            if self.admission.enabled:
+                auth = next((v for k, v in scope["headers"] if k == b"authorization"), None)
+                try:
+                    self.admission.authenticate(auth, time.time())
+                except EdgeError as err:
+                    await self._error(send, err)
+                    return
             await _respond(send, 200, self.models_body, _JSON)
         elif path == "/healthz" and method == "GET":
             await self._healthz(send)
@@ -500,9 +513,33 @@ class Edge:
 
     async def _completion(self, scope: Scope, receive: Receive, send: Send, chat: bool) -> None:
         arrived = time.perf_counter()
+        authorization: bytes | None = None
+        session_hdr: bytes | None = None
+        incoming_trace: str | None = None
+        for name, value in scope["headers"]:
+            if name == b"authorization":
+                authorization = value
+            elif name == b"x-session-id":
+                session_hdr = value
+            elif name == b"traceparent":
+                incoming_trace = value.decode("latin-1")
+        admission = self.admission
+        tenant: TenantState | None = None
         try:
+            if admission.enabled:
+                # Before the body: an unauthenticated client does not get 4 MB read for it.
+                tenant = admission.authenticate(authorization, time.time())
             raw = await self._read_body(scope, receive)
             req = parse_request(raw, chat=chat, bytes_per_token=self.cfg.bytes_per_token)
+            if tenant is not None:
+                if not tenant.local_allowed:
+                    raise EdgeError(
+                        403,
+                        f"Tenant {tenant.slug!r} may not be served in region {self.cfg.region} "
+                        f"(allowed: {', '.join(sorted(tenant.allowed)) or 'none'}).",
+                        "region_not_allowed",
+                    )
+                admission.check(tenant, req.model, req.prompt_tokens, time.monotonic())
             if req.model not in self.by_model:
                 raise EdgeError(
                     404,
@@ -517,13 +554,7 @@ class Edge:
         except _ClientGone:
             return
 
-        session_id = req.user
-        incoming_trace: str | None = None
-        for name, value in scope["headers"]:
-            if name == b"x-session-id":
-                session_id = value.decode("latin-1")
-            elif name == b"traceparent":
-                incoming_trace = value.decode("latin-1")
+        session_id = session_hdr.decode("latin-1") if session_hdr is not None else req.user
         _, traceparent = child_traceparent(incoming_trace)
 
         ex = _Exchange()

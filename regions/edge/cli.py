@@ -57,6 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--decode-slowdown", type=float, default=1.0)
     p.add_argument("--bytes-per-token", type=float, default=4.0)
     p.add_argument("--prefix-capacity", type=int, default=200_000, help="block hashes kept")
+    p.add_argument(
+        "--rate-burst", type=float, default=2.0, help="seconds of a tenant's rate limit as burst"
+    )
     p.add_argument("--log-level", default="info")
     return p
 
@@ -121,6 +124,7 @@ def config_from_args(opts: argparse.Namespace) -> EdgeConfig:
         table_poll_s=opts.table_poll,
         bytes_per_token=opts.bytes_per_token,
         prefix_capacity=opts.prefix_capacity,
+        rate_burst_s=opts.rate_burst,
     )
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import Literal
 
@@ -177,6 +178,18 @@ def validate_table(table: RoutingTable) -> None:
             raise TableError(f"{where}: prefill_tokens_per_s must be > 0")
         if inst.kv_block_tokens < 1:
             raise TableError(f"{where}: kv_block_tokens must be >= 1")
+    for tenant in table.tenants or ():
+        for key_hash, until in tenant.key_valid_until.items():
+            try:
+                datetime.fromisoformat(until.replace("Z", "+00:00"))
+            except ValueError:
+                raise TableError(
+                    f"tenant {tenant.tenant!r}: key_valid_until of {key_hash[:12]}... "
+                    f"is not an RFC 3339 time: {until!r}"
+                ) from None
+        for rate in (tenant.requests_per_s, tenant.tokens_per_s):
+            if rate is not None and rate < 0:
+                raise TableError(f"tenant {tenant.tenant!r}: rate limits must be >= 0")
     codes: set[str] = set()
     for remote in table.remote_regions:
         if remote.code == table.region or remote.code in codes:

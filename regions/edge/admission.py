@@ -1,0 +1,216 @@
+"""Admission at the edge: API key → tenant, key expiry, budget, residency, rate limits. Pure.
+
+Built once per table (:meth:`Admission.load`): a dict from SHA-256 key hash to the tenant's
+compiled state, so a request costs one SHA-256 of its key, one dict lookup and two token
+buckets. A table without a ``tenants`` section (a hand-written issue-3 table) disables
+admission: no authentication at all, as before. Buckets belong to the tenant and survive new
+table versions (a limit change re-rates them without refilling them).
+
+Refusals (OpenAI-style, ``docs/edge-federation.md``):
+
+* no or unknown key → 401 ``invalid_api_key``; a key past its ``key_valid_until`` → 401
+  ``api_key_expired`` (even while the table naming it is still in use);
+* budget ``exhausted`` → **403** ``budget_exhausted`` (not 429: waiting does not help, and the
+  OpenAI SDKs retry 429s automatically);
+* the model refused to the tenant's residency class → 403 ``model_not_allowed_here`` naming the
+  reason (``residency`` or ``unreachable``);
+* requests/s or tokens/s over the limit → 429 ``rate_limit_exceeded`` with ``Retry-After``.
+
+Whether the tenant may be served *in this region* is :attr:`TenantState.local_allowed`; the edge
+decides what to do about it (forward to an allowed region, or 403), never serve it here.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from datetime import datetime
+
+from regions.edge.errors import EdgeError
+from regions.edge.table import RoutingTable, TableError, TenantPolicy
+
+_BEARER = b"bearer "
+
+
+class TokenBucket:
+    """Refills ``rate`` per second up to ``capacity``; a cost above the capacity is admitted from
+    a full bucket and leaves it in debt (so a long prompt is slow, not impossible)."""
+
+    __slots__ = ("capacity", "level", "rate", "stamp")
+
+    def __init__(self, rate: float, capacity: float, now: float) -> None:
+        self.rate = rate
+        self.capacity = capacity
+        self.level = capacity
+        self.stamp = now
+
+    def rerate(self, rate: float, capacity: float) -> None:
+        self.rate = rate
+        self.capacity = capacity
+        self.level = min(self.level, capacity)
+
+    def wait_for(self, cost: float, now: float) -> float:
+        """Seconds until ``cost`` fits (0: it fits now; nothing is taken)."""
+        level = min(self.capacity, self.level + (now - self.stamp) * self.rate)
+        self.level = level
+        self.stamp = now
+        need = min(cost, self.capacity)
+        return 0.0 if level >= need else (need - level) / self.rate
+
+    def take(self, cost: float) -> None:
+        self.level -= cost
+
+
+class TenantState:
+    """What admission knows about one tenant under the current table."""
+
+    __slots__ = (
+        "allowed",
+        "budget_state",
+        "local_allowed",
+        "policy",
+        "refusals",
+        "requests",
+        "slug",
+        "tokens",
+        "valid_until",
+    )
+
+    def __init__(self, policy: TenantPolicy, region: str, refusals: dict[str, str]) -> None:
+        self.policy = policy
+        self.slug = policy.tenant
+        self.allowed = frozenset(policy.allowed_regions)
+        self.local_allowed = region in self.allowed
+        self.budget_state = policy.budget_state
+        self.refusals = refusals
+        self.valid_until: dict[str, float] = {}
+        self.requests: TokenBucket | None = None
+        self.tokens: TokenBucket | None = None
+
+
+def _epoch(text: str) -> float:
+    try:
+        return datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
+    except ValueError as exc:
+        raise TableError(f"key_valid_until {text!r} is not an RFC 3339 time") from exc
+
+
+def _key_of(header: bytes | None) -> bytes | None:
+    if header is None or len(header) <= len(_BEARER) or header[:7].lower() != _BEARER:
+        return None
+    key = header[7:].strip()
+    return key or None
+
+
+_MISSING = EdgeError(
+    401,
+    "You didn't provide an API key. Send it as 'Authorization: Bearer fi_...'.",
+    "invalid_api_key",
+)
+_UNKNOWN = EdgeError(401, "Incorrect API key provided.", "invalid_api_key")
+
+
+class Admission:
+    """The admission state of one edge; :meth:`load` on every new table."""
+
+    def __init__(self, region: str, burst_s: float = 2.0) -> None:
+        self.region = region
+        self.burst_s = burst_s
+        self.enabled = False
+        self.by_hash: dict[str, TenantState] = {}
+        self._tenants: dict[str, TenantState] = {}
+
+    def load(self, table: RoutingTable, now: float) -> None:
+        """Rebuild from ``table`` (``now``: monotonic seconds, for new buckets)."""
+        if table.tenants is None:
+            self.enabled = False
+            self.by_hash = {}
+            self._tenants = {}
+            return
+        classes = {c.id: c.refusals for c in table.residency_classes}
+        by_hash: dict[str, TenantState] = {}
+        tenants: dict[str, TenantState] = {}
+        for policy in table.tenants:
+            state = TenantState(policy, self.region, classes.get(policy.residency_class or "", {}))
+            state.valid_until = {h: _epoch(t) for h, t in policy.key_valid_until.items()}
+            old = self._tenants.get(policy.tenant)
+            state.requests = self._bucket(
+                old.requests if old else None, policy.requests_per_s, 1.0, now
+            )
+            state.tokens = self._bucket(old.tokens if old else None, policy.tokens_per_s, 0.0, now)
+            tenants[policy.tenant] = state
+            for key_hash in policy.key_hashes:
+                by_hash[key_hash] = state
+        self.by_hash = by_hash
+        self._tenants = tenants
+        self.enabled = True
+
+    def _bucket(
+        self, old: TokenBucket | None, rate: float | None, floor: float, now: float
+    ) -> TokenBucket | None:
+        if rate is None:
+            return None
+        if rate <= 0:
+            rate = 1e-9  # a zero limit admits nothing (the wait is effectively forever)
+        capacity = max(rate * self.burst_s, floor)
+        if old is None:
+            return TokenBucket(rate, capacity, now)
+        old.rerate(rate, capacity)
+        return old
+
+    def authenticate(self, header: bytes | None, wall_now: float) -> TenantState:
+        """The tenant of ``Authorization: Bearer <key>``, or an :class:`EdgeError` (401)."""
+        key = _key_of(header)
+        if key is None:
+            raise _MISSING
+        key_hash = hashlib.sha256(key).hexdigest()
+        state = self.by_hash.get(key_hash)
+        if state is None:
+            raise _UNKNOWN
+        until = state.valid_until.get(key_hash) if state.valid_until else None
+        if until is not None and wall_now >= until:
+            raise EdgeError(
+                401,
+                "This API key has expired; create or rotate a key in the console.",
+                "api_key_expired",
+            )
+        return state
+
+    def check(self, state: TenantState, model: str, prompt_tokens: int, now: float) -> None:
+        """Budget, model residency and rate limits for one request; raises :class:`EdgeError`.
+
+        ``now`` is monotonic seconds. Nothing is taken from a bucket unless both fit.
+        """
+        if state.budget_state == "exhausted":
+            raise EdgeError(
+                403,
+                f"Tenant {state.slug!r} has exhausted its monthly budget; "
+                "raise the budget or wait for the next month.",
+                "budget_exhausted",
+            )
+        if state.refusals:
+            reason = state.refusals.get(model)
+            if reason is not None:
+                raise EdgeError(
+                    403,
+                    f"The model `{model}` is not available to tenant {state.slug!r} from region "
+                    f"{self.region} ({reason}: allowed regions "
+                    f"{', '.join(sorted(state.allowed)) or 'none'}).",
+                    "model_not_allowed_here",
+                    "model",
+                )
+        requests, tokens = state.requests, state.tokens
+        wait = requests.wait_for(1.0, now) if requests is not None else 0.0
+        if tokens is not None:
+            wait = max(wait, tokens.wait_for(float(prompt_tokens), now))
+        if wait > 0:
+            raise EdgeError(
+                429,
+                f"Rate limit reached for tenant {state.slug!r}; retry in {wait:.2f}s.",
+                "rate_limit_exceeded",
+                retry_after=max(1, math.ceil(wait)),
+            )
+        if requests is not None:
+            requests.take(1.0)
+        if tokens is not None:
+            tokens.take(float(prompt_tokens))
