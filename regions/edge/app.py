@@ -45,6 +45,7 @@ from regions.edge.scheduler import (
     SchedulerConfig,
     decide,
 )
+from regions.edge.spill import Remote, eligible_remotes, spill_plan
 from regions.edge.sync import SyncConfig, TableSync
 from regions.edge.table import (
     FileStamp,
@@ -99,6 +100,8 @@ class EdgeConfig:
     sync: SyncConfig | None = None
     #: Seconds of a tenant's rate a token bucket holds (burst), see admission.py.
     rate_burst_s: float = 2.0
+    #: Spill on latency only when the local queue wait exceeds a remote's RTT by this much.
+    spill_margin_s: float = 0.05
 
 
 class _Exchange:
@@ -140,6 +143,25 @@ def _blocked(line: deque[_Waiter], inst_id: str, me: _Waiter | None) -> bool:
 
 
 _SATURATED = Decision(None, None, "saturated")
+_HOP = b"x-fedinfer-hop"
+
+
+class _Spill:
+    """What forwarding to another region needs of one request (only built when it may)."""
+
+    __slots__ = ("allowed", "authorization", "remotes", "session")
+
+    def __init__(
+        self,
+        remotes: tuple[Remote, ...],
+        allowed: frozenset[str] | None,
+        authorization: bytes | None,
+        session: bytes | None,
+    ) -> None:
+        self.remotes = remotes
+        self.allowed = allowed
+        self.authorization = authorization
+        self.session = session
 
 
 class _ClientGone(Exception):
@@ -181,6 +203,7 @@ class Edge:
         self.instances: dict[str, Instance] = {}
         self.models_body = b""
         self.admission = Admission(cfg.region, cfg.rate_burst_s)
+        self.spill: dict[str, tuple[Remote, ...]] = {}
         self._apply_table(table)
         self.sync = TableSync(cfg.sync, cfg.region, self) if cfg.sync is not None else None
         self._sync_client: httpx.AsyncClient | None = None
@@ -206,6 +229,7 @@ class Edge:
         self.table = table
         self.by_model = {k: tuple(v) for k, v in by_model.items()}
         self.instances = {i.id: i for i in table.instances}
+        self.spill = spill_plan(table)
         now = int(time.time())
         self.models_body = orjson.dumps(
             {
@@ -516,6 +540,7 @@ class Edge:
         authorization: bytes | None = None
         session_hdr: bytes | None = None
         incoming_trace: str | None = None
+        hopped = False
         for name, value in scope["headers"]:
             if name == b"authorization":
                 authorization = value
@@ -523,30 +548,31 @@ class Edge:
                 session_hdr = value
             elif name == b"traceparent":
                 incoming_trace = value.decode("latin-1")
+            elif name == _HOP:
+                hopped = True
         admission = self.admission
         tenant: TenantState | None = None
+        spill: _Spill | None = None
+        remote_only: list[Remote] | None = None
         try:
             if admission.enabled:
                 # Before the body: an unauthenticated client does not get 4 MB read for it.
                 tenant = admission.authenticate(authorization, time.time())
             raw = await self._read_body(scope, receive)
             req = parse_request(raw, chat=chat, bytes_per_token=self.cfg.bytes_per_token)
+            model = req.model
+            allowed = tenant.allowed if tenant is not None else None
+            # A request that already hopped is served here or refused: never forwarded again.
+            remotes = () if hopped else self.spill.get(model, ())
+            local_ok = tenant is None or tenant.local_allowed
+            if not local_ok or model not in self.by_model:
+                remote_only = eligible_remotes(remotes, allowed, None, 0.0)
+                if not remote_only:
+                    raise self._nowhere(req, tenant, local_ok, hopped)
+            elif remotes:
+                spill = _Spill(remotes, allowed, authorization, session_hdr)
             if tenant is not None:
-                if not tenant.local_allowed:
-                    raise EdgeError(
-                        403,
-                        f"Tenant {tenant.slug!r} may not be served in region {self.cfg.region} "
-                        f"(allowed: {', '.join(sorted(tenant.allowed)) or 'none'}).",
-                        "region_not_allowed",
-                    )
-                admission.check(tenant, req.model, req.prompt_tokens, time.monotonic())
-            if req.model not in self.by_model:
-                raise EdgeError(
-                    404,
-                    f"The model `{req.model}` does not exist in region {self.cfg.region}.",
-                    "model_not_found",
-                    "model",
-                )
+                admission.check(tenant, model, req.prompt_tokens, time.monotonic())
         except EdgeError as err:
             self.metrics.count("", "", err.status)
             await self._error(send, err)
@@ -556,12 +582,22 @@ class Edge:
 
         session_id = session_hdr.decode("latin-1") if session_hdr is not None else req.user
         _, traceparent = child_traceparent(incoming_trace)
+        if remote_only is not None:
+            why = "not_local" if model not in self.by_model else "residency"
+            spill = _Spill(remotes, allowed, authorization, session_hdr)
 
         ex = _Exchange()
         task = asyncio.current_task()
         watcher = asyncio.create_task(_watch_disconnect(receive, ex, task))
         try:
-            await self._route_and_forward(req, session_id, traceparent, arrived, ex, send)
+            if remote_only is not None and spill is not None:
+                await self._spill_over(
+                    remote_only, why, spill, req, traceparent, arrived, 0.0, ex, send
+                )
+            else:
+                await self._route_and_forward(
+                    req, session_id, traceparent, arrived, ex, send, spill
+                )
         except asyncio.CancelledError:
             if not ex.disconnected or task is None:
                 raise
@@ -727,6 +763,7 @@ class Edge:
         arrived: float,
         ex: _Exchange,
         send: Send,
+        spill: _Spill | None = None,
     ) -> None:
         model = req.model
         seed = self._seeds.get(model)
@@ -735,6 +772,32 @@ class Edge:
         hashes = block_hashes(req.prompt, seed, self.cfg.block_bytes)
         session_key = f"{model}\0{session_id}" if session_id is not None else None
         sticky = self.sessions.get(session_key) if session_key is not None else None
+        if spill is not None:
+            # Remote regions serve this model: stay local unless the local expected queue wait
+            # exceeds a remote's RTT (+ margin), or nothing local can take the request.
+            self.turn += 1
+            peek = decide(
+                self._candidates(model, hashes, time.monotonic()),
+                RouteRequest(
+                    model=model,
+                    prompt_tokens=req.prompt_tokens,
+                    block_tokens=self.block_tokens,
+                    sticky=sticky,
+                ),
+                self.cfg.scheduler,
+                self.turn,
+            )
+            w = peek.winner
+            local_queue = w.queue_s if w is not None else None
+            targets = eligible_remotes(
+                spill.remotes, spill.allowed, local_queue, self.cfg.spill_margin_s
+            )
+            if targets:
+                why = peek.reason if w is None else "ttft"
+                if await self._spill_over(
+                    targets, why, spill, req, traceparent, arrived, 0.0, ex, send, True
+                ):
+                    return
         exclude: frozenset[str] = frozenset()
         queue_s = 0.0
         retries = 0
@@ -789,6 +852,182 @@ class Edge:
                     load.release()
                 self.metrics.inflight_of(inst_id).dec()
                 self._wake(inst)
+
+    def _nowhere(
+        self, req: ParsedRequest, tenant: TenantState | None, local_ok: bool, hopped: bool
+    ) -> EdgeError:
+        """Why neither this region nor an allowed remote can take the request."""
+        model = req.model
+        if not local_ok and tenant is not None:
+            allowed = ", ".join(sorted(tenant.allowed)) or "none"
+            return EdgeError(
+                403,
+                f"Tenant {tenant.slug!r} may not be served in region {self.cfg.region}, and no "
+                f"region it allows ({allowed}) can take `{model}` from here.",
+                "region_not_allowed",
+            )
+        if hopped and model in {r.model for r in self.table.routes} | set(self.spill):
+            return EdgeError(
+                503,
+                f"Region {self.cfg.region} has no instance of `{model}` for a forwarded request.",
+                "no_local_instance",
+                retry_after=self.cfg.retry_after_s,
+            )
+        if model in self.spill:
+            # Served elsewhere, not in an allowed region now (a permanent residency refusal is
+            # a 403 from the table's residency class, checked in admission).
+            return EdgeError(
+                503,
+                f"No region this tenant may use can serve `{model}` from {self.cfg.region} now.",
+                "no_allowed_region",
+                retry_after=self.cfg.retry_after_s,
+            )
+        return EdgeError(
+            404,
+            f"The model `{model}` does not exist in region {self.cfg.region}.",
+            "model_not_found",
+            "model",
+        )
+
+    async def _spill_over(
+        self,
+        targets: list[Remote],
+        why: str,
+        spill: _Spill,
+        req: ParsedRequest,
+        traceparent: str,
+        arrived: float,
+        queue_s: float,
+        ex: _Exchange,
+        send: Send,
+        fallback: bool = False,
+    ) -> bool:
+        """Forward to the first remote edge that answers before its first byte (in order).
+
+        False (nothing sent) when every remote failed and ``fallback``: serve locally instead.
+        """
+        assert self._http is not None, "edge not started"
+        path = _CHAT if req.chat else _COMPLETIONS
+        headers = {
+            "content-type": "application/json",
+            "traceparent": traceparent,
+            "x-fedinfer-hop": "1",
+        }
+        if spill.authorization is not None:
+            headers["authorization"] = spill.authorization.decode("latin-1")
+        if spill.session is not None:
+            headers["x-session-id"] = spill.session.decode("latin-1")
+        failures: list[str] = []
+        tries = targets[: self.cfg.max_retries + 1]
+        for remote in tries:
+            self.metrics.spills.labels(remote.code, why).inc()
+            t0 = time.perf_counter()
+            try:
+                resp = await self._http.post(remote.edge_url + path, data=req.body, headers=headers)
+            except _UPSTREAM_ERRORS as exc:
+                failures.append(f"{remote.code}: connect {exc.__class__.__name__}")
+                continue
+            connect_s = time.perf_counter() - t0
+            clean = False
+            try:
+                if resp.status >= 500 and (remote is not tries[-1] or fallback):
+                    failures.append(f"{remote.code}: status {resp.status}")
+                    continue
+                await self._relay(
+                    resp, remote, why, req, traceparent, arrived, queue_s, connect_s, ex, send
+                )
+                clean = True
+                return True
+            except _Upstream as failure:
+                failures.append(f"{remote.code}: {failure.reason}")
+            finally:
+                if clean:
+                    resp.release()
+                else:
+                    resp.close()
+        log.warning("spill-over of %s failed: %s", req.model, "; ".join(failures))
+        if fallback:
+            return False
+        ex.complete = True
+        err = EdgeError(
+            502,
+            f"no remote region could take the request ({'; '.join(failures)})",
+            "upstream_error",
+            retry_after=self.cfg.retry_after_s,
+        )
+        self.metrics.count(req.model, "", 502)
+        route = f"region={self.cfg.region};instance=none;reason=spill_failed;spill={why}".encode()
+        await self._error(send, err, route)
+        return True
+
+    async def _relay(
+        self,
+        resp: aiohttp.ClientResponse,
+        remote: Remote,
+        why: str,
+        req: ParsedRequest,
+        traceparent: str,
+        arrived: float,
+        queue_s: float,
+        connect_s: float,
+        ex: _Exchange,
+        send: Send,
+    ) -> None:
+        """Pass the remote edge's answer through; its route header gains where it came from."""
+        theirs = resp.headers.get("x-fedinfer-route", f"region={remote.code}")
+        head, _, rest = theirs.partition(";")
+        route = f"{head};remote_from={self.cfg.region};spill={why};rtt_ms={remote.rtt_s * 1000:.0f}"
+        if rest:
+            route += ";" + rest
+        ctype = resp.headers.get("content-type", "application/json").encode("latin-1")
+        content = resp.content
+        try:
+            first = await content.readany() if req.stream else await resp.read()
+        except _UPSTREAM_ERRORS as exc:
+            raise _Upstream(f"read: {exc.__class__.__name__}", connect=True) from exc
+        ttft = time.perf_counter() - arrived
+        headers_out = [
+            (b"content-type", ctype),
+            (b"x-fedinfer-route", route.encode("latin-1")),
+            (b"server-timing", server_timing(queue_s, connect_s, ttft)),
+            (b"traceparent", traceparent.encode()),
+        ]
+        retry_after = resp.headers.get("retry-after")
+        if retry_after is not None:
+            headers_out.append((b"retry-after", retry_after.encode("latin-1")))
+        if not req.stream:
+            headers_out.append((b"content-length", str(len(first)).encode()))
+        ex.sent = True
+        await send({"type": "http.response.start", "status": resp.status, "headers": headers_out})
+        if req.stream:
+            await send({"type": "http.response.body", "body": first, "more_body": True})
+            try:
+                while True:
+                    chunk = await content.readany()
+                    if not chunk:
+                        break
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            except _UPSTREAM_ERRORS as exc:
+                self.metrics.midstream_failures.labels(f"remote:{remote.code}").inc()
+                ex.complete = True
+                message = (
+                    f"remote region {remote.code} failed mid-stream ({exc.__class__.__name__}); "
+                    "the response is incomplete"
+                )
+                await send(
+                    {
+                        "type": "http.response.body",
+                        "body": sse_error_event(message, "upstream_stream_cut"),
+                    }
+                )
+                self.metrics.count(req.model, f"remote:{remote.code}", 502)
+                return
+            ex.complete = True
+            await send({"type": "http.response.body", "body": b""})
+        else:
+            ex.complete = True
+            await send({"type": "http.response.body", "body": first})
+        self.metrics.count(req.model, f"remote:{remote.code}", resp.status)
 
     async def _no_capacity(
         self,

@@ -60,6 +60,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--rate-burst", type=float, default=2.0, help="seconds of a tenant's rate limit as burst"
     )
+    p.add_argument(
+        "--spill-margin-ms",
+        type=float,
+        default=50.0,
+        help="spill to a remote only when the local queue wait exceeds its RTT by this much",
+    )
     p.add_argument("--log-level", default="info")
     return p
 
@@ -125,6 +131,7 @@ def config_from_args(opts: argparse.Namespace) -> EdgeConfig:
         bytes_per_token=opts.bytes_per_token,
         prefix_capacity=opts.prefix_capacity,
         rate_burst_s=opts.rate_burst,
+        spill_margin_s=opts.spill_margin_ms / 1000.0,
     )
 
 

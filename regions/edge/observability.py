@@ -147,6 +147,12 @@ class EdgeMetrics:
             ["model", "instance"],
             registry=r,
         )
+        self.spills = Counter(
+            "fedinfer_edge_spills",
+            "Requests forwarded to another region's edge, by region and reason",
+            ["region", "reason"],
+            registry=r,
+        )
         self.midstream_failures = Counter(
             "fedinfer_edge_midstream_failures",
             "Streams cut by the upstream after the first byte",
