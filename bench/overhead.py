@@ -46,6 +46,7 @@ MODEL = "bench-zero"
 ROUTER_CPUS = {0}
 ENGINE_CPUS = {1}
 CLIENT_CPUS = {1}
+PACED_MS = 64.0
 
 TARGETS = {
     "added_p50_ms_c1": 1.0,  # edge p50 - direct p50, one request at a time
@@ -66,9 +67,16 @@ def request_body(stream: bool) -> bytes:
 
 
 def run_wrk(
-    url: str, body_file: Path, conns: int, duration: float, watch: dict[str, Proc]
+    url: str,
+    body_file: Path,
+    conns: int,
+    duration: float,
+    watch: dict[str, Proc],
+    pace_ms: float = 0.0,
 ) -> dict[str, Any]:
-    """One wrk run; returns its numbers plus CPU shares of the watched processes."""
+    """One wrk run; returns its numbers plus CPU shares of the watched processes. With
+    ``pace_ms`` each connection pauses ~that long between requests (offered load below
+    saturation) instead of sending back to back."""
     argv = [
         "wrk",
         "-t1",
@@ -80,7 +88,7 @@ def run_wrk(
         str(LUA),
         f"{url}/v1/chat/completions",
     ]
-    env = {**os.environ, "BENCH_BODY_FILE": str(body_file)}
+    env = {**os.environ, "BENCH_BODY_FILE": str(body_file), "BENCH_DELAY_MS": str(pace_ms)}
     cpu0 = {k: p.cpu_seconds() for k, p in watch.items()}
     ru0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.monotonic()
@@ -144,7 +152,10 @@ def run(reps: int = 3, duration: float = 4.0, warmup: float = 2.0) -> dict[str, 
     sglang_reason = sglang_available()
     started = utc_now()
     machine_before = machine_info()
-    cases = [(False, 1), (False, 64), (True, 1), (True, 64)]
+    # (stream, connections, pause per connection in ms): 64 connections pausing ~64 ms offer
+    # ~1000 req/s, below every path's ceiling: added latency without saturation queueing.
+    cases = [(False, 1, 0.0), (False, 64, 0.0), (False, 64, PACED_MS), (True, 1, 0.0),
+             (True, 64, 0.0)]  # fmt: skip
     runs: list[dict[str, Any]] = []
     tmp = Path(tempfile.mkdtemp(prefix="bench-overhead-"))
     bodies = {s: tmp / f"body-{int(s)}.json" for s in (False, True)}
@@ -178,14 +189,15 @@ def run(reps: int = 3, duration: float = 4.0, warmup: float = 2.0) -> dict[str, 
             for name in order:
                 url, proc = paths[name]
                 watch = {"engine": engines.proc, **({"router": proc} if proc else {})}
-                for stream, conns in cases:
-                    res = run_wrk(url, bodies[stream], conns, duration, watch)
-                    res.update(rep=rep, path=name, stream=stream, conns=conns)
+                for stream, conns, pace in cases:
+                    res = run_wrk(url, bodies[stream], conns, duration, watch, pace)
+                    res.update(rep=rep, path=name, stream=stream, conns=conns, paced=pace > 0)
                     runs.append(res)
                     lat = res["latency_us"]
                     cpu = {k: round(v, 2) for k, v in res["cpu_share"].items()}
                     print(
-                        f"rep {rep} {name:6s} stream={int(stream)} c={conns:<3d} "
+                        f"rep {rep} {name:6s} stream={int(stream)} c={conns:<3d}"
+                        f"{' paced' if pace else ''} "
                         f"{res['rps']:8.0f} req/s  p50 {lat['p50'] / 1000:6.2f} ms  "
                         f"p99 {lat['p99'] / 1000:6.2f} ms  errors {res['error_count']}  cpu {cpu}",
                         flush=True,
@@ -223,53 +235,60 @@ def run(reps: int = 3, duration: float = 4.0, warmup: float = 2.0) -> dict[str, 
 
 
 def summarise(runs: list[dict[str, Any]], paths: list[str]) -> dict[str, Any]:
-    def get(path: str, stream: bool, conns: int, rep: int) -> dict[str, Any] | None:
+    def get(
+        path: str, stream: bool, conns: int, rep: int, paced: bool = False
+    ) -> dict[str, Any] | None:
         for r in runs:
-            if (r["path"], r["stream"], r["conns"], r["rep"]) == (path, stream, conns, rep):
+            key = (r["path"], r["stream"], r["conns"], r["rep"], r.get("paced", False))
+            if key == (path, stream, conns, rep, paced):
                 return r
         return None
 
     reps = sorted({r["rep"] for r in runs})
     out: dict[str, Any] = {"cases": {}, "targets": {}}
-    for stream in (False, True):
-        for conns in (1, 64):
-            key = f"{'stream' if stream else 'chat'}-c{conns}"
-            case: dict[str, Any] = {}
-            for path in paths:
-                rs = [get(path, stream, conns, k) for k in reps]
-                rs = [r for r in rs if r]
-                case[path] = {
-                    "rps": spread([r["rps"] for r in rs]),
-                    "p50_ms": spread([r["latency_us"]["p50"] / 1000 for r in rs]),
-                    "p99_ms": spread([r["latency_us"]["p99"] / 1000 for r in rs]),
-                    "errors": sum(r["error_count"] for r in rs),
-                    "cpu_share": {
-                        k: spread([r["cpu_share"][k] for r in rs]) for k in rs[0]["cpu_share"]
-                    },
-                    "cpu_us_per_req": {
-                        k: spread([r["cpu_us_per_req"][k] for r in rs])
-                        for k in rs[0]["cpu_us_per_req"]
-                    },
-                }
-                if path != "direct":
-                    pairs = [
-                        (get(path, stream, conns, k), get("direct", stream, conns, k)) for k in reps
-                    ]
-                    pairs = [(a, b) for a, b in pairs if a and b]
-                    case[path]["added_p50_ms"] = spread(
-                        [(a["latency_us"]["p50"] - b["latency_us"]["p50"]) / 1000 for a, b in pairs]
-                    )
-                    case[path]["added_p99_ms"] = spread(
-                        [(a["latency_us"]["p99"] - b["latency_us"]["p99"]) / 1000 for a, b in pairs]
-                    )
-                    if "rust" in paths and path == "edge":
-                        ratios = []
-                        for k in reps:
-                            a, b = get("edge", stream, conns, k), get("rust", stream, conns, k)
-                            if a and b:
-                                ratios.append(a["rps"] / b["rps"])
-                        case[path]["rps_ratio_vs_rust"] = spread(ratios)
-            out["cases"][key] = case
+    combos = [(False, 1, False), (False, 64, False), (False, 64, True), (True, 1, False),
+              (True, 64, False)]  # fmt: skip
+    for stream, conns, paced in combos:
+        key = f"{'stream' if stream else 'chat'}-c{conns}{'-paced' if paced else ''}"
+        case: dict[str, Any] = {}
+        for path in paths:
+            rs = [get(path, stream, conns, k, paced) for k in reps]
+            rs = [r for r in rs if r]
+            case[path] = {
+                "rps": spread([r["rps"] for r in rs]),
+                "p50_ms": spread([r["latency_us"]["p50"] / 1000 for r in rs]),
+                "p99_ms": spread([r["latency_us"]["p99"] / 1000 for r in rs]),
+                "errors": sum(r["error_count"] for r in rs),
+                "cpu_share": {
+                    k: spread([r["cpu_share"][k] for r in rs]) for k in rs[0]["cpu_share"]
+                },
+                "cpu_us_per_req": {
+                    k: spread([r["cpu_us_per_req"][k] for r in rs]) for k in rs[0]["cpu_us_per_req"]
+                },
+            }
+            if not rs:
+                continue
+            if path != "direct":
+                pairs = [
+                    (get(path, stream, conns, k, paced), get("direct", stream, conns, k, paced))
+                    for k in reps
+                ]
+                pairs = [(a, b) for a, b in pairs if a and b]
+                case[path]["added_p50_ms"] = spread(
+                    [(a["latency_us"]["p50"] - b["latency_us"]["p50"]) / 1000 for a, b in pairs]
+                )
+                case[path]["added_p99_ms"] = spread(
+                    [(a["latency_us"]["p99"] - b["latency_us"]["p99"]) / 1000 for a, b in pairs]
+                )
+                if "rust" in paths and path == "edge":
+                    ratios = []
+                    for k in reps:
+                        a = get("edge", stream, conns, k, paced)
+                        b = get("rust", stream, conns, k, paced)
+                        if a and b:
+                            ratios.append(a["rps"] / b["rps"])
+                    case[path]["rps_ratio_vs_rust"] = spread(ratios)
+        out["cases"][key] = case
     chat1, chat64 = out["cases"]["chat-c1"], out["cases"]["chat-c64"]
     v1 = chat1["edge"]["added_p50_ms"]["median"]
     v2 = chat64["edge"]["added_p99_ms"]["median"]
@@ -284,6 +303,14 @@ def summarise(runs: list[dict[str, Any]], paths: list[str]) -> dict[str, Any]:
         }
     else:
         out["targets"]["rps_ratio_vs_rust_c64"] = {"value": None, "target": ">= 0.8", "met": None}
+    paced = out["cases"].get("chat-c64-paced", {}).get("edge", {}).get("added_p99_ms")
+    if paced:
+        # Informative: the same 64 connections below saturation (~1000 req/s offered).
+        out["targets"]["added_p99_ms_c64_paced"] = {
+            "value": paced["median"],
+            "target": "<= 5.0 (informative: 64 connections at ~1000 req/s)",
+            "met": paced["median"] <= 5.0,
+        }
     return out
 
 

@@ -9,6 +9,17 @@ wrk.method = "POST"
 wrk.body = body
 wrk.headers["Content-Type"] = "application/json"
 
+-- Optional pacing ($BENCH_DELAY_MS): each connection waits a random 0.5-1.5 x that delay
+-- before its next request, so N connections offer about N / (delay + latency) requests/s:
+-- "N concurrent" below saturation instead of a closed loop flat out.
+local pace = tonumber(os.getenv("BENCH_DELAY_MS") or "")
+if pace and pace > 0 then
+  math.randomseed(os.time())
+  delay = function()
+    return pace * (0.5 + math.random())
+  end
+end
+
 local function p(latency, q)
   return latency:percentile(q)
 end
