@@ -181,6 +181,11 @@ class Admission:
 
         ``now`` is monotonic seconds. Nothing is taken from a bucket unless both fit.
         """
+        self.policy(state, model)
+        self.rate(state, prompt_tokens, now)
+
+    def policy(self, state: TenantState, model: str) -> None:
+        """Budget and the table's residency refusal of ``model`` (403s)."""
         if state.budget_state == "exhausted":
             raise EdgeError(
                 403,
@@ -199,6 +204,9 @@ class Admission:
                     "model_not_allowed_here",
                     "model",
                 )
+
+    def rate(self, state: TenantState, prompt_tokens: int, now: float) -> None:
+        """Both token buckets, or 429 with ``Retry-After`` (nothing taken then)."""
         requests, tokens = state.requests, state.tokens
         wait = requests.wait_for(1.0, now) if requests is not None else 0.0
         if tokens is not None:

@@ -561,6 +561,8 @@ class Edge:
             raw = await self._read_body(scope, receive)
             req = parse_request(raw, chat=chat, bytes_per_token=self.cfg.bytes_per_token)
             model = req.model
+            if tenant is not None:
+                admission.policy(tenant, model)
             allowed = tenant.allowed if tenant is not None else None
             # A request that already hopped is served here or refused: never forwarded again.
             remotes = () if hopped else self.spill.get(model, ())
@@ -572,7 +574,7 @@ class Edge:
             elif remotes:
                 spill = _Spill(remotes, allowed, authorization, session_hdr)
             if tenant is not None:
-                admission.check(tenant, model, req.prompt_tokens, time.monotonic())
+                admission.rate(tenant, req.prompt_tokens, time.monotonic())
         except EdgeError as err:
             self.metrics.count("", "", err.status)
             await self._error(send, err)
