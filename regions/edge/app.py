@@ -143,13 +143,14 @@ def _blocked(line: deque[_Waiter], inst_id: str, me: _Waiter | None) -> bool:
 
 
 _SATURATED = Decision(None, None, "saturated")
+_SPILL = Decision(None, None, "spill")
 _HOP = b"x-fedinfer-hop"
 
 
 class _Spill:
     """What forwarding to another region needs of one request (only built when it may)."""
 
-    __slots__ = ("allowed", "authorization", "remotes", "session")
+    __slots__ = ("allowed", "authorization", "remotes", "session", "targets", "why")
 
     def __init__(
         self,
@@ -162,6 +163,9 @@ class _Spill:
         self.allowed = allowed
         self.authorization = authorization
         self.session = session
+        #: Set by the first decision when it forwards: where to, and why.
+        self.targets: list[Remote] = []
+        self.why = ""
 
 
 class _ClientGone(Exception):
@@ -644,9 +648,19 @@ class Edge:
         return out
 
     async def _decide(
-        self, req: ParsedRequest, hashes: list[int], sticky: str | None, exclude: frozenset[str]
+        self,
+        req: ParsedRequest,
+        hashes: list[int],
+        sticky: str | None,
+        exclude: frozenset[str],
+        spill: _Spill | None = None,
     ) -> tuple[Decision, float]:
         """Decide; wait at the gateway (bounded queue, deadline) while the choice has no slot.
+
+        With ``spill`` (remote regions serve the model), the first decision also says whether
+        to forward instead: the local expected queue wait exceeds a remote's RTT (+ margin), or
+        nothing local can take the request. Then :data:`_SPILL` is returned and
+        ``spill.targets``/``spill.why`` are set (one decision, not a second one to peek).
 
         A waiter targets the instance it chose (or any instance, for the baseline policies)
         and re-decides when a slot of its target frees, or every 50 ms. Nobody takes a slot
@@ -677,6 +691,17 @@ class Edge:
                     self.turn,
                 )
                 winner = decision.winner
+                if spill is not None:
+                    spill.targets = eligible_remotes(
+                        spill.remotes,
+                        spill.allowed,
+                        winner.queue_s if winner is not None else None,
+                        self.cfg.spill_margin_s,
+                    )
+                    if spill.targets:
+                        spill.why = "ttft" if winner is not None else decision.reason
+                        return _SPILL, now - started
+                    spill = None
                 target: str | None
                 if winner is not None:
                     target = winner.instance
@@ -774,40 +799,22 @@ class Edge:
         hashes = block_hashes(req.prompt, seed, self.cfg.block_bytes)
         session_key = f"{model}\0{session_id}" if session_id is not None else None
         sticky = self.sessions.get(session_key) if session_key is not None else None
-        if spill is not None:
-            # Remote regions serve this model: stay local unless the local expected queue wait
-            # exceeds a remote's RTT (+ margin), or nothing local can take the request.
-            self.turn += 1
-            peek = decide(
-                self._candidates(model, hashes, time.monotonic()),
-                RouteRequest(
-                    model=model,
-                    prompt_tokens=req.prompt_tokens,
-                    block_tokens=self.block_tokens,
-                    sticky=sticky,
-                ),
-                self.cfg.scheduler,
-                self.turn,
-            )
-            w = peek.winner
-            local_queue = w.queue_s if w is not None else None
-            targets = eligible_remotes(
-                spill.remotes, spill.allowed, local_queue, self.cfg.spill_margin_s
-            )
-            if targets:
-                why = peek.reason if w is None else "ttft"
-                if await self._spill_over(
-                    targets, why, spill, req, traceparent, arrived, 0.0, ex, send, True
-                ):
-                    return
         exclude: frozenset[str] = frozenset()
         queue_s = 0.0
         retries = 0
         decision: Decision | None = None
         last_failure = ""
+        first_pass = spill
         while True:
-            decision, waited = await self._decide(req, hashes, sticky, exclude)
+            decision, waited = await self._decide(req, hashes, sticky, exclude, first_pass)
+            first_pass = None
             queue_s += waited
+            if decision is _SPILL and spill is not None:
+                if await self._spill_over(
+                    spill.targets, spill.why, spill, req, traceparent, arrived, 0.0, ex, send, True
+                ):
+                    return
+                continue  # every remote failed before its first byte: serve it here
             winner = decision.winner
             if winner is None:
                 ex.complete = True
