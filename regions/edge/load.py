@@ -71,8 +71,18 @@ class InstanceLoad:
     def snapshot(self, now: float, stale_after_s: float) -> tuple[int, int, float]:
         """(outstanding requests, of which waiting to be scheduled, KV-cache usage 0..1)."""
         engine = self.engine
-        if engine is None or now - self.scraped_at > stale_after_s:
+        if engine is None:
             return self.inflight, 0, 0.0
+        if now - self.scraped_at > stale_after_s:
+            # Scrapes failing for a while: an engine too busy to answer /metrics in time is
+            # the usual cause, so keep its last known load rather than read silence as idle
+            # (a dead engine is ejected by health checks, not by this number).
+            outstanding = engine.num_requests_running + engine.num_requests_waiting
+            return (
+                max(self.inflight, outstanding),
+                engine.num_requests_waiting,
+                (engine.kv_cache_usage_perc),
+            )
         delta = self.admitted_since_scrape - self.finished_since_scrape
         total = engine.num_requests_running + engine.num_requests_waiting + delta
         waiting = engine.num_requests_waiting

@@ -175,3 +175,17 @@ def test_waiting_for_a_warm_instance_beats_a_cold_prefill_until_its_line_grows()
     busy_line = dataclasses.replace(warm, queued=6)
     d = decide([cold, busy_line], req(), CFG)
     assert d.winner is not None and d.winner.instance == "cold" and not d.winner.wait
+
+
+def test_a_stale_scrape_keeps_the_last_known_load_instead_of_reading_idle() -> None:
+    from regions.edge.load import InstanceLoad
+    from regions.engines.metrics import EngineLoad
+
+    load = InstanceLoad()
+    load.scraped(
+        EngineLoad(num_requests_running=6, num_requests_waiting=2, kv_cache_usage_perc=0.5), 100.0
+    )
+    assert load.snapshot(100.2, stale_after_s=3.0) == (8, 2, 0.5)
+    # Ten seconds without an answer to /metrics: still 8 outstanding, not 0.
+    assert load.snapshot(110.0, stale_after_s=3.0) == (8, 2, 0.5)
+    assert InstanceLoad().snapshot(110.0, stale_after_s=3.0) == (0, 0, 0.0)
