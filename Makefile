@@ -73,7 +73,7 @@ vllm-env: $(VLLM_STAMP)
 ## make test-vllm: two real vLLM CPU servers behind the edge (tests/vllm, docs/real-vllm.md)
 test-vllm: $(STAMP) vllm-env
 	FEDINFER_VLLM_PYTHON=$(VLLM_VENV)/bin/python FEDINFER_TINY_MODEL=$(TINY_MODEL) \
-	  $(BIN)/pytest tests/vllm -m vllm --durations=5
+	  $(BIN)/pytest tests/vllm -m vllm --durations=5 $(VLLM_PYTEST_ARGS)
 
 ## make bench-overhead / bench-routing: one benchmark each (JSON in var/bench/, docs/benchmarks.md)
 .PHONY: bench-overhead bench-routing
