@@ -24,6 +24,7 @@ from federation.inventory.models import (
     Region,
     RegionLink,
 )
+from federation.inventory.services import MODEL_UPDATABLE
 
 TIMESTAMPS = ("created_at", "updated_at")
 
@@ -221,18 +222,8 @@ class PoolUpdateIn(PoolCreateIn):
 
 # --- models and adapters -------------------------------------------------------------------
 
-MODEL_FIELDS = (
-    "name",
-    "family",
-    "parameter_count_b",
-    "dtype",
-    "weight_size_gib",
-    "max_context_tokens",
-    "num_layers",
-    "num_attention_heads",
-    "num_kv_heads",
-    "head_dim",
-)
+# The fields a model is created and updated with are the ones its service accepts.
+MODEL_FIELDS = MODEL_UPDATABLE
 
 
 class LanguageModelOut(ReadOnlyModelSerializer):
