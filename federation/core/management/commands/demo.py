@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -35,6 +36,12 @@ from federation.tenancy.models import ApiKey
 
 DEMO_PREFIX = "demo-"
 STARTUP_TIMEOUT_S = 60.0
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
 
 
 def _slug(text: str) -> str:
@@ -86,7 +93,8 @@ class Command(BaseCommand):
             "--edge-base-port",
             type=int,
             default=8100,
-            help="edges listen on consecutive ports from here+1, regions in code order",
+            help="edges listen on consecutive ports from here+1, regions in code order "
+            "(0: any free ports, for tests)",
         )
         parser.add_argument("--engines-per-deployment", type=int, default=1)
         parser.add_argument(
@@ -221,7 +229,8 @@ class Command(BaseCommand):
         keys = self._fresh_keys()
         edges: dict[str, str] = {}
         for offset, region in enumerate(Region.objects.order_by("code"), start=1):
-            url = f"http://{host}:{opts['edge_base_port'] + offset}"
+            base = opts["edge_base_port"]
+            url = f"http://{host}:{base + offset if base else _free_port(host)}"
             inventory.edge_register(
                 actor=None, region=region, name=f"{DEMO_PREFIX}{region.code}", url=url
             )
