@@ -48,7 +48,8 @@ def exception_handler(exc: Exception, context: dict[str, Any]) -> Response | Non
     if isinstance(exc, DjangoValidationError):
         exc = _as_drf(exc)
     if isinstance(exc, exceptions.ValidationError):
-        if _codes(exc.get_codes()) <= UNIQUENESS_CODES:
+        codes = _codes(exc.get_codes())
+        if codes and codes <= UNIQUENESS_CODES:
             return _duplicate_response(exc)
         return drf_exception_handler(exc, context)
     return _other_response(exc, context)
@@ -79,6 +80,6 @@ def _other_response(exc: Exception, context: dict[str, Any]) -> Response | None:
             {"detail": f"Cannot delete: still used by {', '.join(names)}.", "code": "protected"},
             status=status.HTTP_409_CONFLICT,
         )
-    elif isinstance(exc, Conflict):
+    if isinstance(exc, Conflict):
         return Response({"detail": str(exc), "code": exc.code}, status=status.HTTP_409_CONFLICT)
     return drf_exception_handler(exc, context)

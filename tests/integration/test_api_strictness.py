@@ -80,3 +80,17 @@ def test_a_duplicate_mixed_with_bad_input_stays_a_400(operator_client) -> None:
     response = operator_client.post("/api/v1/regions/", {**REGION, "latitude": 500}, format="json")
     assert response.status_code == 400
     assert set(response.json()) == {"code", "latitude"}
+
+
+def test_only_errors_made_of_uniqueness_codes_become_409() -> None:
+    from rest_framework.exceptions import ValidationError
+
+    from federation.api.errors import exception_handler
+
+    duplicate = ValidationError({"slug": [ValidationError("taken", code="unique").detail[0]]})
+    assert exception_handler(duplicate, {}).status_code == 409
+    assert (
+        exception_handler(ValidationError({}), {}).status_code == 400
+    )  # no codes: not a duplicate
+    mixed = ValidationError({"slug": ["taken"], "x": ["bad"]})
+    assert exception_handler(mixed, {}).status_code == 400
