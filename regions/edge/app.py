@@ -2,9 +2,9 @@
 
 Per request: read and check the body, parse what routing needs, hash the prompt's blocks, ask
 :func:`regions.edge.scheduler.decide`, wait at the gateway when every instance is at its cap,
-forward through the one pooled aiohttp session, retry elsewhere only while nothing has been sent
-to the client, then pass the response through byte for byte. Probes, metric scrapes and table
-reloads run as background tasks of the same event loop.
+forward over a pooled keep-alive connection (``upstream.py``), retry elsewhere only while
+nothing has been sent to the client, then pass the response through byte for byte. Probes,
+metric scrapes and table reloads run as background tasks of the same event loop.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import aiohttp
 import httpx
 import orjson
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -45,7 +44,14 @@ from regions.edge.scheduler import (
     SchedulerConfig,
     decide,
 )
-from regions.edge.spill import Remote, eligible_remotes, spill_plan
+from regions.edge.spill import (
+    Remote,
+    eligible_remotes,
+    ramp_point,
+    ramping,
+    returning_remotes,
+    spill_plan,
+)
 from regions.edge.sync import SyncConfig, TableSync
 from regions.edge.table import (
     FileStamp,
@@ -57,6 +63,7 @@ from regions.edge.table import (
     file_stamp,
     served_models,
 )
+from regions.edge.upstream import Response, UpstreamError, UpstreamPool
 
 log = logging.getLogger("fedinfer.edge")
 
@@ -69,8 +76,6 @@ _JSON = b"application/json"
 _SSE = b"text/event-stream"
 _CHAT = "/v1/chat/completions"
 _COMPLETIONS = "/v1/completions"
-#: Connection-level failures: the instance never (fully) answered, so retrying is safe.
-_UPSTREAM_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError)
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +94,8 @@ class EdgeConfig:
     probe_interval_s: float = 1.0
     probe_timeout_s: float = 1.0
     scrape_interval_s: float = 0.5
+    #: Separate from the probe's: a busy engine's late /metrics still says it is busy.
+    scrape_timeout_s: float = 2.0
     table_poll_s: float = 1.0
     block_bytes: int = BLOCK_BYTES
     bytes_per_token: float = BYTES_PER_TOKEN
@@ -150,7 +157,7 @@ _HOP = b"x-fedinfer-hop"
 class _Spill:
     """What forwarding to another region needs of one request (only built when it may)."""
 
-    __slots__ = ("allowed", "authorization", "remotes", "session", "targets", "why")
+    __slots__ = ("allowed", "authorization", "point", "remotes", "session", "targets", "why")
 
     def __init__(
         self,
@@ -158,11 +165,14 @@ class _Spill:
         allowed: frozenset[str] | None,
         authorization: bytes | None,
         session: bytes | None,
+        point: float = 0.0,
     ) -> None:
         self.remotes = remotes
         self.allowed = allowed
         self.authorization = authorization
         self.session = session
+        #: The request's place for regions coming back (``spill.ramp_point``).
+        self.point = point
         #: Set by the first decision when it forwards: where to, and why.
         self.targets: list[Remote] = []
         self.why = ""
@@ -188,7 +198,7 @@ class Edge:
         self.cfg = cfg
         self.metrics = EdgeMetrics()
         self.health = HealthBoard(cfg.health, on_eject=self._on_eject)
-        self.loads = LoadBoard()
+        self.loads = LoadBoard(cfg.scrape_timeout_s)
         self.prefix = PrefixIndex(cfg.prefix_capacity, cfg.prefix_ttl_s)
         self.sessions: OrderedDict[str, str] = OrderedDict()
         self.block_tokens = cfg.block_bytes / cfg.bytes_per_token
@@ -197,7 +207,7 @@ class Edge:
         self._queued = 0
         self._targeted: dict[str, int] = {}
         self._tasks: list[asyncio.Task[None]] = []
-        self._http: aiohttp.ClientSession | None = None
+        self._http: UpstreamPool | None = None
         self._probe_client: httpx.AsyncClient | None = None
         self._table_stamp: FileStamp | None = None
         self._table_bytes = b""
@@ -234,6 +244,7 @@ class Edge:
         self.by_model = {k: tuple(v) for k, v in by_model.items()}
         self.instances = {i.id: i for i in table.instances}
         self.spill = spill_plan(table)
+        self.ramping = ramping(table)
         now = int(time.time())
         self.models_body = orjson.dumps(
             {
@@ -339,16 +350,8 @@ class Edge:
     # ---------------------------------------------------------------- lifecycle
 
     async def startup(self) -> None:
-        connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, enable_cleanup_closed=True)
-        self._http = aiohttp.ClientSession(
-            connector=connector,
-            timeout=aiohttp.ClientTimeout(
-                total=None,
-                sock_connect=self.cfg.connect_timeout_s,
-                sock_read=self.cfg.read_timeout_s,
-            ),
-            auto_decompress=False,
-            skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding"),
+        self._http = UpstreamPool(
+            connect_timeout_s=self.cfg.connect_timeout_s, read_timeout_s=self.cfg.read_timeout_s
         )
         self._probe_client = httpx.AsyncClient(
             timeout=httpx.Timeout(self.cfg.probe_timeout_s),
@@ -571,12 +574,20 @@ class Edge:
             # A request that already hopped is served here or refused: never forwarded again.
             remotes = () if hopped else self.spill.get(model, ())
             local_ok = tenant is None or tenant.local_allowed
+            point = 0.0
+            if self.ramping and remotes:
+                user = req.user.encode() if req.user is not None else raw
+                point = ramp_point(session_hdr if session_hdr is not None else user)
             if not local_ok or model not in self.by_model:
-                remote_only = eligible_remotes(remotes, allowed, None, 0.0)
+                remote_only = eligible_remotes(remotes, allowed, None, 0.0, point)
                 if not remote_only:
                     raise self._nowhere(req, tenant, local_ok, hopped)
             elif remotes:
-                spill = _Spill(remotes, allowed, authorization, session_hdr)
+                if self.ramping:  # this region coming back: requests above its ramp go back
+                    remote_only = returning_remotes(remotes, allowed, point, self.table.ramp)
+                if not remote_only:
+                    remote_only = None
+                    spill = _Spill(remotes, allowed, authorization, session_hdr, point)
             if tenant is not None:
                 admission.rate(tenant, req.prompt_tokens, time.monotonic())
         except EdgeError as err:
@@ -589,8 +600,11 @@ class Edge:
         session_id = session_hdr.decode("latin-1") if session_hdr is not None else req.user
         _, traceparent = child_traceparent(incoming_trace)
         if remote_only is not None:
-            why = "not_local" if model not in self.by_model else "residency"
-            spill = _Spill(remotes, allowed, authorization, session_hdr)
+            if model not in self.by_model:
+                why = "not_local"
+            else:
+                why = "residency" if not local_ok else "ramp"
+            spill = _Spill(remotes, allowed, authorization, session_hdr, point)
 
         ex = _Exchange()
         task = asyncio.current_task()
@@ -697,6 +711,7 @@ class Edge:
                         spill.allowed,
                         winner.queue_s if winner is not None else None,
                         self.cfg.spill_margin_s,
+                        spill.point,
                     )
                     if spill.targets:
                         spill.why = "ttft" if winner is not None else decision.reason
@@ -917,24 +932,20 @@ class Edge:
         """
         assert self._http is not None, "edge not started"
         path = _CHAT if req.chat else _COMPLETIONS
-        headers = {
-            "content-type": "application/json",
-            "traceparent": traceparent,
-            "x-fedinfer-hop": "1",
-        }
+        headers = [(b"traceparent", traceparent.encode()), (_HOP, b"1")]
         if spill.authorization is not None:
-            headers["authorization"] = spill.authorization.decode("latin-1")
+            headers.append((b"authorization", spill.authorization))
         if spill.session is not None:
-            headers["x-session-id"] = spill.session.decode("latin-1")
+            headers.append((b"x-session-id", spill.session))
         failures: list[str] = []
         tries = targets[: self.cfg.max_retries + 1]
         for remote in tries:
             self.metrics.spills.labels(remote.code, why).inc()
             t0 = time.perf_counter()
             try:
-                resp = await self._http.post(remote.edge_url + path, data=req.body, headers=headers)
-            except _UPSTREAM_ERRORS as exc:
-                failures.append(f"{remote.code}: connect {exc.__class__.__name__}")
+                resp = await self._http.post(remote.edge_url, path, req.body, headers)
+            except UpstreamError as exc:
+                failures.append(f"{remote.code}: {exc}")
                 continue
             connect_s = time.perf_counter() - t0
             clean = False
@@ -971,7 +982,7 @@ class Edge:
 
     async def _relay(
         self,
-        resp: aiohttp.ClientResponse,
+        resp: Response,
         remote: Remote,
         why: str,
         req: ParsedRequest,
@@ -983,17 +994,18 @@ class Edge:
         send: Send,
     ) -> None:
         """Pass the remote edge's answer through; its route header gains where it came from."""
-        theirs = resp.headers.get("x-fedinfer-route", f"region={remote.code}")
+        theirs = resp.headers.get(b"x-fedinfer-route", b"").decode("latin-1") or (
+            f"region={remote.code}"
+        )
         head, _, rest = theirs.partition(";")
         route = f"{head};remote_from={self.cfg.region};spill={why};rtt_ms={remote.rtt_s * 1000:.0f}"
         if rest:
             route += ";" + rest
-        ctype = resp.headers.get("content-type", "application/json").encode("latin-1")
-        content = resp.content
+        ctype = resp.headers.get(b"content-type", _JSON)
         try:
-            first = await content.readany() if req.stream else await resp.read()
-        except _UPSTREAM_ERRORS as exc:
-            raise _Upstream(f"read: {exc.__class__.__name__}", connect=True) from exc
+            first = await resp.readany() if req.stream else await resp.read()
+        except UpstreamError as exc:
+            raise _Upstream(f"read: {exc}", connect=True) from exc
         ttft = time.perf_counter() - arrived
         headers_out = [
             (b"content-type", ctype),
@@ -1001,9 +1013,9 @@ class Edge:
             (b"server-timing", server_timing(queue_s, connect_s, ttft)),
             (b"traceparent", traceparent.encode()),
         ]
-        retry_after = resp.headers.get("retry-after")
+        retry_after = resp.headers.get(b"retry-after")
         if retry_after is not None:
-            headers_out.append((b"retry-after", retry_after.encode("latin-1")))
+            headers_out.append((b"retry-after", retry_after))
         if not req.stream:
             headers_out.append((b"content-length", str(len(first)).encode()))
         ex.sent = True
@@ -1012,15 +1024,15 @@ class Edge:
             await send({"type": "http.response.body", "body": first, "more_body": True})
             try:
                 while True:
-                    chunk = await content.readany()
+                    chunk = await resp.readany()
                     if not chunk:
                         break
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            except _UPSTREAM_ERRORS as exc:
+            except UpstreamError as exc:
                 self.metrics.midstream_failures.labels(f"remote:{remote.code}").inc()
                 ex.complete = True
                 message = (
-                    f"remote region {remote.code} failed mid-stream ({exc.__class__.__name__}); "
+                    f"remote region {remote.code} failed mid-stream ({exc}); "
                     "the response is incomplete"
                 )
                 await send(
@@ -1086,20 +1098,21 @@ class Edge:
     ) -> None:
         """Send to ``inst``, pass the answer through; :class:`_Upstream` before byte one."""
         assert self._http is not None, "edge not started"
-        url = inst.url + (_CHAT if req.chat else _COMPLETIONS)
-        headers = {"content-type": "application/json", "traceparent": traceparent}
+        path = _CHAT if req.chat else _COMPLETIONS
         t0 = time.perf_counter()
         try:
-            resp = await self._http.post(url, data=req.body, headers=headers)
-        except _UPSTREAM_ERRORS as exc:
-            raise _Upstream(f"connect: {exc.__class__.__name__}", connect=True) from exc
+            resp = await self._http.post(
+                inst.url, path, req.body, [(b"traceparent", traceparent.encode())]
+            )
+        except UpstreamError as exc:
+            raise _Upstream(str(exc), connect=True) from exc
         connect_s = time.perf_counter() - t0
         clean = False
         try:
             status = resp.status
             if status >= 500:
                 raise _Upstream(f"status {status}", connect=False)
-            ctype = resp.headers.get("content-type", "application/json").encode("latin-1")
+            ctype = resp.headers.get(b"content-type", _JSON)
             if req.stream and status == 200 and ctype.startswith(_SSE):
                 clean = await self._pump_stream(
                     resp,
@@ -1118,8 +1131,8 @@ class Edge:
                 return
             try:
                 body = await resp.read()
-            except _UPSTREAM_ERRORS as exc:
-                raise _Upstream(f"read: {exc.__class__.__name__}", connect=True) from exc
+            except UpstreamError as exc:
+                raise _Upstream(f"read: {exc}", connect=True) from exc
             ttft = time.perf_counter() - arrived
             headers_out = [
                 (b"content-type", ctype),
@@ -1149,7 +1162,7 @@ class Edge:
 
     async def _pump_stream(
         self,
-        resp: aiohttp.ClientResponse,
+        resp: Response,
         inst: Instance,
         req: ParsedRequest,
         decision: Decision,
@@ -1164,18 +1177,17 @@ class Edge:
     ) -> bool:
         """Pass the SSE stream through; True when it ended cleanly with ``[DONE]``."""
         tap = UsageTap(req.strip_usage)
-        content = resp.content
         # Hold the response headers until the first bytes arrive, so a failure before then can
         # still be retried on another instance.
         first = b""
         try:
             while not first:
-                chunk = await content.readany()
+                chunk = await resp.readany()
                 if not chunk:
                     raise _Upstream("closed before the first byte", connect=True)
                 first = tap.feed(chunk)
-        except _UPSTREAM_ERRORS as exc:
-            raise _Upstream(f"stream: {exc.__class__.__name__}", connect=True) from exc
+        except UpstreamError as exc:
+            raise _Upstream(f"stream: {exc}", connect=True) from exc
         ttft = time.perf_counter() - arrived
         headers_out = [
             (b"content-type", ctype),
@@ -1190,14 +1202,14 @@ class Edge:
         failure = ""
         try:
             while True:
-                chunk = await content.readany()
+                chunk = await resp.readany()
                 if not chunk:
                     break
                 out = tap.feed(chunk)
                 if out:
                     await send({"type": "http.response.body", "body": out, "more_body": True})
-        except _UPSTREAM_ERRORS as exc:
-            failure = exc.__class__.__name__
+        except UpstreamError as exc:
+            failure = str(exc)
         if not failure and not tap.done:
             failure = "stream ended without [DONE]"
         if failure:
