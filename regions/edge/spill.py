@@ -11,13 +11,25 @@ Per request (:func:`pick_remote`): the first remote the tenant's ``allowed_regio
 remote must also have headroom and the local expected queue wait must exceed the remote's RTT
 plus a margin: prefill costs about the same in both places, so TTFT_local > TTFT_remote + RTT
 reduces to queue_local > RTT (+ margin against flapping between the two).
+
+A region coming back (restored, or its instances back after all were lost) has a ``ramp`` below
+1 in the tables (schema 2). Each request gets a point in [0, 1) from a hash of its session (or
+of its body, without one: :func:`ramp_point`); a region at ramp *r* takes the requests whose
+point is below *r*. Its own edge forwards the others to where they went while it was away
+(:func:`returning_remotes`), other edges try it only for those points and otherwise use it last
+(:func:`eligible_remotes`). As *r* rises in steps, sessions move to it in point order and stay:
+the same point always lands on the same side, so a session does not bounce between regions.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import xxhash
+
 from regions.edge.table import RoutingTable
+
+_POINTS = float(2**64)
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,6 +40,8 @@ class Remote:
     #: Capacity left there after the planned load (tokens/s; the region's share when the table
     #: has no per-model route).
     has_headroom: bool
+    #: Share of the requests it takes while it comes back: those whose point is below it.
+    ramp: float = 1.0
 
 
 def spill_plan(table: RoutingTable) -> dict[str, tuple[Remote, ...]]:
@@ -46,6 +60,7 @@ def spill_plan(table: RoutingTable) -> dict[str, tuple[Remote, ...]]:
                     edge_url=region.edge_url.rstrip("/"),
                     rtt_s=(target.rtt_ms or region.rtt_ms) / 1000.0,
                     has_headroom=target.headroom_tokens_per_s > 0 or target.headroom > 0,
+                    ramp=region.ramp,
                 )
             )
     for region in sorted(table.remote_regions, key=lambda r: (r.rtt_ms, r.code)):
@@ -58,9 +73,24 @@ def spill_plan(table: RoutingTable) -> dict[str, tuple[Remote, ...]]:
                         edge_url=region.edge_url.rstrip("/"),
                         rtt_s=region.rtt_ms / 1000.0,
                         has_headroom=region.headroom > 0,
+                        ramp=region.ramp,
                     )
                 )
     return {model: tuple(remotes) for model, remotes in plan.items() if remotes}
+
+
+def ramping(table: RoutingTable) -> bool:
+    """Whether a region of this table is coming back (requests then need their point)."""
+    return table.ramp < 1.0 or any(r.ramp < 1.0 for r in table.remote_regions)
+
+
+def ramp_point(key: bytes) -> float:
+    """A request's place in [0, 1) for ramps: stable for a key (its session, else its body)."""
+    return xxhash.xxh3_64_intdigest(key) / _POINTS
+
+
+def _headroom_first(remotes: list[Remote]) -> list[Remote]:
+    return [r for r in remotes if r.has_headroom] + [r for r in remotes if not r.has_headroom]
 
 
 def eligible_remotes(
@@ -68,17 +98,39 @@ def eligible_remotes(
     allowed: frozenset[str] | None,
     local_queue_s: float | None,
     margin_s: float,
+    point: float = 0.0,
 ) -> list[Remote]:
     """The remotes to try, in order; empty to stay local (or refuse).
 
     ``allowed``: the tenant's allowed regions (None: no tenants in the table, unrestricted).
     ``local_queue_s``: the local winner's expected queue wait; None when nothing local can
     take the request (model not here, region evacuated, no healthy instance, saturated): then
-    every allowed remote qualifies, those with headroom first.
+    every allowed remote qualifies, those with headroom first, and a region coming back whose
+    ramp is at or below ``point`` only after all of them (a ramp steers; it never refuses). A
+    latency spill goes only where the ramp admits the point.
     """
     permitted = [r for r in remotes if allowed is None or r.code in allowed]
     if local_queue_s is None:
-        return [r for r in permitted if r.has_headroom] + [
-            r for r in permitted if not r.has_headroom
-        ]
-    return [r for r in permitted if r.has_headroom and local_queue_s > r.rtt_s + margin_s]
+        return _headroom_first([r for r in permitted if point < r.ramp]) + _headroom_first(
+            [r for r in permitted if point >= r.ramp]
+        )
+    return [
+        r
+        for r in permitted
+        if r.has_headroom and point < r.ramp and local_queue_s > r.rtt_s + margin_s
+    ]
+
+
+def returning_remotes(
+    remotes: tuple[Remote, ...],
+    allowed: frozenset[str] | None,
+    point: float,
+    local_ramp: float,
+) -> list[Remote]:
+    """Where a request goes instead of this region while it comes back (``local_ramp`` < 1):
+    empty when its point is within the ramp, or when no allowed remote takes the point — then
+    it is served here (residency and availability come before the ramp)."""
+    if point < local_ramp:
+        return []
+    permitted = [r for r in remotes if (allowed is None or r.code in allowed) and point < r.ramp]
+    return _headroom_first(permitted)

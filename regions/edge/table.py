@@ -18,6 +18,9 @@ from typing import Literal
 import msgspec
 
 SCHEMA_VERSION = 1
+#: Schema 2 is schema 1 plus the ``ramp`` fields of a region getting its traffic back.
+RAMP_SCHEMA_VERSION = 2
+READABLE_SCHEMA_VERSIONS = (SCHEMA_VERSION, RAMP_SCHEMA_VERSION)
 
 Role = Literal["mixed", "prefill", "decode"]
 InstanceState = Literal["ready", "starting", "draining", "stopped"]
@@ -61,6 +64,8 @@ class RemoteRegion(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     models: tuple[str, ...] = ()
     cost_per_mtok: float = 0.0
     headroom: float = 0.0
+    #: Share of the traffic that would go there it takes while it comes back (schema 2).
+    ramp: float = 1.0
 
 
 class RouteTarget(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -133,6 +138,8 @@ class RoutingTable(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     signature: Signature | None = None
     routes: tuple[ModelRoute, ...] = ()
     residency_classes: tuple[ResidencyClass, ...] = ()
+    #: Share of this region's own traffic it serves while it comes back (schema 2).
+    ramp: float = 1.0
 
 
 _decoder = msgspec.json.Decoder(RoutingTable)
@@ -150,10 +157,17 @@ def decode_table(data: bytes) -> RoutingTable:
 
 def validate_table(table: RoutingTable) -> None:
     """Checks a type cannot express; the first defect is raised as :class:`TableError`."""
-    if table.schema_version != SCHEMA_VERSION:
+    if table.schema_version not in READABLE_SCHEMA_VERSIONS:
+        readable = ", ".join(map(str, READABLE_SCHEMA_VERSIONS))
         raise TableError(
-            f"unsupported schema_version {table.schema_version} (this edge reads {SCHEMA_VERSION})"
+            f"unsupported schema_version {table.schema_version} (this edge reads {readable})"
         )
+    ramps = [("ramp", table.ramp)] + [(f"{r.code}.ramp", r.ramp) for r in table.remote_regions]
+    for name, ramp in ramps:
+        if not 0.0 <= ramp <= 1.0:
+            raise TableError(f"{name} must be within [0, 1], got {ramp}")
+        if ramp != 1.0 and table.schema_version < RAMP_SCHEMA_VERSION:
+            raise TableError(f"{name} needs schema_version {RAMP_SCHEMA_VERSION}")
     if table.version < 1:
         raise TableError("version must be a positive integer")
     if not table.region:

@@ -6,7 +6,14 @@ from typing import Any
 
 import msgspec
 
-from regions.edge.spill import Remote, eligible_remotes, spill_plan
+from regions.edge.spill import (
+    Remote,
+    eligible_remotes,
+    ramp_point,
+    ramping,
+    returning_remotes,
+    spill_plan,
+)
 from regions.edge.table import decode_table
 
 
@@ -53,3 +60,55 @@ def test_residency_is_hard_and_latency_needs_headroom_and_a_real_gain() -> None:
     assert eligible_remotes(remotes, None, 0.1, 0.05) == []
     assert eligible_remotes(remotes, None, 0.2, 0.05) == [eu]
     assert eligible_remotes(remotes, frozenset({"us-west"}), 5.0, 0.05) == []
+
+
+def ramped(eu: float = 1.0, usw: float = 1.0, own: float = 1.0) -> Any:
+    base = table()
+    doc = msgspec.to_builtins(base)
+    doc["schema_version"] = 2
+    doc["ramp"] = own
+    doc["remote_regions"][0]["ramp"] = eu
+    doc["remote_regions"][1]["ramp"] = usw
+    return decode_table(msgspec.json.encode(doc))
+
+
+def test_ramp_point_is_stable_per_key_and_spread_over_the_unit_interval() -> None:
+    assert ramp_point(b"session-1") == ramp_point(b"session-1")
+    points = [ramp_point(f"s{i}".encode()) for i in range(2000)]
+    assert all(0.0 <= p < 1.0 for p in points)
+    below = sum(p < 0.3 for p in points) / len(points)
+    assert 0.25 < below < 0.35
+
+
+def test_a_remote_coming_back_takes_the_points_below_its_ramp_and_is_last_resort_above() -> None:
+    t = ramped(eu=0.4)
+    assert ramping(t) and not ramping(table())
+    plan = spill_plan(t)
+    assert plan["llama"][0].ramp == 0.4
+    assert [r.code for r in eligible_remotes(plan["llama"], None, None, 0.0, 0.1)] == [
+        "eu-west",
+        "us-west",
+    ]
+    # Above its ramp: tried only after every other allowed remote (a ramp never refuses).
+    assert [r.code for r in eligible_remotes(plan["llama"], None, None, 0.0, 0.7)] == [
+        "us-west",
+        "eu-west",
+    ]
+    # A latency spill goes there only within the ramp.
+    assert [r.code for r in eligible_remotes(plan["llama"], None, 1.0, 0.05, 0.1)] == ["eu-west"]
+    assert eligible_remotes(plan["llama"], None, 1.0, 0.05, 0.7) == []
+
+
+def test_a_region_coming_back_sends_points_above_its_ramp_where_they_went_meanwhile() -> None:
+    t = ramped(own=0.4)
+    remotes = spill_plan(t)["llama"]
+    assert returning_remotes(remotes, None, 0.1, t.ramp) == []  # within the ramp: stays
+    assert [r.code for r in returning_remotes(remotes, None, 0.9, t.ramp)] == [
+        "eu-west",
+        "us-west",
+    ]
+    # Residency first: no allowed remote, served here whatever the ramp.
+    assert returning_remotes(remotes, frozenset({"us-east"}), 0.9, t.ramp) == []
+    # A remote that is itself coming back does not take points above its own ramp.
+    both = ramped(own=0.4, eu=0.5, usw=0.5)
+    assert returning_remotes(spill_plan(both)["llama"], None, 0.9, both.ramp) == []

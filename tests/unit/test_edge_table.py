@@ -82,7 +82,11 @@ def test_reserved_issue_4_fields_decode() -> None:
 @pytest.mark.parametrize(
     ("mutate", "message"),
     [
-        (lambda d: d.update(schema_version=2), "schema_version"),
+        (lambda d: d.update(schema_version=3), "schema_version"),
+        (lambda d: d.update(ramp=0.5), "ramp needs schema_version 2"),
+        (lambda d: d["remote_regions"][0].update(ramp=0.5), "us-east.ramp needs schema_version"),
+        (lambda d: d.update(schema_version=2, ramp=1.5), "ramp must be within"),
+        (lambda d: d.update(schema_version=2, ramp=-0.1), "ramp must be within"),
         (lambda d: d.update(version=0), "version"),
         (lambda d: d.update(surprise=1), "unknown field"),
         (lambda d: d["instances"][1].update(id="i-1"), "duplicate instance"),
@@ -100,6 +104,14 @@ def test_defects_are_refused(mutate: Any, message: str) -> None:
     mutate(d)
     with pytest.raises(TableError, match=message):
         decode_table(enc(d))
+
+
+def test_schema_2_carries_ramps_and_schema_1_defaults_them_to_full() -> None:
+    assert decode_table(enc(doc())).ramp == 1.0
+    d = doc(schema_version=2, ramp=0.4)
+    d["remote_regions"][0]["ramp"] = 0.0
+    t = decode_table(enc(d))
+    assert t.ramp == 0.4 and t.remote_regions[0].ramp == 0.0
 
 
 def test_garbage_is_refused() -> None:
