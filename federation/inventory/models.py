@@ -85,6 +85,15 @@ class Region(TimeStampedModel):
     longitude = models.FloatField(validators=[MinValueValidator(-180), MaxValueValidator(180)])
     jurisdiction = models.CharField(max_length=8, choices=Jurisdiction.choices)
     status = models.CharField(max_length=16, choices=Status.choices, default=Status.ACTIVE)
+    #: Its traffic comes back gradually from the later of these (the routing compiler's ramp).
+    restored_at = models.DateTimeField(
+        null=True, blank=True, help_text="When it was last restored from an evacuation."
+    )
+    recovered_at = models.DateTimeField(
+        null=True,
+        blank=True,
+        help_text="When its edges last reported an instance healthy again after all were lost.",
+    )
 
     class Meta:
         ordering = ["code"]

@@ -272,13 +272,19 @@ def region_evacuate(*, actor: Actor, region: Region) -> Region:
 @transaction.atomic
 def region_restore(*, actor: Actor, region: Region) -> Region:
     """Put a region back into traffic; undrain the instances its evacuation drained (those an
-    operator drained stay drained). Idempotent."""
+    operator drained stay drained). Its traffic returns gradually from ``restored_at`` (the
+    routing compiler's ramp), not all at once. Idempotent."""
     region = _lock(region)
     if region.status == Region.Status.ACTIVE:
         return region
     old = region.status
     region.status = Region.Status.ACTIVE
-    region.save(update_fields=["status", "updated_at"])
+    fields = ["status", "updated_at"]
+    if old == Region.Status.EVACUATED:
+        # The routing compiler ramps its traffic back from now on (no flip back at once).
+        region.restored_at = timezone.now()
+        fields.append("restored_at")
+    region.save(update_fields=fields)
     restored = [
         _transition(actor=actor, instance=inst, state=lifecycle.READY).name
         for inst in Instance.objects.select_for_update()

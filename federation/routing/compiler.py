@@ -8,11 +8,17 @@ it. The document's schema is ``docs/routing-table.md``; the edge decodes it with
 
 Output is deterministic (everything sorted, floats rounded), so an unchanged fleet compiles to
 a byte-identical body; the version and ``generated_at`` are the caller's.
+
+A region coming back (restored after an evacuation, or its instances healthy again after all
+were lost) gets its traffic back gradually: :func:`region_ramp` gives it a share that rises in
+steps over :class:`RampPolicy`'s window, and the tables carry it (``ramp``, schema 2) so that
+edges shift traffic back in proportion instead of all at once (docs/edge-federation.md).
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -26,7 +32,10 @@ from federation.routing.demand import (
 )
 from federation.tenancy.residency import ResidencyPolicy, region_allowed
 
+#: Tables without a ramp in progress are schema 1, unchanged; a ramp adds ``ramp`` fields,
+#: which only schema 2 may carry (an edge that reads only 1 keeps its last table meanwhile).
 SCHEMA_VERSION = 1
+RAMP_SCHEMA_VERSION = 2
 
 #: Prefill throughput of an 8B model on one H100-80G, tokens/s. Prefill is compute bound, so
 #: it scales with the accelerator's relative speed and inversely with the parameter count;
@@ -78,6 +87,8 @@ class InstanceRow:
     price_per_gpu_hour: float = 0.0
     #: Tokens/s the instance served at its last load snapshot (edge heartbeat), if known.
     load_tokens_per_s: float | None = None
+    #: Health as the region's edges report it (a fresh heartbeat); None when nobody reported.
+    healthy: bool | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +97,10 @@ class RegionRow:
     status: str
     jurisdiction: str
     edge_url: str | None = None
+    #: When it was last restored from an evacuation, and when its instances last came back
+    #: after all were reported unhealthy: its traffic ramps back from the later of the two.
+    restored_at: datetime | None = None
+    recovered_at: datetime | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,6 +125,16 @@ class TenantRow:
 
 
 @dataclass(frozen=True, slots=True)
+class RampPolicy:
+    """How a returning region gets its traffic back: ``steps`` levels, each held
+    ``window_s / steps`` seconds (1/(steps+1), 2/(steps+1), ...), then all of it. Stepped, not
+    continuous, so a ramp publishes ``steps`` table versions rather than one per compile."""
+
+    window_s: float = 60.0
+    steps: int = 4
+
+
+@dataclass(frozen=True, slots=True)
 class FleetSnapshot:
     regions: tuple[RegionRow, ...]
     instances: tuple[InstanceRow, ...]
@@ -119,6 +144,9 @@ class FleetSnapshot:
     #: Expected demand per (origin region, served model), tokens/s. When empty, each region's
     #: demand is what its ready instances served at their last load snapshot.
     demand_tokens_per_s: dict[tuple[str, str], float] = field(default_factory=dict)
+    #: The snapshot's time; without it no region ramps (every ramp is taken as complete).
+    now: datetime | None = None
+    ramp: RampPolicy = field(default_factory=RampPolicy)
     #: Memo of :func:`fleet_plan` by latency penalty, so that compiling region after region
     #: of one snapshot solves the demand split once (a snapshot is not changed once built).
     plans: dict[float, FleetPlan] = field(default_factory=dict, compare=False, repr=False)
@@ -160,6 +188,53 @@ def budget_state(*, monthly_budget_usd: float | None, spend_usd: float) -> str:
     if spend_usd >= monthly_budget_usd:
         return "exhausted"
     return "warn" if spend_usd >= BUDGET_WARN_SHARE * monthly_budget_usd else "ok"
+
+
+def ramp_level(elapsed_s: float, policy: RampPolicy) -> float:
+    """Share of its traffic a region gets ``elapsed_s`` after it came back: the step it is on,
+    then 1 once the window has passed."""
+    if policy.steps < 1 or elapsed_s >= policy.window_s:
+        return 1.0
+    step = math.floor(max(elapsed_s, 0.0) * policy.steps / policy.window_s)
+    return (step + 1) / (policy.steps + 1)
+
+
+def ramp_next_change_s(elapsed_s: float, policy: RampPolicy) -> float | None:
+    """Seconds until :func:`ramp_level` moves to its next step (None: the ramp is over)."""
+    if policy.steps < 1 or elapsed_s >= policy.window_s:
+        return None
+    step_s = policy.window_s / policy.steps
+    elapsed_s = max(elapsed_s, 0.0)
+    return (math.floor(elapsed_s / step_s) + 1) * step_s - elapsed_s
+
+
+def region_down(health: Iterable[bool | None]) -> bool:
+    """All of a region's routable instances are reported unhealthy (at least one, and none
+    healthy or unknown): it lost its instances, and takes no traffic until they come back."""
+    known = list(health)
+    return bool(known) and all(h is False for h in known)
+
+
+def region_ramp(
+    region: RegionRow,
+    health: Iterable[bool | None],
+    *,
+    now: datetime | None,
+    policy: RampPolicy,
+) -> tuple[float, float | None]:
+    """(share of its traffic the region gets now, seconds until that changes).
+
+    0 while it is down (:func:`region_down`); stepping up from the later of its restore and its
+    recovery; 1 otherwise. Being evacuated or losing all instances again during the window
+    moves that start, so the ramp begins again from its first step: no flapping.
+    """
+    if region_down(health):
+        return 0.0, None  # the heartbeat that reports it back recompiles
+    starts = [t for t in (region.restored_at, region.recovered_at) if t is not None]
+    if now is None or not starts:
+        return 1.0, None
+    elapsed = (now - max(starts)).total_seconds()
+    return ramp_level(elapsed, policy), ramp_next_change_s(elapsed, policy)
 
 
 def _rfc3339(moment: datetime) -> str:
@@ -224,6 +299,11 @@ class FleetPlan:
     models_at: dict[str, list[str]]
     #: region -> (USD/h, tokens/s, capacity at the target, expected load) over its models.
     region_totals: dict[str, tuple[float, float, float, float]]
+    #: Active region -> share of its traffic it gets back (1 unless it is ramping or down).
+    ramps: dict[str, float] = field(default_factory=dict)
+    #: Seconds until some region's ramp moves to its next step (None: no ramp in progress);
+    #: the publisher recompiles then.
+    next_ramp_change_s: float | None = None
 
 
 def _rtt(rtt_ms: Mapping[tuple[str, str], float], a: str, b: str) -> float | None:
@@ -320,15 +400,29 @@ def fleet_plan(
     tokens: dict[tuple[str, str], float] = {}
     for row in routable:
         by_region.setdefault(row.region, []).append(row)
+    ramps: dict[str, float] = {}
+    changes: list[float] = []
+    for code in sorted(active):
+        level, change = region_ramp(
+            regions[code],
+            (row.healthy for row in by_region.get(code, ())),
+            now=snapshot.now,
+            policy=snapshot.ramp,
+        )
+        ramps[code] = level
+        if change is not None:
+            changes.append(change)
+    for row in routable:
         for name in (row.model, *row.adapters):
             base_at.setdefault((row.region, name), row.model)
             serving.setdefault(name, set()).add(row.region)
         key = (row.region, row.model)
         usd[key] = usd.get(key, 0.0) + row.price_per_gpu_hour * row.tensor_parallel_size
         tokens[key] = tokens.get(key, 0.0) + _instance_tokens(row)
+    # A ramping region offers the split only its current share of its capacity.
     supply = {
         key: Supply(
-            capacity_tokens_per_s=tokens[key] * TARGET_UTILISATION,
+            capacity_tokens_per_s=tokens[key] * TARGET_UTILISATION * ramps[key[0]],
             cost_per_mtok=usd[key] / 3600.0 / tokens[key] * 1e6 if tokens[key] else 0.0,
             usd_per_hour=usd[key],
             tokens_per_s=tokens[key],
@@ -411,6 +505,8 @@ def fleet_plan(
             code: sorted(n for n, where in serving.items() if code in where) for code in by_region
         },
         region_totals=_region_totals(supply, split),
+        ramps=ramps,
+        next_ramp_change_s=min(changes) if changes else None,
     )
 
 
@@ -548,7 +644,7 @@ def _refusals(plan: FleetPlan, origin: str, cls: ResidencyClass) -> dict[str, st
 def _remote_region(plan: FleetPlan, origin: str, code: str, rtt: float) -> dict[str, Any]:
     region = plan.regions[code]
     usd, tokens, cap, load = plan.region_totals.get(code, (0.0, 0.0, 0.0, 0.0))
-    return {
+    entry: dict[str, Any] = {
         "code": code,
         "edge_url": region.edge_url,
         "rtt_ms": rtt,
@@ -557,6 +653,10 @@ def _remote_region(plan: FleetPlan, origin: str, code: str, rtt: float) -> dict[
         "cost_per_mtok": _r(usd / 3600.0 / tokens * 1e6) if tokens else 0.0,
         "headroom": _r(max(cap - load, 0.0) / cap) if cap else 0.0,
     }
+    ramp = plan.ramps.get(code, 1.0)
+    if ramp < 1.0:
+        entry["ramp"] = _r(ramp)
+    return entry
 
 
 def compile_region_table(
@@ -591,7 +691,7 @@ def compile_region_table(
         }
         for cls in plan.classes
     ]
-    return {
+    document: dict[str, Any] = {
         "schema_version": SCHEMA_VERSION,
         "version": version,
         "region": region,
@@ -602,6 +702,12 @@ def compile_region_table(
         "residency_classes": classes,
         "tenants": plan.tenant_entries,
     }
+    own = plan.ramps.get(region, 1.0)
+    if own < 1.0 and region in plan.serving_regions:
+        document["ramp"] = _r(own)
+    if "ramp" in document or any("ramp" in r for r in remotes):
+        document["schema_version"] = RAMP_SCHEMA_VERSION
+    return document
 
 
 def compile_fleet_tables(

@@ -6,11 +6,15 @@ from collections.abc import Mapping
 from datetime import datetime
 from typing import Any
 
+from django.conf import settings
+from django.utils import timezone
+
 from federation.inventory.models import Edge, Instance, Region, RegionLink
 from federation.routing.compiler import (
     FleetSnapshot,
     InstanceRow,
     KeyRow,
+    RampPolicy,
     RegionRow,
     TenantRow,
 )
@@ -22,6 +26,26 @@ from federation.tenancy.selectors import api_key_table_entries
 VLLM_DEFAULT_MAX_NUM_SEQS = 256
 #: Key of the instance load snapshot (edge heartbeat) the compiler reads demand from.
 LOAD_TOKENS_PER_S = "tokens_per_s"
+#: Reports older than this no longer count (an edge that stopped): for load and for health.
+LOAD_REPORT_MAX_AGE_S = 60.0
+
+
+def reported_health(load: Any, now: datetime) -> bool | None:
+    """Health from a heartbeat's load snapshot while it is fresh; None when unknown or stale."""
+    if not isinstance(load, dict) or not isinstance(load.get("healthy"), bool):
+        return None
+    try:
+        age = (now - datetime.fromisoformat(load["reported_at"])).total_seconds()
+    except (TypeError, KeyError, ValueError):
+        return None
+    return load["healthy"] if age <= LOAD_REPORT_MAX_AGE_S else None
+
+
+def ramp_policy() -> RampPolicy:
+    """The returning-region ramp from the settings (``FEDINFER_RAMP_*``)."""
+    return RampPolicy(
+        window_s=float(settings.FEDINFER_RAMP_SECONDS), steps=int(settings.FEDINFER_RAMP_STEPS)
+    )
 
 
 def _load_tokens_per_s(load: Any) -> float | None:
@@ -71,6 +95,8 @@ def tenant_rows(
 def fleet_snapshot(
     *, now: datetime | None = None, spend_usd: Mapping[str, float] | None = None
 ) -> FleetSnapshot:
+    """Everything the compiler reads, at ``now`` (default: the current time)."""
+    now = now or timezone.now()
     # The first registered edge of a region receives its spill-over (issue 4 adds health).
     edge_urls: dict[str, str] = {}
     for code, url in Edge.objects.order_by("name").values_list("region__code", "url"):
@@ -81,6 +107,8 @@ def fleet_snapshot(
             status=r.status,
             jurisdiction=r.jurisdiction,
             edge_url=edge_urls.get(r.code),
+            restored_at=r.restored_at,
+            recovered_at=r.recovered_at,
         )
         for r in Region.objects.all()
     )
@@ -106,6 +134,7 @@ def fleet_snapshot(
                 adapters=tuple(sorted(a.name for a in dep.adapters.all())),
                 price_per_gpu_hour=float(dep.pool.price_per_gpu_hour),
                 load_tokens_per_s=_load_tokens_per_s(inst.load),
+                healthy=reported_health(inst.load, now),
             )
         )
     rtt = {
@@ -119,4 +148,6 @@ def fleet_snapshot(
         instances=tuple(instances),
         rtt_ms=rtt,
         tenants=tenant_rows(now=now, spend_usd=spend_usd),
+        now=now,
+        ramp=ramp_policy(),
     )

@@ -27,10 +27,11 @@ from django.utils import timezone
 from federation.core.audit import Actor, audit_record
 from federation.core.errors import Conflict
 from federation.core.models import AuditEvent
+from federation.inventory import lifecycle
 from federation.inventory.models import Edge, Instance, Region
-from federation.routing.compiler import compile_region_table, fleet_plan
+from federation.routing.compiler import compile_region_table, fleet_plan, region_down
 from federation.routing.models import RoutingTableCounter, RoutingTableVersion
-from federation.routing.selectors import fleet_snapshot
+from federation.routing.selectors import LOAD_REPORT_MAX_AGE_S, fleet_snapshot, reported_health
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +47,10 @@ RECOMPILE_DELAY_S = 0.5
 RECOMPILE_PENDING_TTL_MS = 10_000
 #: Edge credentials read ``fe_<secret>``: the prefix tells them apart from staff tokens.
 EDGE_CREDENTIAL_PREFIX = "fe_"
+#: One queued recompile per ramp step boundary (key + its epoch milliseconds).
+RAMP_STEP_KEY = "fedinfer:tables:ramp-step:{at_ms}"
+#: Compile a little after the boundary, so that the level has moved.
+RAMP_STEP_SLACK_S = 0.05
 #: Audit actions that change nothing a table contains.
 ACTIONS_WITHOUT_RECOMPILE = frozenset({"edge.rotate_credential"})
 
@@ -140,7 +145,35 @@ def routing_tables_publish(*, regions: Sequence[str] | None = None) -> list[Rout
             )
         if created:
             transaction.on_commit(lambda: _publish_nudges(created))
+        if plan.next_ramp_change_s is not None:
+            at = snapshot.now or timezone.now()
+            delay = plan.next_ramp_change_s + RAMP_STEP_SLACK_S
+            transaction.on_commit(lambda: routing_tables_schedule_ramp_step(at, delay), robust=True)
     return created
+
+
+def routing_tables_schedule_ramp_step(compiled_at: datetime, delay_s: float) -> bool:
+    """Queue the recompile that publishes a ramp's next step, once per step boundary however
+    many publishes saw it coming (a Redis ``SET NX`` keyed by the boundary's time); without
+    Redis every caller queues one, which costs an unchanged compile. Returns True if queued."""
+    from workers.tasks import routing_tables_publish_task
+
+    client = redis_client()
+    if client is not None:
+        at_ms = round((compiled_at.timestamp() + delay_s) * 1000)
+        try:
+            first = client.set(
+                RAMP_STEP_KEY.format(at_ms=at_ms), "1", nx=True, px=round(delay_s * 1000) + 60_000
+            )
+        except redis.RedisError as exc:
+            logger.warning("ramp step debounce unavailable, queueing anyway: %s", exc)
+            first = True
+        finally:
+            client.close()
+        if not first:
+            return False
+    routing_tables_publish_task.apply_async(countdown=delay_s)
+    return True
 
 
 # --- the debounced recompile ---------------------------------------------------------------
@@ -303,8 +336,6 @@ def _check_published(edge: Edge, version: int | None) -> None:
         )
 
 
-#: Reports older than this no longer count towards an instance's load.
-LOAD_REPORT_MAX_AGE_S = 60.0
 #: Per-edge figures that add up across the edges of a region.
 SUMMED_LOAD_FIELDS = ("tokens_per_s", "in_flight", "queued")
 
@@ -343,9 +374,20 @@ def merge_load(current: Any, *, edge: str, report: InstanceReport, now: datetime
     return merged
 
 
+def _region_health(region_id: int, now: datetime) -> bool:
+    """Whether the region is down: every ready instance reported unhealthy (compiler's rule)."""
+    loads = Instance.objects.filter(
+        deployment__pool__region_id=region_id, state=lifecycle.READY
+    ).values_list("load", flat=True)
+    return region_down(reported_health(load, now) for load in loads)
+
+
 def _store_instance_reports(
     edge: Edge, reports: Sequence[InstanceReport], now: datetime
 ) -> tuple[list[str], list[str]]:
+    # The region row serialises its edges' heartbeats, so a down -> up change is seen once.
+    region = Region.objects.select_for_update().get(pk=edge.region_id)
+    was_down = _region_health(region.pk, now)
     names = [r.id for r in reports]
     known = {
         inst.name: inst
@@ -362,6 +404,13 @@ def _store_instance_reports(
         inst.last_heartbeat_at = now
         updated.append(inst)
     # No audit event per heartbeat (they arrive every few seconds) and no recompile either:
-    # the periodic recompile picks telemetry up.
+    # the periodic recompile picks telemetry up. Only a region going down or coming back
+    # recompiles at once; coming back starts its ramp.
     Instance.objects.bulk_update(updated, ["load", "last_heartbeat_at"])
+    down = _region_health(region.pk, now)
+    if was_down and not down:
+        region.recovered_at = now
+        region.save(update_fields=["recovered_at", "updated_at"])
+    if was_down != down:
+        transaction.on_commit(routing_tables_schedule_recompile, robust=True)
     return [i.name for i in updated], sorted(set(names) - set(known))

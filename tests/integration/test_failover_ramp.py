@@ -1,0 +1,288 @@
+"""A region coming back gets its traffic back gradually, end to end on loopback.
+
+Real PostgreSQL (this test's database, transactional so the subprocesses see committed rows),
+Redis (``$REDIS_URL``, default DB 12), a real ``fedinfer serve`` and ``fedinfer worker`` (the
+worker publishes every table here, including the ramp's steps), and per region a
+``fedinfer engine-sim`` and a ``fedinfer edge`` in control-plane mode:
+
+* ``eu-west`` and ``us-west`` serve llama; ``us-east`` serves qwen only, so its llama traffic
+  goes to ``eu-west`` (10 ms away) rather than ``us-west`` (40 ms).
+
+The same 24 sessions of the unrestricted tenant ask at the ``eu-west`` edge (its own traffic)
+and at the ``us-east`` edge (failover traffic that moved) in rounds. Evacuating ``eu-west``
+moves all of it away; after the restore the share served in ``eu-west`` rises in steps over the
+ramp window (12 s here), a session once back stays back, and a restore -> evacuate -> restore
+cycle starts the ramp again instead of flipping back to full. Then its engine dies: the region
+is reported down, and when the engine comes back the health-driven ramp returns traffic the
+same gradual way.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import redis
+from django.conf import settings
+from rest_framework.test import APIClient
+
+from federation.inventory import services as inventory
+from federation.routing import services as routing
+from federation.routing.models import RoutingTableVersion
+from federation.tenancy import services as tenancy
+from tests.integration.inventory_factories import (
+    LLAMA_8B,
+    make_deployment,
+    make_model,
+    make_pool,
+    make_region,
+)
+from tests.integration.test_edge_support import route_of
+from tests.integration.test_routing_distribution import FEDINFER, free_port, stop_process_group
+from workers.celery import app as celery_app
+
+REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/12")
+LLAMA = LLAMA_8B["name"]
+QWEN = "Qwen/Qwen2.5-7B-Instruct"
+RAMP_S = 12
+STEPS = 4
+SESSIONS = [f"session-{i}" for i in range(24)]
+
+
+class Procs:
+    def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp
+        self.running: list[subprocess.Popen[bytes]] = []
+
+    def start(self, name: str, cmd: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
+        with (self.tmp / f"{name}.log").open("ab") as log:
+            proc = subprocess.Popen(
+                cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        self.running.append(proc)
+        return proc
+
+
+@pytest.fixture
+def procs(tmp_path: Path) -> Iterator[Procs]:
+    p = Procs(tmp_path)
+    yield p
+    for proc in reversed(p.running):
+        stop_process_group(proc)
+
+
+@pytest.fixture(autouse=True)
+def own_redis(settings: Any) -> Iterator[None]:
+    settings.REDIS_URL = REDIS_URL
+    settings.CELERY_BROKER_URL = REDIS_URL
+    celery_app.conf.broker_url = REDIS_URL
+    celery_app.close()
+    client = redis.Redis.from_url(REDIS_URL)
+    client.flushdb()
+    yield
+    client.flushdb()
+    client.close()
+
+
+def env() -> dict[str, str]:
+    db = settings.DATABASES["default"]
+    return {
+        **os.environ,
+        "DATABASE_URL": f"postgres://{db['USER']}@{db['HOST']}:{db['PORT']}/{db['NAME']}",
+        "REDIS_URL": REDIS_URL,
+        "CELERY_BROKER_URL": REDIS_URL,
+        "DJANGO_SETTINGS_MODULE": "federation.settings",
+        "FEDINFER_RAMP_SECONDS": str(RAMP_S),
+        "FEDINFER_RAMP_STEPS": str(STEPS),
+        "FEDINFER_TABLES_REFRESH_SECONDS": "60",  # the ramp's steps must not need beat
+    }
+
+
+def wait_until(check: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.1)
+
+
+def served_in(client: httpx.Client, edge: str, key: str) -> set[str]:
+    """The sessions (of :data:`SESSIONS`) served in eu-west, asking at ``edge``."""
+    out = set()
+    for session in SESSIONS:
+        r = client.post(
+            edge + "/v1/chat/completions",
+            json={"model": LLAMA, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1},
+            headers={"Authorization": f"Bearer {key}", "x-session-id": session},
+        )
+        assert r.status_code == 200, r.text
+        if route_of(r.headers)["region"] == "eu-west":
+            out.add(session)
+    return out
+
+
+Round = tuple[float, set[str], set[str]]
+
+
+def ramp_rounds(
+    client: httpx.Client, edges: dict[str, str], key: str, until: Callable[[Round], bool]
+) -> list[Round]:
+    """Rounds (seconds since now, sessions in eu-west from eu-west, from us-east) until
+    ``until`` holds for one, or the window plus 10 s."""
+    started = time.monotonic()
+    rounds: list[Round] = []
+    while time.monotonic() - started < RAMP_S + 10:
+        rnd = (
+            time.monotonic() - started,
+            served_in(client, edges["eu-west"], key),
+            served_in(client, edges["us-east"], key),
+        )
+        rounds.append(rnd)
+        if until(rnd):
+            return rounds
+    raise AssertionError(f"ramp did not finish: {[(t, len(a), len(b)) for t, a, b in rounds]}")
+
+
+def full(rnd: Round) -> bool:
+    return len(rnd[1]) == len(rnd[2]) == len(SESSIONS)
+
+
+def assert_gradual(rounds: list[Round]) -> None:
+    """Each edge's share rises through intermediate values, sessions never leave again, and
+    full comes no earlier than most of the window."""
+    for side in (1, 2):
+        shares = [len(r[side]) / len(SESSIONS) for r in rounds]
+        partial = {s for s in shares if 0 < s < 1}
+        assert len(partial) >= 2, shares  # a ramp, not a step
+        assert min(s for s in shares if s > 0) <= 0.5, shares
+        for before, after in itertools.pairwise(rounds):
+            assert before[side] <= after[side], (before[0], before[side] - after[side])
+    first_full = next(r[0] for r in rounds if full(r))
+    assert first_full >= RAMP_S * 0.6, first_full
+
+
+def latest_ramp(code: str) -> Any:
+    doc = RoutingTableVersion.objects.filter(region__code=code).order_by("-version").first()
+    return None if doc is None else doc.document.get("ramp", 1.0)
+
+
+@pytest.mark.django_db(transaction=True, serialized_rollback=True)
+def test_a_region_coming_back_gets_its_traffic_back_gradually(
+    procs: Procs, admin_client: APIClient
+) -> None:
+    codes = ("eu-west", "us-west", "us-east")
+    serves = {"eu-west": LLAMA, "us-west": LLAMA, "us-east": QWEN}
+    engine_ports = {c: free_port() for c in codes}
+
+    def start_engine(code: str) -> subprocess.Popen[bytes]:
+        cmd = [FEDINFER, "engine-sim", "--port", str(engine_ports[code]), "--model", serves[code]]
+        return procs.start(f"engine-{code}", [*cmd, "--log-level", "warning"], env())
+
+    engines = {code: start_engine(code) for code in codes}
+    regions = {c: make_region(c, "EU" if c == "eu-west" else "US") for c in codes}
+    models = {LLAMA: make_model(), QWEN: make_model(name=QWEN)}
+    rtt = {("us-east", "eu-west"): 10, ("us-east", "us-west"): 40, ("eu-west", "us-west"): 40}
+    for (a, b), ms in rtt.items():
+        for src, dst in ((a, b), (b, a)):
+            inventory.region_link_set(
+                actor=None, source=regions[src], target=regions[dst], rtt_ms=ms
+            )
+    for code in codes:
+        dep = make_deployment(models[serves[code]], make_pool(regions[code]))
+        inst = inventory.instance_create(
+            actor=None,
+            deployment=dep,
+            name=f"{code}-0",
+            endpoint_url=f"http://127.0.0.1:{engine_ports[code]}",
+        )
+        for step in ("loading", "warming", "ready"):
+            inst = inventory.instance_transition(actor=None, instance=inst, state=step)
+    edge_ports = {c: free_port() for c in codes}
+    edges = {c: f"http://127.0.0.1:{edge_ports[c]}" for c in codes}
+    credentials = {}
+    for code in codes:
+        edge = inventory.edge_register(
+            actor=None, region=regions[code], name=f"edge-{code}", url=edges[code]
+        )
+        credentials[code] = routing.edge_credential_rotate(actor=None, edge=edge)
+    anyone = tenancy.tenant_create(actor=None, slug="anyone", name="Anyone")
+    key = tenancy.api_key_create(actor=None, tenant=anyone, name="k").plaintext
+    routing.routing_tables_publish()
+
+    serve_port = free_port()
+    cp = f"http://127.0.0.1:{serve_port}"
+    procs.start("serve", [FEDINFER, "serve", "--no-migrate", "--port", str(serve_port)], env())
+    worker_cmd = [FEDINFER, "worker", "--pool", "solo", "--without-gossip", "--without-mingle"]
+    procs.start("worker", worker_cmd, env())
+
+    def up(url: str) -> bool:
+        try:
+            return httpx.get(url, timeout=1).status_code < 500
+        except httpx.TransportError:
+            return False
+
+    wait_until(lambda: up(cp + "/api/v1/"), 30, "serve")
+    ring = f"{settings.FEDINFER_TABLE_SIGNING_KEY_ID}={settings.FEDINFER_TABLE_SIGNING_KEY}"
+    for code in codes:
+        cred = procs.tmp / f"cred-{code}"
+        cred.write_text(credentials[code])
+        cmd = [FEDINFER, "edge", "--region", code, "--control-plane", cp]
+        cmd += ["--credential-file", str(cred), "--table-keys", ring, "--edge-name", f"edge-{code}"]
+        cmd += ["--state-dir", str(procs.tmp / f"state-{code}"), "--port", str(edge_ports[code])]
+        cmd += ["--heartbeat-interval", "0.5", "--probe-interval", "0.2"]
+        cmd += ["--scrape-interval", "0.2", "--initial-timeout", "10", "--log-level", "warning"]
+        procs.start(f"edge-{code}", cmd, env())
+    for code in codes:
+        wait_until(lambda code=code: up(edges[code] + "/healthz"), 20, f"edge {code}")
+
+    with httpx.Client(timeout=20) as client:
+        every = set(SESSIONS)
+        assert served_in(client, edges["eu-west"], key) == every
+        assert served_in(client, edges["us-east"], key) == every  # nearest llama region
+
+        def evacuate() -> None:
+            assert admin_client.post("/api/v1/regions/eu-west/evacuate/").status_code == 200
+            wait_until(
+                lambda: not served_in(client, edges["eu-west"], key)
+                and not served_in(client, edges["us-east"], key),
+                10,
+                "eu-west traffic to move away",
+            )
+
+        def restore() -> None:
+            assert admin_client.post("/api/v1/regions/eu-west/restore/").status_code == 200
+
+        # 1. Evacuate, restore: the share comes back in steps, at both edges.
+        evacuate()
+        restore()
+        rounds = ramp_rounds(client, edges, key, full)
+        print("restore:", [(round(t, 1), len(a), len(b)) for t, a, b in rounds])
+        assert_gradual(rounds)
+
+        # 2. Restore -> evacuate -> restore within the window: the ramp starts over.
+        evacuate()
+        restore()
+        wait_until(lambda: bool(served_in(client, edges["eu-west"], key)), 5, "first step")
+        evacuate()
+        restore()
+        rounds = ramp_rounds(client, edges, key, full)
+        print("cycle:", [(round(t, 1), len(a), len(b)) for t, a, b in rounds])
+        assert_gradual(rounds)
+
+        # 3. eu-west loses its only engine: reported down (ramp 0) through the heartbeats; when
+        #    the engine is back, the health-driven ramp returns the traffic gradually.
+        stop_process_group(engines["eu-west"])
+        wait_until(lambda: latest_ramp("eu-west") == 0.0, 15, "eu-west reported down")
+        assert not served_in(client, edges["eu-west"], key)
+        assert not served_in(client, edges["us-east"], key)
+        engines["eu-west"] = start_engine("eu-west")
+        rounds = ramp_rounds(client, edges, key, full)
+        print("recovery:", [(round(t, 1), len(a), len(b)) for t, a, b in rounds])
+        assert_gradual(rounds)
