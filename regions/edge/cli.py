@@ -48,6 +48,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--read-timeout", type=float, default=300.0)
     p.add_argument("--probe-interval", type=float, default=1.0)
     p.add_argument("--scrape-interval", type=float, default=0.5)
+    p.add_argument(
+        "--scrape-timeout",
+        type=float,
+        default=2.0,
+        help="seconds to wait for an engine's /metrics (a busy engine answers late)",
+    )
     p.add_argument("--table-poll", type=float, default=1.0, help="seconds between file checks")
     p.add_argument("--eject-after", type=int, default=3, help="consecutive failures to eject")
     p.add_argument("--readmit-after", type=int, default=2, help="consecutive successes to readmit")
@@ -127,6 +133,7 @@ def config_from_args(opts: argparse.Namespace) -> EdgeConfig:
         read_timeout_s=opts.read_timeout,
         probe_interval_s=opts.probe_interval,
         scrape_interval_s=opts.scrape_interval,
+        scrape_timeout_s=opts.scrape_timeout,
         table_poll_s=opts.table_poll,
         bytes_per_token=opts.bytes_per_token,
         prefix_capacity=opts.prefix_capacity,

@@ -93,10 +93,16 @@ class InstanceLoad:
 
 
 class LoadBoard:
-    """instance id → :class:`InstanceLoad`, kept in step with the table."""
+    """instance id → :class:`InstanceLoad`, kept in step with the table.
 
-    def __init__(self) -> None:
+    ``scrape_timeout_s`` is the scrapes' own timeout, separate from the health probe's: a busy
+    engine answers ``/metrics`` late, and a reading that arrives late is still the one that
+    says it is busy, whereas a slow ``/health`` should count towards ejection.
+    """
+
+    def __init__(self, scrape_timeout_s: float = 2.0) -> None:
         self.loads: dict[str, InstanceLoad] = {}
+        self.scrape_timeout_s = scrape_timeout_s
 
     def sync(self, ids: list[str]) -> None:
         self.loads = {i: self.loads.get(i) or InstanceLoad() for i in ids}
@@ -117,7 +123,7 @@ async def scrape_once(
     on_error: Callable[[str], None] | None = None,
 ) -> None:
     try:
-        resp = await client.get(url + "/metrics")
+        resp = await client.get(url + "/metrics", timeout=board.scrape_timeout_s)
         resp.raise_for_status()
         engine = parse_vllm_metrics(resp.text)
     except (httpx.HTTPError, ValueError) as exc:

@@ -76,6 +76,9 @@ def edge(
     port = free_port()
     argv = [str(fedinfer), "edge", "--region", EDGE_REGION, "--table", str(table_path)]
     argv += ["--host", "127.0.0.1", "--port", str(port), "--read-timeout", "120"]
+    # A busy CPU server pinned to one core can take seconds to answer /metrics; a late reading
+    # that says "busy" is what the load-steering test needs (the health probe keeps its 1 s).
+    argv += ["--scrape-timeout", "10"]
     with log_path.open("wb") as log:
         proc = subprocess.Popen(
             argv,

@@ -1,0 +1,49 @@
+"""Live-load scrapes (``regions/edge/load.py``) and their own timeout."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+
+from regions.edge.cli import build_parser, config_from_args
+from regions.edge.load import LoadBoard, scrape_once
+
+METRICS = """\
+vllm:num_requests_running{engine="0",model_name="m"} 4.0
+vllm:num_requests_waiting{engine="0",model_name="m"} 1.0
+vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.25
+"""
+
+
+def test_a_scrape_uses_its_own_timeout_not_the_probe_clients() -> None:
+    seen: list[object] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(request.extensions["timeout"])
+        return httpx.Response(200, text=METRICS)
+
+    async def run() -> LoadBoard:
+        board = LoadBoard(scrape_timeout_s=7.5)
+        board.sync(["i-1"])
+        # The shared client carries the health probe's short timeout.
+        async with httpx.AsyncClient(
+            transport=httpx.MockTransport(handler), timeout=httpx.Timeout(1.0)
+        ) as client:
+            await scrape_once(client, board, "i-1", "http://engine")
+        return board
+
+    board = asyncio.run(run())
+    assert seen == [{"connect": 7.5, "read": 7.5, "write": 7.5, "pool": 7.5}]
+    engine = board.loads["i-1"].engine
+    assert engine is not None and engine.num_requests_running == 4
+
+
+def test_scrape_timeout_flag_is_separate_from_the_probe_timeout() -> None:
+    args = ["--region", "r1", "--table", "t.json"]
+    default = config_from_args(build_parser().parse_args(args))
+    assert default.scrape_timeout_s == 2.0
+    assert default.probe_timeout_s == 1.0
+    cfg = config_from_args(build_parser().parse_args([*args, "--scrape-timeout", "10"]))
+    assert cfg.scrape_timeout_s == 10.0
+    assert cfg.probe_timeout_s == 1.0
