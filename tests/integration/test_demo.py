@@ -1,4 +1,5 @@
-"""``fedinfer demo`` runs the platform for real: control plane, engines, one edge per region."""
+"""``fedinfer demo`` runs the federation for real: control plane, worker, engines, one edge per
+region fed by the control plane, and a traffic generator — all processes on loopback."""
 
 from __future__ import annotations
 
@@ -6,16 +7,22 @@ import json
 import os
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
+LLAMA = "meta-llama/Llama-3.1-8B-Instruct"
+
+Summary = tuple[dict[str, int], dict[str, dict[str, int]]]
 
 
 def _free_port() -> int:
@@ -24,45 +31,69 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def _wait_until(check: Callable[[], bool], timeout: float, what: str) -> float:
+    started = time.monotonic()
+    while not check():
+        if time.monotonic() - started > timeout:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(0.1)
+    return time.monotonic() - started
+
+
+def _route(headers: Any) -> dict[str, str]:
+    raw = headers.get("x-fedinfer-route", "")
+    return dict(part.split("=", 1) for part in raw.split(";") if "=" in part)
+
+
+def _summaries(log: Path) -> list[Summary]:
+    """The traffic generator's summary lines: ``traffic 6 req (3 streamed) in 1.0s | 200=5
+    503=1 | globex-eu eu-west=1,eu-west:503=1 | initech eu-west>us-east=1,us-east=1``."""
+    out = []
+    for line in log.read_text().splitlines() if log.exists() else []:
+        if not line.startswith("traffic ") or " | " not in line:
+            continue
+        _head, statuses, *tenants = line.split(" | ")
+        counts = {s: int(n) for s, n in (item.split("=") for item in statuses.split())}
+        served = {}
+        for entry in tenants:
+            tenant, paths = entry.split(" ", 1)
+            served[tenant] = {p: int(n) for p, n in (i.split("=") for i in paths.split(","))}
+        out.append((counts, served))
+    return out
+
+
 @pytest.fixture
-def demo(tmp_path: Path):
-    web_port = _free_port()
-    env = {**os.environ, "FEDINFER_VAR_DIR": str(tmp_path), "FEDINFER_MODE": "embedded"}
-    # The demo's embedded defaults (SQLite under var/), not the test settings.
-    env.pop("DATABASE_URL", None)
-    env.pop("DJANGO_SETTINGS_MODULE", None)
-    log = (tmp_path / "demo.log").open("wb")
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "federation.cli",
-            "demo",
-            "--port",
-            str(web_port),
-            "--edge-base-port",
-            "0",  # free ports from the OS: fixed ones may be taken on a busy test machine
-            "--exit-after",
-            "60",
-        ],
-        cwd=ROOT,
-        env=env,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-    endpoints = tmp_path / "demo" / "endpoints.json"
-    deadline = time.monotonic() + 90
-    while not endpoints.exists():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-            out = (tmp_path / "demo.log").read_text()
-            pytest.fail(f"demo did not start (code {proc.poll()}):\n{out[-3000:]}")
-        time.sleep(0.2)
-    try:
-        yield proc, json.loads(endpoints.read_text())
-    finally:
+def start_demo(tmp_path: Path) -> Iterator[Callable[..., tuple[subprocess.Popen[bytes], Any]]]:
+    procs: list[subprocess.Popen[bytes]] = []
+
+    def start(*extra: str) -> tuple[subprocess.Popen[bytes], Any]:
+        env = {**os.environ, "FEDINFER_VAR_DIR": str(tmp_path), "FEDINFER_MODE": "embedded"}
+        # The demo's embedded defaults (SQLite under var/, filesystem broker), not the test's.
+        for name in ("DATABASE_URL", "REDIS_URL", "CELERY_BROKER_URL", "DJANGO_SETTINGS_MODULE"):
+            env.pop(name, None)
+        log = (tmp_path / "demo.log").open("wb")
+        # Free ports from the OS: fixed ones may be taken on a busy test machine.
+        argv = ["demo", "--port", str(_free_port()), "--edge-base-port", "0"]
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "federation.cli", *argv, "--exit-after", "120", *extra],
+            cwd=ROOT,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        procs.append(proc)
+        endpoints = tmp_path / "demo" / "endpoints.json"
+        deadline = time.monotonic() + 90
+        while not endpoints.exists():
+            if proc.poll() is not None or time.monotonic() > deadline:
+                out = (tmp_path / "demo.log").read_text()
+                pytest.fail(f"demo did not start (code {proc.poll()}):\n{out[-3000:]}")
+            time.sleep(0.2)
+        return proc, json.loads(endpoints.read_text())
+
+    yield start
+    for proc in procs:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGINT)
         try:
@@ -72,29 +103,148 @@ def demo(tmp_path: Path):
             raise
 
 
-def test_demo_serves_a_request_in_every_region_and_stops_cleanly(demo) -> None:
-    proc, endpoints = demo
+def test_demo_federates_three_regions_with_traffic_and_an_evacuation(
+    start_demo: Callable[..., tuple[subprocess.Popen[bytes], Any]], tmp_path: Path
+) -> None:
+    proc, endpoints = start_demo("--traffic-rps", "6", "--traffic-summary-every", "6")
+    demo_dir = tmp_path / "demo"
     assert set(endpoints["edges"]) == {"us-east", "eu-west", "ap-southeast"}
     assert len(endpoints["instances"]) == 10
     assert set(endpoints["api_keys"]) == {"acme-us", "globex-eu", "umbrella-sg", "initech"}
+    assert endpoints["tenants"]["globex-eu"] == {"regions": ["eu-west"]}
+    assert stat.S_IMODE((demo_dir / "endpoints.json").stat().st_mode) == 0o600
+    for code in endpoints["edges"]:
+        credential = demo_dir / "credentials" / f"demo-{code}"
+        assert stat.S_IMODE(credential.stat().st_mode) == 0o600
+        assert credential.read_text().startswith("fe_")
+
+    # One request per region through the openai SDK, served where it arrived.
     key = endpoints["api_keys"]["initech"]  # the tenant allowed everywhere
-    assert key.startswith("fi_")
     for region, edge_url in endpoints["edges"].items():
         client = openai.OpenAI(base_url=f"{edge_url}/v1", api_key=key, max_retries=0)
         raw = client.chat.completions.with_raw_response.create(
-            model="meta-llama/Llama-3.1-8B-Instruct",
+            model=LLAMA,
             messages=[{"role": "user", "content": f"Hello from the {region} test"}],
             max_tokens=8,
         )
-        completion = raw.parse()
-        assert completion.choices[0].message.content
-        route = raw.headers["x-fedinfer-route"]
-        assert f"region={region}" in route
-        assert f"instance=demo-{region}" in route
-    api = httpx.get(f"{endpoints['control_plane']}/api/v1/regions/", timeout=5)
-    assert api.status_code in (401, 403)  # the API wants credentials
+        assert raw.parse().choices[0].message.content
+        route = _route(raw.headers)
+        assert route["region"] == region and route["instance"].startswith(f"demo-{region}")
+
+    # The edges run on the control plane's signed tables and report back by heartbeat.
+    api = f"{endpoints['control_plane']}/api/v1"
+    assert httpx.get(f"{api}/regions/", timeout=5).status_code in (401, 403)
+    token = httpx.post(
+        f"{api}/auth/token/", json={"username": "admin", "password": "fedinfer-demo"}, timeout=10
+    ).json()["token"]
+    auth = {"Authorization": f"Token {token}"}
+
+    def on_latest_version() -> bool:
+        rows = httpx.get(f"{api}/routing-tables/", headers=auth, timeout=5).json()["results"]
+        for row in rows:
+            (edge,) = row["edges"]
+            health = httpx.get(f"{endpoints['edges'][row['region']]}/healthz", timeout=5).json()
+            assert health["table_source"] == "control-plane"
+            if not (
+                row["latest_version"] is not None
+                and edge["name"] == f"demo-{row['region']}"
+                and edge["applied_table_version"] == row["latest_version"]
+                and health["table_version"] == row["latest_version"]
+            ):
+                return False
+        return len(rows) == 3
+
+    _wait_until(on_latest_version, 15, "every edge's heartbeat on its region's latest table")
+
+    # The traffic generator's requests succeed, each tenant served where it may be.
+    traffic_log = demo_dir / "logs" / "traffic.log"
+    _wait_until(lambda: len(_summaries(traffic_log)) >= 2, 20, "two traffic summaries")
+    before = _summaries(traffic_log)
+    for statuses, served in before:
+        assert set(statuses) == {"200"}, statuses
+        assert set(served.get("globex-eu", {})) <= {"eu-west"}, served
+        assert set(served.get("acme-us", {})) <= {"us-east"}, served
+    assert sum(sum(s.get("globex-eu", {}).values()) for _, s in before) > 0
+
+    # Evacuating eu-west through the API: the worker recompiles, the edge long-polls the new
+    # table, the unrestricted tenant's eu-west traffic is served elsewhere within seconds.
+    r = httpx.post(f"{api}/regions/eu-west/evacuate/", headers=auth, timeout=10)
+    assert r.status_code == 200, r.text
+    eu = openai.OpenAI(base_url=f"{endpoints['edges']['eu-west']}/v1", api_key=key, max_retries=0)
+
+    def moved() -> bool:
+        raw = eu.chat.completions.with_raw_response.create(
+            model=LLAMA, messages=[{"role": "user", "content": "still here?"}], max_tokens=4
+        )
+        route = _route(raw.headers)
+        return route["region"] != "eu-west" and route.get("remote_from") == "eu-west"
+
+    shift_s = _wait_until(moved, 15, "eu-west traffic to move")
+    print(f"evacuation -> traffic moved in {shift_s:.2f}s")
+    assert shift_s < 10, shift_s
+    seen = len(_summaries(traffic_log))
+
+    def generator_moved() -> bool:
+        return any(
+            any(p.startswith("eu-west>") for p in served.get("initech", {}))
+            for _, served in _summaries(traffic_log)[seen:]
+        )
+
+    _wait_until(generator_moved, 20, "the traffic generator's eu-west traffic to move")
+    # The EU-only tenant has nowhere else to go: refused in eu-west, never served elsewhere.
+    after = _summaries(traffic_log)[seen:]
+    for _, served in after:
+        assert {p.split(":")[0] for p in served.get("globex-eu", {})} <= {"eu-west"}, served
+    assert any(p.startswith("eu-west:") for _, s in after for p in s.get("globex-eu", {})), after
+    eu_only = openai.OpenAI(
+        base_url=f"{endpoints['edges']['eu-west']}/v1",
+        api_key=endpoints["api_keys"]["globex-eu"],
+        max_retries=0,
+    )
+    with pytest.raises(openai.APIStatusError) as refused:
+        eu_only.chat.completions.create(
+            model=LLAMA, messages=[{"role": "user", "content": "hi"}], max_tokens=4
+        )
+    assert refused.value.status_code in (403, 503)
+    assert _route(refused.value.response.headers)["region"] == "eu-west"
+
     os.killpg(proc.pid, signal.SIGINT)
     assert proc.wait(timeout=30) == 0
     for _name, url in endpoints["instances"]:
         with pytest.raises(httpx.HTTPError):
             httpx.get(f"{url}/health", timeout=1)
+
+
+def _children(pid: int) -> dict[int, str]:
+    """Direct children of ``pid``: their command lines."""
+    out = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except (OSError, IndexError, ValueError):
+            continue  # gone meanwhile
+        if ppid == pid:
+            out[int(entry.name)] = cmdline
+    return out
+
+
+def test_demo_exits_non_zero_naming_a_child_that_died(
+    start_demo: Callable[..., tuple[subprocess.Popen[bytes], Any]], tmp_path: Path
+) -> None:
+    proc, endpoints = start_demo("--no-traffic")
+    children = _children(proc.pid)
+    (edge_pid,) = [p for p, cmd in children.items() if " edge --region eu-west " in cmd]
+    assert not any("demo_traffic" in cmd for cmd in children.values())
+    os.killpg(edge_pid, signal.SIGKILL)
+    assert proc.wait(timeout=30) != 0
+    out = (tmp_path / "demo.log").read_text()
+    assert "demo process(es) exited: edge-eu-west (code -9)" in out, out[-2000:]
+    _wait_until(
+        lambda: not any(Path(f"/proc/{pid}").exists() for pid in children), 15, "children to stop"
+    )
+    for url in endpoints["edges"].values():
+        with pytest.raises(httpx.HTTPError):
+            httpx.get(f"{url}/healthz", timeout=1)

@@ -2,39 +2,48 @@
 
 It loads the demo inventory, starts simulated vLLM engines for every deployment (up to
 ``--engines-per-deployment`` each), registers them as instances and moves them to ready
-through the lifecycle services, compiles each region's routing table, starts one edge router
-per region and the control-plane web server, prints where everything is, and supervises the
-processes: if one dies the demo says which and stops the rest (no silent half-platform).
+through the lifecycle services, and runs the federation the way production does: the
+control-plane web server, the Celery worker (embedded broker under ``var/broker``) that
+recompiles tables after every change, and one edge router per region in control-plane mode
+(its own credential, signed tables by long-poll, heartbeats, last good table persisted).
+A small traffic generator (``federation.core.demo_traffic``) sends requests from tenants of
+different jurisdictions. The demo prints where everything is and supervises the processes:
+if one dies the demo says which and stops the rest (no silent half-platform).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
-from datetime import UTC, datetime
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import httpx
 from django.conf import settings
 from django.core.management import call_command
 from django.core.management.base import BaseCommand, CommandError, CommandParser
+from django.db import connection
 
 from federation.core.management.commands.loaddemo import DEMO_PASSWORD
 from federation.inventory import lifecycle
 from federation.inventory import services as inventory
 from federation.inventory.models import Deployment, Edge, Instance, Region
-from federation.routing.compiler import compile_region_table
-from federation.routing.selectors import fleet_snapshot
+from federation.routing import services as routing
 from federation.tenancy import services as tenancy
-from federation.tenancy.models import ApiKey
+from federation.tenancy.models import ApiKey, Tenant
+from federation.tenancy.selectors import tenant_permitted_regions
+from workers.celery import app as celery_app
 
 DEMO_PREFIX = "demo-"
+FEDINFER = [sys.executable, "-m", "federation.cli"]
 STARTUP_TIMEOUT_S = 60.0
 
 
@@ -49,6 +58,25 @@ def _slug(text: str) -> str:
     return "-".join(part for part in out.split("-") if part)
 
 
+def _write_private(path: Path, text: str) -> None:
+    """Write a secret readable by the demo's user only (created 0600, never widened)."""
+    path.unlink(missing_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as out:
+        out.write(text)
+
+
+class Interrupted(Exception):
+    """Ctrl-C or SIGTERM arrived: stop, this is not a failure."""
+
+
+def _tee(src: IO[bytes], log: IO[bytes], echo: Callable[[str], None]) -> None:
+    for line in src:
+        log.write(line)
+        log.flush()
+        echo(line.decode(errors="replace").rstrip("\n"))
+
+
 class Supervisor:
     """Child processes of the demo, each in its own process group, logs under var/demo/logs."""
 
@@ -56,16 +84,28 @@ class Supervisor:
         self.log_dir = log_dir
         self.children: list[tuple[str, subprocess.Popen[bytes]]] = []
 
-    def start(self, name: str, argv: list[str]) -> subprocess.Popen[bytes]:
+    def start(
+        self,
+        name: str,
+        argv: list[str],
+        env: dict[str, str] | None = None,
+        echo: Callable[[str], None] | None = None,
+    ) -> subprocess.Popen[bytes]:
+        """Start a child; with ``echo`` its output also goes there, line by line."""
         log = (self.log_dir / f"{name}.log").open("wb")
         proc = subprocess.Popen(
             argv,
-            stdout=log,
+            stdout=log if echo is None else subprocess.PIPE,
             stderr=subprocess.STDOUT,
             start_new_session=True,
-            env=os.environ.copy(),
+            env={**os.environ, **(env or {})},
         )
         self.children.append((name, proc))
+        if echo is None:
+            log.close()  # the child has its own copy
+        else:
+            assert proc.stdout is not None
+            threading.Thread(target=_tee, args=(proc.stdout, log, echo), daemon=True).start()
         return proc
 
     def dead(self) -> list[tuple[str, int]]:
@@ -74,13 +114,16 @@ class Supervisor:
     def stop(self) -> None:
         for _, proc in self.children:
             if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGTERM)
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGTERM)
         deadline = time.monotonic() + 10
         for _, proc in self.children:
             try:
                 proc.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
 
 
 class Command(BaseCommand):
@@ -98,6 +141,18 @@ class Command(BaseCommand):
         )
         parser.add_argument("--engines-per-deployment", type=int, default=1)
         parser.add_argument(
+            "--no-traffic", action="store_true", help="do not start the traffic generator"
+        )
+        parser.add_argument(
+            "--traffic-rps", type=float, default=4.0, help="traffic generator requests per second"
+        )
+        parser.add_argument(
+            "--traffic-summary-every",
+            type=int,
+            default=20,
+            help="the traffic generator prints a summary line every this many answers",
+        )
+        parser.add_argument(
             "--exit-after",
             type=float,
             default=None,
@@ -107,9 +162,15 @@ class Command(BaseCommand):
     def handle(self, *args: Any, **opts: Any) -> None:
         host: str = opts["host"]
         demo_dir = Path(settings.VAR_DIR) / "demo"
-        for sub in ("tables", "logs", "engines"):
+        for sub in ("logs", "engines", "edges"):
             (demo_dir / sub).mkdir(parents=True, exist_ok=True)
+        (demo_dir / "credentials").mkdir(mode=0o700, exist_ok=True)
         call_command("migrate", interactive=False, verbosity=0)
+        if connection.vendor == "sqlite":
+            # Web, worker and heartbeats write concurrently; in WAL mode readers do not block
+            # the writer. The mode is stored in the database file.
+            with connection.cursor() as cursor:
+                cursor.execute("PRAGMA journal_mode=WAL")
         call_command("loaddemo", stdout=self.stdout)
         self._forget_previous_run()
         sup = Supervisor(demo_dir / "logs")
@@ -121,32 +182,36 @@ class Command(BaseCommand):
         signal.signal(signal.SIGINT, on_signal)
         signal.signal(signal.SIGTERM, on_signal)
         try:
-            summary = self._start(sup, demo_dir, host, opts)
+            summary = self._start(sup, demo_dir, host, opts, stop)
             # It holds this run's API keys: readable by the demo's user only.
             endpoints = demo_dir / "endpoints.json"
-            endpoints.unlink(missing_ok=True)
-            fd = os.open(endpoints, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-            with os.fdopen(fd, "w") as out:
-                json.dump(summary, out, indent=2)
-            self._print_summary(summary, demo_dir)
+            _write_private(endpoints, json.dumps(summary, indent=2))
+            self._print_summary(summary, demo_dir, traffic=not opts["no_traffic"])
+            if not opts["no_traffic"]:
+                self._start_traffic(sup, endpoints, opts)
             started = time.monotonic()
             while not stop["now"]:
-                if dead := sup.dead():
-                    raise CommandError(
-                        "demo process(es) exited: "
-                        + ", ".join(f"{n} (code {c})" for n, c in dead)
-                        + f"; see {demo_dir / 'logs'}"
-                    )
+                self._check_children(sup, demo_dir)
                 if (
                     opts["exit_after"] is not None
                     and time.monotonic() - started > opts["exit_after"]
                 ):
                     break
                 time.sleep(0.5)
+        except Interrupted:
+            pass
         finally:
             self.stdout.write("demo: stopping")
             sup.stop()
             self._forget_previous_run()
+
+    def _check_children(self, sup: Supervisor, demo_dir: Path) -> None:
+        if dead := sup.dead():
+            raise CommandError(
+                "demo process(es) exited: "
+                + ", ".join(f"{n} (code {c})" for n, c in dead)
+                + f"; see {demo_dir / 'logs'}"
+            )
 
     def _forget_previous_run(self) -> None:
         """Stop and remove the instances and edges a demo registered (ports change per run)."""
@@ -169,10 +234,15 @@ class Command(BaseCommand):
             ).plaintext
         return keys
 
-    def _start(
-        self, sup: Supervisor, demo_dir: Path, host: str, opts: dict[str, Any]
-    ) -> dict[str, Any]:
-        fedinfer = [sys.executable, "-m", "federation.cli"]
+    def _start_engines(
+        self,
+        sup: Supervisor,
+        demo_dir: Path,
+        host: str,
+        opts: dict[str, Any],
+        stop: dict[str, bool],
+    ) -> None:
+        """An engine-sim process per deployment, registered as ready instances."""
         per_dep = max(1, opts["engines_per_deployment"])
         pending: list[tuple[Deployment, int, Path]] = []
         deployments = Deployment.objects.select_related(
@@ -186,7 +256,7 @@ class Command(BaseCommand):
             ready_file = demo_dir / "engines" / f"{name}.json"
             ready_file.unlink(missing_ok=True)
             argv = [
-                *fedinfer,
+                *FEDINFER,
                 "engine-sim",
                 "--count",
                 str(count),
@@ -215,7 +285,7 @@ class Command(BaseCommand):
             sup.start(name, argv)
             pending.append((dep, count, ready_file))
         for dep, _count, ready_file in pending:
-            engines = self._wait_for_file(ready_file, sup)["engines"]
+            engines = self._wait_for_file(ready_file, sup, stop)["engines"]
             for engine in engines:
                 name = (
                     f"{DEMO_PREFIX}{dep.pool.region.code}-{dep.pool.name}-"
@@ -226,47 +296,73 @@ class Command(BaseCommand):
                 )
                 for state in ("loading", "warming", "ready"):
                     inst = inventory.instance_transition(actor=None, instance=inst, state=state)
+
+    def _start(
+        self,
+        sup: Supervisor,
+        demo_dir: Path,
+        host: str,
+        opts: dict[str, Any],
+        stop: dict[str, bool],
+    ) -> dict[str, Any]:
+        self._start_engines(sup, demo_dir, host, opts, stop)
         keys = self._fresh_keys()
         edges: dict[str, str] = {}
+        credentials: dict[str, Path] = {}
         for offset, region in enumerate(Region.objects.order_by("code"), start=1):
             base = opts["edge_base_port"]
             url = f"http://{host}:{base + offset if base else _free_port(host)}"
-            inventory.edge_register(
+            edge = inventory.edge_register(
                 actor=None, region=region, name=f"{DEMO_PREFIX}{region.code}", url=url
             )
-            edges[region.code] = url
-        snapshot = fleet_snapshot()
-        version = int(time.time())
-        generated_at = datetime.now(UTC).isoformat()
-        for code, url in edges.items():
-            table = compile_region_table(
-                snapshot, region=code, version=version, generated_at=generated_at
+            credentials[region.code] = demo_dir / "credentials" / edge.name
+            _write_private(
+                credentials[region.code],
+                routing.edge_credential_rotate(actor=None, edge=edge) + "\n",
             )
-            path = demo_dir / "tables" / f"{code}.json"
-            path.write_text(json.dumps(table, indent=2))
-            port = url.rsplit(":", 1)[1]
+            edges[region.code] = url
+        # The tables of the fleet just set up; every later change is the worker's job. Tasks
+        # queued during the set-up (and by earlier runs) are covered by this publish.
+        routing.routing_tables_publish()
+        celery_app.control.purge()
+        web = f"http://{host}:{opts['port']}"
+        sup.start(
+            "web", [*FEDINFER, "serve", "--no-migrate", "--host", host, "--port", str(opts["port"])]
+        )
+        sup.start("worker", [*FEDINFER, "worker", "--pool", "solo"])
+        self._wait_http(f"{web}/api/schema/", sup, stop)
+        # The verification key ring goes through the environment, not argv (visible in ps).
+        ring = {
+            "FEDINFER_TABLE_KEYS": (
+                f"{settings.FEDINFER_TABLE_SIGNING_KEY_ID}={settings.FEDINFER_TABLE_SIGNING_KEY}"
+            )
+        }
+        for code, url in edges.items():
             sup.start(
                 f"edge-{code}",
                 [
-                    *fedinfer,
+                    *FEDINFER,
                     "edge",
                     "--region",
                     code,
-                    "--table",
-                    str(path),
+                    "--control-plane",
+                    web,
+                    "--credential-file",
+                    str(credentials[code]),
+                    "--edge-name",
+                    f"{DEMO_PREFIX}{code}",
+                    "--state-dir",
+                    str(demo_dir / "edges" / code),
                     "--host",
                     host,
                     "--port",
-                    port,
+                    url.rsplit(":", 1)[1],
                 ],
+                env=ring,
             )
-        web = f"http://{host}:{opts['port']}"
-        sup.start(
-            "web", [*fedinfer, "serve", "--no-migrate", "--host", host, "--port", str(opts["port"])]
-        )
-        for url in [*edges.values()]:
-            self._wait_http(f"{url}/healthz", sup)
-        self._wait_http(f"{web}/api/schema/", sup)
+        for url in edges.values():
+            self._wait_http(f"{url}/healthz", sup, stop)
+        tenants = Tenant.objects.filter(is_active=True).prefetch_related("allowed_regions")
         return {
             "control_plane": web,
             "edges": edges,
@@ -275,25 +371,42 @@ class Command(BaseCommand):
                     "name", "endpoint_url"
                 )
             ),
-            "table_version": version,
             "api_keys": keys,
+            "tenants": {
+                t.slug: {"regions": tenant_permitted_regions(t)} for t in tenants if t.slug in keys
+            },
         }
 
-    def _wait_for_file(self, path: Path, sup: Supervisor) -> Any:
+    def _start_traffic(self, sup: Supervisor, endpoints: Path, opts: dict[str, Any]) -> None:
+        sup.start(
+            "traffic",
+            [
+                sys.executable,
+                "-m",
+                "federation.core.demo_traffic",
+                "--endpoints",
+                str(endpoints),
+                "--rps",
+                str(opts["traffic_rps"]),
+                "--summary-every",
+                str(opts["traffic_summary_every"]),
+            ],
+            echo=self.stdout.write,
+        )
+
+    def _wait_for_file(self, path: Path, sup: Supervisor, stop: dict[str, bool]) -> Any:
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         while time.monotonic() < deadline:
-            if dead := sup.dead():
-                raise CommandError(f"demo process exited during start-up: {dead}")
+            self._check_start(sup, stop)
             if path.exists() and path.stat().st_size:
                 return json.loads(path.read_text())
             time.sleep(0.1)
         raise CommandError(f"engines did not report ready within {STARTUP_TIMEOUT_S:.0f}s ({path})")
 
-    def _wait_http(self, url: str, sup: Supervisor) -> None:
+    def _wait_http(self, url: str, sup: Supervisor, stop: dict[str, bool]) -> None:
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         while time.monotonic() < deadline:
-            if dead := sup.dead():
-                raise CommandError(f"demo process exited during start-up: {dead}")
+            self._check_start(sup, stop)
             try:
                 if httpx.get(url, timeout=1.0).status_code < 500:
                     return
@@ -302,21 +415,30 @@ class Command(BaseCommand):
             time.sleep(0.2)
         raise CommandError(f"{url} did not answer within {STARTUP_TIMEOUT_S:.0f}s")
 
-    def _print_summary(self, summary: dict[str, Any], demo_dir: Path) -> None:
+    def _check_start(self, sup: Supervisor, stop: dict[str, bool]) -> None:
+        if stop["now"]:
+            raise Interrupted
+        if dead := sup.dead():
+            raise CommandError(f"demo process exited during start-up: {dead}")
+
+    def _print_summary(self, summary: dict[str, Any], demo_dir: Path, *, traffic: bool) -> None:
         web = summary["control_plane"]
         lines = [
             "",
             "fedinfer demo is running (Ctrl-C stops it)",
             f"  control plane  {web}/admin/  ·  API {web}/api/v1/  ·  docs {web}/api/docs/",
             f"  users          admin / operator / <tenant>-viewer, password {DEMO_PASSWORD!r}",
+            "  worker         recompiles and publishes routing tables after every change",
         ]
         for code, url in summary["edges"].items():
             lines.append(f"  edge {code:<13} {url}/v1/chat/completions")
         lines += [
             f"  instances      {len(summary['instances'])} simulated engines",
-            f"  tables         {demo_dir / 'tables'} (version {summary['table_version']})",
             f"  API keys       one per tenant, this run only: {demo_dir / 'endpoints.json'}",
             f"  logs           {demo_dir / 'logs'}",
+            "  traffic        "
+            + ("summary lines below (--no-traffic turns it off)" if traffic else "off"),
+            f"  evacuate       POST {web}/api/v1/regions/<code>/evacuate/ as admin (README)",
             "",
         ]
         self.stdout.write("\n".join(lines))
