@@ -114,7 +114,7 @@ class EdgeConfig:
 class _Exchange:
     """Per-request flags shared with the disconnect watcher.
 
-    ``complete`` is set just before the last body message: uvicorn reports a disconnect once
+    ``complete`` is set just before the last body message: the server reports a disconnect once
     the response is complete, which must not cancel the request's bookkeeping.
     """
 
@@ -192,7 +192,10 @@ class _Upstream(Exception):
 
 
 class Edge:
-    """One region's edge router; an ASGI application (``await edge(scope, receive, send)``)."""
+    """One region's edge router; an ASGI application (``await edge(scope, receive, send)``).
+
+    Its server (``server.py``) calls :meth:`startup` before serving and :meth:`shutdown` after.
+    """
 
     def __init__(self, cfg: EdgeConfig, table: RoutingTable) -> None:
         self.cfg = cfg
@@ -415,26 +418,8 @@ class Edge:
     # ---------------------------------------------------------------- ASGI
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        kind = scope["type"]
-        if kind == "http":
+        if scope["type"] == "http":
             await self._http_request(scope, receive, send)
-        elif kind == "lifespan":
-            await self._lifespan(receive, send)
-
-    async def _lifespan(self, receive: Receive, send: Send) -> None:
-        while True:
-            message = await receive()
-            if message["type"] == "lifespan.startup":
-                try:
-                    await self.startup()
-                except Exception as exc:
-                    await send({"type": "lifespan.startup.failed", "message": repr(exc)})
-                    raise
-                await send({"type": "lifespan.startup.complete"})
-            elif message["type"] == "lifespan.shutdown":
-                await self.shutdown()
-                await send({"type": "lifespan.shutdown.complete"})
-                return
 
     async def _http_request(self, scope: Scope, receive: Receive, send: Send) -> None:
         path: str = scope["path"]

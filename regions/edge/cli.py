@@ -1,4 +1,4 @@
-"""``fedinfer edge``: one region's edge router under uvicorn (uvloop + httptools)."""
+"""``fedinfer edge``: one region's edge router (its own lean HTTP/1.1 server on uvloop)."""
 
 from __future__ import annotations
 
@@ -7,12 +7,17 @@ import logging
 import os
 from pathlib import Path
 
+import uvloop
+
 from regions.edge.app import Edge, EdgeConfig
 from regions.edge.health import HealthConfig
 from regions.edge.scheduler import POLICIES, SchedulerConfig
+from regions.edge.server import EdgeServer
 from regions.edge.sync import SyncConfig, initial_table
 from regions.edge.table import TableError, check_successor, decode_table
 from regions.tables.signing import parse_key_ring
+
+log = logging.getLogger("fedinfer.edge")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -162,24 +167,29 @@ def make_edge(cfg: EdgeConfig) -> Edge:
 
 
 def main(argv: list[str]) -> None:
-    import uvicorn
-
     opts = build_parser().parse_args(argv)
     logging.basicConfig(
         level=opts.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s"
     )
+    # One line per probe and scrape (several a second) would drown the edge's own log.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     try:
         edge = make_edge(config_from_args(opts))
     except (TableError, ValueError) as exc:
         raise SystemExit(f"fedinfer edge: {exc}") from exc
-    uvicorn.run(
-        edge,
-        host=opts.host,
-        port=opts.port,
-        loop="uvloop",
-        http="httptools",
-        lifespan="on",
-        access_log=False,
-        server_header=False,
-        log_level=opts.log_level,
-    )
+    uvloop.run(serve(edge, opts.host, opts.port))
+
+
+async def serve(edge: Edge, host: str, port: int) -> None:
+    """Start the edge's background work, serve until SIGINT/SIGTERM, then drain and stop."""
+    server = EdgeServer(edge)
+    await edge.startup()
+    try:
+        bound = await server.start(host, port)
+        log.info("edge of region %s serving on http://%s:%d", edge.cfg.region, host, bound)
+        server.handle_signals()
+        await server.wait_stopped()
+        log.info("edge of region %s stopping", edge.cfg.region)
+    finally:
+        await server.shutdown()
+        await edge.shutdown()
