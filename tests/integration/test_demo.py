@@ -62,22 +62,27 @@ def _summaries(log: Path) -> list[Summary]:
     return out
 
 
+def _demo_env(var_dir: Path) -> dict[str, str]:
+    """The demo's embedded defaults (SQLite under var/, filesystem broker), not the test's."""
+    env = {**os.environ, "FEDINFER_VAR_DIR": str(var_dir), "FEDINFER_MODE": "embedded"}
+    for name in ("DATABASE_URL", "REDIS_URL", "CELERY_BROKER_URL"):
+        env.pop(name, None)
+    env["DJANGO_SETTINGS_MODULE"] = "federation.settings"
+    return env
+
+
 @pytest.fixture
 def start_demo(tmp_path: Path) -> Iterator[Callable[..., tuple[subprocess.Popen[bytes], Any]]]:
     procs: list[subprocess.Popen[bytes]] = []
 
     def start(*extra: str) -> tuple[subprocess.Popen[bytes], Any]:
-        env = {**os.environ, "FEDINFER_VAR_DIR": str(tmp_path), "FEDINFER_MODE": "embedded"}
-        # The demo's embedded defaults (SQLite under var/, filesystem broker), not the test's.
-        for name in ("DATABASE_URL", "REDIS_URL", "CELERY_BROKER_URL", "DJANGO_SETTINGS_MODULE"):
-            env.pop(name, None)
         log = (tmp_path / "demo.log").open("wb")
         # Free ports from the OS: fixed ones may be taken on a busy test machine.
         argv = ["demo", "--port", str(_free_port()), "--edge-base-port", "0"]
         proc = subprocess.Popen(
             [sys.executable, "-m", "federation.cli", *argv, "--exit-after", "120", *extra],
             cwd=ROOT,
-            env=env,
+            env=_demo_env(tmp_path),
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
@@ -234,7 +239,24 @@ def _children(pid: int) -> dict[int, str]:
 def test_demo_exits_non_zero_naming_a_child_that_died(
     start_demo: Callable[..., tuple[subprocess.Popen[bytes], Any]], tmp_path: Path
 ) -> None:
+    # An earlier run left eu-west evacuated and a pool cordoned: this run starts in service.
+    earlier = (
+        "import django; django.setup()\n"
+        "from django.core.management import call_command\n"
+        "from federation.inventory import services\n"
+        "from federation.inventory.models import GPUPool, Region\n"
+        "call_command('migrate', verbosity=0); call_command('loaddemo', verbosity=0)\n"
+        "services.region_evacuate(actor=None, region=Region.objects.get(code='eu-west'))\n"
+        "services.pool_cordon(actor=None, pool=GPUPool.objects.get(name='l4-spot'))\n"
+    )
+    subprocess.run(
+        [sys.executable, "-c", earlier], cwd=ROOT, env=_demo_env(tmp_path), check=True, timeout=120
+    )
     proc, endpoints = start_demo("--no-traffic")
+    out = (tmp_path / "demo.log").read_text()
+    assert "demo: region eu-west was evacuated; restored" in out
+    assert "demo: pool us-east/l4-spot was cordoned; uncordoned" in out
+    assert len(endpoints["instances"]) == 10
     children = _children(proc.pid)
     (edge_pid,) = [p for p, cmd in children.items() if " edge --region eu-west " in cmd]
     assert not any("demo_traffic" in cmd for cmd in children.values())

@@ -35,7 +35,7 @@ from django.db import connection
 from federation.core.management.commands.loaddemo import DEMO_PASSWORD
 from federation.inventory import lifecycle
 from federation.inventory import services as inventory
-from federation.inventory.models import Deployment, Edge, Instance, Region
+from federation.inventory.models import Deployment, Edge, GPUPool, Instance, Region
 from federation.routing import services as routing
 from federation.tenancy import services as tenancy
 from federation.tenancy.models import ApiKey, Tenant
@@ -173,6 +173,7 @@ class Command(BaseCommand):
                 cursor.execute("PRAGMA journal_mode=WAL")
         call_command("loaddemo", stdout=self.stdout)
         self._forget_previous_run()
+        self._back_in_service()
         sup = Supervisor(demo_dir / "logs")
         stop = {"now": False}
 
@@ -221,6 +222,16 @@ class Command(BaseCommand):
             inventory.instance_delete(actor=None, instance=inst)
         for edge in Edge.objects.filter(name__startswith=DEMO_PREFIX):
             inventory.edge_delete(actor=None, edge=edge)
+
+    def _back_in_service(self) -> None:
+        """Every run starts with the whole fleet in service: an evacuation or cordon left by an
+        earlier run would refuse the instances this run registers."""
+        for region in Region.objects.exclude(status=Region.Status.ACTIVE).order_by("code"):
+            inventory.region_restore(actor=None, region=region)
+            self.stdout.write(f"demo: region {region.code} was {region.status}; restored")
+        for pool in GPUPool.objects.exclude(status=GPUPool.Status.ACTIVE).select_related("region"):
+            inventory.pool_uncordon(actor=None, pool=pool)
+            self.stdout.write(f"demo: pool {pool.region.code}/{pool.name} was cordoned; uncordoned")
 
     def _fresh_keys(self) -> dict[str, str]:
         """Rotate each tenant's 'demo' key, so this run can show (and test with) its plaintext;
