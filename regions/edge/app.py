@@ -637,6 +637,7 @@ class Edge:
                     outstanding=outstanding,
                     waiting=waiting,
                     kv_usage=kv,
+                    pending_tokens=load.pending(now, inst.prefill_tokens_per_s),
                     mean_uncached_tokens=load.mean_uncached_tokens,
                     mean_service_s=load.mean_service_s,
                     cached_blocks=matched.get(inst.id, 0),

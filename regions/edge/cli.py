@@ -65,7 +65,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--backoff-base", type=float, default=1.0, help="first ejection, seconds")
     p.add_argument("--affinity-factor", type=float, default=1.5)
     p.add_argument("--affinity-margin-ms", type=float, default=50.0)
-    p.add_argument("--decode-slowdown", type=float, default=1.0)
+    p.add_argument(
+        "--step-tokens",
+        type=float,
+        default=128.0,
+        help="one engine step costs about as much as prefilling this many tokens",
+    )
+    p.add_argument(
+        "--decode-slowdown",
+        type=float,
+        default=1.0,
+        help="a full batch of decodes makes a step (1 + this) times as long as a lone one",
+    )
     p.add_argument("--bytes-per-token", type=float, default=4.0)
     p.add_argument("--prefix-capacity", type=int, default=200_000, help="block hashes kept")
     p.add_argument(
@@ -123,6 +134,7 @@ def config_from_args(opts: argparse.Namespace) -> EdgeConfig:
             policy=opts.policy,
             affinity_factor=opts.affinity_factor,
             affinity_margin_s=opts.affinity_margin_ms / 1000.0,
+            step_tokens=opts.step_tokens,
             decode_slowdown=opts.decode_slowdown,
         ),
         health=HealthConfig(

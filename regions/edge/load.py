@@ -3,7 +3,9 @@ with each engine's ``/metrics`` (every edge's traffic, but up to a scrape interv
 
 ``outstanding`` = the engine's running + waiting at the last scrape, plus the requests this
 edge sent since that scrape and minus those it finished, never below this edge's own in-flight
-count. A stale scrape (engine unreachable) falls back to the own count alone.
+count. A stale scrape (engine too busy to answer) keeps the engine's last known load.
+``pending_tokens``: the uncached prompt tokens this edge sent, drained at the engine's prefill
+rate — the prefill work the engine probably still has ahead of a new request.
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ class InstanceLoad:
         "inflight",
         "mean_service_s",
         "mean_uncached_tokens",
+        "pending_at",
+        "pending_tokens",
         "scraped_at",
         "tokens",
     )
@@ -46,16 +50,32 @@ class InstanceLoad:
         self.mean_uncached_tokens = 256.0
         #: Prompt tokens (edge estimate) sent to this instance since start (heartbeat rate).
         self.tokens = 0
+        #: Uncached prompt tokens sent here and probably not computed yet, as of ``pending_at``.
+        self.pending_tokens = 0.0
+        self.pending_at = 0.0
+
+    def pending(self, now: float, prefill_tokens_per_s: float) -> float:
+        """Prefill tokens still ahead on the engine: what this edge sent, drained at the
+        engine's prefill rate since the last look (the engine works through them in order)."""
+        if self.pending_tokens > 0.0:
+            drained = (now - self.pending_at) * prefill_tokens_per_s
+            self.pending_tokens = max(0.0, self.pending_tokens - drained)
+        self.pending_at = now
+        return self.pending_tokens
 
     def admit(self, uncached_tokens: int) -> None:
+        """Count a request sent; call right after :meth:`pending` (same instant, no await)."""
         self.inflight += 1
         self.admitted_since_scrape += 1
         self.mean_uncached_tokens += 0.1 * (uncached_tokens - self.mean_uncached_tokens)
+        self.pending_tokens += uncached_tokens
 
     def finish(self, duration_s: float) -> None:
         self.inflight -= 1
         self.finished_since_scrape += 1
         self.mean_service_s += 0.1 * (duration_s - self.mean_service_s)
+        if self.inflight <= 0:
+            self.pending_tokens = 0.0  # everything sent has finished, so it was prefilled
 
     def release(self) -> None:
         """Undo an admission that never reached the engine (connect failure)."""
@@ -85,11 +105,9 @@ class InstanceLoad:
             )
         delta = self.admitted_since_scrape - self.finished_since_scrape
         total = engine.num_requests_running + engine.num_requests_waiting + delta
-        waiting = engine.num_requests_waiting
-        if delta > 0:
-            # Sent since the scrape and not yet seen running: assume they still wait to prefill.
-            waiting += delta
-        return max(self.inflight, total), max(0, waiting), engine.kv_cache_usage_perc
+        # Requests sent since the scrape are not counted as waiting here: their prefill work is
+        # in ``pending_tokens`` with its real size (an engine with free seats runs them at once).
+        return max(self.inflight, total), engine.num_requests_waiting, engine.kv_cache_usage_perc
 
 
 class LoadBoard:

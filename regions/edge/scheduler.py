@@ -9,10 +9,12 @@ time-to-first-token in seconds. The formula and the reasons for it are in
 
     cached   = min(matched_blocks * block_tokens, prompt_tokens - 1)
     busy     = max(outstanding, inflight) + queued      (max_concurrency when the KV cache is full)
-    rate     = prefill_tokens_per_s / (1 + decode_slowdown * min(1, outstanding / max_concurrency))
-    queue_s  = waiting * mean_uncached_tokens / rate
+    rate     = prefill_tokens_per_s
+    step_s   = step_tokens / rate * (1 + decode_slowdown * min(1, busy / max_concurrency))
+    pending  = max(pending_tokens, waiting * mean_uncached_tokens)
+    queue_s  = pending / rate + (step_s / 2 if busy > 0)
              + max(0, busy - max_concurrency + 1) * mean_service_s / max_concurrency
-    ttft_s   = rtt_s + queue_s + (prompt_tokens - cached) / rate
+    ttft_s   = rtt_s + queue_s + (prompt_tokens - cached) / rate + step_s
 
 where ``busy = max(outstanding, own in-flight) + gateway waiters for the instance``. Under the
 ``fedinfer`` policy an instance at its cap stays a candidate (its slot wait is in ``queue_s``);
@@ -37,7 +39,10 @@ class SchedulerConfig:
     #: Stick to the session's instance unless its TTFT exceeds factor * best + margin.
     affinity_factor: float = 1.5
     affinity_margin_s: float = 0.05
-    #: A full batch of decodes slows prefill by (1 + this); 1.0 halves the prefill rate.
+    #: One engine step reads the weights once: it costs about as much as prefilling this many
+    #: tokens (roughly the accelerator's FLOP/byte ridge point; the simulator's model: ~110).
+    step_tokens: float = 128.0
+    #: A full batch of running decodes makes a step (1 + this) times as long as a lone one.
     decode_slowdown: float = 1.0
     #: KV-cache usage at which an engine has no room for another sequence.
     kv_full: float = 0.95
@@ -65,6 +70,8 @@ class Candidate:
     outstanding: int
     waiting: int
     kv_usage: float
+    #: Uncached prompt tokens this edge sent that the engine has probably not computed yet.
+    pending_tokens: float
     mean_uncached_tokens: float
     mean_service_s: float
     #: Leading prompt blocks this instance is believed to hold (prefix index).
@@ -118,14 +125,23 @@ def score(c: Candidate, req: RouteRequest, cfg: SchedulerConfig) -> Scored:
     busy = max(c.outstanding, c.inflight) + c.queued
     if c.kv_usage >= cfg.kv_full and busy < cap:
         busy = cap  # no free KV blocks: as good as no free slot
-    rate = c.prefill_tokens_per_s / (1.0 + cfg.decode_slowdown * min(1.0, busy / cap))
-    queue_s = c.waiting * c.mean_uncached_tokens / rate
+    rate = c.prefill_tokens_per_s
+    # Prefill tokens cost 1/rate each however full the batch (chunked prefill shares the steps);
+    # what the running decodes add is per step, whatever the prompt: the step in progress
+    # finishes first, and the step that computes this prompt carries every running decode.
+    step_s = cfg.step_tokens / rate * (1.0 + cfg.decode_slowdown * min(1.0, busy / cap))
+    # Two views of the prefill work ahead: what this edge sent and the engine has probably not
+    # computed yet, and the engine's own waiting queue (every edge's); they overlap, so the max.
+    pending = max(c.pending_tokens, c.waiting * c.mean_uncached_tokens)
+    queue_s = pending / rate
+    if busy > 0:
+        queue_s += step_s / 2
     if busy >= cap:
         queue_s += (busy - cap + 1) * c.mean_service_s / cap
     cached = min(int(c.cached_blocks * req.block_tokens), req.prompt_tokens - 1)
     if cached < 0:
         cached = 0
-    prefill_s = (req.prompt_tokens - cached) / rate
+    prefill_s = (req.prompt_tokens - cached) / rate + step_s
     ttft = c.rtt_ms / 1000.0 + queue_s + prefill_s
     return Scored(
         c.id, ttft, queue_s, prefill_s, cached, c.outstanding, c.inflight >= c.max_concurrency

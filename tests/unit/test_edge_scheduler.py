@@ -26,6 +26,7 @@ def cand(id: str, **kw: object) -> Candidate:
         outstanding=0,
         waiting=0,
         kv_usage=0.1,
+        pending_tokens=0.0,
         mean_uncached_tokens=500.0,
         mean_service_s=2.0,
         cached_blocks=0,
@@ -41,17 +42,66 @@ def req(**kw: object) -> RouteRequest:
 
 
 def test_score_is_expected_ttft_in_seconds() -> None:
+    # One step costs as much as 128 prefill tokens: 12.8 ms at 10k tok/s on an idle engine.
+    step = 128 / 10_000
     idle = score(cand("a"), req(), CFG)
     assert idle.queue_s == 0.0
-    # 4000 tokens at 10k tok/s, no decodes running: 0.4 s.
-    assert idle.prefill_s == pytest.approx(0.4)
+    # 4000 tokens at 10k tok/s plus the one step that computes them.
+    assert idle.prefill_s == pytest.approx(0.4 + step)
     cached = score(cand("a", cached_blocks=200), req(), CFG)
     assert cached.cached_tokens == 3200
-    assert cached.prefill_s == pytest.approx(0.08)
-    # Two requests waiting, each ~500 uncached tokens, half the batch decoding -> rate 6667/s.
+    assert cached.prefill_s == pytest.approx(0.08 + step)
+    # Half the batch decoding: steps 1.5x as long; the step in progress ends first (half a step
+    # on average); two waiting requests of ~500 uncached tokens are computed first.
     busy = score(cand("a", outstanding=4, waiting=2), req(), CFG)
-    assert busy.queue_s == pytest.approx(2 * 500 / (10_000 / 1.5))
-    assert busy.ttft_s == pytest.approx(busy.queue_s + 4000 / (10_000 / 1.5))
+    assert busy.queue_s == pytest.approx(2 * 500 / 10_000 + 1.5 * step / 2)
+    assert busy.ttft_s == pytest.approx(busy.queue_s + 0.4 + 1.5 * step)
+
+
+def test_load_costs_time_per_step_not_per_prompt_token() -> None:
+    """A full batch of decodes adds the same seconds to a cached and to a cold prompt; the old
+    rate slowdown made a mostly cached prompt's load cost negligible (and a cold one's huge)."""
+    for cached_blocks in (0, 240):
+        idle = score(cand("a", cached_blocks=cached_blocks), req(), CFG)
+        full = score(cand("a", cached_blocks=cached_blocks, outstanding=7), req(), CFG)
+        step_full = 128 / 10_000 * (1 + 7 / 8)
+        assert full.ttft_s - idle.ttft_s == pytest.approx(1.5 * step_full - 128 / 10_000)
+
+
+def test_prefill_tokens_sent_and_not_yet_computed_are_queued_work() -> None:
+    quiet = score(cand("a", outstanding=3), req(), CFG)
+    sent = score(cand("a", outstanding=3, pending_tokens=6000.0), req(), CFG)
+    assert sent.queue_s - quiet.queue_s == pytest.approx(0.6)
+    # The engine's waiting queue is the same work seen from the engine: the larger view counts.
+    both = score(cand("a", outstanding=3, pending_tokens=6000.0, waiting=2), req(), CFG)
+    assert both.queue_s == pytest.approx(sent.queue_s)
+
+
+def test_a_hot_prefix_spreads_before_its_holder_is_at_its_cap() -> None:
+    """The holder has free seats, but the prefill it was just sent delays this request more
+    than a cold prefill on an idle peer: the prefix is replicated now, not once seats run out."""
+    holder = cand("holder", max_concurrency=16, outstanding=10, cached_blocks=237)
+    idle = cand("idle", max_concurrency=16)
+    d = decide([holder, idle], req(), CFG)
+    assert d.winner is not None and d.winner.instance == "holder"
+    backlogged = dataclasses.replace(holder, pending_tokens=5000.0)
+    d = decide([backlogged, idle], req(), CFG)
+    assert d.winner is not None and d.winner.instance == "idle"
+    assert not d.winner.wait
+
+
+def test_session_affinity_absorbs_a_burst_but_not_a_backlog_longer_than_moving() -> None:
+    """Hysteresis and the backlog term do not fight: a session stays through a short burst of
+    queued prefill (moving would recompute its whole history), and leaves a long one."""
+    idle = cand("idle")
+    burst = cand("sticky", outstanding=3, pending_tokens=5000.0, cached_blocks=240)
+    d = decide([idle, burst], req(sticky="sticky"), CFG)
+    assert d.winner is not None and d.winner.instance == "sticky"
+    assert d.reason == "session"  # slower than the idle peer, inside the band
+    backlog = dataclasses.replace(burst, pending_tokens=12_000.0)
+    d = decide([idle, backlog], req(sticky="sticky"), CFG)
+    assert d.winner is not None and d.winner.instance == "idle"
+    assert d.reason == "session_yield"
 
 
 def test_a_full_prompt_is_never_entirely_cached() -> None:
@@ -63,7 +113,8 @@ def test_full_kv_cache_counts_as_a_full_batch() -> None:
     free = score(cand("a", outstanding=2), req(), CFG)
     full = score(cand("a", outstanding=2, kv_usage=0.97), req(), CFG)
     assert full.queue_s > free.queue_s
-    assert full.queue_s == pytest.approx(2.0 / 8)
+    # Half a (full-batch) step in progress, then one slot turnover: 2 s / 8 slots.
+    assert full.queue_s == pytest.approx(128 / 10_000 + 2.0 / 8)
 
 
 def test_filter_by_model_adapter_role_state_health_and_cap() -> None:
@@ -189,3 +240,33 @@ def test_a_stale_scrape_keeps_the_last_known_load_instead_of_reading_idle() -> N
     # Ten seconds without an answer to /metrics: still 8 outstanding, not 0.
     assert load.snapshot(110.0, stale_after_s=3.0) == (8, 2, 0.5)
     assert InstanceLoad().snapshot(110.0, stale_after_s=3.0) == (0, 0, 0.0)
+
+
+def test_pending_prefill_drains_at_the_engine_rate_and_clears_when_idle() -> None:
+    from regions.edge.load import InstanceLoad
+
+    load = InstanceLoad()
+    assert load.pending(10.0, 2000.0) == 0.0
+    load.admit(1500)
+    load.admit(500)
+    assert load.pending(10.5, 2000.0) == pytest.approx(1000.0)
+    assert load.pending(11.5, 2000.0) == 0.0
+    load.admit(800)
+    load.finish(1.0)
+    assert load.pending(11.5, 2000.0) == pytest.approx(800.0)  # two still in flight
+    load.finish(1.0)
+    load.finish(1.0)
+    assert load.pending(11.5, 2000.0) == 0.0  # all finished, so all were prefilled
+
+
+def test_requests_sent_since_the_scrape_are_pending_tokens_not_waiting_requests() -> None:
+    from regions.edge.load import InstanceLoad
+    from regions.engines.metrics import EngineLoad
+
+    load = InstanceLoad()
+    load.scraped(EngineLoad(num_requests_running=2, num_requests_waiting=1), 100.0)
+    load.pending(100.0, 1000.0)
+    load.admit(300)
+    load.admit(300)
+    assert load.snapshot(100.1, stale_after_s=3.0) == (5, 1, 0.0)
+    assert load.pending(100.1, 1000.0) == pytest.approx(500.0)
