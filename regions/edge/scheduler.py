@@ -40,7 +40,7 @@ class SchedulerConfig:
     affinity_factor: float = 1.5
     affinity_margin_s: float = 0.05
     #: One engine step reads the weights once: it costs about as much as prefilling this many
-    #: tokens (roughly the accelerator's FLOP/byte ridge point; the simulator's model: ~110).
+    #: tokens (roughly the accelerator's FLOP/byte ridge point; the simulator's model: ~100).
     step_tokens: float = 128.0
     #: A full batch of running decodes makes a step (1 + this) times as long as a lone one.
     decode_slowdown: float = 1.0
