@@ -45,7 +45,12 @@ from tests.integration.inventory_factories import (
     make_region,
 )
 from tests.integration.test_edge_support import route_of
-from tests.integration.test_routing_distribution import FEDINFER, free_port, stop_process_group
+from tests.integration.test_routing_distribution import (
+    FEDINFER,
+    build_fleet,
+    free_port,
+    stop_process_group,
+)
 from workers.celery import app as celery_app
 
 REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/12")
@@ -168,6 +173,37 @@ def assert_gradual(rounds: list[Round]) -> None:
     assert first_full >= RAMP_S * 0.6, first_full
 
 
+@pytest.mark.django_db
+def test_heartbeats_taking_a_region_down_and_back_recompile_and_start_its_ramp(
+    admin_client: APIClient, django_capture_on_commit_callbacks: Callable[..., Any]
+) -> None:
+    fleet = build_fleet(admin_client)
+    routing.routing_tables_publish()
+
+    def beat(healthy: bool) -> list[Any]:
+        with django_capture_on_commit_callbacks() as callbacks:
+            routing.edge_heartbeat_record(
+                edge=fleet.eu_edge,
+                applied_table_version=1,
+                instances=[routing.InstanceReport(id="eu-west-0", healthy=healthy, load={})],
+            )
+        return callbacks
+
+    assert beat(True) == []  # unknown -> healthy: no transition, no recompile
+    assert len(beat(False)) == 1  # its only instance reported unhealthy: down
+    assert beat(False) == []
+    routing.routing_tables_publish()
+    assert latest_ramp("eu-west") == 0.0
+    fleet.eu.refresh_from_db()
+    assert fleet.eu.recovered_at is None
+    assert len(beat(True)) == 1  # back up: recompile, and the ramp starts now
+    fleet.eu.refresh_from_db()
+    assert fleet.eu.recovered_at is not None
+    routing.routing_tables_publish()
+    assert latest_ramp("eu-west") == pytest.approx(1 / (settings.FEDINFER_RAMP_STEPS + 1))
+    assert latest_ramp("us-east") == 1.0
+
+
 def latest_ramp(code: str) -> Any:
     doc = RoutingTableVersion.objects.filter(region__code=code).order_by("-version").first()
     return None if doc is None else doc.document.get("ramp", 1.0)
@@ -250,8 +286,10 @@ def test_a_region_coming_back_gets_its_traffic_back_gradually(
         def evacuate() -> None:
             assert admin_client.post("/api/v1/regions/eu-west/evacuate/").status_code == 200
             wait_until(
-                lambda: not served_in(client, edges["eu-west"], key)
-                and not served_in(client, edges["us-east"], key),
+                lambda: (
+                    not served_in(client, edges["eu-west"], key)
+                    and not served_in(client, edges["us-east"], key)
+                ),
                 10,
                 "eu-west traffic to move away",
             )
