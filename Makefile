@@ -82,3 +82,9 @@ bench-overhead: $(STAMP)
 
 bench-routing: $(STAMP)
 	$(BIN)/python -m bench routing
+
+## make bench-federation: table propagation and evacuation on the real control plane
+## (PostgreSQL DATABASE_URL, Redis REDIS_URL whose DB it flushes; docs/benchmarks.md)
+.PHONY: bench-federation
+bench-federation: $(STAMP)
+	$(BIN)/python -m bench federation

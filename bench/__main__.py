@@ -3,6 +3,8 @@
     python -m bench                 overhead, then routing quality
     python -m bench overhead [...]  only the overhead benchmark (flags: python -m bench.overhead -h)
     python -m bench routing [...]   only routing quality (flags: python -m bench.routing_quality -h)
+    python -m bench federation [...]  table propagation and evacuation on the real control plane
+                                      (PostgreSQL + Redis; flags: python -m bench.federation -h)
 
 Results are printed as Markdown tables and written as JSON under ``var/bench/``.
 """
@@ -22,6 +24,10 @@ def main(argv: list[str]) -> None:
         overhead.main(argv[1:])
     elif argv[0] in {"routing", "routing_quality"}:
         routing_quality.main(argv[1:])
+    elif argv[0] == "federation":
+        from bench import federation
+
+        federation.main(argv[1:])
     else:
         raise SystemExit(__doc__)
 
