@@ -82,6 +82,12 @@ DATABASES = {
         conn_max_age=env_int("FEDINFER_DB_CONN_MAX_AGE", 60),
     )
 }
+if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
+    # The embedded demo has several writers (web, worker, heartbeats): take the write lock at
+    # BEGIN and wait for it, instead of failing with "database is locked" mid-transaction.
+    DATABASES["default"].setdefault("OPTIONS", {}).update(
+        {"transaction_mode": "IMMEDIATE", "timeout": 20}
+    )
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 # Every app's migrations live in the top-level migrations/ package.
