@@ -212,25 +212,32 @@ class _Cycle:
 
     def _start(self, status: int, headers: Any) -> None:
         parts = [_status_line(status), self.conn.server.clock.date()]
+        lines = 3  # status line, date, the blank line that ends the head
         length: int | None = None
         for name, value in headers:
-            if b"\r" in value or b"\n" in value or b"\0" in value:
-                raise RuntimeError(f"invalid value for response header {name!r}")
             if name == b"content-length":
                 length = int(value)
             elif name == b"connection" and b"close" in value.lower():
                 self.keep_alive = False
                 continue
             parts += (name, b": ", value, b"\r\n")
+            lines += 1
         if not self.keep_alive:
             parts.append(b"connection: close\r\n")
+            lines += 1
         if length is not None:
             self._remaining = length
         elif not (self.head_method or status in (204, 304) or status < 200):
             self._chunked = True
             parts.append(b"transfer-encoding: chunked\r\n")
+            lines += 1
         parts.append(b"\r\n")
-        self._head = b"".join(parts)
+        head = b"".join(parts)
+        # Each line of the head ends in the one CRLF put there above: a CR, LF or NUL inside a
+        # header (e.g. passed through from an upstream) would split or corrupt the response.
+        if head.count(b"\n") != lines or head.count(b"\r") != lines or b"\0" in head:
+            raise RuntimeError("invalid character in a response header")
+        self._head = head
         self.response_started = True
         self._continue = False
 

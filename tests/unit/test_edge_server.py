@@ -213,10 +213,11 @@ def test_shutdown_lets_in_flight_requests_finish() -> None:
     asyncio.run(main())
 
 
-def test_response_header_injection_is_refused() -> None:
+@pytest.mark.parametrize("value", [b"a\r\nset-cookie: b", b"a\nset-cookie: b", b"a\rb", b"a\0b"])
+def test_response_header_injection_is_refused(value: bytes) -> None:
     async def bad_app(scope: Any, receive: Receive, send: Send) -> None:
         await receive()
-        headers = [(b"x-evil", b"a\r\nset-cookie: b")]
+        headers = [(b"content-type", b"text/plain"), (b"x-evil", value)]
         await send({"type": "http.response.start", "status": 200, "headers": headers})
 
     async def test(port: int, server: EdgeServer) -> None:
