@@ -832,8 +832,7 @@ class Edge:
             uncached = req.prompt_tokens - winner.cached_tokens
             load.admit(uncached)
             load.tokens += req.prompt_tokens
-            inflight = self.metrics.inflight
-            inflight[inst_id] = inflight.get(inst_id, 0) + 1
+            self.metrics.inflight_of(inst_id).inc()
             # Speculative: after this prefill the winner holds the prompt (SGLang does the same).
             if hashes:
                 self.prefix.insert(hashes, inst_id, time.monotonic())
@@ -866,7 +865,7 @@ class Edge:
                     load.finish(time.perf_counter() - started)
                 else:
                     load.release()
-                inflight[inst_id] -= 1
+                self.metrics.inflight_of(inst_id).dec()
                 self._wake(inst)
 
     def _nowhere(
@@ -1239,17 +1238,16 @@ class Edge:
         cached: int | None,
         arrived: float,
     ) -> None:
+        self.metrics.count(req.model, inst, status)
         series = self.metrics.series(req.model, inst)
-        statuses = series.statuses
-        statuses[status] = statuses.get(status, 0) + 1
         if ttft is not None:
             series.ttft.observe(ttft)
         series.e2e.observe(time.perf_counter() - arrived)
         if cached is not None and decision.winner is not None:
-            series.predicted_cached += decision.winner.cached_tokens
-            series.actual_cached += cached
+            series.predicted_cached.inc(decision.winner.cached_tokens)
+            series.actual_cached.inc(cached)
         if prompt is not None:
-            series.prompt_tokens += prompt
+            series.prompt_tokens.inc(prompt)
 
 
 async def _watch_disconnect(
