@@ -601,9 +601,12 @@ class Edge:
         watcher = asyncio.create_task(_watch_disconnect(receive, ex, task))
         try:
             if remote_only is not None and spill is not None:
-                await self._spill_over(
-                    remote_only, why, spill, req, traceparent, arrived, 0.0, ex, send
-                )
+                # A region coming back can serve the request itself when no remote answers.
+                ramp = why == "ramp"
+                if not await self._spill_over(
+                    remote_only, why, spill, req, traceparent, arrived, 0.0, ex, send, ramp
+                ):
+                    await self._route_and_forward(req, session_id, traceparent, arrived, ex, send)
             else:
                 await self._route_and_forward(
                     req, session_id, traceparent, arrived, ex, send, spill

@@ -20,6 +20,7 @@ same gradual way.
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import subprocess
 import time
@@ -44,7 +45,15 @@ from tests.integration.inventory_factories import (
     make_pool,
     make_region,
 )
-from tests.integration.test_edge_support import route_of
+from tests.integration.test_edge_support import (
+    instance,
+    route_of,
+    spawn_engine,
+    start_edge,
+    stop,
+    table_doc,
+    wait_http,
+)
 from tests.integration.test_routing_distribution import (
     FEDINFER,
     build_fleet,
@@ -171,6 +180,59 @@ def assert_gradual(rounds: list[Round]) -> None:
             assert before[side] <= after[side], (before[0], before[side] - after[side])
     first_full = next(r[0] for r in rounds if full(r))
     assert first_full >= RAMP_S * 0.6, first_full
+
+
+def test_a_returning_edge_forwards_above_its_ramp_and_serves_here_when_no_remote_answers(
+    tmp_path: Path,
+) -> None:
+    """File mode, two edges: ``r1`` at ramp 0 sends its traffic to ``r2`` (``spill=ramp``);
+    with ``r2`` unreachable it serves the request itself rather than failing it."""
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        e1, e2 = spawn_engine(tmp_path, "e1"), spawn_engine(tmp_path, "e2")
+        procs += [e1.proc, e2.proc]
+        for engine in (e1, e2):
+            wait_http(engine.url + "/health", proc=engine.proc)
+        (tmp_path / "r2").mkdir()
+        r2 = start_edge(tmp_path / "r2", table_doc("r2", 1, [instance(e2)]))
+        procs.append(r2.proc)
+        t1 = table_doc("r1", 1, [instance(e1)])
+        t1.update(schema_version=2, ramp=0.0)
+        t1["remote_regions"] = [
+            {"code": "r2", "edge_url": r2.url, "rtt_ms": 5, "models": ["llama"], "headroom": 0.5}
+        ]
+        (tmp_path / "r1").mkdir()
+        r1 = start_edge(tmp_path / "r1", t1)
+        procs.append(r1.proc)
+
+        def ask() -> httpx.Response:
+            return httpx.post(
+                r1.url + "/v1/chat/completions",
+                json={"model": "llama", "messages": [{"role": "user", "content": "hi"}]},
+                headers={"x-session-id": "s1"},
+                timeout=15,
+            )
+
+        r = ask()
+        assert r.status_code == 200, r.text
+        route = route_of(r.headers)
+        assert (route["region"], route["remote_from"], route["spill"]) == ("r2", "r1", "ramp")
+
+        t1 = {**t1, "version": 2}
+        t1["remote_regions"] = [
+            {**t1["remote_regions"][0], "edge_url": f"http://127.0.0.1:{free_port()}"}
+        ]
+        r1.table.with_suffix(".tmp").write_text(json.dumps(t1))
+        r1.table.with_suffix(".tmp").replace(r1.table)
+        wait_until(
+            lambda: httpx.get(r1.url + "/healthz").json()["table_version"] == 2, 5, "version 2"
+        )
+        r = ask()
+        assert r.status_code == 200, r.text
+        assert route_of(r.headers)["region"] == "r1" and route_of(r.headers)["instance"] == "e1"
+    finally:
+        for proc in reversed(procs):
+            stop(proc)
 
 
 @pytest.mark.django_db
