@@ -1,4 +1,4 @@
-"""The routing-table document (schema v1, see ``docs/routing-table.md``) and its loader.
+"""The routing-table document (schema 1, or 2 with ramps: ``docs/routing-table.md``); its loader.
 
 The edge depends on this document, never on the control plane's models: in this issue it is
 read from a file, in the next one fetched (and its ``signature`` verified) from the control
