@@ -835,7 +835,8 @@ class Edge:
             uncached = req.prompt_tokens - winner.cached_tokens
             load.admit(uncached)
             load.tokens += req.prompt_tokens
-            self.metrics.inflight_of(inst_id).inc()
+            inflight = self.metrics.inflight
+            inflight[inst_id] = inflight.get(inst_id, 0) + 1
             # Speculative: after this prefill the winner holds the prompt (SGLang does the same).
             if hashes:
                 self.prefix.insert(hashes, inst_id, time.monotonic())
@@ -868,7 +869,7 @@ class Edge:
                     load.finish(time.perf_counter() - started)
                 else:
                     load.release()
-                self.metrics.inflight_of(inst_id).dec()
+                inflight[inst_id] -= 1
                 self._wake(inst)
 
     def _nowhere(
@@ -1241,16 +1242,17 @@ class Edge:
         cached: int | None,
         arrived: float,
     ) -> None:
-        self.metrics.count(req.model, inst, status)
         series = self.metrics.series(req.model, inst)
+        statuses = series.statuses
+        statuses[status] = statuses.get(status, 0) + 1
         if ttft is not None:
             series.ttft.observe(ttft)
         series.e2e.observe(time.perf_counter() - arrived)
         if cached is not None and decision.winner is not None:
-            series.predicted_cached.inc(decision.winner.cached_tokens)
-            series.actual_cached.inc(cached)
+            series.predicted_cached += decision.winner.cached_tokens
+            series.actual_cached += cached
         if prompt is not None:
-            series.prompt_tokens.inc(prompt)
+            series.prompt_tokens += prompt
 
 
 async def _watch_disconnect(

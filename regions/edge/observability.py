@@ -7,8 +7,17 @@ Every response says which path it took and why (``x-fedinfer-route``), how long 
 from __future__ import annotations
 
 import random
+from bisect import bisect_left
+from collections.abc import Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.registry import Collector
 
 from regions.edge.scheduler import Decision, Scored
 
@@ -74,18 +83,103 @@ _LATENCY_BUCKETS = (
 )  # fmt: skip
 
 
+class Histo:
+    """A histogram as two plain fields: the per-request cost is one bisect and two adds."""
+
+    __slots__ = ("counts", "total")
+
+    def __init__(self) -> None:
+        self.counts = [0] * (len(_LATENCY_BUCKETS) + 1)  # the last one is +Inf
+        self.total = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect_left(_LATENCY_BUCKETS, value)] += 1
+        self.total += value
+
+    def buckets(self) -> list[tuple[str, float]]:
+        out: list[tuple[str, float]] = []
+        running = 0
+        for bound, count in zip((*_LATENCY_BUCKETS, float("inf")), self.counts, strict=True):
+            running += count
+            out.append(("+Inf" if bound == float("inf") else repr(bound), running))
+        return out
+
+
 class Series:
-    """The labelled children of one (model, instance), resolved once instead of per request."""
+    """What the edge counts per (model, instance) on every request, in plain fields.
+
+    prometheus_client's metric objects take a lock and check their state on each update
+    (~1.5 µs apiece, eight per request); these are exported by :class:`_RequestCollector`
+    when /metrics is scraped instead.
+    """
 
     __slots__ = ("actual_cached", "e2e", "predicted_cached", "prompt_tokens", "statuses", "ttft")
 
-    def __init__(self, m: EdgeMetrics, model: str, instance: str) -> None:
-        self.ttft = m.ttft.labels(model, instance)
-        self.e2e = m.e2e.labels(model, instance)
-        self.predicted_cached = m.predicted_cached.labels(model, instance)
-        self.actual_cached = m.actual_cached.labels(model, instance)
-        self.prompt_tokens = m.prompt_tokens.labels(model, instance)
-        self.statuses: dict[int, Counter] = {}
+    def __init__(self) -> None:
+        self.ttft = Histo()
+        self.e2e = Histo()
+        self.predicted_cached = 0
+        self.actual_cached = 0
+        self.prompt_tokens = 0
+        self.statuses: dict[int, int] = {}
+
+
+class _RequestCollector(Collector):
+    """Exports the per-request series (and in-flight counts) in Prometheus' usual shape."""
+
+    def __init__(self, metrics: EdgeMetrics) -> None:
+        self.m = metrics
+
+    def collect(self) -> Iterator[Metric]:
+        series = self.m.all_series
+        labels = ["model", "instance"]
+        requests = CounterMetricFamily(
+            "fedinfer_edge_requests",
+            "Requests answered, by model, instance and HTTP status",
+            labels=[*labels, "status"],
+        )
+        ttft = HistogramMetricFamily(
+            "fedinfer_edge_ttft_seconds",
+            "Edge arrival to the first byte of the upstream response body",
+            labels=labels,
+        )
+        e2e = HistogramMetricFamily(
+            "fedinfer_edge_request_duration_seconds",
+            "Edge arrival to the last byte sent to the client",
+            labels=labels,
+        )
+        predicted = CounterMetricFamily(
+            "fedinfer_edge_predicted_cached_tokens",
+            "Prompt tokens the scheduler expected the engine to have cached",
+            labels=labels,
+        )
+        actual = CounterMetricFamily(
+            "fedinfer_edge_actual_cached_tokens",
+            "Prompt tokens the engine reported cached (usage.prompt_tokens_details.cached_tokens)",
+            labels=labels,
+        )
+        prompt = CounterMetricFamily(
+            "fedinfer_edge_prompt_tokens",
+            "Prompt tokens the engine reported (usage.prompt_tokens)",
+            labels=labels,
+        )
+        for (model, instance), s in series.items():
+            key = [model, instance]
+            for status, n in s.statuses.items():
+                requests.add_metric([*key, str(status)], n)
+            if not instance:
+                continue  # refused before an instance was chosen: counted, nothing timed
+            ttft.add_metric(key, s.ttft.buckets(), s.ttft.total)
+            e2e.add_metric(key, s.e2e.buckets(), s.e2e.total)
+            predicted.add_metric(key, s.predicted_cached)
+            actual.add_metric(key, s.actual_cached)
+            prompt.add_metric(key, s.prompt_tokens)
+        inflight = GaugeMetricFamily(
+            "fedinfer_edge_inflight", "Requests in flight per instance", labels=["instance"]
+        )
+        for instance, n in self.m.inflight.items():
+            inflight.add_metric([instance], n)
+        yield from (requests, ttft, e2e, predicted, actual, prompt, inflight)
 
 
 class EdgeMetrics:
@@ -94,26 +188,11 @@ class EdgeMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.requests = Counter(
-            "fedinfer_edge_requests",
-            "Requests answered, by model, instance and HTTP status",
-            ["model", "instance", "status"],
-            registry=r,
-        )
-        self.ttft = Histogram(
-            "fedinfer_edge_ttft_seconds",
-            "Edge arrival to the first byte of the upstream response body",
-            ["model", "instance"],
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.e2e = Histogram(
-            "fedinfer_edge_request_duration_seconds",
-            "Edge arrival to the last byte sent to the client",
-            ["model", "instance"],
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
-        )
+        #: Per-request series, exported by a collector at scrape time.
+        self.all_series: dict[tuple[str, str], Series] = {}
+        #: Requests in flight per instance.
+        self.inflight: dict[str, int] = {}
+        r.register(_RequestCollector(self))
         self.retries = Counter(
             "fedinfer_edge_retries", "Requests re-sent to another instance", ["model"], registry=r
         )
@@ -125,27 +204,6 @@ class EdgeMetrics:
         )
         self.queue_depth = Gauge(
             "fedinfer_edge_queue_depth", "Requests waiting at the gateway for capacity", registry=r
-        )
-        self.inflight = Gauge(
-            "fedinfer_edge_inflight", "Requests in flight per instance", ["instance"], registry=r
-        )
-        self.predicted_cached = Counter(
-            "fedinfer_edge_predicted_cached_tokens",
-            "Prompt tokens the scheduler expected the engine to have cached",
-            ["model", "instance"],
-            registry=r,
-        )
-        self.actual_cached = Counter(
-            "fedinfer_edge_actual_cached_tokens",
-            "Prompt tokens the engine reported cached (usage.prompt_tokens_details.cached_tokens)",
-            ["model", "instance"],
-            registry=r,
-        )
-        self.prompt_tokens = Counter(
-            "fedinfer_edge_prompt_tokens",
-            "Prompt tokens the engine reported (usage.prompt_tokens)",
-            ["model", "instance"],
-            registry=r,
         )
         self.spills = Counter(
             "fedinfer_edge_spills",
@@ -174,26 +232,15 @@ class EdgeMetrics:
         self.healthy_instances = Gauge(
             "fedinfer_edge_healthy_instances", "Instances currently admitted", registry=r
         )
-        self._series: dict[tuple[str, str], Series] = {}
-        self._inflight: dict[str, Gauge] = {}
-
-    def inflight_of(self, instance: str) -> Gauge:
-        child = self._inflight.get(instance)
-        if child is None:
-            child = self._inflight[instance] = self.inflight.labels(instance)
-        return child
 
     def series(self, model: str, instance: str) -> Series:
         key = (model, instance)
-        found = self._series.get(key)
+        found = self.all_series.get(key)
         if found is None:
-            found = self._series[key] = Series(self, model, instance)
+            found = self.all_series[key] = Series()
         return found
 
     def count(self, model: str, instance: str, status: int) -> None:
-        """One answered request (children cached: ``labels()`` takes a lock per call)."""
+        """One answered request."""
         statuses = self.series(model, instance).statuses
-        child = statuses.get(status)
-        if child is None:
-            child = statuses[status] = self.requests.labels(model, instance, str(status))
-        child.inc()
+        statuses[status] = statuses.get(status, 0) + 1

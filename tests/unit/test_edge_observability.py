@@ -5,9 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 
 from regions.edge.cli import build_parser, config_from_args
-from regions.edge.observability import child_traceparent, route_header, server_timing
+from regions.edge.observability import EdgeMetrics, child_traceparent, route_header, server_timing
 from regions.edge.scheduler import Decision, Scored
 
 TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
@@ -73,3 +75,34 @@ def test_cli_flags_reach_the_config(tmp_path: Path) -> None:
     assert build_parser().parse_args(["--region", "r", "--table", "t"]).policy == "fedinfer"
     with pytest.raises(SystemExit):
         build_parser().parse_args(["--region", "r", "--table", "t", "--policy", "random"])
+
+
+def test_per_request_series_are_exported_in_prometheus_shape() -> None:
+    m = EdgeMetrics()
+    s = m.series("llama", "i-1")
+    for value in (0.003, 0.02, 0.02, 7.0, 500.0):
+        s.ttft.observe(value)
+    s.actual_cached += 256
+    m.count("llama", "i-1", 200)
+    m.count("llama", "i-1", 200)
+    m.count("", "", 401)  # refused before routing: counted, not timed
+    m.inflight["i-1"] = 3
+    families = {
+        f.name: f for f in text_string_to_metric_families(generate_latest(m.registry).decode())
+    }
+    requests = {
+        (x.labels["instance"], x.labels["status"]): x.value
+        for x in families["fedinfer_edge_requests"].samples
+    }
+    assert requests == {("i-1", "200"): 2.0, ("", "401"): 1.0}
+    buckets = {
+        x.labels["le"]: x.value
+        for x in families["fedinfer_edge_ttft_seconds"].samples
+        if x.name.endswith("_bucket")
+    }
+    assert (buckets["0.005"], buckets["0.025"], buckets["5.0"], buckets["10.0"]) == (1, 3, 3, 4)
+    assert buckets["120.0"] == 4 and buckets["+Inf"] == 5
+    total = [x for x in families["fedinfer_edge_ttft_seconds"].samples if x.name.endswith("_sum")]
+    assert total[0].value == pytest.approx(507.043)
+    assert families["fedinfer_edge_actual_cached_tokens"].samples[0].value == 256
+    assert families["fedinfer_edge_inflight"].samples[0].value == 3
