@@ -23,6 +23,7 @@ import uvicorn
 
 from regions.engines.simulator.engine import EngineConfig, SimEngine
 from regions.engines.simulator.faults import FaultConfig, apply_update, parse_fault_flag
+from regions.engines.simulator.kv_transfer import KV_ROLES, KVTransferConfig
 from regions.engines.simulator.perf import ACCELERATOR_ALIASES, ACCELERATORS
 from regions.engines.simulator.server import CUT_FILTER, EngineApp
 from regions.engines.simulator.tokenizer import OutputPlanner, Tokenizer
@@ -69,6 +70,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="e.g. error_rate=0.1 | 1:latency_ms=200 | health_fail | die_after_tokens=5 | "
         "hang_rate=1 | kill_after_s=3",
     )
+    p.add_argument(
+        "--kv-role",
+        default="kv_both",
+        choices=[*KV_ROLES, "none"],
+        help="KV connector role for P/D disaggregation (kv_transfer_params); none: ignore them",
+    )
+    p.add_argument(
+        "--kv-hold-s", type=float, default=480.0, help="held prefill blocks wait this long"
+    )
+    p.add_argument("--kv-bandwidth-gb-s", type=float, default=25.0, help="KV transfer link, GB/s")
     p.add_argument("--ready-file", type=Path, default=None, help="write engine URLs as JSON")
     p.add_argument("--log-level", default="warning")
     return p
@@ -84,6 +95,13 @@ def engine_configs(args: argparse.Namespace) -> list[EngineConfig]:
         if not eq or not name or not path:
             raise ValueError(f"--lora-modules expects NAME=PATH, got {spec!r}")
         loras.append((name, path))
+    if args.kv_hold_s <= 0 or args.kv_bandwidth_gb_s <= 0:
+        raise ValueError("--kv-hold-s and --kv-bandwidth-gb-s must be positive")
+    kv = KVTransferConfig(
+        role=None if args.kv_role == "none" else args.kv_role,
+        hold_s=args.kv_hold_s,
+        bandwidth_bytes_per_s=args.kv_bandwidth_gb_s * 1e9,
+    )
     faults = [FaultConfig() for _ in range(args.count)]
     for spec in args.fault:
         index, update = parse_fault_flag(spec)
@@ -110,6 +128,7 @@ def engine_configs(args: argparse.Namespace) -> list[EngineConfig]:
             params_billion=args.params_billion,
             lora_modules=tuple(loras),
             faults=faults[i],
+            kv_transfer=kv,
         )
         for i in range(args.count)
     ]
@@ -193,6 +212,7 @@ async def serve(args: argparse.Namespace, engines: list[SimEngine]) -> None:
     ready = []
     for engine, sock in zip(engines, sockets, strict=True):
         port = sock.getsockname()[1]
+        engine.side_channel = (args.host, port)
         url = f"http://{args.host}:{port}"
         ready.append({"index": engine.index, "url": url, "port": port})
         print(
@@ -209,7 +229,7 @@ async def serve(args: argparse.Namespace, engines: list[SimEngine]) -> None:
         await asyncio.gather(*server_tasks)
     finally:
         for engine in engines:
-            engine.close()
+            await engine.aclose()
         for task in engine_tasks:
             task.cancel()
         await asyncio.gather(*engine_tasks, return_exceptions=True)

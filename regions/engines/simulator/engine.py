@@ -11,13 +11,23 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import time
+import uuid
 from dataclasses import dataclass, field
+from typing import Any
 
+import httpx
 import xxhash
 
 from regions.engines.simulator.faults import FaultConfig, FaultInjector
 from regions.engines.simulator.kv_cache import KVCacheManager, root_hash
+from regions.engines.simulator.kv_transfer import (
+    KVTransferConfig,
+    KVTransferError,
+    producer_params,
+    read_remote,
+)
 from regions.engines.simulator.perf import PerfModel, accelerator, model_params_billion
 from regions.engines.simulator.prom import EngineMetrics
 from regions.engines.simulator.scheduler import (
@@ -27,6 +37,8 @@ from regions.engines.simulator.scheduler import (
     Status,
 )
 from regions.engines.simulator.tokenizer import OutputPlanner, Tokenizer, tokens_digest
+
+log = logging.getLogger("fedinfer.engine_sim")
 
 #: The vLLM release whose API, metrics and fingerprint the simulator reproduces.
 VLLM_VERSION = "0.32.0"
@@ -53,6 +65,7 @@ class EngineConfig:
     params_billion: float | None = None
     lora_modules: tuple[tuple[str, str], ...] = ()
     faults: FaultConfig = field(default_factory=FaultConfig)
+    kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig)
 
 
 class RequestStream:
@@ -148,6 +161,11 @@ class SimEngine:
         self.system_fingerprint = f"vllm-{VLLM_VERSION}{tp}-{digest[:8]}"
         self.killed = False
         self.killed_event = asyncio.Event()
+        #: NixlConnector's engine id (a fresh one per start: a restarted engine holds nothing).
+        self.engine_id = str(uuid.uuid4())
+        #: Where decode engines read this engine's blocks: its own HTTP address, set once bound.
+        self.side_channel: tuple[str, int] = ("127.0.0.1", 0)
+        self._kv_client: httpx.AsyncClient | None = None
         self._ids = itertools.count()
         self._wake = asyncio.Event()
         self._closed = False
@@ -206,6 +224,40 @@ class SimEngine:
         self.streams[request.request_id] = stream
         self._wake.set()
         return stream
+
+    # -- P/D disaggregation (kv_transfer.py) -------------------------------------------------
+
+    def transfer_params(self, request: Request) -> dict[str, Any] | None:
+        """The ``kv_transfer_params`` a finished prefill leg answers with (None: nothing held,
+        e.g. it stopped before ``max_tokens``, as vLLM's connector returns nothing then)."""
+        held = self.scheduler.held.get(request.request_id)
+        if held is None:
+            return None
+        host, port = self.side_channel
+        return producer_params(
+            self.engine_id, request.request_id, held[0], host, port, self.config.tp
+        )
+
+    def read_held(self, engine_id: object, request_id: object) -> int | None:
+        """A decode engine reads a held prefill: release it; the prompt tokens it held."""
+        if engine_id != self.engine_id or not isinstance(request_id, str):
+            return None
+        return self.scheduler.release_held(request_id)
+
+    async def load_remote_kv(self, params: dict[str, Any]) -> int:
+        """Decode leg: read the prefill engine's blocks and wait the transfer time for their
+        size; the prompt tokens now in place (0 after a failed read: computed locally)."""
+        cfg = self.config.kv_transfer
+        if self._kv_client is None:
+            self._kv_client = httpx.AsyncClient()
+        try:
+            tokens = await read_remote(self._kv_client, params, cfg.read_timeout_s)
+        except KVTransferError as exc:
+            log.info("KV transfer failed, recomputing the prompt: %s", exc)
+            self.scheduler.counters.kv_transfer_failures += 1
+            return 0
+        await asyncio.sleep(cfg.transfer_time(tokens, self.perf.kv_bytes_per_token()))
+        return tokens
 
     def _complete_now(self, request: Request) -> None:
         counters = self.scheduler.counters
@@ -274,9 +326,17 @@ class SimEngine:
                     itl(now - stream.last_token_time)
                 stream.last_token_time = now
                 stream.notify()
+            held = scheduler.held
             for request in result.finished:
                 streams.pop(request.request_id, None)
                 self._record_finished(request, now)
+                if request.request_id in held:
+                    # Nobody came for the blocks: free them, as vLLM's abort timeout does.
+                    asyncio.get_running_loop().call_later(
+                        self.config.kv_transfer.hold_s,
+                        scheduler.release_held,
+                        request.request_id,
+                    )
 
     def _record_finished(self, request: Request, now: float) -> None:
         self.metrics.record_finished(
@@ -305,6 +365,12 @@ class SimEngine:
     def close(self) -> None:
         self._closed = True
         self._wake.set()
+
+    async def aclose(self) -> None:
+        """Close, and the side-channel client with it."""
+        self.close()
+        if self._kv_client is not None:
+            await self._kv_client.aclose()
 
     # -- observation --------------------------------------------------------------------
 

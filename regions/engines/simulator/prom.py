@@ -121,6 +121,19 @@ class EngineMetrics:
         self.prefix_hits = counter(
             "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens."
         ).labels(*lv)
+        self.external_queries = counter(
+            "vllm:external_prefix_cache_queries",
+            "External prefix cache queries from KV connector cross-instance cache sharing, in "
+            "terms of number of queried tokens.",
+        ).labels(*lv)
+        self.external_hits = counter(
+            "vllm:external_prefix_cache_hits",
+            "External prefix cache hits from KV connector cross-instance cache sharing, in "
+            "terms of number of cached tokens.",
+        ).labels(*lv)
+        self.failed_transfers = counter(
+            "vllm:nixl_num_failed_transfers", "Number of failed NIXL KV Cache transfers."
+        ).labels(*lv)
         self.preemptions = counter(
             "vllm:num_preemptions", "Cumulative number of preemption from the engine."
         ).labels(*lv)
@@ -250,6 +263,9 @@ class EngineMetrics:
         for name, metric in (
             ("prefix_cache_queries", self.prefix_queries),
             ("prefix_cache_hits", self.prefix_hits),
+            ("external_prefix_cache_queries", self.external_queries),
+            ("external_prefix_cache_hits", self.external_hits),
+            ("kv_transfer_failures", self.failed_transfers),
             ("preemptions", self.preemptions),
             ("prompt_tokens", self.prompt_tokens),
             ("generation_tokens", self.generation_tokens),

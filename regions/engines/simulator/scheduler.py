@@ -44,8 +44,15 @@ class Request:
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)
     num_registered_blocks: int = 0
-    #: Prompt tokens found in the prefix cache at first scheduling (-1 before).
+    #: Prompt tokens found in the prefix cache (local or transferred) at first scheduling
+    #: (-1 before).
     num_cached_tokens: int = -1
+    #: Prompt tokens whose KV arrived from a remote prefill engine (P/D disaggregation): they
+    #: count as computed without being computed; used once, at first scheduling.
+    num_external_tokens: int = 0
+    #: A prefill leg (``do_remote_decode``): when it finishes at ``max_tokens`` its blocks
+    #: are held for the decode engine instead of freed (see ``Scheduler.held``).
+    hold_on_finish: bool = False
     status: Status = Status.WAITING
     finish_reason: str | None = None
     num_preemptions: int = 0
@@ -114,6 +121,11 @@ class SchedulerCounters:
 
     prefix_cache_queries: int = 0  # tokens looked up (prompt length of new requests)
     prefix_cache_hits: int = 0  # tokens found
+    #: Tokens asked of the KV connector (prompt minus local hits) and tokens it provided.
+    external_prefix_cache_queries: int = 0
+    external_prefix_cache_hits: int = 0
+    #: Remote KV reads that failed (the prompt was recomputed).
+    kv_transfer_failures: int = 0
     prompt_tokens: int = 0  # prompt length of requests whose prefill finished
     generation_tokens: int = 0
     preemptions: int = 0
@@ -136,6 +148,9 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.counters = SchedulerCounters()
+        #: Finished prefill legs' blocks kept for a decode engine: request id -> (block ids,
+        #: prompt tokens they hold).
+        self.held: dict[str, tuple[list[int], int]] = {}
 
     # -- requests in and out ---------------------------------------------------------------
 
@@ -228,21 +243,35 @@ class Scheduler:
                 if request.num_computed_tokens == 0:
                     hit = kv.find_cached_prefix(request.block_hashes, request.num_tokens)
                 num_cached = len(hit) * kv.block_size
-                num_new = request.num_tokens - request.num_computed_tokens - num_cached
+                # Transferred KV covers what the local cache does not, but never the last
+                # token: it is computed here to sample from (as vLLM's connector leaves it).
+                external = 0
+                if request.num_external_tokens > 0 and request.num_computed_tokens == 0:
+                    reach = min(request.num_external_tokens, request.num_tokens - 1)
+                    external = max(0, reach - num_cached)
+                num_new = request.num_tokens - request.num_computed_tokens - num_cached - external
                 if cfg.enable_chunked_prefill:
                     num_new = min(num_new, budget)
                 elif num_new > budget:
                     break
-                if not kv.allocate(request.block_ids, request.num_computed_tokens, num_new, hit):
+                if not kv.allocate(
+                    request.block_ids, request.num_computed_tokens, num_new + external, hit
+                ):
                     break
                 self.waiting.popleft()
                 if request.num_cached_tokens < 0:
                     # vLLM counts a request's lookup once; re-lookups after preemption are
                     # kept apart (preempted_* stats) and not exported.
-                    request.num_cached_tokens = num_cached
-                    self.counters.prefix_cache_queries += request.num_tokens
-                    self.counters.prefix_cache_hits += num_cached
-                request.num_computed_tokens += num_cached
+                    request.num_cached_tokens = num_cached + external
+                    counters = self.counters
+                    counters.prefix_cache_queries += request.num_tokens
+                    counters.prefix_cache_hits += num_cached
+                    if request.num_external_tokens > 0:
+                        counters.external_prefix_cache_queries += request.num_tokens - num_cached
+                        counters.external_prefix_cache_hits += external
+                # Used once: a preempted request recomputes (the remote blocks are gone).
+                request.num_external_tokens = 0
+                request.num_computed_tokens += num_cached + external
                 request.num_registered_blocks = len(hit)
                 if request.first_scheduled_time is None:
                     request.first_scheduled_time = now
@@ -327,8 +356,23 @@ class Scheduler:
                 _extra(request),
             )
 
+    def release_held(self, request_id: str) -> int | None:
+        """Free a held prefill's blocks (read by the decode engine, or expired); the prompt
+        tokens they held, None when nothing is held under that id."""
+        held = self.held.pop(request_id, None)
+        if held is None:
+            return None
+        block_ids, tokens = held
+        self.kv.free_blocks(block_ids)
+        return tokens
+
     def _finish(self, request: Request, reason: str, now: float) -> None:
-        self.kv.free_blocks(request.block_ids)
+        if request.hold_on_finish and reason == "length" and request.block_ids:
+            # vLLM's connector delays the free of a length-capped prefill leg only.
+            self.held[request.request_id] = (list(request.block_ids), request.num_prompt_tokens)
+            request.block_ids.clear()
+        else:
+            self.kv.free_blocks(request.block_ids)
         request.status = Status.FINISHED
         request.finish_reason = reason
         request.finished_time = now

@@ -27,6 +27,7 @@ from regions.engines.simulator.engine import (
     SimEngine,
 )
 from regions.engines.simulator.faults import Fate
+from regions.engines.simulator.kv_transfer import READ_PATH, request_params
 from regions.engines.simulator.scheduler import Request, Status
 from regions.engines.simulator.tokenizer import MAX_CHARS_PER_TOKEN
 
@@ -127,6 +128,7 @@ class EngineApp:
             "/v1/unload_lora_adapter": ("POST", self.unload_lora),
             "/reset_prefix_cache": ("POST", self.reset_prefix_cache),
             "/admin/faults": ("*", self.admin_faults),
+            READ_PATH: ("POST", self.kv_read),
         }
         names = engine.served_model_names
         self._model_json = {name: orjson.dumps(name).decode() for name in names}
@@ -189,6 +191,16 @@ class EngineApp:
         dropped when no request holds blocks, as in vLLM."""
         self.engine.kv.reset_prefix_cache()
         await _send_text(send, 200, "")
+
+    async def kv_read(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Simulator side channel (``kv_transfer.py``): a decode engine reads a held prefill's
+        blocks; 404 when this engine holds nothing under that id (expired, or restarted)."""
+        body = await _json_body(scope, receive)
+        tokens = self.engine.read_held(body.get("remote_engine_id"), body.get("remote_request_id"))
+        if tokens is None:
+            await _send_json(send, 404, {"detail": "no such held request"})
+            return
+        await _send_json(send, 200, {"num_tokens": tokens})
 
     async def load_lora(self, scope: Scope, receive: Receive, send: Send) -> None:
         body = await _json_body(scope, receive)
@@ -451,9 +463,26 @@ class EngineApp:
             raise _bad_request(f"max_tokens must be at least 1, got {effective}.", "max_tokens")
         min_tokens = _int_field(body, "min_tokens") or 0
         ignore_eos = _bool_field(body, "ignore_eos", False)
+        try:
+            kv_params = request_params(body)
+        except ValueError:
+            raise _validation_error(
+                "dict_type",
+                "body.kv_transfer_params",
+                "Input should be a valid dictionary",
+                body["kv_transfer_params"],
+            ) from None
         request, texts = engine.new_request(
             prompt_ids, effective, lora=lora, ignore_eos=ignore_eos, min_tokens=min_tokens
         )
+        if kv_params is not None and not engine.config.zero_latency:
+            kv = engine.config.kv_transfer
+            if kv.producer and kv_params.get("do_remote_decode"):
+                request.hold_on_finish = True
+            elif kv.consumer and kv_params.get("do_remote_prefill"):
+                # Before the engine sees the request, as vLLM's WAITING_FOR_REMOTE_KVS: the
+                # transfer counts in its TTFT and queue time, not in any engine step.
+                request.num_external_tokens = await engine.load_remote_kv(kv_params)
         rid = _request_id(scope, body, "chatcmpl-" if chat else "cmpl-")
         created = int(time.time())
         model_json = self._model_json.get(model) or orjson.dumps(model).decode()
@@ -540,7 +569,7 @@ class EngineApp:
             return
         if request.finish_reason == "abort":
             return  # the client left
-        body = fmt.full_response(request, handle.texts)
+        body = fmt.full_response(request, handle.texts, self.engine.transfer_params(request))
         if die_at is not None and len(request.output_token_ids) >= die_at:
             # Promise the whole body, deliver half, hang up.
             headers = [*JSON_HEADERS, (b"content-length", str(len(body)).encode())]
@@ -668,8 +697,11 @@ class _Formatter:
             f"{created}}}}}{self.tail_fp}}}\n\n"
         ).encode()
 
-    def full_response(self, request: Request, texts: list[str]) -> bytes:
+    def full_response(
+        self, request: Request, texts: list[str], kv_params: dict[str, Any] | None = None
+    ) -> bytes:
         text = orjson.dumps("".join(texts)).decode()
+        kv = orjson.dumps(kv_params).decode()
         reason = request.finish_reason
         if self.chat:
             choice = (
@@ -680,7 +712,7 @@ class _Formatter:
             )
             extra = (
                 '"prompt_logprobs":null,"prompt_token_ids":null,"prompt_text":null,'
-                '"kv_transfer_params":null,"ec_transfer_params":null,"metrics":null}'
+                f'"kv_transfer_params":{kv},"ec_transfer_params":null,"metrics":null}}'
             )
         else:
             choice = (
@@ -688,7 +720,7 @@ class _Formatter:
                 '"stop_reason":null,"token_ids":null,"prompt_logprobs":null,'
                 '"prompt_token_ids":null,"routed_experts":null}'
             )
-            extra = '"kv_transfer_params":null,"ec_transfer_params":null,"metrics":null}'
+            extra = f'"kv_transfer_params":{kv},"ec_transfer_params":null,"metrics":null}}'
         c = len(request.output_token_ids)
         p = self.num_prompt
         cached = max(request.num_cached_tokens, 0)
