@@ -98,6 +98,9 @@ def own_redis(settings: Any) -> Iterator[None]:
     settings.CELERY_BROKER_URL = REDIS_URL
     celery_app.conf.broker_url = REDIS_URL
     celery_app.close()
+    # close() keeps the producer pool of the broker an earlier test used: drop it too, or
+    # this test's recompiles would be queued where its worker does not listen.
+    celery_app.amqp._producer_pool = None
     client = redis.Redis.from_url(REDIS_URL)
     client.flushdb()
     yield
