@@ -24,6 +24,7 @@ import httpx
 import orjson
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from regions.edge import disagg
 from regions.edge.admission import Admission, TenantState
 from regions.edge.errors import EdgeError, sse_error_event
 from regions.edge.health import HealthBoard, HealthConfig, probe_loop
@@ -806,6 +807,9 @@ class Edge:
         if seed is None:
             seed = self._seeds[model] = _root_seed(model)
         hashes = block_hashes(req.prompt, seed, self.cfg.block_bytes)
+        # P/D disaggregation (disagg.py): prefill and decode instances serve it in two hops.
+        if await disagg.serve(self, req, hashes, traceparent, arrived, ex, send):
+            return
         session_key = f"{model}\0{session_id}" if session_id is not None else None
         sticky = self.sessions.get(session_key) if session_key is not None else None
         exclude: frozenset[str] = frozenset()
