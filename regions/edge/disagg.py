@@ -360,10 +360,12 @@ async def _prefill(
         try:
             data = await resp.read()
         except UpstreamError as exc:
-            resp.close()
             edge.health.connect_error(inst.id, f"read: {exc}")
             raise _PrefillFailed(f"read: {exc}") from exc
-        resp.release()
+        finally:
+            # Pooled again when read in full; closed otherwise (a failure, or the client gone:
+            # closing is how the engine learns to abort).
+            resp.release()
         if resp.status >= 500:
             edge.health.failure(inst.id, f"status {resp.status}")
             raise _PrefillFailed(f"status {resp.status}")
