@@ -168,6 +168,17 @@ def test_completions_without_stream_options_in_the_prefill_leg(pd: PD) -> None:
     assert out.usage is not None and out.usage.completion_tokens >= 3
 
 
+def test_a_request_the_prefill_engine_refuses_is_passed_through(pd: PD) -> None:
+    resp = httpx.post(
+        pd.edge.url + "/v1/chat/completions",
+        json={"model": MODEL, "messages": messages("Two answers?"), "max_tokens": 4, "n": 2},
+        timeout=20,
+    )
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "n"
+    route = route_of(resp.headers)
+    assert route["prefill"] == "sim-0" and route["decode"] == "none"
+
+
 def test_a_failing_decode_engine_is_retried_on_the_other(pd: PD) -> None:
     """Last in the module: sim-1 may stay ejected for a while after it."""
     httpx.post(pd.urls["sim-1"] + "/admin/faults", json={"error_rate": 1.0}, timeout=5)
