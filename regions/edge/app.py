@@ -26,7 +26,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from regions.edge import disagg
 from regions.edge.admission import Admission, TenantState
-from regions.edge.errors import EdgeError, sse_error_event
+from regions.edge.errors import EdgeError, UpstreamFailure, sse_error_event
 from regions.edge.health import HealthBoard, HealthConfig, probe_loop
 from regions.edge.load import LoadBoard, scrape_loop
 from regions.edge.observability import (
@@ -181,15 +181,6 @@ class _Spill:
 
 class _ClientGone(Exception):
     """The client disconnected while sending its request body."""
-
-
-class _Upstream(Exception):
-    """The chosen instance failed before the first byte reached the client (retry allowed)."""
-
-    def __init__(self, reason: str, connect: bool) -> None:
-        super().__init__(reason)
-        self.reason = reason
-        self.connect = connect
 
 
 class Edge:
@@ -853,7 +844,7 @@ class Edge:
                     inst, req, decision, retries, traceparent, arrived, queue_s, ex, send
                 )
                 return
-            except _Upstream as failure:
+            except UpstreamFailure as failure:
                 reached = not failure.connect
                 last_failure = f"{inst_id}: {failure.reason}"
                 if failure.connect:
@@ -957,7 +948,7 @@ class Edge:
                 )
                 clean = True
                 return True
-            except _Upstream as failure:
+            except UpstreamFailure as failure:
                 failures.append(f"{remote.code}: {failure.reason}")
             finally:
                 if clean:
@@ -1004,7 +995,7 @@ class Edge:
         try:
             first = await resp.readany() if req.stream else await resp.read()
         except UpstreamError as exc:
-            raise _Upstream(f"read: {exc}", connect=True) from exc
+            raise UpstreamFailure(f"read: {exc}", connect=True) from exc
         ttft = time.perf_counter() - arrived
         headers_out = [
             (b"content-type", ctype),
@@ -1095,7 +1086,7 @@ class Edge:
         ex: _Exchange,
         send: Send,
     ) -> None:
-        """Send to ``inst``, pass the answer through; :class:`_Upstream` before byte one."""
+        """Send to ``inst``, pass the answer through; :class:`UpstreamFailure` before byte one."""
         assert self._http is not None, "edge not started"
         path = _CHAT if req.chat else _COMPLETIONS
         t0 = time.perf_counter()
@@ -1104,13 +1095,13 @@ class Edge:
                 inst.url, path, req.body, [(b"traceparent", traceparent.encode())]
             )
         except UpstreamError as exc:
-            raise _Upstream(str(exc), connect=True) from exc
+            raise UpstreamFailure(str(exc), connect=True) from exc
         connect_s = time.perf_counter() - t0
         clean = False
         try:
             status = resp.status
             if status >= 500:
-                raise _Upstream(f"status {status}", connect=False)
+                raise UpstreamFailure(f"status {status}", connect=False)
             ctype = resp.headers.get(b"content-type", _JSON)
             if req.stream and status == 200 and ctype.startswith(_SSE):
                 clean = await self._pump_stream(
@@ -1131,7 +1122,7 @@ class Edge:
             try:
                 body = await resp.read()
             except UpstreamError as exc:
-                raise _Upstream(f"read: {exc}", connect=True) from exc
+                raise UpstreamFailure(f"read: {exc}", connect=True) from exc
             ttft = time.perf_counter() - arrived
             headers_out = [
                 (b"content-type", ctype),
@@ -1183,10 +1174,10 @@ class Edge:
             while not first:
                 chunk = await resp.readany()
                 if not chunk:
-                    raise _Upstream("closed before the first byte", connect=True)
+                    raise UpstreamFailure("closed before the first byte", connect=True)
                 first = tap.feed(chunk)
         except UpstreamError as exc:
-            raise _Upstream(f"stream: {exc}", connect=True) from exc
+            raise UpstreamFailure(f"stream: {exc}", connect=True) from exc
         ttft = time.perf_counter() - arrived
         headers_out = [
             (b"content-type", ctype),

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import orjson
 
-from regions.edge.errors import EdgeError
+from regions.edge.errors import EdgeError, UpstreamFailure
 from regions.edge.observability import server_timing
 from regions.edge.parse import ParsedRequest, body_usage
 from regions.edge.scheduler import Candidate, Decision, RouteRequest, Scored, decide, serves
@@ -426,7 +426,6 @@ async def _decode(
     cfg: DisaggConfig,
 ) -> bool:
     """The decode hop, retried on another decode instance while nothing reached the client."""
-    from regions.edge.app import _Upstream  # app imports this module: resolved at call time
 
     assert edge._http is not None, "edge not started"
     body = decode_body(req.body, params) if params is not None else req.body
@@ -490,7 +489,7 @@ async def _decode(
                 send,
             )
             return True
-        except _Upstream as failure:
+        except UpstreamFailure as failure:
             reached = not failure.connect
             if failure.connect:
                 edge.health.connect_error(inst.id, failure.reason)
@@ -533,8 +532,7 @@ async def _decode_leg(
     send: Send,
 ) -> None:
     """Send the decode leg and pass its answer through with the P/D route and timing headers;
-    raises the app's ``_Upstream`` before the first byte reaches the client."""
-    from regions.edge.app import _Upstream
+    raises ``UpstreamFailure`` before the first byte reaches the client."""
 
     assert edge._http is not None, "edge not started"
     inst = edge.instances[inst_id]
@@ -543,7 +541,7 @@ async def _decode_leg(
     try:
         resp = await edge._http.post(inst.url, _path(leg), leg.body, headers)
     except UpstreamError as exc:
-        raise _Upstream(str(exc), connect=True) from exc
+        raise UpstreamFailure(str(exc), connect=True) from exc
     connect_s = time.perf_counter() - t0
     clean = False
 
@@ -563,7 +561,7 @@ async def _decode_leg(
     try:
         status = resp.status
         if status >= 500:
-            raise _Upstream(f"status {status}", connect=False)
+            raise UpstreamFailure(f"status {status}", connect=False)
         ctype = resp.headers.get(b"content-type", b"application/json")
         if leg.stream and status == 200 and ctype.startswith(b"text/event-stream"):
             clean = await edge._pump_stream(
@@ -584,7 +582,7 @@ async def _decode_leg(
         try:
             data = await resp.read()
         except UpstreamError as exc:
-            raise _Upstream(f"read: {exc}", connect=True) from exc
+            raise UpstreamFailure(f"read: {exc}", connect=True) from exc
         ttft = time.perf_counter() - arrived
         ex.sent = True
         await send(

@@ -55,3 +55,16 @@ def error_body(message: str, status: int, code: str, param: str | None = None) -
 def sse_error_event(message: str, code: str) -> bytes:
     """The last event of a stream that was cut after its first byte (no retry possible)."""
     return b"data: " + error_body(message, 502, code) + b"\n\n"
+
+
+class UpstreamFailure(Exception):
+    """The chosen instance failed before the first byte reached the client (retry allowed).
+
+    ``connect``: it never (fully) answered — refused, reset, timed out — as opposed to an
+    answer with a 5xx status; health counts the two differently.
+    """
+
+    def __init__(self, reason: str, connect: bool) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.connect = connect
