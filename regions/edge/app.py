@@ -654,8 +654,12 @@ class Edge:
         sticky: str | None,
         exclude: frozenset[str],
         spill: _Spill | None = None,
+        role: str = "mixed",
     ) -> tuple[Decision, float]:
         """Decide; wait at the gateway (bounded queue, deadline) while the choice has no slot.
+
+        ``role``: which instances may take it (``prefill`` for the first hop of a
+        disaggregated request, disagg.py); each role of a model has its own line.
 
         With ``spill`` (remote regions serve the model), the first decision also says whether
         to forward instead: the local expected queue wait exceeds a remote's RTT (+ margin), or
@@ -672,12 +676,14 @@ class Edge:
             prompt_tokens=req.prompt_tokens,
             block_tokens=self.block_tokens,
             sticky=sticky,
+            role=role,
             exclude=exclude,
         )
         started = time.monotonic()
-        line = self._lines.get(req.model)
+        key = _line_key(req.model, role)
+        line = self._lines.get(key)
         if line is None:
-            line = self._lines[req.model] = deque()
+            line = self._lines[key] = deque()
         waiter: _Waiter | None = None
         try:
             while True:
@@ -748,7 +754,7 @@ class Edge:
     def _wake(self, inst: Instance) -> None:
         """A slot of ``inst`` freed: wake the first waiter that wants it."""
         for name in (inst.model, *inst.adapters):
-            line = self._lines.get(name)
+            line = self._lines.get(_line_key(name, inst.role))
             if line and self._wake_in(line, inst.id, None):
                 return
 
@@ -1248,6 +1254,11 @@ class Edge:
             series.actual_cached += cached
         if prompt is not None:
             series.prompt_tokens += prompt
+
+
+def _line_key(model: str, role: str) -> str:
+    """The gateway line of a model (or adapter) name for instances of ``role``."""
+    return model if role == "mixed" else f"{model}\0{role}"
 
 
 async def _watch_disconnect(

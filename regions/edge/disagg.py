@@ -27,7 +27,7 @@ import orjson
 from regions.edge.errors import EdgeError, UpstreamFailure
 from regions.edge.observability import server_timing
 from regions.edge.parse import ParsedRequest, body_usage
-from regions.edge.scheduler import Candidate, Decision, RouteRequest, Scored, decide, serves
+from regions.edge.scheduler import Candidate, Decision, Scored, serves
 from regions.edge.upstream import UpstreamError
 
 if TYPE_CHECKING:
@@ -238,7 +238,8 @@ async def serve(
         exclude: frozenset[str] = frozenset()
         body = prefill_body(req.body)
         while retries <= edge.cfg.max_retries:
-            decision, waited = await _wait_prefill(edge, req, hashes, exclude, cfg)
+            # The prefill instances' own gateway line: bounded, first come first served.
+            decision, waited = await edge._decide(req, hashes, None, exclude, role="prefill")
             queue_s += waited
             winner = decision.winner
             if winner is None and decision.reason == "saturated":
@@ -292,39 +293,6 @@ def _has_usable_mixed(edge: Edge, model: str) -> bool:
         if inst.role == "mixed" and inst.state == "ready" and health and health.healthy:
             return True
     return False
-
-
-async def _wait_prefill(
-    edge: Edge,
-    req: ParsedRequest,
-    hashes: list[int],
-    exclude: frozenset[str],
-    cfg: DisaggConfig,
-) -> tuple[Decision, float]:
-    """The scheduler's choice among prefill instances; while it has no free slot, re-decide
-    every ``wait_poll_s`` up to the edge's queue timeout (then ``saturated``)."""
-    route = RouteRequest(
-        model=req.model,
-        prompt_tokens=req.prompt_tokens,
-        block_tokens=edge.block_tokens,
-        role="prefill",
-        exclude=exclude,
-    )
-    started = time.monotonic()
-    while True:
-        now = time.monotonic()
-        edge.turn += 1
-        decision = decide(
-            edge._candidates(req.model, hashes, now), route, edge.cfg.scheduler, edge.turn
-        )
-        winner = decision.winner
-        if winner is not None and not winner.wait:
-            return decision, now - started
-        if winner is None and decision.reason != "saturated":
-            return decision, now - started
-        if now - started >= edge.cfg.queue_timeout_s:
-            return Decision(None, None, "saturated"), now - started
-        await asyncio.sleep(cfg.wait_poll_s)
 
 
 async def _prefill(
