@@ -42,7 +42,7 @@ NUDGE_CHANNEL = "fedinfer:tables:{region}"
 #: Set while a recompile is queued: further changes within that window ride along.
 RECOMPILE_PENDING_KEY = "fedinfer:tables:recompile-pending"
 #: Let a burst of changes settle before compiling (many changes in a second, one compile).
-RECOMPILE_DELAY_S = 0.5
+RECOMPILE_DELAY_S = 0.2
 #: The pending mark expires on its own, so a lost task cannot block recompiles for good.
 RECOMPILE_PENDING_TTL_MS = 10_000
 #: Edge credentials read ``fe_<secret>``: the prefix tells them apart from staff tokens.
