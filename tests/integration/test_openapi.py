@@ -42,8 +42,6 @@ def test_api_root_lists_every_resource_of_every_domain(admin_client) -> None:
 
 @pytest.mark.django_db
 def test_region_link_upsert_documents_both_of_its_success_codes(admin_client) -> None:
-    schema = admin_client.get(
-        "/api/schema/", HTTP_ACCEPT="application/vnd.oai.openapi+json"
-    ).json()
+    schema = admin_client.get("/api/schema/", HTTP_ACCEPT="application/vnd.oai.openapi+json").json()
     responses = schema["paths"]["/api/v1/region-links/"]["post"]["responses"]
     assert {"200", "201", "409"} <= set(responses)
