@@ -23,6 +23,11 @@ import uvicorn
 
 from regions.engines.simulator.engine import EngineConfig, SimEngine
 from regions.engines.simulator.faults import FaultConfig, apply_update, parse_fault_flag
+from regions.engines.simulator.kv_events import (
+    KVEventPublisher,
+    KVEventsConfig,
+    parse_kv_events_config,
+)
 from regions.engines.simulator.kv_transfer import KV_ROLES, KVTransferConfig
 from regions.engines.simulator.perf import ACCELERATOR_ALIASES, ACCELERATORS
 from regions.engines.simulator.server import CUT_FILTER, EngineApp
@@ -80,9 +85,52 @@ def build_parser() -> argparse.ArgumentParser:
         "--kv-hold-s", type=float, default=480.0, help="held prefill blocks wait this long"
     )
     p.add_argument("--kv-bandwidth-gb-s", type=float, default=25.0, help="KV transfer link, GB/s")
+    p.add_argument(
+        "--kv-events-config",
+        type=_kv_events_config,
+        default=KVEventsConfig(),
+        metavar="JSON",
+        help='as in vLLM, e.g. \'{"enable_kv_cache_events": true, "publisher": "zmq", '
+        '"endpoint": "tcp://*:5557", "topic": "kv-events"}\'; engine i: port+i (0: any)',
+    )
     p.add_argument("--ready-file", type=Path, default=None, help="write engine URLs as JSON")
     p.add_argument("--log-level", default="warning")
     return p
+
+
+def _kv_events_config(text: str) -> KVEventsConfig:
+    try:
+        return parse_kv_events_config(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def kv_event_publishers(
+    config: KVEventsConfig, engines: list[SimEngine], host: str
+) -> list[KVEventPublisher]:
+    """One publisher per engine (engine i on the endpoint's port + i), attached to it; the
+    address subscribers connect to is ``advertised``."""
+    if not config.enabled:
+        return []
+    publishers = []
+    try:
+        for engine in engines:
+            publisher = KVEventPublisher(config, engine.index)
+            publishers.append(publisher)
+            engine.publish_kv_events(publisher)
+    except Exception as exc:
+        for publisher in publishers:
+            publisher.close()
+        raise SystemExit(f"engine-sim: cannot publish KV events: {exc}") from None
+    return publishers
+
+
+def advertised(publisher: KVEventPublisher, host: str) -> str:
+    """The endpoint a subscriber connects to: a wildcard bind is reached at ``host``."""
+    endpoint = publisher.endpoint
+    if endpoint.startswith("tcp://0.0.0.0:") or endpoint.startswith("tcp://[::]:"):
+        return f"tcp://{host}:{publisher.port}"
+    return endpoint
 
 
 def engine_configs(args: argparse.Namespace) -> list[EngineConfig]:
@@ -172,6 +220,7 @@ def build_engines(configs: list[EngineConfig]) -> list[SimEngine]:
 async def serve(args: argparse.Namespace, engines: list[SimEngine]) -> None:
     configs = [engine.config for engine in engines]
     sockets = [_bind(args.host, args.port + i if args.port else 0) for i in range(len(engines))]
+    publishers = kv_event_publishers(args.kv_events_config, engines, args.host)
     loop = asyncio.get_running_loop()
     servers: list[_Server] = []
     engine_tasks = [asyncio.ensure_future(engine.run()) for engine in engines]
@@ -214,13 +263,19 @@ async def serve(args: argparse.Namespace, engines: list[SimEngine]) -> None:
         port = sock.getsockname()[1]
         engine.side_channel = (args.host, port)
         url = f"http://{args.host}:{port}"
-        ready.append({"index": engine.index, "url": url, "port": port})
+        entry: dict[str, object] = {"index": engine.index, "url": url, "port": port}
+        events = ""
+        if engine.kv_events is not None:
+            entry["kv_events_endpoint"] = advertised(engine.kv_events, args.host)
+            events = f" kv_events={entry['kv_events_endpoint']}"
+        ready.append(entry)
         print(
             f"engine-sim: engine {engine.index} listening on {url} "
             f"model={engine.served_model_names[0]} accelerator={engine.config.accelerator} "
             f"tp={engine.config.tp} num_gpu_blocks={engine.num_gpu_blocks} "
             f"max_model_len={engine.max_model_len}"
-            + (" zero-latency" if engine.config.zero_latency else ""),
+            + (" zero-latency" if engine.config.zero_latency else "")
+            + events,
             flush=True,
         )
     if args.ready_file is not None:
@@ -235,6 +290,8 @@ async def serve(args: argparse.Namespace, engines: list[SimEngine]) -> None:
         await asyncio.gather(*engine_tasks, return_exceptions=True)
         for sock in sockets:
             sock.close()
+        for publisher in publishers:
+            publisher.close()
 
 
 def _stopper(server: _Server) -> Callable[[], None]:

@@ -22,6 +22,7 @@ import xxhash
 
 from regions.engines.simulator.faults import FaultConfig, FaultInjector
 from regions.engines.simulator.kv_cache import KVCacheManager, root_hash
+from regions.engines.simulator.kv_events import KVEventPublisher
 from regions.engines.simulator.kv_transfer import (
     KVTransferConfig,
     KVTransferError,
@@ -166,6 +167,8 @@ class SimEngine:
         #: Where decode engines read this engine's blocks: its own HTTP address, set once bound.
         self.side_channel: tuple[str, int] = ("127.0.0.1", 0)
         self._kv_client: httpx.AsyncClient | None = None
+        #: Publishes this engine's KV-cache events, when enabled (``publish_kv_events``).
+        self.kv_events: KVEventPublisher | None = None
         self._ids = itertools.count()
         self._wake = asyncio.Event()
         self._closed = False
@@ -312,6 +315,8 @@ class SimEngine:
             now = clock()
             step_start = step_end if now - step_end < 0.002 else now
             result = scheduler.update(plan, now)
+            if self.kv_events is not None:
+                self.kv_events.flush()  # one batch per step, as vLLM publishes them
             self.metrics.iteration_tokens.observe(plan.num_scheduled_tokens)
             ttft = self.metrics.ttft.observe
             itl = self.metrics.itl.observe
@@ -349,6 +354,11 @@ class SimEngine:
             generation_tokens=len(request.output_token_ids),
             max_tokens=request.max_tokens,
         )
+
+    def publish_kv_events(self, publisher: KVEventPublisher) -> None:
+        """Report the cache's stored/removed/cleared blocks to ``publisher``."""
+        self.kv_events = publisher
+        self.kv.listener = publisher
 
     def kill(self) -> None:
         """Die: cut every open response and stop the loop (the server stops listening)."""

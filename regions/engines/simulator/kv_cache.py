@@ -17,7 +17,8 @@ from __future__ import annotations
 
 from array import array
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import xxhash
 
@@ -54,6 +55,23 @@ def extend_block_hashes(
         hashes.append(parent)
 
 
+class KVEventListener(Protocol):
+    """Told what vLLM reports as KV-cache events (``kv_events.py`` publishes them)."""
+
+    def stored(
+        self,
+        block_hashes: Sequence[int],
+        parent: int | None,
+        token_ids: Sequence[int],
+        block_size: int,
+        lora: str | None,
+    ) -> None: ...
+
+    def removed(self, block_hash: int) -> None: ...
+
+    def cleared(self) -> None: ...
+
+
 class KVCacheManager:
     """Block allocation, prefix-cache lookup and LRU eviction for one engine."""
 
@@ -70,6 +88,8 @@ class KVCacheManager:
         self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.cached: dict[int, int] = {}  # block hash -> block id
         self.evictions = 0
+        #: Where block stored/removed/cleared events go (vLLM's ``enable_kv_cache_events``).
+        self.listener: KVEventListener | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -132,21 +152,38 @@ class KVCacheManager:
                 del self.cached[h]
             self.block_hash[block] = None
             self.evictions += 1
+            if self.listener is not None:
+                self.listener.removed(h)
 
     def cache_full_blocks(
-        self, block_ids: Sequence[int], block_hashes: Sequence[int], start: int, end: int
+        self,
+        block_ids: Sequence[int],
+        block_hashes: Sequence[int],
+        start: int,
+        end: int,
+        token_ids: Callable[[], Sequence[int]] | None = None,
+        lora: str | None = None,
     ) -> int:
         """Register blocks ``start..end-1`` (now full and computed) under their hashes; returns
-        the new count of registered blocks. A hash already cached keeps its first block."""
+        the new count of registered blocks. A hash already cached keeps its first block.
+        ``token_ids`` (the sequence's tokens, only read when a listener wants them) and ``lora``
+        describe the blocks in the stored event."""
         if not self.enable_caching:
             return end
         end = min(end, len(block_hashes), len(block_ids))
+        stored: list[int] = []
         for i in range(start, end):
             b = block_ids[i]
             if self.block_hash[b] is None:
                 h = block_hashes[i]
                 self.block_hash[b] = h
                 self.cached.setdefault(h, b)
+                stored.append(h)
+        if stored and self.listener is not None:
+            bs = self.block_size
+            tokens = token_ids()[start * bs : end * bs] if token_ids is not None else ()
+            parent = block_hashes[start - 1] if start > 0 else None
+            self.listener.stored(stored, parent, tokens, bs, lora)
         return max(start, end)
 
     def free_blocks(self, block_ids: list[int]) -> None:
@@ -167,4 +204,6 @@ class KVCacheManager:
             return False
         self.cached.clear()
         self.block_hash = [None] * self.num_blocks
+        if self.listener is not None:
+            self.listener.cleared()
         return True

@@ -318,6 +318,8 @@ class Scheduler:
                 request.block_hashes,
                 request.num_registered_blocks,
                 request.num_computed_tokens // bs,
+                request.all_token_ids,
+                request.lora,
             )
             if request.num_computed_tokens < request.num_tokens:
                 continue  # a prefill chunk; nothing sampled yet
