@@ -28,6 +28,7 @@ from regions.edge import disagg
 from regions.edge.admission import Admission, TenantState
 from regions.edge.errors import EdgeError, UpstreamFailure, sse_error_event
 from regions.edge.health import HealthBoard, HealthConfig, probe_loop
+from regions.edge.kv_events import KvEventHub
 from regions.edge.load import LoadBoard, scrape_loop
 from regions.edge.observability import (
     EdgeMetrics,
@@ -197,6 +198,7 @@ class Edge:
         self.prefix = PrefixIndex(cfg.prefix_capacity, cfg.prefix_ttl_s)
         self.sessions: OrderedDict[str, str] = OrderedDict()
         self.block_tokens = cfg.block_bytes / cfg.bytes_per_token
+        self.kv_events = KvEventHub(self.prefix, self.block_tokens, self.metrics.registry)
         self.turn = 0
         self._lines: dict[str, deque[_Waiter]] = {}
         self._queued = 0
@@ -233,6 +235,7 @@ class Edge:
                 by_model.setdefault(name, []).append(inst)
         self.health.sync(ids)
         self.loads.sync(ids)
+        self.kv_events.sync(table.instances)
         for gone in old_ids - set(ids):
             self.prefix.forget_instance(gone)
         self.table = table
@@ -368,6 +371,7 @@ class Edge:
                 )
             ),
         ]
+        self.kv_events.start()
         if self.sync is not None:
             self._sync_client = httpx.AsyncClient(
                 limits=httpx.Limits(max_connections=4, max_keepalive_connections=4)
@@ -387,6 +391,7 @@ class Edge:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks = []
+        await self.kv_events.stop()
         if self._http is not None:
             await self._http.close()
         if self._probe_client is not None:

@@ -4,16 +4,16 @@ Prompts are cut into fixed blocks of UTF-8 bytes and each block's hash is chaine
 previous one (like vLLM's block hashes over tokens), so one hash stands for the whole prefix up
 to the end of its block: a match of block ``k`` implies the first ``k`` blocks match. The index
 learns from the edge's own routing decisions (the winner will hold the prompt after prefill) and
-may be corrected by engine KV-cache events (:meth:`PrefixIndex.apply_kv_event`). Memory is
-bounded by an LRU over block hashes; entries older than ``ttl_s`` are not trusted, because
-engines evict cold blocks within minutes.
+is corrected by engine KV-cache events (``kv_events.py``): a cleared cache forgets the instance,
+and an engine holding fewer tokens than the index believes has its least recently used entries
+dropped (:meth:`PrefixIndex.shrink_instance`). Memory is bounded by an LRU over block hashes;
+entries older than ``ttl_s`` are not trusted, because engines evict cold blocks within minutes.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 
 import xxhash
 
@@ -42,23 +42,10 @@ def block_hashes(data: bytes, seed: int, block_bytes: int = BLOCK_BYTES) -> list
     return out
 
 
-@dataclass(frozen=True, slots=True)
-class KvEvent:
-    """A KV-cache event already mapped to this index's hashes (see ``apply_kv_event``).
-
-    ``kind`` is ``stored`` (blocks now cached), ``removed`` (evicted) or ``cleared`` (the
-    engine dropped its whole cache, e.g. after a restart).
-    """
-
-    instance: str
-    kind: str
-    hashes: tuple[int, ...] = ()
-
-
 class PrefixIndex:
     """Block hash → {instance id: last time seen}, LRU-bounded to ``capacity`` block hashes."""
 
-    __slots__ = ("_entries", "capacity", "ttl_s")
+    __slots__ = ("_entries", "_held", "capacity", "ttl_s")
 
     def __init__(self, capacity: int = 200_000, ttl_s: float = 600.0) -> None:
         if capacity < 1:
@@ -66,6 +53,8 @@ class PrefixIndex:
         self.capacity = capacity
         self.ttl_s = ttl_s
         self._entries: OrderedDict[int, dict[str, float]] = OrderedDict()
+        #: Entries per instance: what the edge believes each engine holds, in blocks.
+        self._held: dict[str, int] = {}
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -110,24 +99,56 @@ class PrefixIndex:
         and what remains is still a prefix.
         """
         entries = self._entries
+        added = 0
         for h in reversed(hashes):
             holders = entries.get(h)
             if holders is None:
                 entries[h] = {instance: now}
+                added += 1
             else:
+                if instance not in holders:
+                    added += 1
                 holders[instance] = now
                 entries.move_to_end(h)
+        held = self._held
+        held[instance] = held.get(instance, 0) + added
         while len(entries) > self.capacity:
-            entries.popitem(last=False)
+            for inst in entries.popitem(last=False)[1]:
+                held[inst] -= 1
 
-    def remove(self, hashes: Iterable[int], instance: str) -> None:
+    def held(self, instance: str) -> int:
+        """Blocks the index believes ``instance`` holds (expired entries included)."""
+        return self._held.get(instance, 0)
+
+    def shrink_instance(self, instance: str, blocks: int, before: float) -> int:
+        """Drop up to ``blocks`` of ``instance``'s least recently used entries; returns how many.
+
+        The LRU end of the index holds the oldest chains' tails (chains are inserted tail
+        first), so what remains of each chain is still a prefix. The scan stops at the first
+        entry the instance was given at or after ``before``: newer entries may not be prefilled
+        yet, so an engine's count that does not include them yet is no reason to drop them.
+        """
+        if blocks <= 0:
+            return 0
         entries = self._entries
-        for h in hashes:
-            holders = entries.get(h)
-            if holders is not None:
-                holders.pop(instance, None)
-                if not holders:
-                    del entries[h]
+        dropped: list[int] = []
+        for h, holders in entries.items():
+            seen = holders.get(instance)
+            if seen is None:
+                continue
+            if seen >= before:
+                break
+            dropped.append(h)
+            if len(dropped) == blocks:
+                break
+        for h in dropped:
+            holders = entries[h]
+            del holders[instance]
+            if not holders:
+                del entries[h]
+        if dropped:
+            self._held[instance] -= len(dropped)
+        return len(dropped)
 
     def forget_instance(self, instance: str) -> None:
         """Drop every entry of an instance (removed from the table, or its cache cleared)."""
@@ -137,18 +158,4 @@ class PrefixIndex:
                 empty.append(h)
         for h in empty:
             del self._entries[h]
-
-    def apply_kv_event(self, event: KvEvent, now: float) -> None:
-        """Hook for engine KV-cache events (vLLM BlockStored, BlockRemoved, AllBlocksCleared).
-
-        A subscriber (one per engine publishing on ``kv_events_endpoint``) maps the engine's
-        events to this index's block hashes and calls this; ``cleared`` needs no mapping.
-        """
-        if event.kind == "stored":
-            self.insert(event.hashes, event.instance, now)
-        elif event.kind == "removed":
-            self.remove(event.hashes, event.instance)
-        elif event.kind == "cleared":
-            self.forget_instance(event.instance)
-        else:
-            raise ValueError(f"unknown KV event kind {event.kind!r}")
+        self._held.pop(instance, None)

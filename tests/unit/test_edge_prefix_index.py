@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import pytest
-
-from regions.edge.prefix_index import KvEvent, PrefixIndex, block_hashes, root_seed
+from regions.edge.prefix_index import PrefixIndex, block_hashes, root_seed
 
 SEED = root_seed("llama")
 
@@ -85,16 +83,50 @@ def test_entries_older_than_the_ttl_are_not_trusted() -> None:
     assert idx.match(hashes, now=11.0) == {}
 
 
-def test_forget_instance_and_kv_events() -> None:
+def test_forget_instance_and_held_counts() -> None:
     idx = PrefixIndex(capacity=100)
     hashes = block_hashes(text(4), SEED)
-    idx.apply_kv_event(KvEvent("i-1", "stored", tuple(hashes)), now=0.0)
+    idx.insert(hashes[:2], "i-1", now=0.0)
     idx.insert(hashes, "i-2", now=0.0)
-    idx.apply_kv_event(KvEvent("i-1", "removed", tuple(hashes[2:])), now=0.0)
+    idx.insert(hashes, "i-2", now=1.0)  # touching again adds nothing
+    assert (idx.held("i-1"), idx.held("i-2")) == (2, 4)
     assert idx.match(hashes, now=0.0) == {"i-1": 2, "i-2": 4}
-    idx.apply_kv_event(KvEvent("i-2", "cleared"), now=0.0)
+    idx.forget_instance("i-2")
     assert idx.match(hashes, now=0.0) == {"i-1": 2}
+    assert (idx.held("i-1"), idx.held("i-2"), len(idx)) == (2, 0, 2)
     idx.forget_instance("i-1")
-    assert len(idx) == 0
-    with pytest.raises(ValueError, match="unknown KV event"):
-        idx.apply_kv_event(KvEvent("i-1", "bogus"), now=0.0)
+    assert len(idx) == 0 and idx.held("i-1") == 0
+
+
+def test_lru_bound_keeps_held_counts_exact() -> None:
+    idx = PrefixIndex(capacity=5)
+    a, b = block_hashes(text(4, "a"), SEED), block_hashes(text(4, "b"), SEED)
+    idx.insert(a, "i-1", now=0.0)
+    idx.insert(a, "i-2", now=0.0)
+    idx.insert(b, "i-2", now=1.0)  # evicts three of a's tail blocks, held by both
+    assert len(idx) == 5
+    assert (idx.held("i-1"), idx.held("i-2")) == (1, 5)
+    assert idx.match(a, now=1.0) == {"i-1": 1, "i-2": 1}
+
+
+def test_shrink_drops_the_oldest_chains_tails_first_and_keeps_prefixes() -> None:
+    idx = PrefixIndex(capacity=100)
+    old, mid, new = (block_hashes(text(4, t), SEED) for t in "omn")
+    shared = block_hashes(text(2, "o") + text(2, "s"), SEED)  # shares old's first 2 blocks
+    idx.insert(old, "i-1", now=0.0)
+    idx.insert(mid, "i-1", now=1.0)
+    idx.insert(mid, "i-2", now=1.0)
+    idx.insert(shared, "i-1", now=2.0)  # touches old's prefix: it is recent now
+    idx.insert(new, "i-1", now=9.0)
+    assert idx.held("i-1") == 4 + 4 + 2 + 4
+    # Old's tail (2 blocks), then mid from its tail; the recent shared prefix survives.
+    assert idx.shrink_instance("i-1", 5, before=5.0) == 5
+    assert idx.held("i-1") == 9
+    assert idx.match(old, now=9.0) == {"i-1": 2}
+    assert idx.match(mid, now=9.0) == {"i-1": 1, "i-2": 4}  # i-2's entries untouched
+    assert idx.match(new, now=9.0) == {"i-1": 4}
+    # Entries given at or after ``before`` are never dropped, even when asked for more.
+    assert idx.shrink_instance("i-1", 100, before=5.0) == 5
+    assert idx.match(new, now=9.0) == {"i-1": 4}
+    assert idx.held("i-1") == 4
+    assert idx.shrink_instance("i-1", 0, before=100.0) == 0
