@@ -1,0 +1,118 @@
+"""The edge consuming vLLM KV-cache events from ``fedinfer engine-sim`` on loopback.
+
+Two simulated engines with a small KV cache (96 blocks of 16 tokens) publish their events; one
+edge subscribes to engine 0's, a second edge routes to engine 1 without events (the control).
+Distinct long prompts force evictions; afterwards the first prompt is sent again: the engine
+no longer holds it, the edge without events still predicts a hit, the edge with events
+predicts what the engine reports.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from regions.edge.kv_events import CHECK_INTERVAL_S, SETTLE_S
+from tests.integration.test_edge_support import EdgeProc, route_of, start_edge, stop, table_doc
+
+FEDINFER = str(Path(sys.executable).with_name("fedinfer"))
+MODEL = "meta-llama/Llama-3.1-8B-Instruct"
+EVENTS = '{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:0"}'
+
+
+@dataclass
+class Pair:
+    with_events: EdgeProc
+    without_events: EdgeProc
+
+
+@pytest.fixture
+def pair(tmp_path: Path) -> Iterator[Pair]:
+    ready = tmp_path / "ready.json"
+    cmd = [FEDINFER, "engine-sim", "--count", "2", "--port", "0", "--model", MODEL]
+    cmd += ["--num-gpu-blocks", "96", "--max-model-len", "1024", "--seed", "3"]
+    cmd += ["--kv-events-config", EVENTS, "--ready-file", str(ready)]
+    sim = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, env=dict(os.environ))
+    edges: list[EdgeProc] = []
+    try:
+        deadline = time.monotonic() + 30
+        while not ready.exists() or not ready.read_text():
+            assert sim.poll() is None, "engine-sim exited"
+            assert time.monotonic() < deadline, "engine-sim did not become ready"
+            time.sleep(0.05)
+        engines = json.loads(ready.read_text())["engines"]
+        for e in engines:
+            inst: dict[str, Any] = {"id": f"sim-{e['index']}", "url": e["url"], "model": MODEL}
+            if e["index"] == 0:
+                inst["kv_events_endpoint"] = e["kv_events_endpoint"]
+            sub = tmp_path / f"edge-{e['index']}"
+            sub.mkdir()
+            edges.append(start_edge(sub, table_doc("kv", 1, [inst])))
+        time.sleep(1.0)  # the edge's SUB socket joins before the first event (seq 0)
+        yield Pair(*edges)
+    finally:
+        for edge in edges:
+            stop(edge.proc)
+        if sim.poll() is None:
+            sim.send_signal(signal.SIGTERM)
+            try:
+                sim.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                sim.kill()
+                sim.wait(timeout=5)
+
+
+def prompt(i: int) -> str:
+    """~1 900 bytes: ~760 simulator tokens, 464 at the edge's 4 bytes per token (whole blocks)."""
+    return f"Document {i}: " + " ".join(f"w{i}x{k} lorem" for k in range(150))
+
+
+def ask(edge: EdgeProc, i: int) -> tuple[int, int]:
+    """(cached tokens the edge predicted, cached tokens the engine reported)."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": prompt(i)}], "max_tokens": 1}
+    r = httpx.post(edge.url + "/v1/chat/completions", json=body, timeout=20)
+    r.raise_for_status()
+    score = route_of(r.headers)["score"]
+    predicted = int(dict(t.split(":") for t in score.split(","))["cached"])
+    return predicted, r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def metric(edge: EdgeProc, name: str) -> float:
+    text = httpx.get(edge.url + "/metrics", timeout=5).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
+
+
+def test_kv_events_stop_the_edge_predicting_hits_on_evicted_prefixes(pair: Pair) -> None:
+    n = 8  # 8 x ~760 tokens through a 1 536-token cache
+    for edge in (pair.with_events, pair.without_events):
+        for i in range(n):
+            assert ask(edge, i) == (0, 0)  # all distinct: nothing cached anywhere yet
+    time.sleep(SETTLE_S + 3 * CHECK_INTERVAL_S)  # the last entries settle, the check runs
+
+    # The latest prompt is still held: both edges predict it, the engines confirm.
+    for edge in (pair.with_events, pair.without_events):
+        predicted, actual = ask(edge, n - 1)
+        assert predicted > 300 and actual > 300
+
+    # The first prompt was evicted long ago on both engines.
+    predicted, actual = ask(pair.without_events, 0)
+    assert actual == 0 and predicted > 300  # the over-prediction events correct
+    predicted, actual = ask(pair.with_events, 0)
+    assert (predicted, actual) == (0, 0)
+
+    assert metric(pair.with_events, "fedinfer_edge_kv_event_evicted_blocks_total") > 0
+    assert metric(pair.with_events, "fedinfer_edge_kv_event_gaps_total") == 0
+    held = metric(pair.with_events, "fedinfer_edge_kv_engine_cached_tokens")
+    assert 0 < held <= 96 * 16
+    assert metric(pair.without_events, "fedinfer_edge_kv_event_batches_total") == 0
