@@ -308,7 +308,7 @@ def test_edge_routes_on_the_engines_real_metrics(
             # The busy server may answer the edge's scrapes late (one core, four generations):
             # wait until the edge's own view has it busy, so the check is about the decision
             # made on that view, not about how fast a starved server answers /metrics.
-            wait_for(lambda: edge_outstanding(edge, busy.name) >= 3, 60, "the edge seeing load")
+            wait_for(lambda: edge_outstanding(edge, busy.name) > 0, 60, "the edge seeing load")
             resp = httpx.post(
                 edge.base_url + "/v1/chat/completions",
                 json=chat(None, f"while {busy.name} is busy, request {i}"),
