@@ -310,7 +310,12 @@ class KvEventHub:
 
     def sync(self, instances: Iterable[Instance]) -> None:
         """Follow the table: subscribe to new endpoints, drop the ones gone (no await)."""
-        self._wanted = {i.id: i.kv_events_endpoint for i in instances if i.kv_events_endpoint}
+        wanted = {i.id: i.kv_events_endpoint for i in instances if i.kv_events_endpoint}
+        for inst in self._wanted.keys() - wanted.keys():
+            self.index.untrack(inst)
+        for inst in wanted:
+            self.index.track(inst)
+        self._wanted = wanted
         if self._ctx is not None:
             self._reconcile()
 

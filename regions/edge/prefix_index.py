@@ -53,7 +53,8 @@ class PrefixIndex:
         self.capacity = capacity
         self.ttl_s = ttl_s
         self._entries: OrderedDict[int, dict[str, float]] = OrderedDict()
-        #: Entries per instance: what the edge believes each engine holds, in blocks.
+        #: Entries per *tracked* instance (one whose KV events are followed): what the edge
+        #: believes that engine holds, in blocks. Untracked instances cost insert nothing.
         self._held: dict[str, int] = {}
 
     def __len__(self) -> int:
@@ -99,26 +100,45 @@ class PrefixIndex:
         and what remains is still a prefix.
         """
         entries = self._entries
-        added = 0
-        for h in reversed(hashes):
-            holders = entries.get(h)
-            if holders is None:
-                entries[h] = {instance: now}
-                added += 1
-            else:
-                if instance not in holders:
-                    added += 1
-                holders[instance] = now
-                entries.move_to_end(h)
         held = self._held
-        held[instance] = held.get(instance, 0) + added
+        if instance in held:
+            added = 0
+            for h in reversed(hashes):
+                holders = entries.get(h)
+                if holders is None:
+                    entries[h] = {instance: now}
+                    added += 1
+                else:
+                    if instance not in holders:
+                        added += 1
+                    holders[instance] = now
+                    entries.move_to_end(h)
+            held[instance] += added
+        else:
+            for h in reversed(hashes):
+                holders = entries.get(h)
+                if holders is None:
+                    entries[h] = {instance: now}
+                else:
+                    holders[instance] = now
+                    entries.move_to_end(h)
         while len(entries) > self.capacity:
             for inst in entries.popitem(last=False)[1]:
-                held[inst] -= 1
+                if inst in held:
+                    held[inst] -= 1
+
+    def track(self, instance: str) -> None:
+        """Count ``instance``'s entries from now on (:meth:`held`); one scan to start."""
+        if instance not in self._held:
+            self._held[instance] = sum(1 for h in self._entries.values() if instance in h)
+
+    def untrack(self, instance: str) -> None:
+        self._held.pop(instance, None)
 
     def held(self, instance: str) -> int:
-        """Blocks the index believes ``instance`` holds (expired entries included)."""
-        return self._held.get(instance, 0)
+        """Blocks the index believes a tracked ``instance`` holds (expired entries included);
+        ``KeyError`` for an instance not tracked."""
+        return self._held[instance]
 
     def shrink_instance(self, instance: str, blocks: int, before: float) -> int:
         """Drop up to ``blocks`` of ``instance``'s least recently used entries; returns how many.
@@ -146,7 +166,7 @@ class PrefixIndex:
             del holders[instance]
             if not holders:
                 del entries[h]
-        if dropped:
+        if dropped and instance in self._held:
             self._held[instance] -= len(dropped)
         return len(dropped)
 
@@ -158,4 +178,5 @@ class PrefixIndex:
                 empty.append(h)
         for h in empty:
             del self._entries[h]
-        self._held.pop(instance, None)
+        if instance in self._held:
+            self._held[instance] = 0

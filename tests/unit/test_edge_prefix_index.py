@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from regions.edge.prefix_index import PrefixIndex, block_hashes, root_seed
 
 SEED = root_seed("llama")
@@ -87,6 +89,8 @@ def test_forget_instance_and_held_counts() -> None:
     idx = PrefixIndex(capacity=100)
     hashes = block_hashes(text(4), SEED)
     idx.insert(hashes[:2], "i-1", now=0.0)
+    idx.track("i-1")  # counts what it already holds
+    idx.track("i-2")
     idx.insert(hashes, "i-2", now=0.0)
     idx.insert(hashes, "i-2", now=1.0)  # touching again adds nothing
     assert (idx.held("i-1"), idx.held("i-2")) == (2, 4)
@@ -96,10 +100,16 @@ def test_forget_instance_and_held_counts() -> None:
     assert (idx.held("i-1"), idx.held("i-2"), len(idx)) == (2, 0, 2)
     idx.forget_instance("i-1")
     assert len(idx) == 0 and idx.held("i-1") == 0
+    idx.untrack("i-1")
+    idx.insert(hashes, "i-1", now=2.0)  # untracked: not counted (insert pays nothing)
+    with pytest.raises(KeyError):
+        idx.held("i-1")
 
 
 def test_lru_bound_keeps_held_counts_exact() -> None:
     idx = PrefixIndex(capacity=5)
+    idx.track("i-1")
+    idx.track("i-2")
     a, b = block_hashes(text(4, "a"), SEED), block_hashes(text(4, "b"), SEED)
     idx.insert(a, "i-1", now=0.0)
     idx.insert(a, "i-2", now=0.0)
@@ -113,6 +123,7 @@ def test_shrink_drops_the_oldest_chains_tails_first_and_keeps_prefixes() -> None
     idx = PrefixIndex(capacity=100)
     old, mid, new = (block_hashes(text(4, t), SEED) for t in "omn")
     shared = block_hashes(text(2, "o") + text(2, "s"), SEED)  # shares old's first 2 blocks
+    idx.track("i-1")
     idx.insert(old, "i-1", now=0.0)
     idx.insert(mid, "i-1", now=1.0)
     idx.insert(mid, "i-2", now=1.0)

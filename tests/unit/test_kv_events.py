@@ -214,6 +214,7 @@ def sim_stored(*hashes: int, size: int = 16) -> KVEventBatch:
 
 def test_subscriber_shrinks_the_index_to_what_the_engine_holds() -> None:
     index = PrefixIndex()
+    index.track("i-1")
     seed = root_seed("m")
     chains = [block_hashes(bytes([65 + i]) * 64 * 8, seed) for i in range(4)]  # 8 blocks each
     now = time.monotonic()
@@ -241,6 +242,7 @@ def test_subscriber_shrinks_the_index_to_what_the_engine_holds() -> None:
 
 def test_subscriber_counts_gaps_and_stops_correcting() -> None:
     index = PrefixIndex()
+    index.track("i-1")
     chain = block_hashes(b"x" * 64 * 4, root_seed("m"))
     index.insert(chain, "i-1", 0.0)
     metrics = KvEventMetrics(CollectorRegistry())
