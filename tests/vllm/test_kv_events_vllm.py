@@ -1,0 +1,152 @@
+"""The edge consuming a real vLLM 0.32's KV-cache events (``make test-vllm``).
+
+One vLLM CPU server with a 12-block cache (1 536 tokens) publishes its events over ZMQ; the
+edge subscribes. Distinct ~700-token prompts force evictions; the first prompt, evicted, is
+then sent again: the edge predicts what vLLM reports (0 cached tokens) instead of a hit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from regions.edge.kv_events import CHECK_INTERVAL_S, SETTLE_S
+from tests.vllm.capture_fixtures import shared_prefix
+from tests.vllm.servers import (
+    KV_BLOCK_SIZE,
+    LOG_DIR,
+    ROOT,
+    SERVED_MODEL,
+    EdgeProcess,
+    VllmServer,
+    free_port,
+    server_argv,
+    server_env,
+    wait_healthy,
+)
+
+pytestmark = pytest.mark.vllm
+
+NUM_BLOCKS = 12
+
+
+@pytest.fixture(scope="module")
+def kv_edge(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[EdgeProcess]:
+    """A vLLM server publishing KV events on a free port, and an edge subscribed to them."""
+    LOG_DIR.mkdir(parents=True, exist_ok=True)
+    events_port, port = free_port(), free_port()
+    config = {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": f"tcp://*:{events_port}",
+        "topic": "kv-events",
+    }
+    argv = server_argv(tiny_model, port)
+    argv += ["--kv-events-config", json.dumps(config)]
+    argv += ["--num-gpu-blocks-override", str(NUM_BLOCKS)]
+    log_path = LOG_DIR / "vllm-kv.log"
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(
+            argv,
+            cwd=ROOT,
+            env=server_env(sorted(os.sched_getaffinity(0))[0]),
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    server = VllmServer(name="vllm-kv", port=port, log_path=log_path, proc=proc)
+    edge: EdgeProcess | None = None
+    try:
+        wait_healthy([server])
+        table = {
+            "schema_version": 1,
+            "version": 1,
+            "region": "cpu-lab",
+            "generated_at": "2026-11-29T12:00:00Z",
+            "instances": [
+                {
+                    "id": "vllm-kv",
+                    "url": server.base_url,
+                    "model": SERVED_MODEL,
+                    "kv_block_tokens": KV_BLOCK_SIZE,
+                    "kv_events_endpoint": f"tcp://127.0.0.1:{events_port}",
+                }
+            ],
+            "remote_regions": [],
+        }
+        table_path = tmp_path_factory.mktemp("kv-edge") / "table.json"
+        table_path.write_text(json.dumps(table))
+        edge_port = free_port()
+        edge_log = LOG_DIR / "edge-kv.log"
+        fedinfer = Path(sys.executable).with_name("fedinfer")
+        argv = [str(fedinfer), "edge", "--region", "cpu-lab", "--table", str(table_path)]
+        argv += ["--host", "127.0.0.1", "--port", str(edge_port), "--read-timeout", "120"]
+        with edge_log.open("wb") as log:
+            edge_proc = subprocess.Popen(
+                argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        edge = EdgeProcess(edge_port, table_path, edge_log, edge_proc)
+        deadline = time.monotonic() + 30
+        while True:
+            assert edge_proc.poll() is None, edge.log_tail()
+            try:
+                if httpx.get(edge.base_url + "/healthz", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "edge did not come up"
+            time.sleep(0.1)
+        time.sleep(1.0)  # the SUB socket joins before the first event (seq 0)
+        yield edge
+    finally:
+        if edge is not None:
+            edge.stop()
+        server.stop()
+
+
+def ask(edge: EdgeProcess, i: int) -> tuple[int, int, int]:
+    """(cached tokens the edge predicted, cached tokens vLLM reported, prompt tokens)."""
+    body = {
+        "model": SERVED_MODEL,
+        "messages": [{"role": "user", "content": f"[doc {i}] {shared_prefix(450)}"}],
+        "max_tokens": 1,
+        "temperature": 0,
+    }
+    r = httpx.post(edge.base_url + "/v1/chat/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    route = dict(p.split("=", 1) for p in r.headers["x-fedinfer-route"].split(";") if "=" in p)
+    predicted = int(dict(t.split(":") for t in route["score"].split(","))["cached"])
+    usage = r.json()["usage"]
+    return predicted, usage["prompt_tokens_details"]["cached_tokens"], usage["prompt_tokens"]
+
+
+def metric(edge: EdgeProcess, name: str) -> float:
+    text = httpx.get(edge.base_url + "/metrics", timeout=5).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
+
+
+def test_real_vllm_events_stop_the_edge_predicting_evicted_prefixes(kv_edge: EdgeProcess) -> None:
+    n = 5
+    for i in range(n):
+        predicted, actual, prompt = ask(kv_edge, i)
+        assert (predicted, actual) == (0, 0)
+        assert 3 * KV_BLOCK_SIZE < prompt < 1024  # 5 prompts cannot fit in 12 blocks
+    time.sleep(SETTLE_S + 3 * CHECK_INTERVAL_S)
+    held = metric(kv_edge, "fedinfer_edge_kv_engine_cached_tokens")
+    assert 0 < held <= NUM_BLOCKS * KV_BLOCK_SIZE  # -1 would mean vLLM's stream was not seen
+    assert metric(kv_edge, "fedinfer_edge_kv_event_gaps_total") == 0
+
+    predicted, actual, _ = ask(kv_edge, n - 1)  # the latest is still held
+    assert predicted > 0 and actual >= 3 * KV_BLOCK_SIZE
+    predicted, actual, _ = ask(kv_edge, 0)  # long evicted
+    assert (predicted, actual) == (0, 0)
+    assert metric(kv_edge, "fedinfer_edge_kv_event_evicted_blocks_total") > 0
