@@ -1096,14 +1096,25 @@ class Edge:
         queue_s: float,
         ex: _Exchange,
         send: Send,
+        *,
+        route: bytes | None = None,
+        timing_extra: bytes = b"",
+        upstream_headers: tuple[tuple[bytes, bytes], ...] = (),
     ) -> None:
-        """Send to ``inst``, pass the answer through; :class:`UpstreamFailure` before byte one."""
+        """Send to ``inst``, pass the answer through; :class:`UpstreamFailure` before byte one.
+
+        ``route``/``timing_extra``: a caller with more than one hop (disagg.py's decode leg)
+        says what the route header is and adds its own Server-Timing entries.
+        """
         assert self._http is not None, "edge not started"
         path = _CHAT if req.chat else _COMPLETIONS
         t0 = time.perf_counter()
         try:
             resp = await self._http.post(
-                inst.url, path, req.body, [(b"traceparent", traceparent.encode())]
+                inst.url,
+                path,
+                req.body,
+                [(b"traceparent", traceparent.encode()), *upstream_headers],
             )
         except UpstreamError as exc:
             raise UpstreamFailure(str(exc), connect=True) from exc
@@ -1128,6 +1139,8 @@ class Edge:
                     ctype,
                     ex,
                     send,
+                    route=route,
+                    timing_extra=timing_extra,
                 )
                 return
             try:
@@ -1138,8 +1151,8 @@ class Edge:
             headers_out = [
                 (b"content-type", ctype),
                 (b"content-length", str(len(body)).encode()),
-                (b"x-fedinfer-route", route_header(self.cfg.region, decision, retries)),
-                (b"server-timing", server_timing(queue_s, connect_s, ttft)),
+                (b"x-fedinfer-route", route or route_header(self.cfg.region, decision, retries)),
+                (b"server-timing", server_timing(queue_s, connect_s, ttft) + timing_extra),
                 (b"traceparent", traceparent.encode()),
             ]
             ex.sent = True
@@ -1175,6 +1188,9 @@ class Edge:
         ctype: bytes,
         ex: _Exchange,
         send: Send,
+        *,
+        route: bytes | None = None,
+        timing_extra: bytes = b"",
     ) -> bool:
         """Pass the SSE stream through; True when it ended cleanly with ``[DONE]``."""
         tap = UsageTap(req.strip_usage)
@@ -1193,8 +1209,8 @@ class Edge:
         headers_out = [
             (b"content-type", ctype),
             (b"cache-control", b"no-cache"),
-            (b"x-fedinfer-route", route_header(self.cfg.region, decision, retries)),
-            (b"server-timing", server_timing(queue_s, connect_s, ttft)),
+            (b"x-fedinfer-route", route or route_header(self.cfg.region, decision, retries)),
+            (b"server-timing", server_timing(queue_s, connect_s, ttft) + timing_extra),
             (b"traceparent", traceparent.encode()),
         ]
         ex.sent = True

@@ -25,13 +25,12 @@ from typing import TYPE_CHECKING, Any, Literal
 import orjson
 
 from regions.edge.errors import EdgeError, UpstreamFailure
-from regions.edge.observability import server_timing
-from regions.edge.parse import ParsedRequest, body_usage
+from regions.edge.parse import ParsedRequest
 from regions.edge.scheduler import Candidate, Decision, Scored, serves
 from regions.edge.upstream import UpstreamError
 
 if TYPE_CHECKING:
-    from regions.edge.app import Edge, Message, Send, _Exchange
+    from regions.edge.app import Edge, Send, _Exchange
 
 #: The prefill leg's ``kv_transfer_params``, exactly as vLLM's proxies send them.
 PREFILL_KV_PARAMS: dict[str, Any] = {
@@ -442,19 +441,20 @@ async def _decode(
         started = time.perf_counter()
         reached = True
         try:
-            await _decode_leg(
-                edge,
-                inst.id,
+            # The single-hop relay, with both hops in the route header and timings.
+            await edge._forward(
+                inst,
                 leg,
                 decision,
-                route,
-                timing_extra,
-                request_id,
+                0,
                 traceparent,
                 arrived,
                 queue_s,
                 ex,
                 send,
+                route=route,
+                timing_extra=timing_extra,
+                upstream_headers=((b"x-request-id", request_id.encode()),),
             )
             return True
         except UpstreamFailure as failure:
@@ -483,103 +483,6 @@ async def _decode(
             else:
                 load.release()
             edge._wake(inst)
-
-
-async def _decode_leg(
-    edge: Edge,
-    inst_id: str,
-    leg: ParsedRequest,
-    decision: Decision,
-    route: bytes,
-    timing_extra: bytes,
-    request_id: str,
-    traceparent: str,
-    arrived: float,
-    queue_s: float,
-    ex: _Exchange,
-    send: Send,
-) -> None:
-    """Send the decode leg and pass its answer through with the P/D route and timing headers;
-    raises ``UpstreamFailure`` before the first byte reaches the client."""
-
-    assert edge._http is not None, "edge not started"
-    inst = edge.instances[inst_id]
-    headers = [(b"traceparent", traceparent.encode()), (b"x-request-id", request_id.encode())]
-    t0 = time.perf_counter()
-    try:
-        resp = await edge._http.post(inst.url, _path(leg), leg.body, headers)
-    except UpstreamError as exc:
-        raise UpstreamFailure(str(exc), connect=True) from exc
-    connect_s = time.perf_counter() - t0
-    clean = False
-
-    async def send_pd(message: Message) -> None:
-        # The single-hop relay writes its own route and timing headers: give both hops instead.
-        if message["type"] == "http.response.start":
-            out = []
-            for name, value in message["headers"]:
-                if name == b"x-fedinfer-route":
-                    value = route
-                elif name == b"server-timing":
-                    value = value + timing_extra
-                out.append((name, value))
-            message = {**message, "headers": out}
-        await send(message)
-
-    try:
-        status = resp.status
-        if status >= 500:
-            raise UpstreamFailure(f"status {status}", connect=False)
-        ctype = resp.headers.get(b"content-type", b"application/json")
-        if leg.stream and status == 200 and ctype.startswith(b"text/event-stream"):
-            clean = await edge._pump_stream(
-                resp,
-                inst,
-                leg,
-                decision,
-                0,
-                traceparent,
-                arrived,
-                queue_s,
-                connect_s,
-                ctype,
-                ex,
-                send_pd,
-            )
-            return
-        try:
-            data = await resp.read()
-        except UpstreamError as exc:
-            raise UpstreamFailure(f"read: {exc}", connect=True) from exc
-        ttft = time.perf_counter() - arrived
-        ex.sent = True
-        await send(
-            {
-                "type": "http.response.start",
-                "status": status,
-                "headers": [
-                    (b"content-type", ctype),
-                    (b"content-length", str(len(data)).encode()),
-                    (b"x-fedinfer-route", route),
-                    (b"server-timing", server_timing(queue_s, connect_s, ttft) + timing_extra),
-                    (b"traceparent", traceparent.encode()),
-                ],
-            }
-        )
-        ex.complete = True
-        await send({"type": "http.response.body", "body": data})
-        clean = True
-        if status == 200:
-            edge.health.success(inst_id)
-            prompt, cached = body_usage(data)
-            edge._record(leg, decision, inst_id, status, ttft, prompt, cached, arrived)
-        else:
-            edge._record(leg, decision, inst_id, status, None, None, None, arrived)
-    finally:
-        if clean:
-            resp.release()
-        else:
-            resp.close()
 
 
 def _path(req: ParsedRequest) -> str:
