@@ -28,6 +28,7 @@ test: lint check-migrations
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
+	$(BIN)/ruff format --check federation regions workers console tests bench
 	$(BIN)/lint-imports
 	$(BIN)/mypy federation regions workers console
 
