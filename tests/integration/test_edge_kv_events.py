@@ -9,11 +9,6 @@ predicts what the engine reports.
 
 from __future__ import annotations
 
-import json
-import os
-import signal
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -24,9 +19,15 @@ import httpx
 import pytest
 
 from regions.edge.kv_events import CHECK_INTERVAL_S, SETTLE_S
-from tests.integration.test_edge_support import EdgeProc, route_of, start_edge, stop, table_doc
+from tests.integration.test_edge_support import (
+    EdgeProc,
+    engine_sims,
+    route_of,
+    start_edge,
+    stop,
+    table_doc,
+)
 
-FEDINFER = str(Path(sys.executable).with_name("fedinfer"))
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 EVENTS = '{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:0"}'
 
@@ -39,38 +40,22 @@ class Pair:
 
 @pytest.fixture
 def pair(tmp_path: Path) -> Iterator[Pair]:
-    ready = tmp_path / "ready.json"
-    cmd = [FEDINFER, "engine-sim", "--count", "2", "--port", "0", "--model", MODEL]
-    cmd += ["--num-gpu-blocks", "96", "--max-model-len", "1024", "--seed", "3"]
-    cmd += ["--kv-events-config", EVENTS, "--ready-file", str(ready)]
-    sim = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, env=dict(os.environ))
-    edges: list[EdgeProc] = []
-    try:
-        deadline = time.monotonic() + 30
-        while not ready.exists() or not ready.read_text():
-            assert sim.poll() is None, "engine-sim exited"
-            assert time.monotonic() < deadline, "engine-sim did not become ready"
-            time.sleep(0.05)
-        engines = json.loads(ready.read_text())["engines"]
-        for e in engines:
-            inst: dict[str, Any] = {"id": f"sim-{e['index']}", "url": e["url"], "model": MODEL}
-            if e["index"] == 0:
-                inst["kv_events_endpoint"] = e["kv_events_endpoint"]
-            sub = tmp_path / f"edge-{e['index']}"
-            sub.mkdir()
-            edges.append(start_edge(sub, table_doc("kv", 1, [inst])))
-        time.sleep(1.0)  # the edge's SUB socket joins before the first event (seq 0)
-        yield Pair(*edges)
-    finally:
-        for edge in edges:
-            stop(edge.proc)
-        if sim.poll() is None:
-            sim.send_signal(signal.SIGTERM)
-            try:
-                sim.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                sim.kill()
-                sim.wait(timeout=5)
+    args = ("--num-gpu-blocks", "96", "--max-model-len", "1024", "--seed", "3")
+    with engine_sims(tmp_path, 2, MODEL, *args, "--kv-events-config", EVENTS) as engines:
+        edges: list[EdgeProc] = []
+        try:
+            for e in engines:
+                inst: dict[str, Any] = {"id": f"sim-{e['index']}", "url": e["url"], "model": MODEL}
+                if e["index"] == 0:
+                    inst["kv_events_endpoint"] = e["kv_events_endpoint"]
+                sub = tmp_path / f"edge-{e['index']}"
+                sub.mkdir()
+                edges.append(start_edge(sub, table_doc("kv", 1, [inst])))
+            time.sleep(1.0)  # the edge's SUB socket joins before the first event (seq 0)
+            yield Pair(*edges)
+        finally:
+            for edge in edges:
+                stop(edge.proc)
 
 
 def prompt(i: int) -> str:

@@ -5,9 +5,6 @@ talks to the edge, which runs vLLM's two-hop ``kv_transfer_params`` protocol aga
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -20,9 +17,16 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.integration.test_edge_support import EdgeProc, route_of, start_edge, stop, table_doc
+from tests.integration.test_edge_support import (
+    EdgeProc,
+    engine_sims,
+    route_of,
+    start_edge,
+    stop,
+    table_doc,
+)
 
-from .test_edge_sim import FEDINFER, MODEL, SYSTEM
+from .test_edge_sim import MODEL, SYSTEM
 
 
 @dataclass
@@ -66,34 +70,15 @@ def instances(urls: dict[str, str], roles: dict[str, str]) -> list[dict[str, Any
 
 @contextmanager
 def pd_cluster(tmp_path: Path, roles: dict[str, str]) -> Iterator[PD]:
-    ready = tmp_path / "ready.json"
-    cmd = [FEDINFER, "engine-sim", "--count", str(len(roles)), "--port", "0", "--model", MODEL]
-    cmd += ["--num-gpu-blocks", "4096", "--max-model-len", "8192", "--seed", "7"]
-    cmd += ["--ready-file", str(ready)]
-    sim = subprocess.Popen(
-        cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=dict(os.environ)
-    )
-    edge: EdgeProc | None = None
-    try:
-        deadline = time.monotonic() + 30
-        while not ready.exists() or not ready.read_text():
-            assert sim.poll() is None, "engine-sim exited"
-            assert time.monotonic() < deadline, "engine-sim did not become ready"
-            time.sleep(0.05)
-        urls = {f"sim-{e['index']}": e["url"] for e in json.loads(ready.read_text())["engines"]}
+    args = ("--num-gpu-blocks", "4096", "--max-model-len", "8192", "--seed", "7")
+    with engine_sims(tmp_path, len(roles), MODEL, *args) as engines:
+        urls = {f"sim-{e['index']}": e["url"] for e in engines}
         table = table_doc("pd", 1, instances(urls, roles))
         edge = start_edge(tmp_path, table, "--eject-after", "2", "--probe-interval", "0.2")
-        yield PD(edge, urls)
-    finally:
-        if edge is not None:
+        try:
+            yield PD(edge, urls)
+        finally:
             stop(edge.proc)
-        if sim.poll() is None:
-            sim.send_signal(signal.SIGTERM)
-            try:
-                sim.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                sim.kill()
-                sim.wait(timeout=5)
 
 
 ROLES = {"sim-0": "prefill", "sim-1": "decode", "sim-2": "decode"}

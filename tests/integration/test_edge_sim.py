@@ -6,11 +6,6 @@ engine killed mid-stream, an engine answering 500, an engine failing its health 
 
 from __future__ import annotations
 
-import json
-import os
-import signal
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -25,13 +20,13 @@ import pytest
 
 from tests.integration.test_edge_support import (
     EdgeProc,
+    engine_sims,
     route_of,
     start_edge,
     stop,
     table_doc,
 )
 
-FEDINFER = str(Path(sys.executable).with_name("fedinfer"))
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 SYSTEM = "You are the billing assistant of a large company; answer in one line. " * 40
 
@@ -57,21 +52,8 @@ class SimEdge:
 @contextmanager
 def sim_cluster(tmp_path: Path) -> Iterator[SimEdge]:
     """Three simulated engines in one ``engine-sim`` process, behind one edge."""
-    ready = tmp_path / "ready.json"
-    cmd = [FEDINFER, "engine-sim", "--count", "3", "--port", "0", "--model", MODEL]
-    cmd += ["--num-gpu-blocks", "4096", "--max-model-len", "8192", "--seed", "5"]
-    cmd += ["--ready-file", str(ready)]
-    sim = subprocess.Popen(
-        cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=dict(os.environ)
-    )
-    edge: EdgeProc | None = None
-    try:
-        deadline = time.monotonic() + 30
-        while not ready.exists() or not ready.read_text():
-            assert sim.poll() is None, "engine-sim exited"
-            assert time.monotonic() < deadline, "engine-sim did not become ready"
-            time.sleep(0.05)
-        engines = json.loads(ready.read_text())["engines"]
+    args = ("--num-gpu-blocks", "4096", "--max-model-len", "8192", "--seed", "5")
+    with engine_sims(tmp_path, 3, MODEL, *args) as engines:
         urls = {f"sim-{e['index']}": e["url"] for e in engines}
         instances = [
             {
@@ -94,17 +76,10 @@ def sim_cluster(tmp_path: Path) -> Iterator[SimEdge]:
             "--backoff-base",
             "0.5",
         )
-        yield SimEdge(edge, urls)
-    finally:
-        if edge is not None:
+        try:
+            yield SimEdge(edge, urls)
+        finally:
             stop(edge.proc)
-        if sim.poll() is None:
-            sim.send_signal(signal.SIGTERM)
-            try:
-                sim.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                sim.kill()
-                sim.wait(timeout=5)
 
 
 @pytest.fixture(scope="module")

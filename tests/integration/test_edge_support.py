@@ -181,6 +181,27 @@ class Engine:
         return dict(httpx.get(self.url + "/stats", timeout=2).json())
 
 
+@contextlib.contextmanager
+def engine_sims(tmp: Path, count: int, model: str, *args: str) -> Iterator[list[dict[str, Any]]]:
+    """``count`` simulated engines in one ``fedinfer engine-sim`` process on free ports; yields
+    the engines of its ready file (``index``, ``url``, …) and stops the process afterwards."""
+    ready = tmp / "ready.json"
+    fedinfer = str(Path(sys.executable).with_name("fedinfer"))
+    cmd = [fedinfer, "engine-sim", "--count", str(count), "--port", "0", "--model", model, *args]
+    sim = subprocess.Popen(
+        [*cmd, "--ready-file", str(ready)], stdout=subprocess.DEVNULL, env=dict(os.environ)
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while not ready.exists() or not ready.read_text():
+            assert sim.poll() is None, "engine-sim exited"
+            assert time.monotonic() < deadline, "engine-sim did not become ready"
+            time.sleep(0.05)
+        yield list(json.loads(ready.read_text())["engines"])
+    finally:
+        stop(sim)
+
+
 def spawn_engine(tmp: Path, name: str, *args: str) -> Engine:
     """Start a fake engine without waiting for it (see :func:`wait_http`)."""
     script = tmp / "fake_engine.py"
