@@ -30,7 +30,6 @@ from typing import Any
 
 import httpx
 import pytest
-import redis
 from django.conf import settings
 from rest_framework.test import APIClient
 
@@ -38,6 +37,7 @@ from federation.inventory import services as inventory
 from federation.routing import services as routing
 from federation.routing.models import RoutingTableVersion
 from federation.tenancy import services as tenancy
+from tests.integration.control_plane_support import own_redis, subprocess_env
 from tests.integration.inventory_factories import (
     LLAMA_8B,
     make_deployment,
@@ -60,7 +60,6 @@ from tests.integration.test_routing_distribution import (
     free_port,
     stop_process_group,
 )
-from workers.celery import app as celery_app
 
 REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/12")
 LLAMA = LLAMA_8B["name"]
@@ -93,33 +92,18 @@ def procs(tmp_path: Path) -> Iterator[Procs]:
 
 
 @pytest.fixture(autouse=True)
-def own_redis(settings: Any) -> Iterator[None]:
-    settings.REDIS_URL = REDIS_URL
-    settings.CELERY_BROKER_URL = REDIS_URL
-    celery_app.conf.broker_url = REDIS_URL
-    celery_app.close()
-    # close() keeps the producer pool of the broker an earlier test used: drop it too, or
-    # this test's recompiles would be queued where its worker does not listen.
-    celery_app.amqp._producer_pool = None
-    client = redis.Redis.from_url(REDIS_URL)
-    client.flushdb()
-    yield
-    client.flushdb()
-    client.close()
+def redis_of_this_test(settings: Any) -> Iterator[None]:
+    with own_redis(settings, REDIS_URL):
+        yield
 
 
 def env() -> dict[str, str]:
-    db = settings.DATABASES["default"]
-    return {
-        **os.environ,
-        "DATABASE_URL": f"postgres://{db['USER']}@{db['HOST']}:{db['PORT']}/{db['NAME']}",
-        "REDIS_URL": REDIS_URL,
-        "CELERY_BROKER_URL": REDIS_URL,
-        "DJANGO_SETTINGS_MODULE": "federation.settings",
-        "FEDINFER_RAMP_SECONDS": str(RAMP_S),
-        "FEDINFER_RAMP_STEPS": str(STEPS),
-        "FEDINFER_TABLES_REFRESH_SECONDS": "60",  # the ramp's steps must not need beat
-    }
+    return subprocess_env(
+        REDIS_URL,
+        FEDINFER_RAMP_SECONDS=str(RAMP_S),
+        FEDINFER_RAMP_STEPS=str(STEPS),
+        FEDINFER_TABLES_REFRESH_SECONDS="60",  # the ramp's steps must not need beat
+    )
 
 
 def wait_until(check: Callable[[], bool], timeout: float, what: str) -> None:

@@ -16,7 +16,6 @@ Tables are published by calling the publishing service, as the worker does after
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import time
 from collections.abc import Callable, Iterator
@@ -26,13 +25,13 @@ from typing import Any
 
 import httpx
 import pytest
-import redis
 from django.conf import settings
 from rest_framework.test import APIClient
 
 from federation.inventory import services as inventory
 from federation.routing import services as routing
 from federation.tenancy import services as tenancy
+from tests.integration.control_plane_support import own_redis, subprocess_env
 from tests.integration.inventory_factories import (
     LLAMA_8B,
     make_deployment,
@@ -46,7 +45,6 @@ from tests.integration.test_routing_distribution import (
     free_port,
     stop_process_group,
 )
-from workers.celery import app as celery_app
 
 REDIS_URL = "redis://127.0.0.1:6379/13"
 LLAMA = LLAMA_8B["name"]
@@ -81,26 +79,12 @@ def procs(tmp_path: Path) -> Iterator[Procs]:
 
 @pytest.fixture(autouse=True)
 def redis_13(settings: Any) -> Iterator[None]:
-    settings.REDIS_URL = REDIS_URL
-    settings.CELERY_BROKER_URL = REDIS_URL
-    celery_app.conf.broker_url = REDIS_URL
-    celery_app.close()
-    client = redis.Redis.from_url(REDIS_URL)
-    client.flushdb()
-    yield
-    client.flushdb()
-    client.close()
+    with own_redis(settings, REDIS_URL):
+        yield
 
 
 def env() -> dict[str, str]:
-    db = settings.DATABASES["default"]
-    return {
-        **os.environ,
-        "DATABASE_URL": f"postgres://{db['USER']}@{db['HOST']}:{db['PORT']}/{db['NAME']}",
-        "REDIS_URL": REDIS_URL,
-        "CELERY_BROKER_URL": REDIS_URL,
-        "DJANGO_SETTINGS_MODULE": "federation.settings",
-    }
+    return subprocess_env(REDIS_URL)
 
 
 def wait_until(check: Callable[[], bool], timeout: float, what: str) -> float:

@@ -31,6 +31,7 @@ from federation.inventory.models import Edge, Instance, Region
 from federation.routing import services
 from federation.routing.models import RoutingTableCounter, RoutingTableVersion
 from regions.tables import signing
+from tests.integration.control_plane_support import own_redis, subprocess_env
 from tests.integration.inventory_factories import (
     make_deployment,
     make_instance,
@@ -38,7 +39,6 @@ from tests.integration.inventory_factories import (
     make_pool,
     make_region,
 )
-from workers.celery import app as celery_app
 
 FEDINFER = str(Path(sys.executable).with_name("fedinfer"))
 REDIS_TEST_URL = "redis://127.0.0.1:6379/14"
@@ -88,15 +88,8 @@ def edge_client(credential: str) -> APIClient:
 def test_redis(settings: Any) -> Iterator[redis.Redis]:
     """Redis DB 14 for the debounce mark, nudges and the broker of this module's tasks (a
     transactional test commits, so its changes queue real recompiles)."""
-    settings.REDIS_URL = REDIS_TEST_URL
-    settings.CELERY_BROKER_URL = REDIS_TEST_URL
-    celery_app.conf.broker_url = REDIS_TEST_URL
-    celery_app.close()  # drop pooled connections to the previous broker
-    client = redis.Redis.from_url(REDIS_TEST_URL)
-    client.flushdb()
-    yield client
-    client.flushdb()
-    client.close()
+    with own_redis(settings, REDIS_TEST_URL) as client:
+        yield client
 
 
 @pytest.fixture
@@ -442,19 +435,6 @@ def stop_process_group(proc: subprocess.Popen[bytes]) -> None:
             proc.wait(timeout=5)
 
 
-def subprocess_env() -> dict[str, str]:
-    """Environment of a subprocess that uses this test's database and Redis DB 14."""
-    db = settings.DATABASES["default"]
-    url = f"postgres://{db['USER']}@{db['HOST']}:{db['PORT']}/{db['NAME']}"
-    return {
-        **os.environ,
-        "DATABASE_URL": url,
-        "REDIS_URL": REDIS_TEST_URL,
-        "CELERY_BROKER_URL": REDIS_TEST_URL,
-        "DJANGO_SETTINGS_MODULE": "federation.settings",
-    }
-
-
 #: Nothing listens there: the server's Redis is "down" and it must poll the database.
 DEAD_REDIS_URL = "redis://127.0.0.1:1/0"
 
@@ -467,7 +447,7 @@ def server(
     Redis: ``"redis"`` (DB 14, nudged by the publisher) or ``"redis-down"``."""
     port = free_port()
     log = (tmp_path / "serve.log").open("wb")
-    env = subprocess_env()
+    env = subprocess_env(REDIS_TEST_URL)
     if getattr(request, "param", "redis") == "redis-down":
         env["REDIS_URL"] = DEAD_REDIS_URL
     proc = subprocess.Popen(

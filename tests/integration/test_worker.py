@@ -19,11 +19,12 @@ from rest_framework.test import APIClient
 from federation.inventory.models import Instance, Region
 from federation.routing import services
 from federation.routing.models import RoutingTableVersion
+from tests.integration.control_plane_support import subprocess_env
 from tests.integration.test_routing_distribution import (  # noqa: F401  (fixture)
     FEDINFER,
+    REDIS_TEST_URL,
     build_fleet,
     stop_process_group,
-    subprocess_env,
     test_redis,
 )
 from workers.tasks import routing_tables_publish_task
@@ -94,7 +95,7 @@ def worker(transactional_db: None, tmp_path: Path) -> Iterator[Path]:
     """``fedinfer worker`` on Redis DB 14 and this test's database; beat every 2 s."""
     log_path = tmp_path / "worker.log"
     log = log_path.open("wb")
-    env = {**subprocess_env(), "FEDINFER_TABLES_REFRESH_SECONDS": "2"}
+    env = {**subprocess_env(REDIS_TEST_URL), "FEDINFER_TABLES_REFRESH_SECONDS": "2"}
     proc = subprocess.Popen(
         [FEDINFER, "worker", "--pool", "solo", "--without-gossip", "--without-mingle"],
         env=env,
@@ -171,7 +172,7 @@ def test_embedded_mode_worker_uses_the_filesystem_broker_and_sqlite(tmp_path: Pa
     compiled by the worker through kombu's filesystem transport under ``var/broker/``."""
     env = {
         k: v
-        for k, v in subprocess_env().items()
+        for k, v in subprocess_env(REDIS_TEST_URL).items()
         if k not in {"DATABASE_URL", "REDIS_URL", "CELERY_BROKER_URL"}
     }
     env["FEDINFER_VAR_DIR"] = str(tmp_path)
