@@ -15,7 +15,7 @@ import logging
 import signal
 import time
 from collections import OrderedDict, deque
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import Awaitable, Callable, Mapping, MutableMapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,6 +28,7 @@ from regions.edge import disagg
 from regions.edge.admission import Admission, TenantState
 from regions.edge.errors import EdgeError, UpstreamFailure, sse_error_event
 from regions.edge.health import HealthBoard, HealthConfig, probe_loop
+from regions.edge.hop import HOP_HEADER, sign_hop, verify_hop
 from regions.edge.kv_events import KvEventHub
 from regions.edge.load import LoadBoard, scrape_loop
 from regions.edge.observability import (
@@ -109,6 +110,9 @@ class EdgeConfig:
     sync: SyncConfig | None = None
     #: Seconds of a tenant's rate a token bucket holds (burst), see admission.py.
     rate_burst_s: float = 2.0
+    #: Keys that sign and verify forwarded requests (hop.py): a verified hop is not charged
+    #: against the tenant's rate limits again. Empty: hops are unsigned and charged here too.
+    hop_keys: Mapping[str, bytes] = field(default_factory=dict)
     #: Spill on latency only when the local queue wait exceeds a remote's RTT by this much.
     spill_margin_s: float = 0.05
 
@@ -153,7 +157,6 @@ def _blocked(line: deque[_Waiter], inst_id: str, me: _Waiter | None) -> bool:
 
 _SATURATED = Decision(None, None, "saturated")
 _SPILL = Decision(None, None, "spill")
-_HOP = b"x-fedinfer-hop"
 
 
 class _Spill:
@@ -529,7 +532,7 @@ class Edge:
         authorization: bytes | None = None
         session_hdr: bytes | None = None
         incoming_trace: str | None = None
-        hopped = False
+        hop: bytes | None = None
         for name, value in scope["headers"]:
             if name == b"authorization":
                 authorization = value
@@ -537,8 +540,9 @@ class Edge:
                 session_hdr = value
             elif name == b"traceparent":
                 incoming_trace = value.decode("latin-1")
-            elif name == _HOP:
-                hopped = True
+            elif name == HOP_HEADER:
+                hop = value
+        hopped = hop is not None
         admission = self.admission
         tenant: TenantState | None = None
         spill: _Spill | None = None
@@ -575,7 +579,10 @@ class Edge:
                     remote_only = back
                 else:
                     spill = _Spill(remotes, allowed, authorization, session_hdr, point)
-            if tenant is not None:
+            # Charged where it entered: a hop signed by a fellow edge was charged there.
+            if tenant is not None and not (
+                hop is not None and verify_hop(self.cfg.hop_keys, hop, raw, _now_ms()) is not None
+            ):
                 admission.rate(tenant, req.prompt_tokens, time.monotonic())
         except EdgeError as err:
             self.metrics.count("", "", err.status)
@@ -933,7 +940,8 @@ class Edge:
         """
         assert self._http is not None, "edge not started"
         path = _CHAT if req.chat else _COMPLETIONS
-        headers = [(b"traceparent", traceparent.encode()), (_HOP, b"1")]
+        hop = sign_hop(self.cfg.hop_keys, self.cfg.region, req.body, _now_ms())
+        headers = [(b"traceparent", traceparent.encode()), (HOP_HEADER, hop)]
         if spill.authorization is not None:
             headers.append((b"authorization", spill.authorization))
         if spill.session is not None:
@@ -1275,6 +1283,10 @@ class Edge:
             series.actual_cached += cached
         if prompt is not None:
             series.prompt_tokens += prompt
+
+
+def _now_ms() -> int:
+    return int(time.time() * 1000)
 
 
 def _line_key(model: str, role: str) -> str:

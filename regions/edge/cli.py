@@ -12,6 +12,7 @@ import uvloop
 
 from regions.edge.app import Edge, EdgeConfig
 from regions.edge.health import HealthConfig
+from regions.edge.hop import hop_keys
 from regions.edge.scheduler import POLICIES, SchedulerConfig
 from regions.edge.server import EdgeServer
 from regions.edge.sync import SyncConfig, initial_table
@@ -33,6 +34,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--table-keys",
         help="table verification key ring 'k1=key,k0=old' (default: $FEDINFER_TABLE_KEYS)",
+    )
+    p.add_argument(
+        "--hop-keys",
+        help="key ring 'k1=key,k0=old' that signs and verifies requests forwarded between "
+        "edges, so a spilled request is rate-charged once (default: $FEDINFER_HOP_KEYS, else "
+        "the table key ring in control-plane mode)",
     )
     p.add_argument("--state-dir", type=Path, help="persisted table (default var/edge-<region>)")
     p.add_argument("--edge-name", help="this edge's registered name (heartbeats)")
@@ -127,10 +134,14 @@ def sync_from_args(opts: argparse.Namespace) -> SyncConfig | None:
 
 
 def config_from_args(opts: argparse.Namespace) -> EdgeConfig:
+    sync = sync_from_args(opts)
+    ring_text = opts.hop_keys or os.environ.get("FEDINFER_HOP_KEYS", "")
+    ring = parse_key_ring(ring_text) if ring_text else (dict(sync.keys) if sync else {})
     return EdgeConfig(
         region=opts.region,
         table_path=opts.table,
-        sync=sync_from_args(opts),
+        sync=sync,
+        hop_keys=hop_keys(ring),
         scheduler=SchedulerConfig(
             policy=opts.policy,
             affinity_factor=opts.affinity_factor,

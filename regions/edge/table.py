@@ -105,7 +105,7 @@ class ResidencyClass(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 class TenantPolicy(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """A tenant's admission rules, keyed by API-key hash (reserved: enforced in issue 4)."""
+    """A tenant's admission rules, keyed by API-key hash (enforced by admission.py)."""
 
     tenant: str
     key_hashes: tuple[str, ...] = ()
@@ -120,7 +120,7 @@ class TenantPolicy(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 class Signature(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """HMAC over the canonical document (reserved: verified in issue 4)."""
+    """HMAC over the canonical document (verified by regions/tables/signing.py)."""
 
     alg: str
     key_id: str

@@ -38,7 +38,16 @@ TENANTS = [
     {"tenant": "eu", "key_hashes": [h("fi_eu")], "allowed_regions": ["r1"]},
     {"tenant": "any", "key_hashes": [h("fi_any")], "allowed_regions": ["r1", "r2"]},
     {"tenant": "us", "key_hashes": [h("fi_us")], "allowed_regions": ["r2"]},
+    # One request per 2 s at each edge (a bucket of one).
+    {
+        "tenant": "metered",
+        "key_hashes": [h("fi_metered")],
+        "allowed_regions": ["r1", "r2"],
+        "requests_per_s": 0.5,
+    },
 ]
+#: Both edges sign and verify forwarded requests with it (``--hop-keys``).
+HOP_KEYS = "h2=hop-secret-new,h1=hop-secret-old"
 
 
 @dataclass
@@ -65,7 +74,7 @@ def fed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fed]:
         (tmp / "r2").mkdir()
         t2 = table_doc("r2", 1, [instance(e2), instance(q2, model="qwen")])
         t2["tenants"] = TENANTS
-        r2 = start_edge(tmp / "r2", t2)
+        r2 = start_edge(tmp / "r2", t2, "--hop-keys", HOP_KEYS)
         procs.append(r2.proc)
         (tmp / "r1").mkdir()
         t1 = table_doc("r1", 1, [instance(e1, max_concurrency=1)])
@@ -74,7 +83,7 @@ def fed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fed]:
             {"code": "r2", "edge_url": r2.url, "rtt_ms": 5, "models": ["llama", "qwen"],
              "headroom": 0.5}
         ]  # fmt: skip
-        r1 = start_edge(tmp / "r1", t1, "--queue-size", "0")
+        r1 = start_edge(tmp / "r1", t1, "--queue-size", "0", "--hop-keys", HOP_KEYS)
         procs.append(r1.proc)
         yield Fed(r1, r2, e1, e2, q2, t1)
     finally:
@@ -173,3 +182,18 @@ def test_streaming_passes_through_the_remote_edge(fed: Fed) -> None:
         assert route_of(r.headers)["remote_from"] == "r1"
         body = b"".join(r.iter_bytes())
     assert body.rstrip().endswith(b"data: [DONE]") and b"q2:" in body
+
+
+def test_a_spilled_request_is_rate_charged_once_where_it_entered(fed: Fed) -> None:
+    # r2's bucket of one is spent by a request served there directly...
+    assert chat(fed.r2.url, "fi_metered").status_code == 200
+    assert chat(fed.r2.url, "fi_metered").status_code == 429
+    # ...yet a request entering at r1 (its own bucket full) and forwarded to r2 for qwen is
+    # served: r1 charged it, and r2 trusts r1's signed hop instead of charging it again.
+    r = chat(fed.r1.url, "fi_metered", "qwen")
+    assert r.status_code == 200, r.text
+    assert route_of(r.headers)["remote_from"] == "r1"
+    # A client cannot claim to be a hop: a forged or replayed value is charged as usual.
+    forged = f"v1.r1.{int(time.time() * 1000)}.h2.{'0' * 64}"
+    r = chat(fed.r2.url, "fi_metered", **{"x-fedinfer-hop": forged})
+    assert r.status_code == 429, r.text
