@@ -60,6 +60,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--connect-timeout", type=float, default=2.0)
     p.add_argument("--read-timeout", type=float, default=300.0)
     p.add_argument("--probe-interval", type=float, default=1.0)
+    p.add_argument(
+        "--probe-timeout",
+        type=float,
+        default=1.0,
+        help="seconds an engine's /health may take before the probe counts as failed",
+    )
     p.add_argument("--scrape-interval", type=float, default=0.5)
     p.add_argument(
         "--scrape-timeout",
@@ -161,6 +167,7 @@ def config_from_args(opts: argparse.Namespace) -> EdgeConfig:
         connect_timeout_s=opts.connect_timeout,
         read_timeout_s=opts.read_timeout,
         probe_interval_s=opts.probe_interval,
+        probe_timeout_s=opts.probe_timeout,
         scrape_interval_s=opts.scrape_interval,
         scrape_timeout_s=opts.scrape_timeout,
         table_poll_s=opts.table_poll,

@@ -47,3 +47,5 @@ def test_scrape_timeout_flag_is_separate_from_the_probe_timeout() -> None:
     cfg = config_from_args(build_parser().parse_args([*args, "--scrape-timeout", "10"]))
     assert cfg.scrape_timeout_s == 10.0
     assert cfg.probe_timeout_s == 1.0
+    cfg = config_from_args(build_parser().parse_args([*args, "--probe-timeout", "4"]))
+    assert (cfg.probe_timeout_s, cfg.scrape_timeout_s) == (4.0, 2.0)

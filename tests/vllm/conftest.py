@@ -76,9 +76,10 @@ def edge(
     port = free_port()
     argv = [str(fedinfer), "edge", "--region", EDGE_REGION, "--table", str(table_path)]
     argv += ["--host", "127.0.0.1", "--port", str(port), "--read-timeout", "120"]
-    # A busy CPU server pinned to one core can take seconds to answer /metrics; a late reading
-    # that says "busy" is what the load-steering test needs (the health probe keeps its 1 s).
-    argv += ["--scrape-timeout", "10"]
+    # A busy CPU server on a shared core can take seconds to answer /metrics and /health: a late
+    # reading that says "busy" is what the load-steering test needs, and a slow /health is not
+    # a dead server (on GPUs both answer in milliseconds; the defaults are 2 s and 1 s).
+    argv += ["--scrape-timeout", "10", "--probe-timeout", "10"]
     with log_path.open("wb") as log:
         proc = subprocess.Popen(
             argv,
