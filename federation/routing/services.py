@@ -156,24 +156,9 @@ def routing_tables_schedule_ramp_step(compiled_at: datetime, delay_s: float) -> 
     """Queue the recompile that publishes a ramp's next step, once per step boundary however
     many publishes saw it coming (a Redis ``SET NX`` keyed by the boundary's time); without
     Redis every caller queues one, which costs an unchanged compile. Returns True if queued."""
-    from workers.tasks import routing_tables_publish_task
-
-    client = redis_client()
-    if client is not None:
-        at_ms = round((compiled_at.timestamp() + delay_s) * 1000)
-        try:
-            first = client.set(
-                RAMP_STEP_KEY.format(at_ms=at_ms), "1", nx=True, px=round(delay_s * 1000) + 60_000
-            )
-        except redis.RedisError as exc:
-            logger.warning("ramp step debounce unavailable, queueing anyway: %s", exc)
-            first = True
-        finally:
-            client.close()
-        if not first:
-            return False
-    routing_tables_publish_task.apply_async(countdown=delay_s)
-    return True
+    at_ms = round((compiled_at.timestamp() + delay_s) * 1000)
+    key = RAMP_STEP_KEY.format(at_ms=at_ms)
+    return _publish_once(key, round(delay_s * 1000) + 60_000, delay_s, "ramp step")
 
 
 # --- the debounced recompile ---------------------------------------------------------------
@@ -186,20 +171,28 @@ def routing_tables_schedule_recompile() -> bool:
     web process and cleared by the task when it starts); without Redis every call queues a
     task, which is harmless: an unchanged fleet publishes nothing.
     """
+    return _publish_once(
+        RECOMPILE_PENDING_KEY, RECOMPILE_PENDING_TTL_MS, RECOMPILE_DELAY_S, "recompile"
+    )
+
+
+def _publish_once(key: str, ttl_ms: int, countdown_s: float, what: str) -> bool:
+    """Queue a publish in ``countdown_s`` unless ``key`` is already set (Redis ``SET NX PX``);
+    without Redis, or when it fails, queue anyway (a duplicate compile publishes nothing)."""
     from workers.tasks import routing_tables_publish_task
 
     client = redis_client()
     if client is not None:
         try:
-            first = client.set(RECOMPILE_PENDING_KEY, "1", nx=True, px=RECOMPILE_PENDING_TTL_MS)
+            first = client.set(key, "1", nx=True, px=ttl_ms)
         except redis.RedisError as exc:
-            logger.warning("recompile debounce unavailable, queueing anyway: %s", exc)
+            logger.warning("%s debounce unavailable, queueing anyway: %s", what, exc)
             first = True
         finally:
             client.close()
         if not first:
             return False
-    routing_tables_publish_task.apply_async(countdown=RECOMPILE_DELAY_S)
+    routing_tables_publish_task.apply_async(countdown=countdown_s)
     return True
 
 
