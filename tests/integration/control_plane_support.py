@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import subprocess
 from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import redis
@@ -45,3 +48,22 @@ def subprocess_env(redis_url: str, **extra: str) -> dict[str, str]:
         "DJANGO_SETTINGS_MODULE": "federation.settings",
         **extra,
     }
+
+
+@dataclass
+class Procs:
+    """The processes a test starts (each in its own session, output in ``<tmp>/<name>.log``)."""
+
+    tmp: Path
+    running: list[subprocess.Popen[bytes]] = field(default_factory=list)
+
+    def start(self, name: str, cmd: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
+        with (self.tmp / f"{name}.log").open("ab") as log:
+            proc = subprocess.Popen(
+                cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        self.running.append(proc)
+        return proc
+
+    def log(self, name: str) -> str:
+        return (self.tmp / f"{name}.log").read_text(errors="replace")

@@ -37,7 +37,7 @@ from federation.inventory import services as inventory
 from federation.routing import services as routing
 from federation.routing.models import RoutingTableVersion
 from federation.tenancy import services as tenancy
-from tests.integration.control_plane_support import own_redis, subprocess_env
+from tests.integration.control_plane_support import Procs, own_redis, subprocess_env
 from tests.integration.inventory_factories import (
     LLAMA_8B,
     make_deployment,
@@ -67,20 +67,6 @@ QWEN = "Qwen/Qwen2.5-7B-Instruct"
 RAMP_S = 12
 STEPS = 4
 SESSIONS = [f"session-{i}" for i in range(24)]
-
-
-class Procs:
-    def __init__(self, tmp: Path) -> None:
-        self.tmp = tmp
-        self.running: list[subprocess.Popen[bytes]] = []
-
-    def start(self, name: str, cmd: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
-        with (self.tmp / f"{name}.log").open("ab") as log:
-            proc = subprocess.Popen(
-                cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-            )
-        self.running.append(proc)
-        return proc
 
 
 @pytest.fixture

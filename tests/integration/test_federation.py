@@ -19,7 +19,6 @@ import json
 import subprocess
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +30,7 @@ from rest_framework.test import APIClient
 from federation.inventory import services as inventory
 from federation.routing import services as routing
 from federation.tenancy import services as tenancy
-from tests.integration.control_plane_support import own_redis, subprocess_env
+from tests.integration.control_plane_support import Procs, own_redis, subprocess_env
 from tests.integration.inventory_factories import (
     LLAMA_8B,
     make_deployment,
@@ -49,24 +48,6 @@ from tests.integration.test_routing_distribution import (
 REDIS_URL = "redis://127.0.0.1:6379/13"
 LLAMA = LLAMA_8B["name"]
 QWEN = "Qwen/Qwen2.5-7B-Instruct"
-
-
-@dataclass
-class Procs:
-    tmp: Path
-    running: list[subprocess.Popen[bytes]] = field(default_factory=list)
-
-    def start(self, name: str, cmd: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
-        log = (self.tmp / f"{name}.log").open("ab")
-        proc = subprocess.Popen(
-            cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-        )
-        log.close()
-        self.running.append(proc)
-        return proc
-
-    def log(self, name: str) -> str:
-        return (self.tmp / f"{name}.log").read_text(errors="replace")
 
 
 @pytest.fixture
