@@ -26,6 +26,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from regions.edge import disagg
 from regions.edge.admission import Admission, TenantState
+from regions.edge.attempt import Attempt
 from regions.edge.errors import EdgeError, UpstreamFailure, sse_error_event
 from regions.edge.health import HealthBoard, HealthConfig, probe_loop
 from regions.edge.hop import HOP_HEADER, sign_hop, verify_hop
@@ -844,46 +845,29 @@ class Edge:
                 return
             inst_id = winner.instance
             inst = self.instances[inst_id]
-            load = self.loads.get(inst_id)
             uncached = req.prompt_tokens - winner.cached_tokens
-            load.admit(uncached)
-            load.tokens += req.prompt_tokens
-            inflight = self.metrics.inflight
-            inflight[inst_id] = inflight.get(inst_id, 0) + 1
-            # Speculative: after this prefill the winner holds the prompt (SGLang does the same).
-            if hashes:
-                self.prefix.insert(hashes, inst_id, time.monotonic())
-            if session_key is not None:
-                self._remember_session(session_key, inst_id)
-            started = time.perf_counter()
-            reached = True
-            try:
-                await self._forward(
-                    inst, req, decision, retries, traceparent, arrived, queue_s, ex, send
-                )
-                return
-            except UpstreamFailure as failure:
-                reached = not failure.connect
-                last_failure = f"{inst_id}: {failure.reason}"
-                if failure.connect:
-                    self.health.connect_error(inst_id, failure.reason)
-                else:
-                    self.health.failure(inst_id, failure.reason)
-                if retries >= self.cfg.max_retries:
-                    ex.complete = True
-                    await self._upstream_failed(send, req, decision, retries, last_failure)
+            with Attempt(self, inst, req.prompt_tokens, uncached) as attempt:
+                # Speculative: after this prefill the winner holds the prompt (as SGLang does).
+                if hashes:
+                    self.prefix.insert(hashes, inst_id, time.monotonic())
+                if session_key is not None:
+                    self._remember_session(session_key, inst_id)
+                try:
+                    await self._forward(
+                        inst, req, decision, retries, traceparent, arrived, queue_s, ex, send
+                    )
                     return
-                retries += 1
-                self.metrics.retries.labels(model).inc()
-                exclude = exclude | {inst_id}
-                sticky = None
-            finally:
-                if reached:
-                    load.finish(time.perf_counter() - started)
-                else:
-                    load.release()
-                inflight[inst_id] -= 1
-                self._wake(inst)
+                except UpstreamFailure as failure:
+                    attempt.failed(failure)
+                    last_failure = f"{inst_id}: {failure.reason}"
+                    if retries >= self.cfg.max_retries:
+                        ex.complete = True
+                        await self._upstream_failed(send, req, decision, retries, last_failure)
+                        return
+                    retries += 1
+                    self.metrics.retries.labels(model).inc()
+                    exclude = exclude | {inst_id}
+                    sticky = None
 
     def _nowhere(
         self, req: ParsedRequest, tenant: TenantState | None, local_ok: bool, hopped: bool

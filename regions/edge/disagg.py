@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import orjson
 
+from regions.edge.attempt import Attempt
 from regions.edge.errors import EdgeError, UpstreamFailure
 from regions.edge.parse import ParsedRequest
 from regions.edge.scheduler import Candidate, Decision, Scored, serves
@@ -309,21 +310,18 @@ async def _prefill(
     client's problem: it is relayed (``ex.sent``) and None returned."""
     assert edge._http is not None, "edge not started"
     inst = edge.instances[winner.instance]
-    load = edge.loads.get(inst.id)
-    load.admit(req.prompt_tokens - winner.cached_tokens)
-    load.tokens += req.prompt_tokens
-    if hashes:  # after this leg the prefill engine holds the prompt's blocks
-        edge.prefix.insert(hashes, inst.id, time.monotonic())
-    started = time.perf_counter()
-    reached = False
     headers = [(b"traceparent", traceparent.encode()), (b"x-request-id", request_id.encode())]
-    try:
+    uncached = req.prompt_tokens - winner.cached_tokens
+    with Attempt(edge, inst, req.prompt_tokens, uncached) as attempt:
+        attempt.reached = False
+        if hashes:  # after this leg the prefill engine holds the prompt's blocks
+            edge.prefix.insert(hashes, inst.id, time.monotonic())
         try:
             resp = await edge._http.post(inst.url, _path(req), body, headers)
         except UpstreamError as exc:
             edge.health.connect_error(inst.id, str(exc))
             raise _PrefillFailed(str(exc)) from exc
-        reached = True
+        attempt.reached = True
         try:
             data = await resp.read()
         except UpstreamError as exc:
@@ -341,12 +339,6 @@ async def _prefill(
             return None
         edge.health.success(inst.id)
         return response_params(data)
-    finally:
-        if reached:
-            load.finish(time.perf_counter() - started)
-        else:
-            load.release()
-        edge._wake(inst)
 
 
 async def _relay_refusal(
@@ -435,54 +427,41 @@ async def _decode(
             None,
             "pd_decode",
         )
-        load = edge.loads.get(inst.id)
-        load.admit(req.prompt_tokens - expected_cached)
-        load.tokens += req.prompt_tokens
-        started = time.perf_counter()
-        reached = True
-        try:
-            # The single-hop relay, with both hops in the route header and timings.
-            await edge._forward(
-                inst,
-                leg,
-                decision,
-                0,
-                traceparent,
-                arrived,
-                queue_s,
-                ex,
-                send,
-                route=route,
-                timing_extra=timing_extra,
-                upstream_headers=((b"x-request-id", request_id.encode()),),
-            )
-            return True
-        except UpstreamFailure as failure:
-            reached = not failure.connect
-            if failure.connect:
-                edge.health.connect_error(inst.id, failure.reason)
-            else:
-                edge.health.failure(inst.id, failure.reason)
-            if decode_retries >= edge.cfg.max_retries:
-                ex.complete = True
-                err = EdgeError(
-                    502,
-                    f"decode instances failed before responding ({inst.id}: {failure.reason})",
-                    "upstream_error",
-                    retry_after=edge.cfg.retry_after_s,
+        uncached = req.prompt_tokens - expected_cached
+        with Attempt(edge, inst, req.prompt_tokens, uncached) as attempt:
+            try:
+                # The single-hop relay, with both hops in the route header and timings.
+                await edge._forward(
+                    inst,
+                    leg,
+                    decision,
+                    0,
+                    traceparent,
+                    arrived,
+                    queue_s,
+                    ex,
+                    send,
+                    route=route,
+                    timing_extra=timing_extra,
+                    upstream_headers=((b"x-request-id", request_id.encode()),),
                 )
-                edge.metrics.count(req.model, inst.id, 502)
-                await edge._error(send, err, route)
                 return True
-            decode_retries += 1
-            exclude = exclude | {inst.id}
-            started_wait = time.monotonic()
-        finally:
-            if reached:
-                load.finish(time.perf_counter() - started)
-            else:
-                load.release()
-            edge._wake(inst)
+            except UpstreamFailure as failure:
+                attempt.failed(failure)
+                if decode_retries >= edge.cfg.max_retries:
+                    ex.complete = True
+                    err = EdgeError(
+                        502,
+                        f"decode instances failed before responding ({inst.id}: {failure.reason})",
+                        "upstream_error",
+                        retry_after=edge.cfg.retry_after_s,
+                    )
+                    edge.metrics.count(req.model, inst.id, 502)
+                    await edge._error(send, err, route)
+                    return True
+                decode_retries += 1
+                exclude = exclude | {inst.id}
+                started_wait = time.monotonic()
 
 
 def _path(req: ParsedRequest) -> str:
