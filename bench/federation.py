@@ -34,15 +34,14 @@ import httpx
 
 from bench.procs import (
     VAR,
-    Proc,
     ProcGroup,
     fedinfer_argv,
     free_port,
     free_ports,
     git_rev,
     machine_info,
+    wait_http,
 )
-from bench.procs import wait_http as wait_ready
 from bench.report import fmt, markdown_table, percentile, utc_now, write_result
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
@@ -308,21 +307,6 @@ def add_published(changes: list[dict[str, Any]]) -> None:
         change["published_s"] = max(t.timestamp() for t in stored if t) - change["wall"]
 
 
-def wait_api(url: str, proc: Proc, timeout: float = 60.0) -> None:
-    """Until the control plane answers (401 without credentials is an answer)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.popen.poll() is not None:
-            raise RuntimeError(f"{proc.name} exited:\n{proc.tail()}")
-        try:
-            if httpx.get(url, timeout=2).status_code < 500:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    raise RuntimeError(f"{url} not ready after {timeout}s\n{proc.tail()}")
-
-
 def run(
     n_edges: int, changes: int, reps: int, rate: float, db_url: str, redis_url: str
 ) -> dict[str, Any]:
@@ -376,8 +360,9 @@ def run(
             fedinfer_argv("worker", "--pool", "solo", "--without-gossip", "--without-mingle"),
             env=env,
         )
-        wait_ready(f"http://127.0.0.1:{engine_ports[-1]}/health", engines)
-        wait_api(api + "/api/v1/", serve)
+        wait_http(f"http://127.0.0.1:{engine_ports[-1]}/health", engines)
+        # Any answer below 500 (401 without credentials) means the control plane is up.
+        wait_http(api + "/api/v1/", serve, 60.0, ready=lambda status: status < 500)
         ring = f"{settings.FEDINFER_TABLE_SIGNING_KEY_ID}={settings.FEDINFER_TABLE_SIGNING_KEY}"
         edges = {}
         for code, port in zip(codes, edge_ports, strict=True):
@@ -394,7 +379,7 @@ def run(
                 env=env,
             )  # fmt: skip
             edges[code] = f"http://127.0.0.1:{port}"
-            wait_ready(edges[code] + "/healthz", proc)
+            wait_http(edges[code] + "/healthz", proc)
         load_before = os.getloadavg()
         prop = asyncio.run(propagation(api, fleet, edges, changes, poll_s=0.01))
         add_published(prop)

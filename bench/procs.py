@@ -17,7 +17,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -160,8 +160,13 @@ def _usable(cpus: set[int] | None) -> set[int] | None:
     return use or None
 
 
-def wait_http(url: str, proc: Proc | None = None, timeout: float = 30.0) -> None:
-    """Poll ``url`` until it answers 200; fail early if ``proc`` died."""
+def wait_http(
+    url: str,
+    proc: Proc | None = None,
+    timeout: float = 30.0,
+    ready: Callable[[int], bool] = (200).__eq__,
+) -> None:
+    """Poll ``url`` until its status is ``ready`` (200 by default); fail early if ``proc`` died."""
     deadline = time.monotonic() + timeout
     last: object = None
     while time.monotonic() < deadline:
@@ -169,9 +174,13 @@ def wait_http(url: str, proc: Proc | None = None, timeout: float = 30.0) -> None
             raise RuntimeError(f"{proc.name} exited ({proc.popen.returncode}):\n{proc.tail()}")
         try:
             with urllib.request.urlopen(url, timeout=2) as r:
-                if r.status == 200:
+                if ready(r.status):
                     return
                 last = r.status
+        except urllib.error.HTTPError as exc:
+            if ready(exc.code):
+                return
+            last = exc.code
         except (urllib.error.URLError, OSError) as exc:
             last = exc
         time.sleep(0.1)
