@@ -37,7 +37,12 @@ from federation.inventory import services as inventory
 from federation.routing import services as routing
 from federation.routing.models import RoutingTableVersion
 from federation.tenancy import services as tenancy
-from tests.integration.control_plane_support import Procs, own_redis, subprocess_env
+from tests.integration.control_plane_support import (
+    Procs,
+    own_redis,
+    stop_process_group,
+    subprocess_env,
+)
 from tests.integration.inventory_factories import (
     LLAMA_8B,
     make_deployment,
@@ -58,7 +63,6 @@ from tests.integration.test_routing_distribution import (
     FEDINFER,
     build_fleet,
     free_port,
-    stop_process_group,
 )
 
 REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/12")
@@ -67,14 +71,6 @@ QWEN = "Qwen/Qwen2.5-7B-Instruct"
 RAMP_S = 12
 STEPS = 4
 SESSIONS = [f"session-{i}" for i in range(24)]
-
-
-@pytest.fixture
-def procs(tmp_path: Path) -> Iterator[Procs]:
-    p = Procs(tmp_path)
-    yield p
-    for proc in reversed(p.running):
-        stop_process_group(proc)
 
 
 @pytest.fixture(autouse=True)

@@ -19,7 +19,6 @@ import json
 import subprocess
 import time
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -30,7 +29,12 @@ from rest_framework.test import APIClient
 from federation.inventory import services as inventory
 from federation.routing import services as routing
 from federation.tenancy import services as tenancy
-from tests.integration.control_plane_support import Procs, own_redis, subprocess_env
+from tests.integration.control_plane_support import (
+    Procs,
+    own_redis,
+    stop_process_group,
+    subprocess_env,
+)
 from tests.integration.inventory_factories import (
     LLAMA_8B,
     make_deployment,
@@ -42,20 +46,11 @@ from tests.integration.test_edge_support import route_of
 from tests.integration.test_routing_distribution import (
     FEDINFER,
     free_port,
-    stop_process_group,
 )
 
 REDIS_URL = "redis://127.0.0.1:6379/13"
 LLAMA = LLAMA_8B["name"]
 QWEN = "Qwen/Qwen2.5-7B-Instruct"
-
-
-@pytest.fixture
-def procs(tmp_path: Path) -> Iterator[Procs]:
-    p = Procs(tmp_path)
-    yield p
-    for proc in reversed(p.running):
-        stop_process_group(proc)
 
 
 @pytest.fixture(autouse=True)

@@ -6,8 +6,6 @@ Runs on the real PostgreSQL and Redis; the long-poll latency is measured against
 
 from __future__ import annotations
 
-import os
-import signal
 import socket
 import subprocess
 import sys
@@ -31,7 +29,7 @@ from federation.inventory.models import Edge, Instance, Region
 from federation.routing import services
 from federation.routing.models import RoutingTableCounter, RoutingTableVersion
 from regions.tables import signing
-from tests.integration.control_plane_support import own_redis, subprocess_env
+from tests.integration.control_plane_support import own_redis, stop_process_group, subprocess_env
 from tests.integration.inventory_factories import (
     make_deployment,
     make_instance,
@@ -422,17 +420,6 @@ class Server:
     url: str
     proc: subprocess.Popen[bytes]
     redis: str
-
-
-def stop_process_group(proc: subprocess.Popen[bytes]) -> None:
-    """SIGTERM the process group we started (uvicorn or celery and their children)."""
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=5)
 
 
 #: Nothing listens there: the server's Redis is "down" and it must poll the database.

@@ -19,12 +19,11 @@ from rest_framework.test import APIClient
 from federation.inventory.models import Instance, Region
 from federation.routing import services
 from federation.routing.models import RoutingTableVersion
-from tests.integration.control_plane_support import subprocess_env
+from tests.integration.control_plane_support import stop_process_group, subprocess_env
 from tests.integration.test_routing_distribution import (  # noqa: F401  (fixture)
     FEDINFER,
     REDIS_TEST_URL,
     build_fleet,
-    stop_process_group,
     test_redis,
 )
 from workers.tasks import routing_tables_publish_task
