@@ -7,7 +7,14 @@ from pathlib import Path
 
 import dj_database_url
 
-from federation.env import env_bool, env_int, env_list, env_str, is_production
+from federation.env import (
+    ImproperlyConfiguredEnv,
+    env_bool,
+    env_int,
+    env_list,
+    env_str,
+    is_production,
+)
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 VAR_DIR = Path(env_str("FEDINFER_VAR_DIR", str(BASE_DIR / "var")))
@@ -27,7 +34,8 @@ ALLOWED_HOSTS = env_list(
 CSRF_TRUSTED_ORIGINS = env_list("FEDINFER_CSRF_TRUSTED_ORIGINS", [])
 
 INSTALLED_APPS = [
-    "django.contrib.admin",
+    # django.contrib.admin, with its login behind the login throttle.
+    "federation.core.admin_site.FedinferAdminConfig",
     "django.contrib.auth",
     "django.contrib.contenttypes",
     "django.contrib.sessions",
@@ -108,8 +116,14 @@ CACHES = {
         else {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"}
     )
 }
-#: Login attempts (``POST /api/v1/auth/token/``) per client address.
+#: Login attempts (``POST /api/v1/auth/token/`` and the admin's login form) per client address.
 FEDINFER_LOGIN_RATE = env_str("FEDINFER_LOGIN_RATE", "20/min")
+#: How many reverse proxies of ours stand in front of the web processes. 0: the client address
+#: is the peer's and X-Forwarded-For is ignored (a client could write anything there); N: the
+#: Nth address from the right of X-Forwarded-For (federation.api.throttles.client_address).
+FEDINFER_TRUSTED_PROXIES = env_int("FEDINFER_TRUSTED_PROXIES", 0)
+if FEDINFER_TRUSTED_PROXIES < 0:
+    raise ImproperlyConfiguredEnv("FEDINFER_TRUSTED_PROXIES must be 0 or more")
 CELERY_BROKER_URL = env_str("CELERY_BROKER_URL", REDIS_URL or "filesystem://")
 # The embedded broker is a folder: producers and the worker share it (kombu's filesystem
 # transport), so `fedinfer demo` needs no server.
@@ -190,6 +204,8 @@ REST_FRAMEWORK = {
     "EXCEPTION_HANDLER": "federation.api.errors.exception_handler",
     "DEFAULT_PARSER_CLASSES": ["federation.api.parsers.JSONParser"],
     "TEST_REQUEST_DEFAULT_FORMAT": "json",
+    # For any DRF throttle: None would key on the whole X-Forwarded-For, which clients write.
+    "NUM_PROXIES": FEDINFER_TRUSTED_PROXIES,
 }
 
 SPECTACULAR_SETTINGS = {

@@ -122,3 +122,90 @@ def test_password_guessing_is_throttled_with_retry_after(settings, admin_user) -
     last = client.post("/api/v1/auth/token/", body, format="json")
     assert last.status_code == 429 and int(last["Retry-After"]) > 0
     cache.clear()
+
+
+# --- login throttling: keyed on the real client address, also at the admin's door -----------
+
+
+@pytest.fixture
+def login_rate(settings):
+    """A tight login rate with empty counters (the suite's settings allow 10000/min)."""
+    from django.core.cache import cache
+
+    def set_rate(rate: str, *, trusted_proxies: int = 0) -> None:
+        settings.FEDINFER_LOGIN_RATE = rate
+        settings.FEDINFER_TRUSTED_PROXIES = trusted_proxies
+
+    cache.clear()
+    yield set_rate
+    cache.clear()
+
+
+def test_forged_x_forwarded_for_does_not_escape_the_login_throttle(admin_user, login_rate):
+    login_rate("20/min")  # the default rate, no proxy in front
+    client = APIClient()
+    body = {"username": admin_user.username, "password": "wrong"}
+    codes = [
+        client.post(TOKEN, body, format="json", HTTP_X_FORWARDED_FOR=f"198.51.100.{i}").status_code
+        for i in range(25)
+    ]
+    assert codes == [400] * 20 + [429] * 5
+
+
+def test_behind_trusted_proxies_the_address_they_recorded_is_the_client(admin_user, login_rate):
+    login_rate("3/min", trusted_proxies=2)
+    client = APIClient()
+    body = {"username": admin_user.username, "password": "wrong"}
+
+    def attempt(xff: str) -> int:
+        return client.post(TOKEN, body, format="json", HTTP_X_FORWARDED_FOR=xff).status_code
+
+    # Our two proxies append what they saw: the client (203.0.113.7), then the outer proxy.
+    # Whatever the client wrote further left changes nothing.
+    codes = [attempt(f"10.9.9.{i}, 203.0.113.7, 10.0.0.2") for i in range(4)]
+    assert codes == [400, 400, 400, 429]
+    # Another client behind the same proxies has a budget of its own.
+    assert attempt("203.0.113.8, 10.0.0.2") == 400
+    # A header our proxies did not complete (too short) counts against the peer address.
+    assert [attempt("203.0.113.9") for _ in range(3)] == [400, 400, 400]
+    assert attempt("203.0.113.10") == 429
+
+
+@pytest.mark.parametrize(
+    ("trusted", "xff", "expected"),
+    [
+        (0, "198.51.100.1", "127.0.0.1"),
+        (0, None, "127.0.0.1"),
+        (1, "198.51.100.1", "198.51.100.1"),
+        (1, "1.1.1.1, 198.51.100.1", "198.51.100.1"),
+        (2, "1.1.1.1, 198.51.100.1, 10.0.0.2", "198.51.100.1"),
+        (2, "198.51.100.1", "127.0.0.1"),  # fewer addresses than proxies
+        (1, "1.1.1.1, not-an-address", "127.0.0.1"),
+        (1, " 2001:db8::1 ", "2001:db8::1"),
+    ],
+)
+def test_client_address(settings, trusted: int, xff: str | None, expected: str) -> None:
+    from django.test import RequestFactory
+
+    from federation.api.throttles import client_address
+
+    settings.FEDINFER_TRUSTED_PROXIES = trusted
+    extra = {"HTTP_X_FORWARDED_FOR": xff} if xff is not None else {}
+    assert client_address(RequestFactory().post("/", **extra)) == expected
+
+
+def test_admin_login_shares_the_throttle_and_refuses_with_429(admin_user, login_rate, client):
+    login_rate("3/min")
+    form = {"username": admin_user.username, "password": "wrong", "next": "/admin/"}
+    first = client.post("/admin/login/", form, HTTP_X_FORWARDED_FOR="198.51.100.1")
+    assert first.status_code == 200 and b"Please enter the correct" in first.content
+    assert client.post("/admin/login/", form).status_code == 200
+    # The API's login door counts against the same budget.
+    body = {"username": admin_user.username, "password": "wrong"}
+    assert APIClient().post(TOKEN, body, format="json").status_code == 400
+    refused = client.post("/admin/login/", {**form, "password": "pw-alice-admin"})
+    assert refused.status_code == 429 and int(refused["Retry-After"]) > 0
+    assert "_auth_user_id" not in client.session  # the right password did not get through
+    assert APIClient().post(TOKEN, body, format="json").status_code == 429
+    # Reading the form is not an attempt.
+    assert client.get("/admin/login/").status_code == 200

@@ -59,7 +59,13 @@ def test_embedded_mode_needs_nothing(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     ("key", "value"),
-    [("FEDINFER_DEBUG", "perhaps"), ("FEDINFER_MAX_BODY_BYTES", "1MB"), ("FEDINFER_MODE", "prod")],
+    [
+        ("FEDINFER_DEBUG", "perhaps"),
+        ("FEDINFER_MAX_BODY_BYTES", "1MB"),
+        ("FEDINFER_MODE", "prod"),
+        ("FEDINFER_TRUSTED_PROXIES", "-1"),
+        ("FEDINFER_TRUSTED_PROXIES", "all"),
+    ],
 )
 def test_malformed_values_stop_the_boot_naming_the_variable(
     key: str, value: str, tmp_path: Path

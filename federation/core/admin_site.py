@@ -1,0 +1,27 @@
+"""The Django admin site of fedinfer: Django's, with its login form behind the login throttle
+the API uses (``federation.api.throttles``), so the admin is no side door for password
+guessing."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.contrib import admin
+from django.contrib.admin.apps import AdminConfig
+from django.http import HttpRequest, HttpResponse
+
+from federation.api.throttles import login_throttle_refusal
+
+
+class FedinferAdminSite(admin.AdminSite):
+    def login(self, request: HttpRequest, extra_context: dict[str, Any] | None = None) -> Any:
+        if request.method == "POST" and (refusal := login_throttle_refusal(request)) is not None:
+            return refusal
+        response: HttpResponse = super().login(request, extra_context)
+        return response
+
+
+class FedinferAdminConfig(AdminConfig):
+    """Installed instead of ``django.contrib.admin``: makes ``admin.site`` ours."""
+
+    default_site = "federation.core.admin_site.FedinferAdminSite"
