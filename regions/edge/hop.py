@@ -8,20 +8,29 @@ it — and a tenant whose traffic spills gets 429s below its limit. A client can
 signature, so it cannot skip a limit by setting the header itself (an unsigned or bad value is
 charged as usual).
 
-Value: ``v1.<origin region>.<unix ms>.<key id>.<hex HMAC-SHA256>``; the MAC covers
-``v1.<origin region>.<unix ms>.<SHA-256 of the body>`` under a key derived from the edges' key
-ring (by default the routing-table key ring every edge of the fleet already holds), so a value
-is good for one body and :data:`MAX_AGE_MS`.
+Value: ``v2.<origin>.<destination>.<nonce>.<unix ms>.<key id>.<hex HMAC-SHA256>``; the MAC
+covers ``v2``, the origin and destination regions, the SHA-256 of the request's
+``Authorization`` header (the forward carries the client's header as is, so the receiving edge
+recomputes it), the nonce (16 random bytes, hex), the time and the SHA-256 of the body, under a
+key derived from the edges' key ring (by default the routing-table key ring every edge of the
+fleet already holds). So a captured value is worth nothing elsewhere: it is good for one body,
+one tenant, one destination region, once (:class:`HopVerifier` remembers the nonces it
+accepted), and for :data:`MAX_AGE_MS`.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
-from collections.abc import Mapping
+import secrets
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
 
 HOP_HEADER = b"x-fedinfer-hop"
 MAX_AGE_MS = 30_000
+#: Nonces a :class:`HopVerifier` remembers at most (about 20 MB; 3,300 hops/s for 30 s).
+MAX_NONCES = 100_000
 _DOMAIN = b"fedinfer-hop-v1"
 
 
@@ -32,30 +41,103 @@ def hop_keys(ring: Mapping[str, str]) -> dict[str, bytes]:
     }
 
 
-def _mac(key: bytes, region: str, ts_ms: int, body: bytes) -> str:
+def _mac(
+    key: bytes,
+    origin: str,
+    destination: str,
+    authorization: bytes | None,
+    nonce: str,
+    ts_ms: int,
+    body: bytes,
+) -> str:
+    tenant = hashlib.sha256(authorization or b"").hexdigest()
     digest = hashlib.sha256(body).hexdigest()
-    return hmac.new(key, f"v1.{region}.{ts_ms}.{digest}".encode(), hashlib.sha256).hexdigest()
+    text = f"v2.{origin}.{destination}.{tenant}.{nonce}.{ts_ms}.{digest}"
+    return hmac.new(key, text.encode(), hashlib.sha256).hexdigest()
 
 
-def sign_hop(keys: Mapping[str, bytes], region: str, body: bytes, now_ms: int) -> bytes:
-    """The header value for a request forwarded from ``region``; ``b"1"`` without keys (it
-    still stops a second forward, and the receiving edge charges the tenant again)."""
+def sign_hop(
+    keys: Mapping[str, bytes],
+    origin: str,
+    destination: str,
+    authorization: bytes | None,
+    body: bytes,
+    now_ms: int,
+) -> bytes:
+    """The header value for a request forwarded from ``origin`` to ``destination`` with this
+    ``Authorization`` header; ``b"1"`` without keys (it still stops a second forward, and the
+    receiving edge charges the tenant again)."""
     if not keys:
         return b"1"
     kid, key = next(iter(keys.items()))
-    return f"v1.{region}.{now_ms}.{kid}.{_mac(key, region, now_ms, body)}".encode()
+    nonce = secrets.token_hex(16)
+    mac = _mac(key, origin, destination, authorization, nonce, now_ms, body)
+    return f"v2.{origin}.{destination}.{nonce}.{now_ms}.{kid}.{mac}".encode()
 
 
-def verify_hop(keys: Mapping[str, bytes], value: bytes, body: bytes, now_ms: int) -> str | None:
-    """The origin region of a validly signed, fresh hop for this body; else None."""
-    try:
-        version, region, ts_text, kid, mac = value.decode("ascii").split(".")
-        ts_ms = int(ts_text)
-    except (UnicodeDecodeError, ValueError):
-        return None
-    key = keys.get(kid)
-    if version != "v1" or key is None or abs(now_ms - ts_ms) > MAX_AGE_MS:
-        return None
-    if not hmac.compare_digest(mac, _mac(key, region, ts_ms, body)):
-        return None
-    return region
+def _wall_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+class HopVerifier:
+    """Verifies hop values addressed to ``region``, each value at most once.
+
+    The nonce of an accepted value is remembered until the value expires (:data:`MAX_AGE_MS`
+    after its time). Only a value whose MAC verifies adds one, so a client adds none (a
+    replayed value is refused before it is added); fellow edges add one per forward. At
+    ``max_nonces`` the oldest nonce is dropped early and the time of every value accepted from
+    then on must be above the dropped one's, so a dropped nonce can still never be replayed:
+    what the cap costs under a flood is that a hop older than that is charged again.
+    """
+
+    def __init__(
+        self,
+        keys: Mapping[str, bytes],
+        region: str,
+        clock: Callable[[], int] = _wall_ms,
+        max_nonces: int = MAX_NONCES,
+    ) -> None:
+        self.keys = keys
+        self.region = region
+        self.clock = clock
+        self.max_nonces = max_nonces
+        #: nonce -> unix ms when its value expires, in the order accepted.
+        self._seen: OrderedDict[str, int] = OrderedDict()
+        #: Values at or below this time are refused (their nonce may have been dropped).
+        self._floor_ms = -1
+
+    def __len__(self) -> int:
+        return len(self._seen)
+
+    def verify(self, value: bytes, body: bytes, authorization: bytes | None) -> str | None:
+        """The origin region of a valid, fresh, first-seen hop addressed to this region for
+        this ``Authorization`` header and body; else None (charge the request as usual)."""
+        try:
+            head, mac = value.decode("ascii").rsplit(".", 1)
+            version, origin, destination, nonce, ts_text, kid = head.split(".", 5)
+            ts_ms = int(ts_text)
+        except (UnicodeDecodeError, ValueError):
+            return None
+        now = self.clock()
+        key = self.keys.get(kid)
+        if (
+            version != "v2"
+            or key is None
+            or destination != self.region
+            or abs(now - ts_ms) > MAX_AGE_MS
+            or ts_ms <= self._floor_ms
+        ):
+            return None
+        expected = _mac(key, origin, destination, authorization, nonce, ts_ms, body)
+        if not hmac.compare_digest(mac, expected):
+            return None
+        seen = self._seen
+        while seen and next(iter(seen.values())) < now:
+            seen.popitem(last=False)
+        if nonce in seen:
+            return None
+        if len(seen) >= self.max_nonces:
+            _, expires = seen.popitem(last=False)
+            self._floor_ms = max(self._floor_ms, expires - MAX_AGE_MS)
+        seen[nonce] = ts_ms + MAX_AGE_MS
+        return origin

@@ -15,8 +15,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpx
+import orjson
 import pytest
 
+from regions.edge.hop import hop_keys, sign_hop
+from regions.tables.signing import parse_key_ring
 from tests.integration.test_edge_support import (
     EdgeProc,
     Engine,
@@ -46,7 +49,7 @@ TENANTS = [
         "requests_per_s": 0.5,
     },
 ]
-#: Both edges sign and verify forwarded requests with it (``--hop-keys``).
+#: Both edges sign and verify forwarded requests with it (``--hop-keys-file``).
 HOP_KEYS = "h2=hop-secret-new,h1=hop-secret-old"
 
 
@@ -63,6 +66,8 @@ class Fed:
 @pytest.fixture(scope="module")
 def fed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fed]:
     tmp = tmp_path_factory.mktemp("spill")
+    hop_file = tmp / "hop-keys"
+    hop_file.write_text(HOP_KEYS)
     procs = []
     try:
         e1 = spawn_engine(tmp, "e1", "--token-delay", "0.3", "--tokens", "4")
@@ -74,7 +79,7 @@ def fed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fed]:
         (tmp / "r2").mkdir()
         t2 = table_doc("r2", 1, [instance(e2), instance(q2, model="qwen")])
         t2["tenants"] = TENANTS
-        r2 = start_edge(tmp / "r2", t2, "--hop-keys", HOP_KEYS)
+        r2 = start_edge(tmp / "r2", t2, "--hop-keys-file", str(hop_file))
         procs.append(r2.proc)
         (tmp / "r1").mkdir()
         t1 = table_doc("r1", 1, [instance(e1, max_concurrency=1)])
@@ -83,7 +88,7 @@ def fed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fed]:
             {"code": "r2", "edge_url": r2.url, "rtt_ms": 5, "models": ["llama", "qwen"],
              "headroom": 0.5}
         ]  # fmt: skip
-        r1 = start_edge(tmp / "r1", t1, "--queue-size", "0", "--hop-keys", HOP_KEYS)
+        r1 = start_edge(tmp / "r1", t1, "--queue-size", "0", "--hop-keys-file", str(hop_file))
         procs.append(r1.proc)
         yield Fed(r1, r2, e1, e2, q2, t1)
     finally:
@@ -193,7 +198,27 @@ def test_a_spilled_request_is_rate_charged_once_where_it_entered(fed: Fed) -> No
     r = chat(fed.r1.url, "fi_metered", "qwen")
     assert r.status_code == 200, r.text
     assert route_of(r.headers)["remote_from"] == "r1"
-    # A client cannot claim to be a hop: a forged or replayed value is charged as usual.
-    forged = f"v1.r1.{int(time.time() * 1000)}.h2.{'0' * 64}"
+    # A client cannot claim to be a hop: a forged value is charged as usual.
+    forged = f"v2.r1.r2.{'0' * 32}.{int(time.time() * 1000)}.h2.{'0' * 64}"
     r = chat(fed.r2.url, "fi_metered", **{"x-fedinfer-hop": forged})
     assert r.status_code == 429, r.text
+    # A genuine value (as r1 signs it) is taken once at r2; captured and sent again, to another
+    # region or with another tenant's key, it is charged as usual.
+    keys = hop_keys(parse_key_ring(HOP_KEYS))
+    body = orjson.dumps({"model": "llama", "messages": [{"role": "user", "content": "hi"}]})
+    auth = b"Bearer fi_metered"
+
+    def hop(dest: str, signed_auth: bytes = auth) -> bytes:
+        return sign_hop(keys, "r1", dest, signed_auth, body, int(time.time() * 1000))
+
+    def post(value: bytes) -> int:
+        headers = {"Authorization": auth.decode(), "x-fedinfer-hop": value.decode()}
+        headers["Content-Type"] = "application/json"
+        url = fed.r2.url + "/v1/chat/completions"
+        return httpx.post(url, content=body, headers=headers, timeout=15).status_code
+
+    captured = hop("r2")
+    assert post(captured) == 200
+    assert post(captured) == 429
+    assert post(hop("r3")) == 429
+    assert post(hop("r2", b"Bearer fi_any")) == 429
