@@ -2,13 +2,15 @@
 
 Low rate, off the hot path: httpx (async) long-polls ``GET /api/v1/edges/{region}/routing-table
 ?wait=25`` with ``If-None-Match``; every document is checked with
-:func:`regions.tables.signing.verify` against the key ring and must be for this region with a
+:func:`regions.tables.signing.verify` against the key ring, must list its tenants (``tenants:
+null`` turns admission off, which only file mode may do) and must be for this region with a
 version above the one in use, else it is refused (log + ``fedinfer_edge_table_rejections``)
-and the old table keeps serving. A good table is applied in one synchronous step and then
-persisted (temporary file, fsync, rename, fsync of the folder), so the edge starts from it when
-the control plane is down (static stability). Errors back off exponentially with full jitter.
-Heartbeats report the applied version and each instance's health and load
-(``docs/distribution.md``). See ``docs/edge-federation.md``.
+and the old table keeps serving. At start, a control-plane table older than the persisted one
+is refused too (a rollback, or a control plane restored from an old backup). A good table is
+applied in one synchronous step and then persisted (temporary file, fsync, rename, fsync of the
+folder), so the edge starts from it when the control plane is down (static stability). Errors
+back off exponentially with full jitter. Heartbeats report the applied version and each
+instance's health and load (``docs/distribution.md``). See ``docs/edge-federation.md``.
 """
 
 from __future__ import annotations
@@ -72,8 +74,17 @@ def backoff_delay(attempt: int, base_s: float, max_s: float, rand: Callable[[], 
 def accept_table(
     data: bytes, keys: Mapping[str, str], current: RoutingTable | None, *, region: str
 ) -> RoutingTable:
-    """Verify the signature, decode strictly, and check it may replace ``current``."""
+    """Verify the signature, decode strictly, and check it may replace ``current``.
+
+    A table without a tenant list is refused: it would accept any API key, and one slip of the
+    control plane (or a document signed before admission existed) must not open the region.
+    """
     table = verify(data, keys)
+    if table.tenants is None:
+        raise TableError(
+            "table has no tenant list (tenants: null, admission off): only file mode may "
+            "serve without admission"
+        )
     check_successor(current, table, region=region)
     return table
 
@@ -120,7 +131,9 @@ def initial_table(
 ) -> RoutingTable:
     """The table to start with: the control plane's if it answers, else the persisted one.
 
-    Without a persisted table the control plane is retried (backoff with jitter) for up to
+    A control-plane table older than the persisted one is refused with a warning and the
+    persisted one used: versions never go back, whoever serves the old document. Without a
+    persisted table the control plane is retried (backoff with jitter) for up to
     ``initial_timeout_s``; then :class:`TableError` (there is nothing to serve).
     """
     persisted = load_persisted(cfg.persisted_path, cfg.keys, region=region)
@@ -139,12 +152,20 @@ def initial_table(
             else:
                 if resp.status_code == 200:
                     try:
-                        table = accept_table(resp.content, cfg.keys, persisted, region=region)
+                        table = accept_table(resp.content, cfg.keys, None, region=region)
                     except TableError as exc:
                         problem = f"table refused: {exc}"
                     else:
-                        persist_table(cfg.persisted_path, resp.content)
-                        return table
+                        if persisted is None or table.version > persisted.version:
+                            persist_table(cfg.persisted_path, resp.content)
+                            return table
+                        if table.version == persisted.version:
+                            return persisted
+                        problem = (
+                            f"table refused: the control plane's version {table.version} is "
+                            f"older than the persisted {persisted.version} (a rollback, or a "
+                            "stale control plane)"
+                        )
                 elif resp.status_code == 304 and persisted is not None:
                     return persisted
                 elif resp.status_code in (401, 403, 404):

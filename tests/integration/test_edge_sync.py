@@ -8,6 +8,7 @@ table, persist, start from the persisted table while the control plane is down.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import subprocess
 import sys
@@ -79,6 +80,16 @@ web.run_app(app, host="127.0.0.1", port=int(sys.argv[1]), print=None)
 """
 
 KEY = "table-key-1"
+API_KEY = "fi_synced"
+#: A control-plane table always lists its tenants (``tenants: null`` is for file mode only).
+TENANTS = [
+    {"tenant": "t", "key_hashes": [hashlib.sha256(API_KEY.encode()).hexdigest()],
+     "allowed_regions": ["r1"]}
+]  # fmt: skip
+
+
+def cp_doc(region: str, version: int, instances: list[dict[str, Any]]) -> dict[str, Any]:
+    return {**table_doc(region, version, instances), "tenants": TENANTS}
 
 
 def signed(doc: dict[str, Any], key: str = KEY) -> bytes:
@@ -108,9 +119,11 @@ class ControlPlane:
 def start_synced_edge(tmp: Path, cp_url: str, state: Path, port: int) -> subprocess.Popen[bytes]:
     cred = tmp / "cred"
     cred.write_text("fe_secret\n")
+    keys = tmp / "table-keys"
+    keys.write_text(f"k0=old\nk1={KEY}\n")
     fedinfer = str(Path(sys.executable).parent / "fedinfer")
     cmd = [fedinfer, "edge", "--region", "r1", "--control-plane", cp_url]
-    cmd += ["--credential-file", str(cred), "--table-keys", f"k0=old,k1={KEY}"]
+    cmd += ["--credential-file", str(cred), "--table-keys-file", str(keys)]
     cmd += ["--state-dir", str(state), "--edge-name", "edge-r1", "--heartbeat-interval", "0.3"]
     cmd += ["--initial-timeout", "10", "--port", str(port), "--probe-interval", "0.2"]
     cmd += ["--scrape-interval", "0.2", "--log-level", "warning"]
@@ -142,6 +155,7 @@ def chat(port: int) -> httpx.Response:
     return httpx.post(
         f"http://127.0.0.1:{port}/v1/chat/completions",
         json={"model": "llama", "messages": [{"role": "user", "content": "hi"}]},
+        headers={"Authorization": f"Bearer {API_KEY}"},
         timeout=10,
     )
 
@@ -162,7 +176,7 @@ def test_edge_syncs_verifies_persists_and_survives_the_control_plane(
     wait_http(engine.url + "/health", proc=engine.proc)
     cp = ControlPlane(tmp_path)
     procs.append(cp.proc)
-    cp.publish(signed(table_doc("r1", 1, [instance(engine)])))
+    cp.publish(signed(cp_doc("r1", 1, [instance(engine)])))
     state = tmp_path / "state"
     port = free_port()
     edge = start_synced_edge(tmp_path, cp.url, state, port)
@@ -175,19 +189,24 @@ def test_edge_syncs_verifies_persists_and_survives_the_control_plane(
 
     # A new version reaches the waiting long-poll quickly.
     t0 = time.monotonic()
-    cp.publish(signed(table_doc("r1", 2, [instance(engine)])))
+    cp.publish(signed(cp_doc("r1", 2, [instance(engine)])))
     wait_for(lambda: healthz(port)["table_version"] == 2, 5)
     applied_s = time.monotonic() - t0
     assert applied_s < 1.0, applied_s
 
-    # Tampered (signed, then changed), foreign region, and backwards versions are refused.
-    tampered = orjson.loads(signed(table_doc("r1", 3, [instance(engine)])))
+    # Tampered (signed, then changed), foreign region, admission off and backwards versions are
+    # refused.
+    tampered = orjson.loads(signed(cp_doc("r1", 3, [instance(engine)])))
     tampered["instances"][0]["url"] = "http://127.0.0.1:1"
     cp.publish(orjson.dumps(tampered))
     wait_for(lambda: "tampered" in healthz(port)["sync_error"] or _rejections(port) >= 1, 5)
     assert healthz(port)["table_version"] == 2
-    cp.publish(signed(table_doc("r2", 4, [instance(engine)])))
+    cp.publish(signed(cp_doc("r2", 4, [instance(engine)])))
     wait_for(lambda: _rejections(port) >= 2, 5)
+    assert healthz(port)["table_version"] == 2
+    cp.publish(signed(table_doc("r1", 5, [instance(engine)])))  # tenants: null
+    edge_log = tmp_path / f"edge-{port}.log"
+    wait_for(lambda: b"no tenant list" in edge_log.read_bytes(), 10)
     assert healthz(port)["table_version"] == 2
     assert chat(port).status_code == 200
 
@@ -211,16 +230,19 @@ def test_edge_syncs_verifies_persists_and_survives_the_control_plane(
     # ... and picks the control plane up again when it is back.
     cp2 = ControlPlane(tmp_path, cp.port)
     procs.append(cp2.proc)
-    cp2.publish(signed(table_doc("r1", 5, [instance(engine)])))
-    wait_for(lambda: healthz(port2)["table_version"] == 5, 15)
+    cp2.publish(signed(cp_doc("r1", 6, [instance(engine)])))
+    wait_for(lambda: healthz(port2)["table_version"] == 6, 15)
 
 
 def test_first_start_without_control_plane_or_saved_table_fails_loudly(tmp_path: Path) -> None:
     cred = tmp_path / "cred"
     cred.write_text("fe_secret")
+    keys = tmp_path / "table-keys"
+    keys.write_text("k1=x")
     fedinfer = str(Path(sys.executable).parent / "fedinfer")
     cmd = [fedinfer, "edge", "--region", "r1", "--control-plane", f"http://127.0.0.1:{free_port()}"]
-    cmd += ["--credential-file", str(cred), "--table-keys", "k1=x", "--initial-timeout", "1"]
+    cmd += ["--credential-file", str(cred), "--table-keys-file", str(keys)]
+    cmd += ["--initial-timeout", "1"]
     cmd += ["--state-dir", str(tmp_path / "s"), "--port", str(free_port())]
     out = subprocess.run(cmd, capture_output=True, timeout=30, check=False)
     assert out.returncode != 0
