@@ -363,7 +363,11 @@ def run(
         wait_http(f"http://127.0.0.1:{engine_ports[-1]}/health", engines)
         # Any answer below 500 (401 without credentials) means the control plane is up.
         wait_http(api + "/api/v1/", serve, 60.0, ready=lambda status: status < 500)
-        ring = f"{settings.FEDINFER_TABLE_SIGNING_KEY_ID}={settings.FEDINFER_TABLE_SIGNING_KEY}"
+        ring = VAR / "federation-logs" / "table-keys"
+        ring.write_text(
+            f"{settings.FEDINFER_TABLE_SIGNING_KEY_ID}={settings.FEDINFER_TABLE_SIGNING_KEY}"
+        )
+        ring.chmod(0o600)
         edges = {}
         for code, port in zip(codes, edge_ports, strict=True):
             cred = VAR / "federation-logs" / f"cred-{code}"
@@ -372,7 +376,7 @@ def run(
                 f"edge-{code}",
                 fedinfer_argv(
                     "edge", "--region", code, "--control-plane", api, "--credential-file",
-                    str(cred), "--table-keys", ring, "--edge-name", f"edge-{code}",
+                    str(cred), "--table-keys-file", str(ring), "--edge-name", f"edge-{code}",
                     "--state-dir", str(VAR / "federation-logs" / f"state-{code}"),
                     "--port", str(port), "--heartbeat-interval", "1", "--log-level", "warning",
                 ),

@@ -23,7 +23,9 @@ log = logging.getLogger("fedinfer.edge")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="fedinfer edge", description=__doc__)
+    # No abbreviations: an old ``--table-keys SECRET`` must not be taken for ``--table-keys-file``
+    # (and its secret printed in the error).
+    p = argparse.ArgumentParser(prog="fedinfer edge", description=__doc__, allow_abbrev=False)
     p.add_argument("--region", required=True, help="region code this edge serves")
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--table", type=Path, help="routing-table JSON document (file mode)")
@@ -32,12 +34,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--credential-file", type=Path, help="file holding this edge's credential")
     p.add_argument(
-        "--table-keys",
-        help="table verification key ring 'k1=key,k0=old' (default: $FEDINFER_TABLE_KEYS)",
+        "--table-keys-file",
+        type=Path,
+        help="file holding the table verification key ring 'k1=key,k0=old' (commas or one "
+        "entry a line; default: $FEDINFER_TABLE_KEYS)",
     )
     p.add_argument(
-        "--hop-keys",
-        help="key ring 'k1=key,k0=old' that signs and verifies requests forwarded between "
+        "--hop-keys-file",
+        type=Path,
+        help="file holding the key ring that signs and verifies requests forwarded between "
         "edges, so a spilled request is rate-charged once (default: $FEDINFER_HOP_KEYS, else "
         "the table key ring in control-plane mode)",
     )
@@ -106,10 +111,24 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def ring_text(path: Path | None, env: str) -> str:
+    """A key ring from ``path`` (commas or one entry a line), else from ``$env``: never from
+    argv, which any local user sees in the process list."""
+    if path is None:
+        return os.environ.get(env, "")
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ValueError(f"cannot read key ring file {path}: {exc}") from exc
+    if not text.strip():
+        raise ValueError(f"key ring file {path} is empty")
+    return text.replace("\n", ",")
+
+
 def sync_from_args(opts: argparse.Namespace) -> SyncConfig | None:
     """Control-plane mode settings; a missing or malformed one is a clear error."""
     if opts.control_plane is None:
-        for flag in ("credential_file", "table_keys", "edge_name"):
+        for flag in ("credential_file", "table_keys_file", "edge_name"):
             if getattr(opts, flag) is not None:
                 raise ValueError(f"--{flag.replace('_', '-')} needs --control-plane")
         return None
@@ -121,10 +140,9 @@ def sync_from_args(opts: argparse.Namespace) -> SyncConfig | None:
         raise ValueError(f"cannot read credential file {opts.credential_file}: {exc}") from exc
     if not credential:
         raise ValueError(f"credential file {opts.credential_file} is empty")
-    ring_text = opts.table_keys or os.environ.get("FEDINFER_TABLE_KEYS", "")
-    keys = parse_key_ring(ring_text)
+    keys = parse_key_ring(ring_text(opts.table_keys_file, "FEDINFER_TABLE_KEYS"))
     if not keys:
-        raise ValueError("--control-plane needs --table-keys (or $FEDINFER_TABLE_KEYS)")
+        raise ValueError("--control-plane needs --table-keys-file (or $FEDINFER_TABLE_KEYS)")
     if not 0 <= opts.sync_wait <= 30:
         raise ValueError("--sync-wait must be 0..30")
     return SyncConfig(
@@ -141,8 +159,8 @@ def sync_from_args(opts: argparse.Namespace) -> SyncConfig | None:
 
 def config_from_args(opts: argparse.Namespace) -> EdgeConfig:
     sync = sync_from_args(opts)
-    ring_text = opts.hop_keys or os.environ.get("FEDINFER_HOP_KEYS", "")
-    ring = parse_key_ring(ring_text) if ring_text else (dict(sync.keys) if sync else {})
+    hop_text = ring_text(opts.hop_keys_file, "FEDINFER_HOP_KEYS")
+    ring = parse_key_ring(hop_text) if hop_text else (dict(sync.keys) if sync else {})
     return EdgeConfig(
         region=opts.region,
         table_path=opts.table,

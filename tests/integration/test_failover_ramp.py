@@ -296,12 +296,16 @@ def test_a_region_coming_back_gets_its_traffic_back_gradually(
             return False
 
     wait_until(lambda: up(cp + "/api/v1/"), 30, "serve")
-    ring = f"{settings.FEDINFER_TABLE_SIGNING_KEY_ID}={settings.FEDINFER_TABLE_SIGNING_KEY}"
+    ring = procs.tmp / "table-keys"
+    ring.write_text(
+        f"{settings.FEDINFER_TABLE_SIGNING_KEY_ID}={settings.FEDINFER_TABLE_SIGNING_KEY}"
+    )
     for code in codes:
         cred = procs.tmp / f"cred-{code}"
         cred.write_text(credentials[code])
         cmd = [FEDINFER, "edge", "--region", code, "--control-plane", cp]
-        cmd += ["--credential-file", str(cred), "--table-keys", ring, "--edge-name", f"edge-{code}"]
+        cmd += ["--credential-file", str(cred), "--table-keys-file", str(ring)]
+        cmd += ["--edge-name", f"edge-{code}"]
         cmd += ["--state-dir", str(procs.tmp / f"state-{code}"), "--port", str(edge_ports[code])]
         cmd += ["--heartbeat-interval", "0.5", "--probe-interval", "0.2"]
         cmd += ["--scrape-interval", "0.2", "--initial-timeout", "10", "--log-level", "warning"]

@@ -165,14 +165,18 @@ def test_three_regions_federated(procs: Procs, admin_client: APIClient) -> None:
     )
     wait_until(lambda: httpx.get(cp + "/api/v1/", timeout=1).status_code < 500, 30, "serve")
 
-    ring = f"{settings.FEDINFER_TABLE_SIGNING_KEY_ID}={settings.FEDINFER_TABLE_SIGNING_KEY}"
+    ring = procs.tmp / "table-keys"
+    ring.write_text(
+        f"{settings.FEDINFER_TABLE_SIGNING_KEY_ID}={settings.FEDINFER_TABLE_SIGNING_KEY}"
+    )
     edges = {c: f"http://127.0.0.1:{edge_ports[c]}" for c in codes}
 
     def start_edge(code: str) -> subprocess.Popen[bytes]:
         cred = procs.tmp / f"cred-{code}"
         cred.write_text(credentials[code])
         cmd = [FEDINFER, "edge", "--region", code, "--control-plane", cp]
-        cmd += ["--credential-file", str(cred), "--table-keys", ring, "--edge-name", f"edge-{code}"]
+        cmd += ["--credential-file", str(cred), "--table-keys-file", str(ring)]
+        cmd += ["--edge-name", f"edge-{code}"]
         cmd += ["--state-dir", str(procs.tmp / f"state-{code}"), "--port", str(edge_ports[code])]
         cmd += [
             "--heartbeat-interval",
@@ -311,7 +315,7 @@ def test_three_regions_federated(procs: Procs, admin_client: APIClient) -> None:
     cred = procs.tmp / "cred-us-west"
     out = subprocess.run(
         [FEDINFER, "edge", "--region", "us-west", "--control-plane", cp, "--credential-file",
-         str(cred), "--table-keys", ring, "--state-dir", str(persisted.parent),
+         str(cred), "--table-keys-file", str(ring), "--state-dir", str(persisted.parent),
          "--port", str(free_port()), "--initial-timeout", "1"],
         capture_output=True, timeout=30, check=False, env=env(),
     )  # fmt: skip
