@@ -176,13 +176,13 @@ class Admission:
             )
         return state
 
-    def check(self, state: TenantState, model: str, prompt_tokens: int, now: float) -> None:
+    def check(self, state: TenantState, model: str, cost_tokens: int, now: float) -> None:
         """Budget, model residency and rate limits for one request; raises :class:`EdgeError`.
 
         ``now`` is monotonic seconds. Nothing is taken from a bucket unless both fit.
         """
         self.policy(state, model)
-        self.rate(state, prompt_tokens, now)
+        self.rate(state, cost_tokens, now)
 
     def policy(self, state: TenantState, model: str) -> None:
         """Budget and the table's residency refusal of ``model`` (403s)."""
@@ -205,12 +205,17 @@ class Admission:
                     "model",
                 )
 
-    def rate(self, state: TenantState, prompt_tokens: int, now: float) -> None:
-        """Both token buckets, or 429 with ``Retry-After`` (nothing taken then)."""
+    def rate(self, state: TenantState, cost_tokens: int, now: float) -> None:
+        """Both token buckets, or 429 with ``Retry-After`` (nothing taken then).
+
+        ``cost_tokens`` is what the request can cost (``ParsedRequest.cost_tokens``: prompt
+        estimate plus every choice's output limit), so a client cannot buy a thousand-token
+        answer at the price of a ten-token prompt; :meth:`settle` gives back what it did not use.
+        """
         requests, tokens = state.requests, state.tokens
         wait = requests.wait_for(1.0, now) if requests is not None else 0.0
         if tokens is not None:
-            wait = max(wait, tokens.wait_for(float(prompt_tokens), now))
+            wait = max(wait, tokens.wait_for(float(cost_tokens), now))
         if wait > 0:
             raise EdgeError(
                 429,
@@ -221,4 +226,13 @@ class Admission:
         if requests is not None:
             requests.take(1.0)
         if tokens is not None:
-            tokens.take(float(prompt_tokens))
+            tokens.take(float(cost_tokens))
+
+    @staticmethod
+    def settle(state: TenantState, charged: int, used: int) -> None:
+        """Reconcile an up-front charge with the engine's usage (prompt + completion tokens):
+        the unused part goes back to the bucket (never above its capacity); usage above the
+        charge (an estimate that fell short) is taken as debt."""
+        tokens = state.tokens
+        if tokens is not None:
+            tokens.level = min(tokens.capacity, tokens.level + (charged - used))

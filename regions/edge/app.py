@@ -22,6 +22,7 @@ from typing import Any
 
 import httpx
 import orjson
+import xxhash
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from regions.edge import disagg
@@ -29,7 +30,7 @@ from regions.edge.admission import Admission, TenantState
 from regions.edge.attempt import Attempt
 from regions.edge.errors import EdgeError, UpstreamFailure, sse_error_event
 from regions.edge.health import HealthBoard, HealthConfig, probe_loop
-from regions.edge.hop import HOP_HEADER, sign_hop, verify_hop
+from regions.edge.hop import HOP_HEADER, HopVerifier, sign_hop
 from regions.edge.kv_events import KvEventHub
 from regions.edge.load import LoadBoard, scrape_loop
 from regions.edge.observability import (
@@ -125,12 +126,14 @@ class _Exchange:
     the response is complete, which must not cancel the request's bookkeeping.
     """
 
-    __slots__ = ("complete", "disconnected", "sent")
+    __slots__ = ("complete", "disconnected", "sent", "used_tokens")
 
     def __init__(self) -> None:
         self.disconnected = False
         self.sent = False
         self.complete = False
+        #: Prompt + completion tokens the engine reported (None: unknown, e.g. a cut stream).
+        self.used_tokens: int | None = None
 
 
 class _Waiter:
@@ -200,7 +203,9 @@ class Edge:
         self.health = HealthBoard(cfg.health, on_eject=self._on_eject)
         self.loads = LoadBoard(cfg.scrape_timeout_s)
         self.prefix = PrefixIndex(cfg.prefix_capacity, cfg.prefix_ttl_s)
-        self.sessions: OrderedDict[str, str] = OrderedDict()
+        #: Session key (:func:`_session_key`) → instance; at most ``session_capacity`` entries
+        #: of a fixed size, whatever the clients send.
+        self.sessions: OrderedDict[int, str] = OrderedDict()
         self.block_tokens = cfg.block_bytes / cfg.bytes_per_token
         self.kv_events = KvEventHub(self.prefix, self.block_tokens, self.metrics.registry)
         self.turn = 0
@@ -218,6 +223,7 @@ class Edge:
         self.instances: dict[str, Instance] = {}
         self.models_body = b""
         self.admission = Admission(cfg.region, cfg.rate_burst_s)
+        self.hops = HopVerifier(cfg.hop_keys, cfg.region)
         self.spill: dict[str, tuple[Remote, ...]] = {}
         self._apply_table(table)
         self.sync = TableSync(cfg.sync, cfg.region, self) if cfg.sync is not None else None
@@ -546,6 +552,7 @@ class Edge:
         hopped = hop is not None
         admission = self.admission
         tenant: TenantState | None = None
+        charged = 0
         spill: _Spill | None = None
         remote_only: list[Remote] | None = None
         try:
@@ -555,6 +562,15 @@ class Edge:
             raw = await self._read_body(scope, receive)
             req = parse_request(raw, chat=chat, bytes_per_token=self.cfg.bytes_per_token)
             model = req.model
+            session = session_hdr if session_hdr is not None else _user_bytes(req.user)
+            if session is not None and len(session) > MAX_SESSION_ID_BYTES:
+                raise EdgeError(
+                    400,
+                    f"session ids (x-session-id, or the body's 'user') may be at most "
+                    f"{MAX_SESSION_ID_BYTES} bytes",
+                    "invalid_session_id",
+                    "user" if session_hdr is None else None,
+                )
             if tenant is not None:
                 admission.policy(tenant, model)
             allowed = tenant.allowed if tenant is not None else None
@@ -563,8 +579,7 @@ class Edge:
             local_ok = tenant is None or tenant.local_allowed
             point = 0.0
             if self.ramping and remotes:
-                user = req.user.encode() if req.user is not None else raw
-                point = ramp_point(session_hdr if session_hdr is not None else user)
+                point = ramp_point(session if session is not None else raw)
             if not local_ok or model not in self.by_model:
                 remote_only = eligible_remotes(remotes, allowed, None, 0.0, point)
                 if not remote_only:
@@ -582,9 +597,10 @@ class Edge:
                     spill = _Spill(remotes, allowed, authorization, session_hdr, point)
             # Charged where it entered: a hop signed by a fellow edge was charged there.
             if tenant is not None and not (
-                hop is not None and verify_hop(self.cfg.hop_keys, hop, raw, _now_ms()) is not None
+                hop is not None and self.hops.verify(hop, raw, authorization) is not None
             ):
-                admission.rate(tenant, req.prompt_tokens, time.monotonic())
+                admission.rate(tenant, req.cost_tokens, time.monotonic())
+                charged = req.cost_tokens
         except EdgeError as err:
             self.metrics.count("", "", err.status)
             await self._error(send, err)
@@ -592,7 +608,11 @@ class Edge:
         except _ClientGone:
             return
 
-        session_id = session_hdr.decode("latin-1") if session_hdr is not None else req.user
+        session_key = (
+            _session_key(tenant.slug if tenant is not None else "", model, session)
+            if session is not None
+            else None
+        )
         _, traceparent = child_traceparent(incoming_trace)
         if remote_only is not None:
             if model not in self.by_model:
@@ -611,10 +631,10 @@ class Edge:
                 if not await self._spill_over(
                     remote_only, why, spill, req, traceparent, arrived, 0.0, ex, send, ramp
                 ):
-                    await self._route_and_forward(req, session_id, traceparent, arrived, ex, send)
+                    await self._route_and_forward(req, session_key, traceparent, arrived, ex, send)
             else:
                 await self._route_and_forward(
-                    req, session_id, traceparent, arrived, ex, send, spill
+                    req, session_key, traceparent, arrived, ex, send, spill
                 )
         except asyncio.CancelledError:
             if not ex.disconnected or task is None:
@@ -623,6 +643,8 @@ class Edge:
             self.metrics.count(req.model, "", 499)
         finally:
             watcher.cancel()
+            if charged and tenant is not None and ex.used_tokens is not None:
+                admission.settle(tenant, charged, ex.used_tokens)
 
     def _candidates(
         self, model: str, hashes: list[int], now: float, own_target: str | None = None
@@ -794,7 +816,7 @@ class Edge:
                 if waiter.fut is not None and not waiter.fut.done():
                     waiter.fut.set_result(None)
 
-    def _remember_session(self, key: str, instance: str) -> None:
+    def _remember_session(self, key: int, instance: str) -> None:
         sessions = self.sessions
         if sessions.get(key) != instance:
             sessions[key] = instance
@@ -805,7 +827,7 @@ class Edge:
     async def _route_and_forward(
         self,
         req: ParsedRequest,
-        session_id: str | None,
+        session_key: int | None,
         traceparent: str,
         arrived: float,
         ex: _Exchange,
@@ -820,7 +842,6 @@ class Edge:
         # P/D disaggregation (disagg.py): prefill and decode instances serve it in two hops.
         if await disagg.serve(self, req, hashes, traceparent, arrived, ex, send):
             return
-        session_key = f"{model}\0{session_id}" if session_id is not None else None
         sticky = self.sessions.get(session_key) if session_key is not None else None
         exclude: frozenset[str] = frozenset()
         queue_s = 0.0
@@ -924,8 +945,7 @@ class Edge:
         """
         assert self._http is not None, "edge not started"
         path = _CHAT if req.chat else _COMPLETIONS
-        hop = sign_hop(self.cfg.hop_keys, self.cfg.region, req.body, _now_ms())
-        headers = [(b"traceparent", traceparent.encode()), (HOP_HEADER, hop)]
+        headers = [(b"traceparent", traceparent.encode())]
         if spill.authorization is not None:
             headers.append((b"authorization", spill.authorization))
         if spill.session is not None:
@@ -934,9 +954,20 @@ class Edge:
         tries = targets[: self.cfg.max_retries + 1]
         for remote in tries:
             self.metrics.spills.labels(remote.code, why).inc()
+            # Signed for this remote (and this try): a value is good at one region, once.
+            hop = sign_hop(
+                self.cfg.hop_keys,
+                self.cfg.region,
+                remote.code,
+                spill.authorization,
+                req.body,
+                _now_ms(),
+            )
             t0 = time.perf_counter()
             try:
-                resp = await self._http.post(remote.edge_url, path, req.body, headers)
+                resp = await self._http.post(
+                    remote.edge_url, path, req.body, [*headers, (HOP_HEADER, hop)]
+                )
             except UpstreamError as exc:
                 failures.append(f"{remote.code}: {exc}")
                 continue
@@ -1041,6 +1072,9 @@ class Edge:
         else:
             ex.complete = True
             await send({"type": "http.response.body", "body": first})
+            prompt, _, completion = body_usage(first)
+            if prompt is not None and completion is not None:
+                ex.used_tokens = prompt + completion
         self.metrics.count(req.model, f"remote:{remote.code}", resp.status)
 
     async def _no_capacity(
@@ -1154,7 +1188,9 @@ class Edge:
             clean = True
             if status == 200:
                 self.health.success(inst.id)
-                prompt, cached = body_usage(body)
+                prompt, cached, completion = body_usage(body)
+                if prompt is not None and completion is not None:
+                    ex.used_tokens = prompt + completion
                 self._record(req, decision, inst.id, status, ttft, prompt, cached, arrived)
             else:
                 self._record(req, decision, inst.id, status, None, None, None, arrived)
@@ -1239,6 +1275,8 @@ class Edge:
             return False
         ex.complete = True
         await send({"type": "http.response.body", "body": tap.pending})
+        if tap.prompt_tokens is not None and tap.completion_tokens is not None:
+            ex.used_tokens = tap.prompt_tokens + tap.completion_tokens
         self.health.success(inst.id)
         self._record(
             req, decision, inst.id, 200, ttft, tap.prompt_tokens, tap.cached_tokens, arrived
@@ -1267,6 +1305,21 @@ class Edge:
             series.actual_cached += cached
         if prompt is not None:
             series.prompt_tokens += prompt
+
+
+#: Longer session ids (``x-session-id`` or the body's ``user``) are refused: they are hashed to
+#: a fixed-size key, but a bound keeps what a client may make the edge hash and forward small.
+MAX_SESSION_ID_BYTES = 256
+
+
+def _user_bytes(user: str | None) -> bytes | None:
+    return user.encode() if user is not None else None
+
+
+def _session_key(tenant: str, model: str, session: bytes) -> int:
+    """A fixed-size key per (tenant, model, session id): one tenant's session ids never pin
+    another tenant's requests, and no client-sized string is kept in the session map."""
+    return xxhash.xxh3_64_intdigest(b"%b\0%b\0%b" % (tenant.encode(), model.encode(), session))
 
 
 def _now_ms() -> int:

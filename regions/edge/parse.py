@@ -16,13 +16,33 @@ import orjson
 
 from regions.edge.errors import EdgeError
 
+#: Body fields only the edge may set: vLLM's P/D and encoder-cache transfer handles (a client
+#: value would point an engine at another request's KV blocks), engine plugin arguments,
+#: scheduling priority (one tenant jumping every other tenant's queue) and the engine's request
+#: id (a client-chosen id can collide with another tenant's request inside the engine).
+EDGE_ONLY_FIELDS = (
+    "kv_transfer_params",
+    "ec_transfer_params",
+    "vllm_xargs",
+    "priority",
+    "request_id",
+)
+#: Prompt tokens charged per image, audio or video part: the edge cannot see what the engine's
+#: processor makes of it, so it charges a typical vision-encoder count and reconciles later.
+MEDIA_PART_TOKENS = 1024
+#: Output tokens a request without ``max_tokens`` is charged up front (reconciled at the end).
+DEFAULT_OUTPUT_TOKENS = 1024
+#: ``n``/``best_of`` above this are refused: each is another full generation to charge.
+MAX_CHOICES = 128
+
 
 @dataclass(slots=True)
 class ParsedRequest:
     chat: bool
     model: str
     prompt: bytes
-    #: Estimated prompt tokens (rendered bytes / bytes per token, or the exact id count).
+    #: Estimated prompt tokens (rendered bytes / bytes per token, or the exact id count), plus
+    #: :data:`MEDIA_PART_TOKENS` per non-text part and the tool definitions' size.
     prompt_tokens: int
     stream: bool
     #: Upstream body: the client's bytes, or re-encoded when ``include_usage`` was added.
@@ -30,16 +50,25 @@ class ParsedRequest:
     #: We asked the engine for a usage chunk the client did not want: strip it.
     strip_usage: bool
     user: str | None
+    #: Output tokens the request may generate: choices x ``max_tokens`` (or the default).
+    max_output_tokens: int = DEFAULT_OUTPUT_TOKENS
+
+    @property
+    def cost_tokens(self) -> int:
+        """The most this request can cost in tokens, charged to the tokens/s limit up front."""
+        return self.prompt_tokens + self.max_output_tokens
 
 
 def _bad(message: str, param: str | None, code: str = "invalid_request") -> EdgeError:
     return EdgeError(400, message, code, param)
 
 
-def render_chat(messages: Any) -> bytes:
+def render_chat(messages: Any) -> tuple[bytes, int]:
+    """(bytes to hash, number of non-text content parts: images, audio, video, files)."""
     if not isinstance(messages, list) or not messages:
         raise _bad("'messages' must be a non-empty array", "messages", "missing_messages")
     parts: list[str] = []
+    media = 0
     for m in messages:
         if not isinstance(m, dict):
             raise _bad("each message must be an object", "messages")
@@ -53,8 +82,30 @@ def render_chat(messages: Any) -> bytes:
             for part in content:
                 if isinstance(part, dict) and isinstance(part.get("text"), str):
                     parts.append(part["text"])
+                else:
+                    media += 1
         parts.append("\n\n")
-    return "".join(parts).encode()
+    return "".join(parts).encode(), media
+
+
+def _positive_int(doc: dict[str, Any], name: str, default: int | None) -> int | None:
+    value = doc.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise _bad(f"'{name}' must be a positive integer", name)
+    return value
+
+
+def _output_tokens(doc: dict[str, Any]) -> int:
+    """Choices x the per-choice output limit: what the tokens/s limit charges up front."""
+    choices = max(_positive_int(doc, "n", 1) or 1, _positive_int(doc, "best_of", 1) or 1)
+    if choices > MAX_CHOICES:
+        raise _bad(f"'n' and 'best_of' may be at most {MAX_CHOICES}", "n")
+    limit = _positive_int(doc, "max_completion_tokens", None)
+    if limit is None:
+        limit = _positive_int(doc, "max_tokens", DEFAULT_OUTPUT_TOKENS)
+    return choices * (limit or DEFAULT_OUTPUT_TOKENS)
 
 
 def render_completion(prompt: Any) -> tuple[bytes, int | None]:
@@ -85,12 +136,21 @@ def parse_request(raw: bytes, *, chat: bool, bytes_per_token: float) -> ParsedRe
     model = doc.get("model")
     if not isinstance(model, str) or not model:
         raise _bad("'model' is required and must be a string", "model", "missing_model")
+    for name in EDGE_ONLY_FIELDS:
+        if name in doc:
+            raise _bad(f"'{name}' is set by the edge only; remove it", name, "edge_only_field")
     exact: int | None = None
+    media = 0
     if chat:
-        prompt = render_chat(doc.get("messages"))
+        prompt, media = render_chat(doc.get("messages"))
     else:
         prompt, exact = render_completion(doc.get("prompt"))
     tokens = exact if exact is not None else int(len(prompt) / bytes_per_token) + 1
+    tokens += media * MEDIA_PART_TOKENS
+    tools = doc.get("tools")
+    if tools:
+        # Tool schemas are rendered into the prompt by the chat template.
+        tokens += int(len(orjson.dumps(tools)) / bytes_per_token)
     stream = doc.get("stream") is True
     user = doc.get("user")
     body = raw
@@ -112,30 +172,33 @@ def parse_request(raw: bytes, *, chat: bool, bytes_per_token: float) -> ParsedRe
         body=body,
         strip_usage=strip,
         user=user if isinstance(user, str) and user else None,
+        max_output_tokens=_output_tokens(doc),
     )
 
 
-def usage_numbers(usage: Any) -> tuple[int | None, int | None]:
-    """(prompt_tokens, cached_tokens) of an OpenAI ``usage`` object, when present."""
+def usage_numbers(usage: Any) -> tuple[int | None, int | None, int | None]:
+    """(prompt_tokens, cached_tokens, completion_tokens) of an OpenAI ``usage`` object."""
     if not isinstance(usage, dict):
-        return None, None
+        return None, None, None
     prompt = usage.get("prompt_tokens")
+    completion = usage.get("completion_tokens")
     details = usage.get("prompt_tokens_details")
     cached = details.get("cached_tokens") if isinstance(details, dict) else None
     return (
         prompt if isinstance(prompt, int) else None,
         cached if isinstance(cached, int) else None,
+        completion if isinstance(completion, int) else None,
     )
 
 
-def body_usage(body: bytes) -> tuple[int | None, int | None]:
+def body_usage(body: bytes) -> tuple[int | None, int | None, int | None]:
     """Usage of a non-streamed response; parsed only when the body mentions it."""
     if b'"usage"' not in body:
-        return None, None
+        return None, None, None
     try:
         doc = orjson.loads(body)
     except orjson.JSONDecodeError:
-        return None, None
+        return None, None, None
     return usage_numbers(doc.get("usage") if isinstance(doc, dict) else None)
 
 
@@ -152,7 +215,15 @@ class UsageTap:
     without it was cut).
     """
 
-    __slots__ = ("cached_tokens", "done", "framing", "pending", "prompt_tokens", "strip")
+    __slots__ = (
+        "cached_tokens",
+        "completion_tokens",
+        "done",
+        "framing",
+        "pending",
+        "prompt_tokens",
+        "strip",
+    )
 
     def __init__(self, strip: bool) -> None:
         self.strip = strip
@@ -161,6 +232,7 @@ class UsageTap:
         self.done = False
         self.prompt_tokens: int | None = None
         self.cached_tokens: int | None = None
+        self.completion_tokens: int | None = None
 
     def feed(self, chunk: bytes) -> bytes:
         """Bytes to forward now (whole events only; a partial event waits for its end)."""
@@ -192,11 +264,13 @@ class UsageTap:
                 except orjson.JSONDecodeError:
                     doc = None
                 if isinstance(doc, dict) and isinstance(doc.get("usage"), dict):
-                    prompt, cached = usage_numbers(doc["usage"])
+                    prompt, cached, completion = usage_numbers(doc["usage"])
                     if prompt is not None:
                         self.prompt_tokens = prompt
                     if cached is not None:
                         self.cached_tokens = cached
+                    if completion is not None:
+                        self.completion_tokens = completion
                     if self.strip and doc.get("choices") == []:
                         continue
             out.append(event)

@@ -117,6 +117,20 @@ def test_request_and_token_buckets_with_retry_after() -> None:
         a.check(us, "llama", 10**6, 0.0)
 
 
+def test_settle_gives_back_what_the_request_did_not_use() -> None:
+    a = adm(burst=1.0)  # 100 tokens of burst
+    eu = a.authenticate(b"Bearer fi_eu", T0)
+    a.check(eu, "llama", 90, 0.0)  # charged 90 up front (prompt + max_tokens)
+    assert code_of(lambda: a.check(eu, "llama", 50, 0.0))[0] == 429
+    a.settle(eu, charged=90, used=30)  # the answer was short: 60 back
+    a.check(eu, "llama", 50, 0.0)
+    # Usage above the charge is taken as debt, and the bucket never exceeds its capacity.
+    a.settle(eu, charged=10, used=60)
+    assert eu.tokens is not None and eu.tokens.level == pytest.approx(70 - 50 - 50)
+    a.settle(eu, charged=10_000, used=0)
+    assert eu.tokens.level == eu.tokens.capacity
+
+
 def test_prompt_above_the_bucket_is_admitted_from_a_full_bucket_then_waits() -> None:
     b = TokenBucket(rate=10.0, capacity=10.0, now=0.0)
     assert b.wait_for(50, 0.0) == 0.0

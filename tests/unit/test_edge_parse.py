@@ -6,7 +6,15 @@ import orjson
 import pytest
 
 from regions.edge.errors import EdgeError
-from regions.edge.parse import UsageTap, body_usage, parse_request
+from regions.edge.parse import (
+    DEFAULT_OUTPUT_TOKENS,
+    EDGE_ONLY_FIELDS,
+    MAX_CHOICES,
+    MEDIA_PART_TOKENS,
+    UsageTap,
+    body_usage,
+    parse_request,
+)
 
 
 def chat(**kw: object) -> bytes:
@@ -113,5 +121,73 @@ def test_tap_holds_a_partial_event_and_notices_a_cut_stream() -> None:
 
 
 def test_body_usage() -> None:
-    assert body_usage(b'{"usage":{"prompt_tokens":5,"prompt_tokens_details":null}}') == (5, None)
-    assert body_usage(b'{"choices":[]}') == (None, None)
+    assert body_usage(b'{"usage":{"prompt_tokens":5,"prompt_tokens_details":null}}') == (
+        5, None, None,
+    )  # fmt: skip
+    assert body_usage(b'{"usage":{"prompt_tokens":5,"completion_tokens":3}}') == (5, None, 3)
+    assert body_usage(b'{"choices":[]}') == (None, None, None)
+
+
+def test_tap_reads_completion_tokens() -> None:
+    tap = UsageTap(strip=True)
+    feed_all(tap, CHUNK + USAGE + DONE, 9)
+    assert (tap.prompt_tokens, tap.completion_tokens) == (40, 2)
+
+
+@pytest.mark.parametrize("field", EDGE_ONLY_FIELDS)
+def test_fields_only_the_edge_may_set_are_refused(field: str) -> None:
+    """A client's ``kv_transfer_params`` would point an engine at another request's KV blocks;
+    ``priority`` would jump every other tenant's queue; ``request_id`` could collide."""
+    for raw, chat_ in (
+        (chat(**{field: {"do_remote_prefill": True}}), True),
+        (orjson.dumps({"model": "m", "prompt": "x", field: 1}), False),
+    ):
+        with pytest.raises(EdgeError) as info:
+            parse_request(raw, chat=chat_, bytes_per_token=4.0)
+        assert (info.value.status, info.value.code, info.value.param) == (
+            400, "edge_only_field", field,
+        )  # fmt: skip
+
+
+def test_cost_counts_every_choice_and_the_output_limit() -> None:
+    plain = parse_request(chat(max_tokens=100), chat=True, bytes_per_token=4.0)
+    assert plain.max_output_tokens == 100
+    assert plain.cost_tokens == plain.prompt_tokens + 100
+    n4 = parse_request(chat(max_tokens=100, n=4), chat=True, bytes_per_token=4.0)
+    assert n4.max_output_tokens == 400
+    newer = parse_request(chat(max_completion_tokens=50, n=2), chat=True, bytes_per_token=4.0)
+    assert newer.max_output_tokens == 100
+    best = parse_request(
+        orjson.dumps({"model": "m", "prompt": "x", "best_of": 3, "max_tokens": 10}),
+        chat=False,
+        bytes_per_token=4.0,
+    )
+    assert best.max_output_tokens == 30
+    unlimited = parse_request(chat(), chat=True, bytes_per_token=4.0)
+    assert unlimited.max_output_tokens == DEFAULT_OUTPUT_TOKENS
+
+
+def test_cost_counts_images_and_tool_schemas_in_the_prompt() -> None:
+    text_only = parse_request(chat(), chat=True, bytes_per_token=4.0)
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64," + "A" * 9000}}
+    with_images = parse_request(
+        chat(
+            messages=[{"role": "user", "content": [{"type": "text", "text": "hi"}, image, image]}]
+        ),
+        chat=True,
+        bytes_per_token=4.0,
+    )
+    assert with_images.prompt_tokens == text_only.prompt_tokens + 2 * MEDIA_PART_TOKENS
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"a": "b" * 400}}}]
+    with_tools = parse_request(chat(tools=tools), chat=True, bytes_per_token=4.0)
+    assert with_tools.prompt_tokens >= text_only.prompt_tokens + 100
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [{"n": 0}, {"n": "2"}, {"n": MAX_CHOICES + 1}, {"max_tokens": -1}, {"max_tokens": True}],
+)
+def test_bad_output_limits_are_refused(extra: dict[str, object]) -> None:
+    with pytest.raises(EdgeError) as info:
+        parse_request(chat(**extra), chat=True, bytes_per_token=4.0)
+    assert info.value.status == 400
