@@ -142,9 +142,23 @@ def test_captured_fixtures_still_match_the_live_server(
     )
     events = [e for e in stream.text.split("\n\n") if e]
     captured_events = [e for e in (FIXTURES / "chat_stream.txt").read_text().split("\n\n") if e]
-    assert len(events) == len(captured_events)
     assert events[-1] == captured_events[-1] == "data: [DONE]"
-    assert shape(json.loads(events[-2][6:])) == shape(json.loads(captured_events[-2][6:]))
+    live_docs = [json.loads(e[6:]) for e in events[:-1]]
+    captured_docs = [json.loads(e[6:]) for e in captured_events[:-1]]
+    # vLLM merges the deltas a slow reader has not taken yet into one event (its output
+    # collector), so a loaded CPU server sends fewer, longer content events than the capture:
+    # what holds is the role event first, content events of the captured shapes, the final
+    # usage event, and the same number of tokens in all.
+    assert shape(live_docs[0]) == shape(captured_docs[0])
+    assert shape(live_docs[-1]) == shape(captured_docs[-1])
+    assert (
+        live_docs[-1]["usage"]["completion_tokens"]
+        == captured_docs[-1]["usage"]["completion_tokens"]
+    )
+    content_shapes = [shape(d) for d in captured_docs[1:-1]]
+    assert 1 <= len(live_docs) - 2 <= len(content_shapes)
+    assert all(shape(d) in content_shapes for d in live_docs[1:-1])
+    assert live_docs[-2]["choices"][0]["finish_reason"] == "length"
 
 
 def test_metrics_parser_reads_the_live_metrics(vllm_pair: tuple[VllmServer, VllmServer]) -> None:
