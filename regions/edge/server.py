@@ -14,10 +14,36 @@ the ASGI interface the edge is written against, and does only what the edge need
   transport to drain when a slow client lets its buffer fill;
 * ``http.disconnect`` from ``receive()`` once the client is gone (or the response is complete),
   so the edge can cancel the upstream request;
-* a malformed request gets 400, oversized request heads 431, an application error 500, and
-  the connection is closed; response header values with CR/LF/NUL are refused;
+* an application error gets 500 and the connection is closed; response header values with
+  CR/LF/NUL are refused;
 * graceful shutdown: stop accepting, close idle connections, let in-flight requests finish
   (bounded), then cancel what is left.
+
+Hostile or broken clients are refused before the application sees them, each refusal counted
+in ``EdgeServer.refusals`` under its reason (for the edge's metrics):
+
+* ``head_too_large`` — 431 for a request head over ``max_head_bytes`` (raw bytes, so a header
+  line or URL that never ends is cut too: httptools would buffer it without a callback) or
+  with more than ``max_headers`` headers;
+* ``head_timeout`` — 408 when a request head has not fully arrived ``head_timeout_s`` after its
+  first byte (slowloris);
+* ``body_timeout`` — the connection is dropped when the application waits ``body_timeout_s``
+  for request body bytes that do not come; its ``receive()`` returns ``http.disconnect``;
+* ``write_timeout`` — the connection is dropped when a client that stopped reading keeps the
+  transport paused for ``write_timeout_s`` (a send waiting to drain, or a closing connection
+  whose last bytes cannot be flushed); ``receive()`` returns ``http.disconnect`` and further
+  sends are no-ops, so the edge cancels its upstream request;
+* ``too_many_connections`` — past ``max_connections`` open connections a new one gets 503 with
+  ``retry-after: 1`` and is closed;
+* ``bad_request`` — 400 for a malformed request, an upgrade, or ambiguous body framing (both
+  content-length and transfer-encoding, two content-lengths, a transfer-encoding other than
+  ``chunked``: request smuggling material; httptools refuses most, the server the rest).
+
+A refusal closes the connection; it is answered only when no earlier pipelined request is still
+being answered (the answer would be taken for that one's). Idle keep-alive connections are
+closed after ``keep_alive_s``. All these deadlines share one timer per connection, set lazily:
+a state change moves a deadline (one clock read) and re-arms the timer only when the new
+deadline is earlier than the armed one; a timer that fires early re-arms for what is pending.
 
 Lifespan is not an ASGI concern here: the CLI awaits the edge's ``startup()``/``shutdown()``.
 """
@@ -45,10 +71,21 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
-#: A request head (request line + headers) larger than this is refused with 431.
+#: Default of ``EdgeServer(max_head_bytes=)``: a larger request head is refused with 431.
 MAX_HEAD_BYTES = 64 * 1024
 #: Stop reading a request body the application has not consumed beyond this many bytes.
 _BODY_HIGH_WATER = 256 * 1024
+#: The keys of ``EdgeServer.refusals``.
+REFUSALS = (
+    "head_too_large",
+    "head_timeout",
+    "body_timeout",
+    "write_timeout",
+    "too_many_connections",
+    "bad_request",
+)
+# What the read-side deadline of a connection is for (one at a time).
+_IDLE, _HEAD, _BODY = 1, 2, 3
 
 _STATUS_LINES = {
     s.value: f"HTTP/1.1 {s.value} {s.phrase}\r\n".encode("latin-1") for s in HTTPStatus
@@ -62,12 +99,14 @@ def _status_line(status: int) -> bytes:
     return line if line is not None else b"HTTP/1.1 %d \r\n" % status
 
 
-def _plain(status: int, text: bytes) -> bytes:
+def _plain(status: int, text: bytes, extra: bytes = b"") -> bytes:
     return (
         _status_line(status)
         + b"content-type: text/plain; charset=utf-8\r\ncontent-length: "
         + str(len(text)).encode()
-        + b"\r\nconnection: close\r\n\r\n"
+        + b"\r\nconnection: close\r\n"
+        + extra
+        + b"\r\n"
         + text
     )
 
@@ -151,6 +190,11 @@ class _Cycle:
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
 
+    @property
+    def waiting_for_body(self) -> bool:
+        waiter = self._waiter
+        return not self._body_done and waiter is not None and not waiter.done()
+
     # -- ASGI
 
     async def receive(self) -> Message:
@@ -170,6 +214,8 @@ class _Cycle:
                 return {"type": "http.request", "body": data, "more_body": not self._body_done}
             if self.response_complete:
                 return _DISCONNECT
+            if not self._body_done:
+                self.conn.wait_body()
             self._waiter = self.conn.loop.create_future()
             await self._waiter
 
@@ -279,40 +325,56 @@ class _Connection(asyncio.Protocol):
         self._read_paused = False
         self._url = b""
         self._headers: list[tuple[bytes, bytes]] = []
-        self._head_bytes = 0
-        self._in_head = False
-        self._idle: asyncio.TimerHandle | None = None
+        self._expect = False
+        self._head_bytes = 0  # URL and header bytes, as the parser's callbacks report them
+        self._head_raw = 0  # bytes of reads that fell wholly inside the current head
+        # The one timer and the deadlines it serves (0.0: none); see the module docstring.
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at = 0.0
+        self._read_kind = 0  # _IDLE, _HEAD or _BODY
+        self._read_by = 0.0
+        self._write_by = 0.0
 
     # -- asyncio.Protocol
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
+        server = self.server
+        if len(server.connections) >= server.max_connections:
+            server.refusals["too_many_connections"] += 1
+            self.transport.write(_plain(503, b"Too many connections", b"retry-after: 1\r\n"))
+            self.close()
+            return
         peer = transport.get_extra_info("peername")
         local = transport.get_extra_info("sockname")
         self.client = (peer[0], peer[1]) if isinstance(peer, tuple) else None
         self.local = (local[0], local[1]) if isinstance(local, tuple) else None
-        self.server.connections.add(self)
-        self._arm_idle()
+        server.connections.add(self)
+        self._read_deadline(_IDLE, server.keep_alive_s)
 
     def data_received(self, data: bytes) -> None:
-        if self._idle is not None:
-            self._idle.cancel()
-            self._idle = None
+        head = self._headers if self._read_kind == _HEAD else None
         try:
             self.parser.feed_data(data)
-        except httptools.HttpParserUpgrade:
-            self._refuse(400, b"Upgrade is not supported")
-        except (httptools.HttpParserError, _HeadTooLarge) as exc:
-            if isinstance(exc, _HeadTooLarge) or isinstance(exc.__context__, _HeadTooLarge):
-                self._refuse(431, b"Request head too large")
+        except httptools.HttpParserError as exc:
+            refused = exc.__context__
+            if isinstance(refused, _Refused):
+                self._refuse(refused.status, refused.reason, refused.text)
             else:
-                self._refuse(400, b"Invalid HTTP request")
+                self._refuse(400, "bad_request", b"Invalid HTTP request")
+            return
+        if head is self._headers and self._read_kind == _HEAD:
+            # The whole read lies inside one unfinished head: count it raw, since httptools
+            # buffers a header line that does not end without calling back.
+            self._head_raw += len(data)
+            if self._head_raw > self.server.max_head_bytes:
+                self._refuse(431, "head_too_large", b"Request head too large")
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         self.server.connections.discard(self)
-        if self._idle is not None:
-            self._idle.cancel()
+        if self._timer is not None:
+            self._timer.cancel()
         for cycle in (self.active, self.parsing, *self.pipeline):
             if cycle is not None:
                 cycle.lost()
@@ -324,6 +386,8 @@ class _Connection(asyncio.Protocol):
 
     def resume_writing(self) -> None:
         self.write_paused = False
+        if not self.closed:  # a closing connection keeps its deadline to flush
+            self._write_by = 0.0
         self._release_drain()
 
     # -- httptools callbacks
@@ -331,20 +395,35 @@ class _Connection(asyncio.Protocol):
     def on_message_begin(self) -> None:
         self._url = b""
         self._headers = []
-        self._head_bytes = 0
-        self._in_head = True
+        self._expect = False
+        self._head_bytes = self._head_raw = 0
+        self._read_deadline(_HEAD, self.server.head_timeout_s)
 
     def on_url(self, url: bytes) -> None:
         self._url += url
         self._count(len(url))
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        self._headers.append((name.lower(), value))
+        name = name.lower()
+        headers = self._headers
+        headers.append((name, value))
         self._count(len(name) + len(value))
+        if len(headers) > self.server.max_headers:
+            raise _Refused(431, "head_too_large", b"Too many request headers")
+        if name == b"transfer-encoding":
+            # httptools refuses content-length with it, but takes "gzip, chunked" (a body the
+            # edge would pass on undecoded) and refuses "gzip" only once the app has started.
+            if value.lower() != b"chunked":
+                raise _Refused(400, "bad_request", b"Unsupported transfer-encoding")
+        elif name == b"expect" and value.lower() == b"100-continue":
+            self._expect = True
 
     def on_headers_complete(self) -> None:
-        self._in_head = False
         parser = self.parser
+        if parser.should_upgrade():  # WebSocket, h2c, CONNECT; httptools says so only later
+            raise _Refused(400, "bad_request", b"Upgrade is not supported")
+        self._read_kind = 0
+        self._read_by = 0.0
         url = httptools.parse_url(self._url)
         raw_path = url.path
         scope: Scope = {
@@ -361,8 +440,7 @@ class _Connection(asyncio.Protocol):
             "query_string": url.query or b"",
             "headers": self._headers,
         }
-        expect = any(n == b"expect" and v.lower() == b"100-continue" for n, v in self._headers)
-        cycle = _Cycle(self, scope, parser.should_keep_alive(), expect)
+        cycle = _Cycle(self, scope, parser.should_keep_alive(), self._expect)
         self.parsing = cycle
         if self.active is None:
             self._start(cycle)
@@ -375,6 +453,8 @@ class _Connection(asyncio.Protocol):
             self.parsing.feed(body)
 
     def on_message_complete(self) -> None:
+        self._read_kind = 0  # no more body to wait for
+        self._read_by = 0.0
         if self.parsing is not None:
             self.parsing.body_done()
             self.parsing = None
@@ -397,8 +477,12 @@ class _Connection(asyncio.Protocol):
                 self.resume_reading()
         elif self.server.stopping:
             self.close()
-        else:
-            self._arm_idle()
+        elif self._read_kind != _HEAD:  # a pipelined head under way keeps its own deadline
+            self._read_deadline(_IDLE, self.server.keep_alive_s)
+
+    def wait_body(self) -> None:
+        """The application waits for request body bytes: they must come within the timeout."""
+        self._read_deadline(_BODY, self.server.body_timeout_s)
 
     def write(self, data: bytes) -> None:
         if self.transport is not None and not self.closed:
@@ -407,6 +491,8 @@ class _Connection(asyncio.Protocol):
     async def drain(self) -> None:
         if self._drain is None:
             self._drain = self.loop.create_future()
+            self._write_by = at = self.loop.time() + self.server.write_timeout_s
+            self._arm(at)
         await self._drain
 
     def pause_reading(self) -> None:
@@ -418,35 +504,82 @@ class _Connection(asyncio.Protocol):
         if self._read_paused and self.transport is not None and not self.closed:
             self._read_paused = False
             self.transport.resume_reading()
+            if self._read_kind == _HEAD:
+                # A head we stopped reading (behind pipelined requests) was not the client's
+                # delay: it gets a whole timeout again.
+                self._read_deadline(_HEAD, self.server.head_timeout_s)
 
     def close(self) -> None:
-        if not self.closed and self.transport is not None:
+        transport = self.transport
+        if not self.closed and transport is not None:
             self.closed = True
-            self.transport.close()
+            transport.close()
+            if transport.get_write_buffer_size():
+                # The close waits for the buffer to flush: bound that for a client not reading.
+                self._write_by = at = self.loop.time() + self.server.write_timeout_s
+                self._arm(at)
 
     @property
     def idle(self) -> bool:
-        return self.active is None and not self._in_head
+        return self.active is None and self._read_kind != _HEAD
 
     # -- internals
 
     def _count(self, n: int) -> None:
         self._head_bytes += n
-        if self._head_bytes > MAX_HEAD_BYTES:
-            raise _HeadTooLarge
+        if self._head_bytes > self.server.max_head_bytes:
+            raise _Refused(431, "head_too_large", b"Request head too large")
 
-    def _refuse(self, status: int, text: bytes) -> None:
-        if self.active is None or not self.active.response_started:
+    def _refuse(self, status: int, reason: str, text: bytes) -> None:
+        self.server.refusals[reason] += 1
+        active = self.active
+        # Answered only if no earlier request is still owed an answer: it would be taken for it.
+        if active is None or (active is self.parsing and not active.response_started):
             self.write(_plain(status, text))
         self.close()
 
-    def _arm_idle(self) -> None:
-        self._idle = self.loop.call_later(self.server.keep_alive_s, self._idle_timeout)
+    def _drop(self, reason: str) -> None:
+        """Abort a stalled connection (nothing worth flushing); ``connection_lost`` follows."""
+        self.server.refusals[reason] += 1
+        self.closed = True
+        if self.transport is not None:
+            self.transport.abort()
 
-    def _idle_timeout(self) -> None:
-        self._idle = None
-        if self.idle:
+    def _read_deadline(self, kind: int, timeout: float) -> None:
+        self._read_kind = kind
+        self._read_by = at = self.loop.time() + timeout
+        self._arm(at)
+
+    def _arm(self, at: float) -> None:
+        """Have the timer fire by ``at``; one due later is replaced, one due earlier is kept."""
+        timer = self._timer
+        if timer is not None:
+            if self._timer_at <= at:
+                return
+            timer.cancel()
+        self._timer_at = at
+        self._timer = self.loop.call_at(at, self._on_timer)
+
+    def _on_timer(self) -> None:
+        """Act on the deadline that has passed, if any; re-arm for those still pending."""
+        self._timer = None
+        now = self.loop.time()
+        if self._write_by:
+            if now >= self._write_by:
+                self._drop("write_timeout")
+                return
+            self._arm(self._write_by)
+        if self.closed or not self._read_by or self._read_paused:
+            return  # reading paused by the server: not the client's delay
+        if now < self._read_by:
+            self._arm(self._read_by)
+        elif self._read_kind == _IDLE:
             self.close()
+        elif self._read_kind == _HEAD:
+            self._refuse(408, "head_timeout", b"Request Timeout")
+        elif self.active is not None and self.active.waiting_for_body:
+            self._drop("body_timeout")
+        # else the application is busy with what came: its next wait sets a new deadline
 
     def _release_drain(self) -> None:
         drain, self._drain = self._drain, None
@@ -454,12 +587,21 @@ class _Connection(asyncio.Protocol):
             drain.set_result(None)
 
 
-class _HeadTooLarge(Exception):
-    pass
+class _Refused(Exception):
+    """Raised in a parser callback to stop parsing: the request is refused with ``status``."""
+
+    def __init__(self, status: int, reason: str, text: bytes) -> None:
+        super().__init__(reason)
+        self.status = status
+        self.reason = reason
+        self.text = text
 
 
 class EdgeServer:
-    """Serves one ASGI app on ``host:port`` until :meth:`stop` (or SIGINT/SIGTERM in ``run``)."""
+    """Serves one ASGI app on ``host:port`` until :meth:`stop` (or SIGINT/SIGTERM in ``run``).
+
+    The limits are described in the module docstring; ``refusals`` counts what they refused.
+    """
 
     def __init__(
         self,
@@ -467,10 +609,23 @@ class EdgeServer:
         *,
         keep_alive_s: float = 5.0,
         graceful_s: float = 30.0,
+        max_head_bytes: int = MAX_HEAD_BYTES,
+        max_headers: int = 100,
+        head_timeout_s: float = 10.0,
+        body_timeout_s: float = 30.0,
+        write_timeout_s: float = 30.0,
+        max_connections: int = 10_000,
     ) -> None:
         self.app = app
         self.keep_alive_s = keep_alive_s
         self.graceful_s = graceful_s
+        self.max_head_bytes = max_head_bytes
+        self.max_headers = max_headers
+        self.head_timeout_s = head_timeout_s
+        self.body_timeout_s = body_timeout_s
+        self.write_timeout_s = write_timeout_s
+        self.max_connections = max_connections
+        self.refusals: dict[str, int] = dict.fromkeys(REFUSALS, 0)
         self.clock = _Clock()
         self.connections: set[_Connection] = set()
         self.tasks: set[asyncio.Task[None]] = set()
