@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hmac
+import re
 from pathlib import Path
 
 import dj_database_url
@@ -28,6 +29,11 @@ SECRET_KEY = env_str(
     required_in_production=True,
 )
 DEBUG = env_bool("FEDINFER_DEBUG", not PRODUCTION)
+if PRODUCTION and DEBUG:
+    raise ImproperlyConfiguredEnv(
+        "FEDINFER_DEBUG=true is refused when FEDINFER_MODE=production: debug pages show "
+        "settings and source code to anyone who triggers an error"
+    )
 ALLOWED_HOSTS = env_list(
     "FEDINFER_ALLOWED_HOSTS", ["localhost", "127.0.0.1", "[::1]", "testserver"]
 )
@@ -35,14 +41,13 @@ CSRF_TRUSTED_ORIGINS = env_list("FEDINFER_CSRF_TRUSTED_ORIGINS", [])
 
 INSTALLED_APPS = [
     # django.contrib.admin, with its login behind the login throttle.
-    "federation.core.admin_site.FedinferAdminConfig",
+    "federation.core.apps.FedinferAdminConfig",
     "django.contrib.auth",
     "django.contrib.contenttypes",
     "django.contrib.sessions",
     "django.contrib.messages",
     "django.contrib.staticfiles",
     "rest_framework",
-    "rest_framework.authtoken",
     "django_filters",
     "drf_spectacular",
     "drf_spectacular_sidecar",
@@ -188,9 +193,43 @@ if not PRODUCTION:
 # A request body above this is refused with 413 before it is parsed.
 DATA_UPLOAD_MAX_MEMORY_SIZE = env_int("FEDINFER_MAX_BODY_BYTES", 1024 * 1024)
 
+# --- HTTPS and browser hardening --------------------------------------------------------
+# `fedinfer serve` speaks plain HTTP: in production TLS ends at a proxy or load balancer in
+# front, which tells the original scheme in the header FEDINFER_PROXY_SSL_HEADER names
+# (e.g. X-Forwarded-Proto). That proxy must set the header itself, overwriting a client's.
+SECURE_CONTENT_TYPE_NOSNIFF = True
+X_FRAME_OPTIONS = "DENY"
+SESSION_COOKIE_SECURE = PRODUCTION
+CSRF_COOKIE_SECURE = PRODUCTION
+_proxy_ssl_header = env_str("FEDINFER_PROXY_SSL_HEADER", "")
+if _proxy_ssl_header:
+    if not re.fullmatch(r"[A-Za-z0-9-]+", _proxy_ssl_header):
+        raise ImproperlyConfiguredEnv(
+            f"FEDINFER_PROXY_SSL_HEADER={_proxy_ssl_header!r} is not a header name "
+            "(e.g. X-Forwarded-Proto)"
+        )
+    SECURE_PROXY_SSL_HEADER = ("HTTP_" + _proxy_ssl_header.upper().replace("-", "_"), "https")
+# Redirect http:// to https://. On by default in production when the proxy header tells an
+# HTTPS request apart (without it every request would look like http:// and redirect forever).
+SECURE_SSL_REDIRECT = env_bool("FEDINFER_SSL_REDIRECT", PRODUCTION and bool(_proxy_ssl_header))
+SECURE_HSTS_SECONDS = env_int("FEDINFER_HSTS_SECONDS", 365 * 24 * 3600) if PRODUCTION else 0
+SECURE_HSTS_INCLUDE_SUBDOMAINS = env_bool("FEDINFER_HSTS_INCLUDE_SUBDOMAINS", True)
+SECURE_HSTS_PRELOAD = env_bool("FEDINFER_HSTS_PRELOAD", False)
+SILENCED_SYSTEM_CHECKS = []
+if not SECURE_HSTS_PRELOAD:
+    # security.W021 (no HSTS preload): preloading is a commitment for a whole registrable
+    # domain, made at its apex and hard to undo, not a setting one service picks; the
+    # operator opts in with FEDINFER_HSTS_PRELOAD=true.
+    SILENCED_SYSTEM_CHECKS.append("security.W021")
+
+#: Hours an API token from POST /api/v1/auth/token/ stays valid.
+FEDINFER_TOKEN_TTL_HOURS = env_int("FEDINFER_TOKEN_TTL_HOURS", 24)
+if FEDINFER_TOKEN_TTL_HOURS < 1:
+    raise ImproperlyConfiguredEnv("FEDINFER_TOKEN_TTL_HOURS must be at least 1")
+
 REST_FRAMEWORK = {
     "DEFAULT_AUTHENTICATION_CLASSES": [
-        "rest_framework.authentication.TokenAuthentication",
+        "federation.tenancy.api.authentication.TokenAuthentication",
         "rest_framework.authentication.SessionAuthentication",
     ],
     "DEFAULT_PERMISSION_CLASSES": ["federation.api.permissions.IsStaffOrReadOnlyScoped"],

@@ -6,10 +6,10 @@ from collections.abc import Callable
 
 import pytest
 from django.contrib.auth.models import User
-from rest_framework.authtoken.models import Token
 from rest_framework.test import APIClient
 
 from federation.tenancy.models import Membership, Tenant
+from federation.tenancy.services import auth_token_issue
 
 
 def _user(username: str, *, role: str | None, tenant: Tenant | None = None) -> User:
@@ -22,8 +22,8 @@ def _user(username: str, *, role: str | None, tenant: Tenant | None = None) -> U
 def _client(user: User | None) -> APIClient:
     client = APIClient()
     if user is not None:
-        token, _ = Token.objects.get_or_create(user=user)
-        client.credentials(HTTP_AUTHORIZATION=f"Token {token.key}")
+        issued = auth_token_issue(user=user)
+        client.credentials(HTTP_AUTHORIZATION=f"Token {issued.plaintext}")
     return client
 
 

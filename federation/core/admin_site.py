@@ -7,7 +7,6 @@ from __future__ import annotations
 from typing import Any
 
 from django.contrib import admin
-from django.contrib.admin.apps import AdminConfig
 from django.http import HttpRequest, HttpResponse
 
 from federation.api.throttles import login_throttle_refusal
@@ -19,9 +18,3 @@ class FedinferAdminSite(admin.AdminSite):
             return refusal
         response: HttpResponse = super().login(request, extra_context)
         return response
-
-
-class FedinferAdminConfig(AdminConfig):
-    """Installed instead of ``django.contrib.admin``: makes ``admin.site`` ours."""
-
-    default_site = "federation.core.admin_site.FedinferAdminSite"

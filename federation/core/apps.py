@@ -1,4 +1,5 @@
 from django.apps import AppConfig
+from django.contrib.admin import apps as admin_apps
 
 
 class CoreConfig(AppConfig):
@@ -9,3 +10,11 @@ class CoreConfig(AppConfig):
     def ready(self) -> None:
         # Registers the OpenAPI extensions (drf-spectacular finds them by import).
         from federation.core.api import schema  # noqa: F401
+
+
+class FedinferAdminConfig(admin_apps.AdminConfig):
+    """Installed instead of ``django.contrib.admin``: makes ``admin.site`` ours (its login
+    form is throttled). A string, so the site's module loads once the apps are ready."""
+
+    default = False  # federation.core's own config stays CoreConfig
+    default_site = "federation.core.admin_site.FedinferAdminSite"

@@ -15,7 +15,7 @@ from django.db.models import Model, QuerySet
 from django.http import HttpRequest
 
 from federation.core.audit import audit_record
-from federation.tenancy.models import ApiKey, Membership, Tenant
+from federation.tenancy.models import ApiKey, AuthToken, Membership, Tenant
 from federation.tenancy.services import tenant_residency_errors
 
 
@@ -114,6 +114,22 @@ class ApiKeyAdmin(admin.ModelAdmin):
 
     def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
         # Revoke through the API instead: that is audited and keeps the history.
+        return False
+
+
+@admin.register(AuthToken)
+class AuthTokenAdmin(admin.ModelAdmin):
+    """People's API tokens: who holds one, until when. Deleting one revokes it."""
+
+    list_display = ["prefix", "user", "created_at", "expires_at", "last_used_at"]
+    search_fields = ["prefix", "user__username"]
+    fields = ("user", "prefix", "created_at", "expires_at", "last_used_at")
+    readonly_fields = fields
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False  # issued by logging in (POST /api/v1/auth/token/), shown once
+
+    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
         return False
 
 

@@ -1,4 +1,4 @@
-"""API key material. Pure, no Django.
+"""API key (and API token) material. Pure, no Django.
 
 A key reads ``fi_<prefix>_<secret>``: the 8-character prefix is stored in clear so people can
 tell their keys apart; the secret carries 256 bits from ``secrets``. Only the SHA-256 of the
@@ -15,11 +15,14 @@ import string
 from dataclasses import dataclass
 
 KEY_PREFIX = "fi"
+#: People's API tokens (``POST /auth/token/``) read ``ft_<prefix>_<secret>``, the same shape.
+TOKEN_PREFIX = "ft"
 PREFIX_LENGTH = 8
 SECRET_BYTES = 32  # 256 bits
 _PREFIX_ALPHABET = string.ascii_letters + string.digits
 # token_urlsafe(32) is 43 characters of the URL-safe base64 alphabet.
 _KEY_RE = re.compile(r"^fi_(?P<prefix>[A-Za-z0-9]{8})_(?P<secret>[A-Za-z0-9_-]{43})$")
+_TOKEN_RE = re.compile(r"^ft_[A-Za-z0-9]{8}_[A-Za-z0-9_-]{43}$")
 
 
 class InvalidKeyFormat(ValueError):
@@ -50,11 +53,12 @@ def hash_key(plaintext: str) -> str:
     return hashlib.sha256(plaintext.encode("utf-8")).hexdigest()
 
 
-def generate_key() -> GeneratedKey:
+def generate_key(kind: str = KEY_PREFIX) -> GeneratedKey:
+    """A new key (``kind`` ``fi``) or token (``kind`` ``ft``)."""
     prefix = "".join(secrets.choice(_PREFIX_ALPHABET) for _ in range(PREFIX_LENGTH))
-    plaintext = f"{KEY_PREFIX}_{prefix}_{secrets.token_urlsafe(SECRET_BYTES)}"
+    plaintext = f"{kind}_{prefix}_{secrets.token_urlsafe(SECRET_BYTES)}"
     return GeneratedKey(
-        plaintext=plaintext, prefix=f"{KEY_PREFIX}_{prefix}", key_hash=hash_key(plaintext)
+        plaintext=plaintext, prefix=f"{kind}_{prefix}", key_hash=hash_key(plaintext)
     )
 
 
@@ -68,3 +72,8 @@ def parse_key(text: str) -> ParsedKey:
 
 def is_well_formed(text: str) -> bool:
     return _KEY_RE.fullmatch(text) is not None
+
+
+def is_well_formed_token(text: str) -> bool:
+    """Shaped like a token ``generate_key(TOKEN_PREFIX)`` makes (checked before any lookup)."""
+    return _TOKEN_RE.fullmatch(text) is not None

@@ -123,3 +123,31 @@ class Membership(TimeStampedModel):
 
     def __str__(self) -> str:
         return f"{self.user_id}:{self.role}"
+
+
+class AuthToken(models.Model):
+    """A person's API token (``Authorization: Token <key>``), issued by ``POST /auth/token/``.
+
+    Like an API key, only the SHA-256 of the token and a visible prefix are stored, so a copy
+    of the database yields no usable token; unlike one, it expires (``FEDINFER_TOKEN_TTL_HOURS``
+    after it is issued) and acts as its user, with the user's role.
+    """
+
+    user = models.ForeignKey(
+        settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="auth_tokens"
+    )
+    prefix = models.CharField(max_length=16, help_text="Shown in lists: 'ft_AbC123xY'.")
+    key_hash = models.CharField(max_length=64, unique=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+    expires_at = models.DateTimeField()
+    last_used_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-created_at", "-id"]
+        indexes = [models.Index(fields=["user", "expires_at"], name="authtoken_user_expiry")]
+
+    def __str__(self) -> str:
+        return f"{self.prefix}… ({self.user_id})"
+
+    def is_expired(self, now: datetime) -> bool:
+        return self.expires_at <= now

@@ -14,7 +14,7 @@ from django.utils import timezone
 from federation.core.roles import TENANT_VIEWER, is_staff_role, role_of, tenant_id_of
 from federation.inventory.models import Region
 from federation.tenancy import keys, residency
-from federation.tenancy.models import ApiKey, Tenant
+from federation.tenancy.models import ApiKey, AuthToken, Tenant
 
 
 def _visible(qs: QuerySet[Any], user: Any, tenant_field: str) -> QuerySet[Any]:
@@ -34,6 +34,16 @@ def tenant_list(*, user: Any) -> QuerySet[Tenant]:
 def api_key_list(*, user: Any) -> QuerySet[ApiKey]:
     qs = ApiKey.objects.select_related("tenant", "created_by")
     return _visible(qs, user, "tenant_id")
+
+
+def auth_token_by_key(plaintext: str) -> AuthToken | None:
+    """The token this is (expired or not), with its user; None for anything else. Only the
+    hash is looked up."""
+    if not keys.is_well_formed_token(plaintext):
+        return None
+    return (
+        AuthToken.objects.select_related("user").filter(key_hash=keys.hash_key(plaintext)).first()
+    )
 
 
 def user_list() -> QuerySet[User]:

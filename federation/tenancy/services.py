@@ -13,19 +13,19 @@ from datetime import datetime, timedelta
 from decimal import Decimal
 from typing import Any
 
+from django.conf import settings
 from django.contrib.auth.models import User
 from django.contrib.auth.password_validation import validate_password
 from django.core.exceptions import ValidationError
 from django.db import IntegrityError, transaction
 from django.utils import timezone
-from rest_framework.authtoken.models import Token
 
 from federation.core.audit import Actor, audit_record, model_diff
 from federation.core.errors import Conflict
 from federation.core.roles import ADMIN, TENANT_VIEWER, role_of
 from federation.inventory.models import Jurisdiction, Region
 from federation.tenancy import keys, residency
-from federation.tenancy.models import ApiKey, Membership, Tenant
+from federation.tenancy.models import ApiKey, AuthToken, Membership, Tenant
 
 MAX_ROTATION_GRACE_SECONDS = 24 * 3600
 
@@ -393,6 +393,66 @@ def api_key_delete(*, actor: Actor, api_key: ApiKey) -> None:
     api_key.delete()
 
 
+# --- API tokens (people) -------------------------------------------------------------------
+
+#: A user's tokens beyond this many (the oldest) are revoked when another is issued, so that a
+#: script logging in over and over cannot grow the table without bound.
+MAX_TOKENS_PER_USER = 100
+#: ``last_used_at`` is written at most this often per token, not on every request.
+TOKEN_LAST_USED_RESOLUTION = timedelta(minutes=1)
+
+
+@dataclass(frozen=True)
+class IssuedToken:
+    """A token just issued, with the only copy of its plaintext."""
+
+    token: AuthToken
+    plaintext: str
+
+    def __repr__(self) -> str:
+        return f"IssuedToken(token={self.token!r})"
+
+
+@transaction.atomic
+def auth_token_issue(*, user: User, now: datetime | None = None) -> IssuedToken:
+    """A new token for ``user``, valid ``FEDINFER_TOKEN_TTL_HOURS``. Each login gets its own
+    (only hashes are stored, so an existing token cannot be handed out again); the user's
+    expired tokens, and those beyond ``MAX_TOKENS_PER_USER``, go."""
+    now = now or timezone.now()
+    AuthToken.objects.filter(user=user, expires_at__lte=now).delete()
+    keep = AuthToken.objects.filter(user=user).order_by("-created_at", "-id")
+    stale = list(keep.values_list("pk", flat=True)[MAX_TOKENS_PER_USER - 1 :])
+    if stale:
+        AuthToken.objects.filter(pk__in=stale).delete()
+    generated = keys.generate_key(keys.TOKEN_PREFIX)
+    token = AuthToken.objects.create(
+        user=user,
+        prefix=generated.prefix,
+        key_hash=generated.key_hash,
+        expires_at=now + timedelta(hours=settings.FEDINFER_TOKEN_TTL_HOURS),
+    )
+    return IssuedToken(token=token, plaintext=generated.plaintext)
+
+
+def auth_token_touch(*, token: AuthToken, now: datetime) -> None:
+    """Note that the token was used (at most once per ``TOKEN_LAST_USED_RESOLUTION``)."""
+    last = token.last_used_at
+    if last is not None and now - last < TOKEN_LAST_USED_RESOLUTION:
+        return
+    AuthToken.objects.filter(pk=token.pk).update(last_used_at=now)
+    token.last_used_at = now
+
+
+def auth_token_revoke(*, token: AuthToken) -> None:
+    AuthToken.objects.filter(pk=token.pk).delete()
+
+
+def auth_token_revoke_all(*, user: User) -> int:
+    """Revoke every token of ``user`` (new password, deactivation); returns how many."""
+    deleted, _ = AuthToken.objects.filter(user=user).delete()
+    return deleted
+
+
 # --- users and roles -----------------------------------------------------------------------
 
 
@@ -500,7 +560,7 @@ def user_update(*, actor: Actor, user: User, data: Mapping[str, Any]) -> User:
     user.save()
     Membership.objects.update_or_create(user=user, defaults={"role": role, "tenant": tenant})
     if "password" in data or data.get("is_active") is False:
-        Token.objects.filter(user=user).delete()
+        auth_token_revoke_all(user=user)
     audit_record(actor=actor, action="user.update", obj=user, changes=changes)
     return user
 

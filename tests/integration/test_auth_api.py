@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable
+from datetime import timedelta
 
 import pytest
 from django.contrib.auth.models import User
-from rest_framework.authtoken.models import Token
+from django.utils import timezone
+from django.utils.dateparse import parse_datetime
 from rest_framework.test import APIClient
 
-from federation.tenancy.models import Tenant
+from federation.tenancy import services
+from federation.tenancy.models import AuthToken, Tenant
 
 pytestmark = pytest.mark.django_db
 
@@ -17,14 +21,23 @@ TOKEN = "/api/v1/auth/token/"
 ME = "/api/v1/me/"
 
 
-def test_token_login_me_and_logout(operator_user: User) -> None:
-    client = APIClient()
-    response = client.post(TOKEN, {"username": "oscar-operator", "password": "pw-oscar-operator"})
+def login(username: str, password: str | None = None) -> dict[str, str]:
+    response = APIClient().post(
+        TOKEN, {"username": username, "password": password or f"pw-{username}"}
+    )
     assert response.status_code == 200, response.content
-    token = response.json()["token"]
-    assert Token.objects.get(user=operator_user).key == token
+    return response.json()
 
+
+def token_client(token: str) -> APIClient:
+    client = APIClient()
     client.credentials(HTTP_AUTHORIZATION=f"Token {token}")
+    return client
+
+
+def test_token_login_me_and_logout(operator_user: User) -> None:
+    token = login("oscar-operator")["token"]
+    client = token_client(token)
     me = client.get(ME)
     assert me.status_code == 200
     assert me.json() == {
@@ -35,8 +48,93 @@ def test_token_login_me_and_logout(operator_user: User) -> None:
     }
 
     assert client.delete(TOKEN).status_code == 204
-    assert not Token.objects.filter(user=operator_user).exists()
+    assert not AuthToken.objects.filter(user=operator_user).exists()
     assert client.get(ME).status_code == 401
+
+
+def test_tokens_are_stored_hashed_with_a_visible_prefix_and_expire(
+    operator_user: User, settings
+) -> None:
+    settings.FEDINFER_TOKEN_TTL_HOURS = 24
+    before = timezone.now()
+    body = login("oscar-operator")
+    token = body["token"]
+    stored = AuthToken.objects.get(user=operator_user)
+    # Only the SHA-256 and the prefix are kept: the database cannot give the token back.
+    assert stored.key_hash == hashlib.sha256(token.encode()).hexdigest()
+    assert token.startswith(stored.prefix + "_") and len(token) > len(stored.prefix) + 40
+    assert not AuthToken.objects.filter(key_hash=token).exists()
+    expires_at = parse_datetime(body["expires_at"])
+    assert expires_at == stored.expires_at
+    assert timedelta(hours=24) <= expires_at - before < timedelta(hours=24, minutes=1)
+
+    client = token_client(token)
+    assert client.get(ME).status_code == 200
+    stored.refresh_from_db()
+    assert stored.last_used_at is not None
+
+    AuthToken.objects.filter(pk=stored.pk).update(expires_at=timezone.now())
+    refused = client.get(ME)
+    assert refused.status_code == 401 and "expired" in refused.json()["detail"]
+
+
+def test_token_ttl_is_a_setting(operator_user: User, settings) -> None:
+    settings.FEDINFER_TOKEN_TTL_HOURS = 2
+    expires_at = parse_datetime(login("oscar-operator")["expires_at"])
+    assert timedelta(hours=1, minutes=59) < expires_at - timezone.now() <= timedelta(hours=2)
+
+
+def test_each_login_has_its_own_token_and_logout_revokes_only_it(operator_user: User) -> None:
+    first, second = login("oscar-operator")["token"], login("oscar-operator")["token"]
+    assert first != second
+    assert token_client(first).delete(TOKEN).status_code == 204
+    assert token_client(first).get(ME).status_code == 401
+    assert token_client(second).get(ME).status_code == 200
+
+
+def test_unknown_malformed_and_old_drf_tokens_are_refused(operator_user: User) -> None:
+    token = login("oscar-operator")["token"]
+    for bad in (token[:-1] + ("A" if token[-1] != "A" else "B"), "0" * 40, "ft_x", token + "x"):
+        response = token_client(bad).get(ME)
+        assert response.status_code == 401, bad
+        assert response.json()["detail"] == "Invalid token."
+
+
+def test_new_password_and_deactivation_revoke_tokens(
+    admin_client: APIClient, operator_user
+) -> None:
+    token = login("oscar-operator")["token"]
+    url = f"/api/v1/users/{operator_user.pk}/"
+    response = admin_client.patch(url, {"password": "a-new-long-password-7"}, format="json")
+    assert response.status_code == 200, response.content
+    assert token_client(token).get(ME).status_code == 401
+    token = login("oscar-operator", "a-new-long-password-7")["token"]
+    assert admin_client.patch(url, {"is_active": False}, format="json").status_code == 200
+    assert token_client(token).get(ME).status_code == 401
+
+
+def test_a_user_keeps_at_most_max_tokens(operator_user: User, monkeypatch) -> None:
+    monkeypatch.setattr(services, "MAX_TOKENS_PER_USER", 3)
+    tokens = [services.auth_token_issue(user=operator_user).plaintext for _ in range(5)]
+    assert AuthToken.objects.filter(user=operator_user).count() == 3
+    assert [token_client(t).get(ME).status_code for t in tokens] == [401, 401, 200, 200, 200]
+
+
+def test_the_token_command_issues_one_of_ours(operator_user: User) -> None:
+    from io import StringIO
+
+    from django.core.management import call_command
+
+    for command in ("auth_token_issue", "drf_create_token"):  # the second: DRF's old name
+        out = StringIO()
+        call_command(command, "oscar-operator", stdout=out)
+        words = out.getvalue().split()
+        assert words[0:2] == ["Generated", "token"] and words[3:] == [
+            "for",
+            "user",
+            "oscar-operator",
+        ]
+        assert token_client(words[2]).get(ME).status_code == 200
 
 
 def test_wrong_password_and_unknown_user_get_the_same_400(operator_user: User) -> None:
@@ -45,7 +143,7 @@ def test_wrong_password_and_unknown_user_get_the_same_400(operator_user: User) -
     unknown = client.post(TOKEN, {"username": "nobody", "password": "nope"})
     assert wrong.status_code == unknown.status_code == 400
     assert wrong.json() == unknown.json()
-    assert not Token.objects.exists()
+    assert not AuthToken.objects.exists()
 
 
 def test_inactive_user_cannot_log_in(operator_user: User) -> None:
@@ -103,10 +201,8 @@ def test_session_auth_reads_and_writes_with_csrf(admin_user: User) -> None:
 def test_logout_ends_a_session_login(admin_user: User) -> None:
     client = APIClient()
     assert client.login(username="alice-admin", password="pw-alice-admin")
-    Token.objects.create(user=admin_user)
     assert client.delete(TOKEN).status_code == 204
     assert client.get(ME).status_code == 401
-    assert not Token.objects.filter(user=admin_user).exists()
 
 
 @pytest.mark.django_db

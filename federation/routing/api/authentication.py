@@ -5,13 +5,14 @@ from __future__ import annotations
 from typing import Any
 
 from django.contrib.auth.models import AnonymousUser
-from rest_framework.authentication import BaseAuthentication, TokenAuthentication
+from rest_framework.authentication import BaseAuthentication
 from rest_framework.exceptions import AuthenticationFailed
 from rest_framework.request import Request
 
 from federation.inventory.models import Edge
 from federation.routing.distribution import edge_by_credential
 from federation.routing.services import EDGE_CREDENTIAL_PREFIX
+from federation.tenancy.api.authentication import TokenAuthentication
 
 
 class EdgeCredentialAuthentication(BaseAuthentication):

@@ -7,7 +7,7 @@ from typing import Any
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema
 from rest_framework import status
-from rest_framework.authentication import SessionAuthentication, TokenAuthentication
+from rest_framework.authentication import SessionAuthentication
 from rest_framework.exceptions import NotFound, PermissionDenied, ValidationError
 from rest_framework.request import Request
 from rest_framework.response import Response
@@ -31,6 +31,7 @@ from federation.routing.api.authentication import (
 )
 from federation.routing.api.longpoll import WAITED, WaitFor
 from federation.routing.api.permissions import IsEdge, IsEdgeOrStaff
+from federation.tenancy.api.authentication import TokenAuthentication
 
 #: Longest long-poll a client may ask for, seconds.
 MAX_WAIT_S = 30

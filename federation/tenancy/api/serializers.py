@@ -296,4 +296,8 @@ class TokenCreateInput(StrictFieldsMixin, serializers.Serializer):
 
 
 class TokenOutput(serializers.Serializer):
-    token = serializers.CharField()
+    token = serializers.CharField(
+        help_text="Send as 'Authorization: Token <token>'. Shown this once; only its hash is "
+        "stored."
+    )
+    expires_at = serializers.DateTimeField(help_text="Log in again after this.")

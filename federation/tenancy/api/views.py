@@ -14,7 +14,6 @@ from django.db.models import QuerySet
 from django.utils import timezone
 from drf_spectacular.utils import OpenApiResponse, extend_schema, extend_schema_view
 from rest_framework import mixins, status, viewsets
-from rest_framework.authtoken.models import Token
 from rest_framework.decorators import action
 from rest_framework.exceptions import NotFound, ValidationError
 from rest_framework.permissions import AllowAny, BasePermission, IsAuthenticated
@@ -30,7 +29,7 @@ from federation.inventory.models import slug_validator
 from federation.tenancy import selectors, services
 from federation.tenancy.api import serializers as s
 from federation.tenancy.filters import ApiKeyFilter, TenantFilter, UserFilter
-from federation.tenancy.models import ApiKey, Tenant
+from federation.tenancy.models import ApiKey, AuthToken, Tenant
 
 _SLUG = re.compile(slug_validator.regex)
 
@@ -233,8 +232,8 @@ class MeView(APIView):
 
 
 class AuthTokenView(APIView):
-    """Log in for an API token (POST), or log out (DELETE): the token is revoked and a
-    session login ends."""
+    """Log in for an API token (POST), or log out (DELETE): the token the request carries is
+    revoked, or the session login ends."""
 
     def get_throttles(self) -> list[BaseThrottle]:
         return [LoginThrottle()] if self.request.method == "POST" else []
@@ -266,15 +265,17 @@ class AuthTokenView(APIView):
                 {"non_field_errors": ["Unable to log in with these credentials."]},
                 code="authorization",
             )
-        token, _ = Token.objects.get_or_create(user=user)
-        return Response(s.TokenOutput({"token": token.key}).data)
+        assert isinstance(user, User)
+        issued = services.auth_token_issue(user=user)
+        out = {"token": issued.plaintext, "expires_at": issued.token.expires_at}
+        return Response(s.TokenOutput(out).data)
 
     @extend_schema(
-        request=None, responses={204: OpenApiResponse(description="Token revoked."), 401: E401}
+        request=None, responses={204: OpenApiResponse(description="Logged out."), 401: E401}
     )
     def delete(self, request: Request) -> Response:
-        assert isinstance(request.user, User)  # IsAuthenticated let it through
-        Token.objects.filter(user=request.user).delete()
-        if request.auth is None:  # authenticated by session: end it too
+        if isinstance(request.auth, AuthToken):
+            services.auth_token_revoke(token=request.auth)
+        else:  # authenticated by session: end it
             logout(request._request)
         return Response(status=status.HTTP_204_NO_CONTENT)
