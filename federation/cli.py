@@ -59,6 +59,10 @@ def _serve(args: list[str]) -> None:
         port=opts.port,
         workers=opts.workers,
         lifespan="off",
+        # uvicorn would replace the peer address with X-Forwarded-For (and the scheme with
+        # X-Forwarded-Proto) for loopback peers; which proxies to believe is the settings'
+        # call (FEDINFER_TRUSTED_PROXIES, FEDINFER_PROXY_SSL_HEADER), not the server's.
+        proxy_headers=False,
     )
 
 

@@ -6,16 +6,22 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import socket
 import subprocess
+import sys
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import httpx
 import redis
 from django.conf import settings as django_settings
 
 from workers.celery import app as celery_app
+
+FEDINFER = str(Path(sys.executable).with_name("fedinfer"))
 
 
 @contextlib.contextmanager
@@ -79,3 +85,26 @@ def stop_process_group(proc: subprocess.Popen[bytes]) -> None:
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(timeout=5)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def serve(procs: Procs, env: dict[str, str], *, name: str = "serve") -> tuple[str, int]:
+    """Start ``fedinfer serve`` (uvicorn, no migrations) on a free loopback port and wait
+    until it answers; returns its URL and pid."""
+    port = free_port()
+    proc = procs.start(name, [FEDINFER, "serve", "--no-migrate", "--port", str(port)], env)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 30
+    while True:
+        assert proc.poll() is None, procs.log(name)
+        assert time.monotonic() < deadline, f"fedinfer serve did not start: {procs.log(name)}"
+        try:
+            httpx.get(f"{url}/api/v1/", timeout=1)
+            return url, proc.pid
+        except httpx.TransportError:
+            time.sleep(0.1)

@@ -305,3 +305,24 @@ def test_admin_login_shares_the_throttle_and_refuses_with_429(admin_user, login_
     assert APIClient().post(TOKEN, body, format="json").status_code == 429
     # Reading the form is not an attempt.
     assert client.get("/admin/login/").status_code == 200
+
+
+def test_under_fedinfer_serve_x_forwarded_for_does_not_pick_the_bucket(db, procs) -> None:
+    """uvicorn would take X-Forwarded-For from a loopback peer as the client address; with
+    FEDINFER_TRUSTED_PROXIES=0 nothing but the peer counts."""
+    import httpx
+    import redis
+    from django.conf import settings
+
+    from tests.integration.control_plane_support import serve, subprocess_env
+
+    redis.Redis.from_url(settings.REDIS_URL).flushdb()  # the throttle's counters
+    env = subprocess_env(settings.REDIS_URL, FEDINFER_LOGIN_RATE="3/min")
+    url, _ = serve(procs, env)
+    body = {"username": "nobody", "password": "wrong"}
+    codes = [
+        httpx.post(f"{url}{TOKEN}", json=body, headers={"X-Forwarded-For": f"198.51.100.{i}"})
+        for i in range(4)
+    ]
+    assert [r.status_code for r in codes] == [400, 400, 400, 429]
+    redis.Redis.from_url(settings.REDIS_URL).flushdb()

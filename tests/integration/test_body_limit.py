@@ -9,19 +9,15 @@ from __future__ import annotations
 
 import select
 import socket
-import sys
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
 import pytest
 from django.conf import settings
 
-from tests.integration.control_plane_support import Procs, subprocess_env
+from tests.integration.control_plane_support import Procs, serve, subprocess_env
 
-FEDINFER = str(Path(sys.executable).with_name("fedinfer"))
 MiB = 1024 * 1024
 URL = "/api/v1/auth/token/"  # open to anyone: nothing but the body limit stands in the way
 
@@ -38,27 +34,10 @@ class Server:
         raise AssertionError("no VmRSS")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture
-def server(db: None, procs: Procs) -> Iterator[Server]:
-    port = free_port()
-    env = subprocess_env(settings.REDIS_URL)
-    proc = procs.start("serve", [FEDINFER, "serve", "--no-migrate", "--port", str(port)], env)
-    deadline = time.monotonic() + 30
-    while True:
-        assert proc.poll() is None, procs.log("serve")
-        assert time.monotonic() < deadline, "fedinfer serve did not start"
-        try:
-            httpx.get(f"http://127.0.0.1:{port}/api/v1/", timeout=1)
-            break
-        except httpx.TransportError:
-            time.sleep(0.1)
-    yield Server(port, proc.pid)
+def server(db: None, procs: Procs) -> Server:
+    url, pid = serve(procs, subprocess_env(settings.REDIS_URL))
+    return Server(int(url.rsplit(":", 1)[1]), pid)
 
 
 def connect(server: Server) -> socket.socket:
