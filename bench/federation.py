@@ -368,8 +368,9 @@ def run(
             f"{settings.FEDINFER_TABLE_SIGNING_KEY_ID}={settings.FEDINFER_TABLE_SIGNING_KEY}"
         )
         ring.chmod(0o600)
-        edges = {}
+        edges, ops = {}, {}
         for code, port in zip(codes, edge_ports, strict=True):
+            ops_port = free_ports(1)[0]
             cred = VAR / "federation-logs" / f"cred-{code}"
             cred.write_text(fleet.credentials[code])
             proc = group.start(
@@ -378,14 +379,17 @@ def run(
                     "edge", "--region", code, "--control-plane", api, "--credential-file",
                     str(cred), "--table-keys-file", str(ring), "--edge-name", f"edge-{code}",
                     "--state-dir", str(VAR / "federation-logs" / f"state-{code}"),
-                    "--port", str(port), "--heartbeat-interval", "1", "--log-level", "warning",
+                    "--port", str(port), "--operator-port", str(ops_port),
+                    "--heartbeat-interval", "1", "--log-level", "warning",
                 ),
                 env=env,
             )  # fmt: skip
             edges[code] = f"http://127.0.0.1:{port}"
-            wait_http(edges[code] + "/healthz", proc)
+            ops[code] = f"http://127.0.0.1:{ops_port}"
+            wait_http(ops[code] + "/healthz", proc)
         load_before = os.getloadavg()
-        prop = asyncio.run(propagation(api, fleet, edges, changes, poll_s=0.01))
+        # Versions are read from each edge's operator listener (/healthz).
+        prop = asyncio.run(propagation(api, fleet, ops, changes, poll_s=0.01))
         add_published(prop)
         evac = asyncio.run(evacuation(api, fleet, edges, reps, rate))
     return {

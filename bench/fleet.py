@@ -90,15 +90,17 @@ def start_edge(
     region: str = "bench",
     name: str = "edge",
     model: str | None = None,
-) -> tuple[Proc, str]:
-    port = free_port()
+) -> tuple[Proc, str, str]:
+    """(process, public URL, operator URL: /healthz and /metrics)."""
+    port, ops_port = free_port(), free_port()
     argv = fedinfer_argv("edge", "--region", region, "--table", str(table), "--port", str(port))
+    argv += ["--operator-port", str(ops_port)]
     if policy:
         argv += ["--policy", policy]
     proc = pg.start(name, argv, cpus=cpus)
     url = f"http://127.0.0.1:{port}"
     wait_http(f"{url}/v1/models", proc, timeout=60)
-    return proc, url
+    return proc, url, f"http://127.0.0.1:{ops_port}"
 
 
 def sglang_available() -> str | None:

@@ -167,7 +167,7 @@ def run(reps: int = 3, duration: float = 4.0, warmup: float = 2.0) -> dict[str, 
             pg, count=1, model=MODEL, extra=["--zero-latency", "--seed", "1"], cpus=ENGINE_CPUS
         )
         table = write_table(tmp / "table.json", engines, max_concurrency=4096)
-        edge_proc, edge_url = start_edge(pg, table, cpus=ROUTER_CPUS)
+        edge_proc, edge_url, _ = start_edge(pg, table, cpus=ROUTER_CPUS)
         paths: dict[str, tuple[str, Proc | None]] = {
             "direct": (engines.urls[0], None),
             "edge": (edge_url, edge_proc),

@@ -320,7 +320,7 @@ def run_policy(
                 max_concurrency=cfg.edge_cap or cfg.max_num_seqs,
                 prefill_tokens_per_s=prefill_rate(cfg),
             )
-            edge, url = start_edge(pg, table, policy=policy, cpus=EDGE_CPUS, model=cfg.model)
+            edge, url, ops = start_edge(pg, table, policy=policy, cpus=EDGE_CPUS, model=cfg.model)
             target = Target((url,))
         snaps: dict[str, list[EngineLoad]] = {}
         cpu: dict[str, float] = {}
@@ -349,7 +349,7 @@ def run_policy(
         end = scrape(engines.urls)
         edge_counters: dict[str, float] = {}
         if edge is not None:
-            edge_counters = edge_metrics(url, pg.logdir / "edge-metrics.txt")
+            edge_counters = edge_metrics(ops, pg.logdir / "edge-metrics.txt")
         wall = time.monotonic() - cpu.get("t0", time.monotonic())
         cpu_share = {
             "engines": (engines.proc.cpu_seconds() - cpu.get("engines0", math.nan)) / wall,

@@ -428,6 +428,24 @@ class Edge:
         if scope["type"] == "http":
             await self._http_request(scope, receive, send)
 
+    async def operator(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """The operator listener's app: ``/healthz`` (what the scheduler believes about every
+        instance) and ``/metrics``. Never on the public port: instance names, loads and
+        per-model series are the fleet's business, not its clients'."""
+        if scope["type"] != "http":
+            return
+        path: str = scope["path"]
+        if scope["method"] != "GET":
+            await self._error(send, EdgeError(405, "use GET", "method_not_allowed"))
+        elif path == "/healthz":
+            await self._healthz(send)
+        elif path == "/metrics":
+            await _respond(
+                send, 200, generate_latest(self.metrics.registry), CONTENT_TYPE_LATEST.encode()
+            )
+        else:
+            await self._error(send, EdgeError(404, f"no route for GET {path}", "not_found"))
+
     async def _http_request(self, scope: Scope, receive: Receive, send: Send) -> None:
         path: str = scope["path"]
         method: str = scope["method"]
@@ -445,12 +463,6 @@ class Edge:
                     await self._error(send, err)
                     return
             await _respond(send, 200, self.models_body, _JSON)
-        elif path == "/healthz" and method == "GET":
-            await self._healthz(send)
-        elif path == "/metrics" and method == "GET":
-            await _respond(
-                send, 200, generate_latest(self.metrics.registry), CONTENT_TYPE_LATEST.encode()
-            )
         else:
             await self._error(send, EdgeError(404, f"no route for {method} {path}", "not_found"))
 

@@ -55,6 +55,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8080)
+    p.add_argument(
+        "--operator-host",
+        default="127.0.0.1",
+        help="address of the operator listener (/healthz, /metrics); keep it off the internet",
+    )
+    p.add_argument(
+        "--operator-port",
+        type=int,
+        help="port of the operator listener (/healthz with every instance's state, /metrics); "
+        "without it neither is served (never on the public port)",
+    )
     p.add_argument("--policy", choices=POLICIES, default="fedinfer")
     p.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024)
     p.add_argument("--queue-size", type=int, default=256, help="requests waiting for capacity")
@@ -226,12 +237,17 @@ def main(argv: list[str]) -> None:
         edge = make_edge(config_from_args(opts))
     except (TableError, ValueError) as exc:
         raise SystemExit(f"fedinfer edge: {exc}") from exc
-    uvloop.run(serve(edge, opts.host, opts.port))
+    operator = (opts.operator_host, opts.operator_port) if opts.operator_port is not None else None
+    uvloop.run(serve(edge, opts.host, opts.port, operator))
 
 
-async def serve(edge: Edge, host: str, port: int) -> None:
-    """Start the edge's background work, serve until SIGINT/SIGTERM, then drain and stop."""
+async def serve(edge: Edge, host: str, port: int, operator: tuple[str, int] | None = None) -> None:
+    """Start the edge's background work, serve until SIGINT/SIGTERM, then drain and stop.
+
+    ``operator``: (host, port) of the operator listener, a server of its own so that a flood
+    on the public port never holds back a health check or a scrape."""
     server = EdgeServer(edge)
+    ops = EdgeServer(edge.operator) if operator is not None else None
     await edge.startup()
     # What exists now (modules, table, metric families) lives as long as the process: keep it
     # out of the collector's way, and collect the young generation less often — each request
@@ -240,6 +256,9 @@ async def serve(edge: Edge, host: str, port: int) -> None:
     gc.freeze()
     gc.set_threshold(50_000, 20, 100)
     try:
+        if ops is not None and operator is not None:
+            ops_port = await ops.start(*operator)
+            log.info("operator endpoints on http://%s:%d", operator[0], ops_port)
         bound = await server.start(host, port)
         log.info("edge of region %s serving on http://%s:%d", edge.cfg.region, host, bound)
         server.handle_signals()
@@ -247,4 +266,6 @@ async def serve(edge: Edge, host: str, port: int) -> None:
         log.info("edge of region %s stopping", edge.cfg.region)
     finally:
         await server.shutdown()
+        if ops is not None:
+            await ops.shutdown()
         await edge.shutdown()

@@ -148,7 +148,8 @@ def test_demo_federates_three_regions_with_traffic_and_an_evacuation(
         rows = httpx.get(f"{api}/routing-tables/", headers=auth, timeout=5).json()["results"]
         for row in rows:
             (edge,) = row["edges"]
-            health = httpx.get(f"{endpoints['edges'][row['region']]}/healthz", timeout=5).json()
+            ops = endpoints["operators"][row["region"]]
+            health = httpx.get(f"{ops}/healthz", timeout=5).json()
             assert health["table_source"] == "control-plane"
             if not (
                 row["latest_version"] is not None
@@ -267,6 +268,6 @@ def test_demo_exits_non_zero_naming_a_child_that_died(
     _wait_until(
         lambda: not any(Path(f"/proc/{pid}").exists() for pid in children), 15, "children to stop"
     )
-    for url in endpoints["edges"].values():
+    for url in endpoints["operators"].values():
         with pytest.raises(httpx.HTTPError):
             httpx.get(f"{url}/healthz", timeout=1)

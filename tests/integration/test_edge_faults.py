@@ -68,9 +68,9 @@ def test_engine_killed_mid_run(tmp_path: Path) -> None:
         after = [ask(k) for k in range(100, 112)]
         assert all(s == 200 for s, _, _ in after)
         assert victim not in {inst for _, inst, _ in after}
-        health = httpx.get(edge.url + "/healthz").json()
+        health = httpx.get(edge.ops + "/healthz").json()
         assert health["healthy_instances"] == 2
-        metrics = httpx.get(edge.url + "/metrics").text
+        metrics = httpx.get(edge.ops + "/metrics").text
         assert f'fedinfer_edge_ejections_total{{instance="{victim}"}} 1.0' in metrics
         assert f'fedinfer_edge_midstream_failures_total{{instance="{victim}"}} 1.0' in metrics
         assert f'fedinfer_edge_scrape_failures_total{{instance="{victim}"}}' in metrics
@@ -105,7 +105,7 @@ def test_client_disconnect_closes_the_upstream(tmp_path: Path) -> None:
             time.sleep(0.05)
         assert engine.stats()["running"] == 0
         time.sleep(0.3)
-        metrics = httpx.get(edge.url + "/metrics").text
+        metrics = httpx.get(edge.ops + "/metrics").text
         assert 'fedinfer_edge_inflight{instance="i-1"} 0.0' in metrics
 
 
@@ -166,7 +166,7 @@ def test_gateway_queue_is_first_in_first_out(tmp_path: Path) -> None:
                 # so the arrival order is known whatever the machine's load.
                 deadline = time.monotonic() + 10
                 while True:
-                    queued = httpx.get(edge.url + "/healthz").json()["queue_depth"]
+                    queued = httpx.get(edge.ops + "/healthz").json()["queue_depth"]
                     if queued + len(engine.stats()["prompts"]) >= k + 1:
                         break
                     assert time.monotonic() < deadline, f"q{k} never arrived"

@@ -74,7 +74,7 @@ def ask(edge: EdgeProc, i: int) -> tuple[int, int]:
 
 
 def metric(edge: EdgeProc, name: str) -> float:
-    text = httpx.get(edge.url + "/metrics", timeout=5).text
+    text = httpx.get(edge.ops + "/metrics", timeout=5).text
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
 
 

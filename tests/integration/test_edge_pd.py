@@ -207,7 +207,7 @@ def test_prefill_failures_fall_back_to_mixed_then_to_the_decode_engine(tmp_path:
         # the prompt itself, and the route says why.
         cluster.set_table(2, {"sim-0": "prefill", "sim-1": "decode"})
         wait_for(
-            lambda: httpx.get(cluster.edge.url + "/healthz").json()["instances"] == 2,
+            lambda: httpx.get(cluster.edge.ops + "/healthz").json()["instances"] == 2,
             "table 2 not applied",
         )
         route = ask(cluster, "And now?")
@@ -219,7 +219,7 @@ def test_prefill_failures_fall_back_to_mixed_then_to_the_decode_engine(tmp_path:
         httpx.post(cluster.urls["sim-0"] + "/admin/faults", json={"kill": True}, timeout=5)
         wait_for(
             lambda: (
-                not httpx.get(cluster.edge.url + "/healthz").json()["detail"]["sim-0"]["healthy"]
+                not httpx.get(cluster.edge.ops + "/healthz").json()["detail"]["sim-0"]["healthy"]
             ),
             "sim-0 not ejected",
         )

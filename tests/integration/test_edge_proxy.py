@@ -184,13 +184,25 @@ def test_sdk_maps_unknown_model_to_not_found(edge: EdgeProc) -> None:
         )
 
 
+def test_operator_endpoints_are_not_on_the_public_port(edge: EdgeProc) -> None:
+    """Instance names, loads and per-model series are for operators: the public port answers
+    404 for them, the operator listener serves them (and no inference route)."""
+    for path in ("/healthz", "/metrics"):
+        public = httpx.get(edge.url + path)
+        assert public.status_code == 404, (path, public.text)
+        assert "sim" not in public.text and "i-1" not in public.text
+        assert httpx.get(edge.ops + path).status_code == 200
+    assert httpx.post(edge.ops + "/v1/chat/completions", json={}).status_code == 405
+    assert httpx.get(edge.ops + "/v1/models").status_code == 404
+
+
 def test_models_healthz_and_metrics(edge: EdgeProc) -> None:
     models = client(edge).models.list()
     assert [m.id for m in models.data] == ["llama"]
-    health = httpx.get(edge.url + "/healthz").json()
+    health = httpx.get(edge.ops + "/healthz").json()
     assert health["healthy_instances"] == 3 and health["table_version"] == 1
     time.sleep(0.3)
-    text = httpx.get(edge.url + "/metrics").text
+    text = httpx.get(edge.ops + "/metrics").text
     for name in (
         'fedinfer_edge_requests_total{instance="',
         "fedinfer_edge_ttft_seconds_bucket",
@@ -213,7 +225,7 @@ def test_table_reload_on_sighup_and_bad_table_is_refused(edge: EdgeProc) -> None
     write_atomically(edge.table, json.dumps(good))
     edge.proc.send_signal(signal.SIGHUP)
     deadline = time.monotonic() + 5
-    while httpx.get(edge.url + "/healthz").json()["table_version"] != 2:
+    while httpx.get(edge.ops + "/healthz").json()["table_version"] != 2:
         assert time.monotonic() < deadline, "table version 2 not applied"
         time.sleep(0.05)
     assert [m.id for m in client(edge).models.list().data] == ["llama", "sql"]
@@ -226,7 +238,7 @@ def test_table_reload_on_sighup_and_bad_table_is_refused(edge: EdgeProc) -> None
         while rejections(edge) == before:
             assert time.monotonic() < deadline, f"table {bad[:20]!r} was not refused"
             time.sleep(0.05)
-    assert httpx.get(edge.url + "/healthz").json()["table_version"] == 2
+    assert httpx.get(edge.ops + "/healthz").json()["table_version"] == 2
     answer = client(edge).chat.completions.create(
         model="sql", messages=[{"role": "user", "content": "still served"}]
     )
@@ -241,7 +253,7 @@ def write_atomically(path: Path, text: str) -> None:
 
 
 def rejections(edge: EdgeProc) -> float:
-    for line in httpx.get(edge.url + "/metrics").text.splitlines():
+    for line in httpx.get(edge.ops + "/metrics").text.splitlines():
         if line.startswith("fedinfer_edge_table_rejections_total "):
             return float(line.split()[1])
     raise AssertionError("rejection counter missing")

@@ -46,7 +46,7 @@ class SimEdge:
         r.raise_for_status()
 
     def health(self) -> dict[str, Any]:
-        return dict(httpx.get(self.edge.url + "/healthz", timeout=5).json())
+        return dict(httpx.get(self.edge.ops + "/healthz", timeout=5).json())
 
 
 @contextmanager
@@ -137,7 +137,7 @@ def test_sdk_through_the_edge_to_simulated_engines(sim_edge: SimEdge) -> None:
     time.sleep(0.6)
     detail = sim_edge.health()["detail"]
     assert all(d["scraped_age_s"] is not None and d["scraped_age_s"] < 2 for d in detail.values())
-    metrics = httpx.get(sim_edge.edge.url + "/metrics").text
+    metrics = httpx.get(sim_edge.edge.ops + "/metrics").text
     assert f'fedinfer_edge_actual_cached_tokens_total{{instance="{first}"' in metrics
 
 
@@ -181,7 +181,7 @@ def test_5xx_answers_are_retried_elsewhere_and_eject(sim_edge: SimEdge) -> None:
         sim_edge.fault(sick, reset=True)
     assert all(r["instance"] != sick for r in routes)
     retried = sum(r["retries"] == "1" for r in routes)
-    metrics = httpx.get(sim_edge.edge.url + "/metrics").text
+    metrics = httpx.get(sim_edge.edge.ops + "/metrics").text
     ejections = metric_value(metrics, f'fedinfer_edge_ejections_total{{instance="{sick}"}}')
     # Two 5xx eject it; after each backoff it is readmitted on probation and one 5xx ejects it
     # again (for twice as long): every retry is accounted for by that rule.

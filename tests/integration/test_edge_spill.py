@@ -164,7 +164,7 @@ def test_evacuated_region_sends_traffic_to_the_remote(fed: Fed) -> None:
     tmp.write_text(json.dumps(doc))
     tmp.replace(fed.r1.table)
     deadline = time.monotonic() + 5
-    while httpx.get(fed.r1.url + "/healthz").json()["table_version"] != 2:
+    while httpx.get(fed.r1.ops + "/healthz").json()["table_version"] != 2:
         assert time.monotonic() < deadline
         time.sleep(0.05)
     r = chat(fed.r1.url, "fi_any")

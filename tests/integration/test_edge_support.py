@@ -244,27 +244,34 @@ class EdgeProc:
     proc: subprocess.Popen[bytes]
     table: Path
     log: Path
+    ops_port: int = 0
     engines: dict[str, Engine] = field(default_factory=dict)
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
+    @property
+    def ops(self) -> str:
+        """The operator listener (/healthz, /metrics)."""
+        return f"http://127.0.0.1:{self.ops_port}"
+
 
 def start_edge(tmp: Path, table: dict[str, Any], *args: str) -> EdgeProc:
     path = tmp / "table.json"
     path.write_text(json.dumps(table))
-    port = free_port()
+    port, ops_port = free_port(), free_port()
     log = tmp / f"edge-{port}.log"
     fedinfer = str(Path(sys.executable).parent / "fedinfer")
     cmd = [fedinfer, "edge", "--region", table["region"], "--table", str(path)]
-    cmd += ["--port", str(port), "--probe-interval", "0.2", "--scrape-interval", "0.2"]
+    cmd += ["--port", str(port), "--operator-port", str(ops_port)]
+    cmd += ["--probe-interval", "0.2", "--scrape-interval", "0.2"]
     cmd += ["--table-poll", "0.2", "--log-level", "warning", *args]
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ))
-    edge = EdgeProc(port, proc, path, log)
+    edge = EdgeProc(port, proc, path, log, ops_port)
     try:
-        wait_http(edge.url + "/healthz", proc=proc)
+        wait_http(edge.ops + "/healthz", proc=proc)
     except Exception:
         stop(proc)
         raise

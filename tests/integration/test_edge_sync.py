@@ -116,6 +116,14 @@ class ControlPlane:
         return data
 
 
+#: Edge port → its operator listener's port (/healthz, /metrics).
+OPS_PORTS: dict[int, int] = {}
+
+
+def ops_url(port: int) -> str:
+    return f"http://127.0.0.1:{OPS_PORTS[port]}"
+
+
 def start_synced_edge(tmp: Path, cp_url: str, state: Path, port: int) -> subprocess.Popen[bytes]:
     cred = tmp / "cred"
     cred.write_text("fe_secret\n")
@@ -125,13 +133,15 @@ def start_synced_edge(tmp: Path, cp_url: str, state: Path, port: int) -> subproc
     cmd = [fedinfer, "edge", "--region", "r1", "--control-plane", cp_url]
     cmd += ["--credential-file", str(cred), "--table-keys-file", str(keys)]
     cmd += ["--state-dir", str(state), "--edge-name", "edge-r1", "--heartbeat-interval", "0.3"]
+    OPS_PORTS.setdefault(port, free_port())
     cmd += ["--initial-timeout", "10", "--port", str(port), "--probe-interval", "0.2"]
+    cmd += ["--operator-port", str(OPS_PORTS[port])]
     cmd += ["--scrape-interval", "0.2", "--log-level", "warning"]
     log = open(tmp / f"edge-{port}.log", "ab")  # noqa: SIM115 - closed with the process
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ))
     log.close()
     try:
-        wait_http(f"http://127.0.0.1:{port}/healthz", proc=proc)
+        wait_http(ops_url(port) + "/healthz", proc=proc)
     except Exception:
         stop(proc)
         raise
@@ -139,7 +149,7 @@ def start_synced_edge(tmp: Path, cp_url: str, state: Path, port: int) -> subproc
 
 
 def healthz(port: int) -> dict[str, Any]:
-    data: dict[str, Any] = httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=5).json()
+    data: dict[str, Any] = httpx.get(ops_url(port) + "/healthz", timeout=5).json()
     return data
 
 
@@ -257,7 +267,7 @@ def test_table_and_control_plane_flags_are_exclusive(tmp_path: Path) -> None:
 
 
 def _rejections(port: int) -> float:
-    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+    text = httpx.get(ops_url(port) + "/metrics", timeout=5).text
     for line in text.splitlines():
         if line.startswith("fedinfer_edge_table_rejections_total"):
             return float(line.split()[-1])

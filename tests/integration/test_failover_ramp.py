@@ -194,7 +194,7 @@ def test_a_returning_edge_forwards_above_its_ramp_and_serves_here_when_no_remote
         r1.table.with_suffix(".tmp").write_text(json.dumps(t1))
         r1.table.with_suffix(".tmp").replace(r1.table)
         wait_until(
-            lambda: httpx.get(r1.url + "/healthz").json()["table_version"] == 2, 5, "version 2"
+            lambda: httpx.get(r1.ops + "/healthz").json()["table_version"] == 2, 5, "version 2"
         )
         r = ask()
         assert r.status_code == 200, r.text
@@ -273,6 +273,7 @@ def test_a_region_coming_back_gets_its_traffic_back_gradually(
             inst = inventory.instance_transition(actor=None, instance=inst, state=step)
     edge_ports = {c: free_port() for c in codes}
     edges = {c: f"http://127.0.0.1:{edge_ports[c]}" for c in codes}
+    ops_ports = {c: free_port() for c in codes}
     credentials = {}
     for code in codes:
         edge = inventory.edge_register(
@@ -307,11 +308,13 @@ def test_a_region_coming_back_gets_its_traffic_back_gradually(
         cmd += ["--credential-file", str(cred), "--table-keys-file", str(ring)]
         cmd += ["--edge-name", f"edge-{code}"]
         cmd += ["--state-dir", str(procs.tmp / f"state-{code}"), "--port", str(edge_ports[code])]
+        cmd += ["--operator-port", str(ops_ports[code])]
         cmd += ["--heartbeat-interval", "0.5", "--probe-interval", "0.2"]
         cmd += ["--scrape-interval", "0.2", "--initial-timeout", "10", "--log-level", "warning"]
         procs.start(f"edge-{code}", cmd, env())
     for code in codes:
-        wait_until(lambda code=code: up(edges[code] + "/healthz"), 20, f"edge {code}")
+        url = f"http://127.0.0.1:{ops_ports[code]}/healthz"
+        wait_until(lambda url=url: up(url), 20, f"edge {code}")
 
     with httpx.Client(timeout=20) as client:
         every = set(SESSIONS)

@@ -170,6 +170,8 @@ def test_three_regions_federated(procs: Procs, admin_client: APIClient) -> None:
         f"{settings.FEDINFER_TABLE_SIGNING_KEY_ID}={settings.FEDINFER_TABLE_SIGNING_KEY}"
     )
     edges = {c: f"http://127.0.0.1:{edge_ports[c]}" for c in codes}
+    ops_ports = {c: free_port() for c in codes}
+    ops = {c: f"http://127.0.0.1:{ops_ports[c]}" for c in codes}
 
     def start_edge(code: str) -> subprocess.Popen[bytes]:
         cred = procs.tmp / f"cred-{code}"
@@ -178,6 +180,7 @@ def test_three_regions_federated(procs: Procs, admin_client: APIClient) -> None:
         cmd += ["--credential-file", str(cred), "--table-keys-file", str(ring)]
         cmd += ["--edge-name", f"edge-{code}"]
         cmd += ["--state-dir", str(procs.tmp / f"state-{code}"), "--port", str(edge_ports[code])]
+        cmd += ["--operator-port", str(ops_ports[code])]
         cmd += [
             "--heartbeat-interval",
             "0.5",
@@ -188,7 +191,7 @@ def test_three_regions_federated(procs: Procs, admin_client: APIClient) -> None:
         ]
         cmd += ["--queue-size", "0", "--initial-timeout", "10", "--log-level", "warning"]
         proc = procs.start(f"edge-{code}", cmd, env())
-        wait_until(lambda: healthy(edges[code]) >= 1, 20, f"edge {code}")
+        wait_until(lambda: healthy(ops[code]) >= 1, 20, f"edge {code}")
         return proc
 
     edge_procs = {code: start_edge(code) for code in codes}
@@ -219,7 +222,7 @@ def test_three_regions_federated(procs: Procs, admin_client: APIClient) -> None:
 
     # 2. eu-west saturated: EU-only gets 503 with Retry-After, never a US instance; the
     #    unrestricted tenant spills to us-east.
-    spills_before = metric(edges["eu-west"], "fedinfer_edge_spills_total")
+    spills_before = metric(ops["eu-west"], "fedinfer_edge_spills_total")
     with httpx.stream(
         "POST",
         edges["eu-west"] + "/v1/chat/completions",
@@ -239,11 +242,11 @@ def test_three_regions_federated(procs: Procs, admin_client: APIClient) -> None:
             assert "retry-after" in r.headers
             assert route_of(r.headers)["region"] == "eu-west"
             assert route_of(r.headers)["instance"] == "none"
-        assert metric(edges["eu-west"], "fedinfer_edge_spills_total") == spills_before
+        assert metric(ops["eu-west"], "fedinfer_edge_spills_total") == spills_before
         r = chat(edges["eu-west"], any_key)
         assert r.status_code == 200
         assert route_of(r.headers)["region"] == "us-east", r.headers
-    assert metric(edges["eu-west"], "fedinfer_edge_spills_total") == spills_before + 1
+    assert metric(ops["eu-west"], "fedinfer_edge_spills_total") == spills_before + 1
 
     # 3. Evacuating eu-west through the API shifts its traffic within seconds.
     r = admin_client.post("/api/v1/regions/eu-west/evacuate/")
@@ -277,7 +280,7 @@ def test_three_regions_federated(procs: Procs, admin_client: APIClient) -> None:
         (edge_row,) = rows[code]["edges"]
         wait_until(
             lambda code=code: (
-                httpx.get(edges[code] + "/healthz").json()["table_version"]
+                httpx.get(ops[code] + "/healthz").json()["table_version"]
                 == rows[code]["latest_version"]
             ),
             5,
@@ -295,7 +298,7 @@ def test_three_regions_federated(procs: Procs, admin_client: APIClient) -> None:
         r = chat(edges[code], key, QWEN if code == "us-west" else LLAMA)
         assert r.status_code == 200 and route_of(r.headers)["region"] == code
         wait_until(
-            lambda code=code: bool(httpx.get(edges[code] + "/healthz").json()["sync_error"]),
+            lambda code=code: bool(httpx.get(ops[code] + "/healthz").json()["sync_error"]),
             5,
             f"{code} to notice the control plane is gone",
         )
@@ -304,7 +307,7 @@ def test_three_regions_federated(procs: Procs, admin_client: APIClient) -> None:
     r = chat(edges["us-east"], any_key)
     assert r.status_code == 200 and route_of(r.headers)["region"] == "us-east"
     assert (
-        json.loads(httpx.get(edges["us-east"] + "/healthz").text)["table_source"] == "control-plane"
+        json.loads(httpx.get(ops["us-east"] + "/healthz").text)["table_source"] == "control-plane"
     )
 
     stop_process_group(edge_procs["us-west"])

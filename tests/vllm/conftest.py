@@ -73,9 +73,10 @@ def edge(
     table_path.write_text(json.dumps(routing_table(vllm_pair), indent=2))
     LOG_DIR.mkdir(parents=True, exist_ok=True)
     log_path = LOG_DIR / "edge.log"
-    port = free_port()
+    port, ops_port = free_port(), free_port()
     argv = [str(fedinfer), "edge", "--region", EDGE_REGION, "--table", str(table_path)]
     argv += ["--host", "127.0.0.1", "--port", str(port), "--read-timeout", "120"]
+    argv += ["--operator-port", str(ops_port)]
     # A busy CPU server on a shared core can take seconds to answer /metrics and /health: a late
     # reading that says "busy" is what the load-steering test needs, and a slow /health is not
     # a dead server (on GPUs both answer in milliseconds; the defaults are 2 s and 1 s).
@@ -89,7 +90,9 @@ def edge(
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
-    edge_proc = EdgeProcess(port=port, table_path=table_path, log_path=log_path, proc=proc)
+    edge_proc = EdgeProcess(
+        port=port, table_path=table_path, log_path=log_path, proc=proc, ops_port=ops_port
+    )
     try:
         deadline = time.monotonic() + 30
         with httpx.Client(timeout=2.0) as client:
@@ -99,7 +102,7 @@ def edge(
                         f"fedinfer edge exited with {proc.returncode}:\n" + edge_proc.log_tail()
                     )
                 try:
-                    resp = client.get(edge_proc.base_url + "/healthz")
+                    resp = client.get(edge_proc.ops_url + "/healthz")
                     if resp.status_code == 200 and resp.json()["healthy_instances"] == 2:
                         break
                 except httpx.TransportError:

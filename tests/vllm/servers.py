@@ -163,10 +163,16 @@ class EdgeProcess:
     table_path: Path
     log_path: Path
     proc: subprocess.Popen[bytes]
+    #: The operator listener (``--operator-port``: /healthz, /metrics).
+    ops_port: int = 0
 
     @property
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def ops_url(self) -> str:
+        return f"http://127.0.0.1:{self.ops_port}"
 
     def log_tail(self, lines: int = 40) -> str:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])

@@ -85,21 +85,22 @@ def kv_edge(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
         }
         table_path = tmp_path_factory.mktemp("kv-edge") / "table.json"
         table_path.write_text(json.dumps(table))
-        edge_port = free_port()
+        edge_port, ops_port = free_port(), free_port()
         edge_log = LOG_DIR / "edge-kv.log"
         fedinfer = Path(sys.executable).with_name("fedinfer")
         argv = [str(fedinfer), "edge", "--region", "cpu-lab", "--table", str(table_path)]
         argv += ["--host", "127.0.0.1", "--port", str(edge_port), "--read-timeout", "120"]
+        argv += ["--operator-port", str(ops_port)]
         with edge_log.open("wb") as log:
             edge_proc = subprocess.Popen(
                 argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
             )
-        edge = EdgeProcess(edge_port, table_path, edge_log, edge_proc)
+        edge = EdgeProcess(edge_port, table_path, edge_log, edge_proc, ops_port)
         deadline = time.monotonic() + 30
         while True:
             assert edge_proc.poll() is None, edge.log_tail()
             try:
-                if httpx.get(edge.base_url + "/healthz", timeout=2).status_code == 200:
+                if httpx.get(edge.ops_url + "/healthz", timeout=2).status_code == 200:
                     break
             except httpx.TransportError:
                 pass
@@ -130,7 +131,7 @@ def ask(edge: EdgeProcess, i: int) -> tuple[int, int, int]:
 
 
 def metric(edge: EdgeProcess, name: str) -> float:
-    text = httpx.get(edge.base_url + "/metrics", timeout=5).text
+    text = httpx.get(edge.ops_url + "/metrics", timeout=5).text
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
 
 

@@ -70,11 +70,18 @@ def scrape(server: VllmServer) -> EngineLoad:
     return parse_vllm_metrics(resp.text)
 
 
-def wait_for(predicate: Callable[[], bool], timeout_s: float, what: str) -> None:
+def wait_for(
+    predicate: Callable[[], bool],
+    timeout_s: float,
+    what: str,
+    explain: Callable[[], str] | None = None,
+) -> None:
+    """Poll ``predicate``; on timeout say what was awaited and, with ``explain``, what was seen."""
     deadline = time.monotonic() + timeout_s
     while not predicate():
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+            seen = f"; last seen: {explain()}" if explain is not None else ""
+            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}{seen}")
         time.sleep(0.1)
 
 
@@ -218,7 +225,7 @@ def sdk(edge: EdgeProcess) -> Iterator[openai.OpenAI]:
 
 def edge_metric(edge: EdgeProcess, name: str) -> float:
     """Sum of every sample of ``name`` in the edge's own /metrics."""
-    text = httpx.get(edge.base_url + "/metrics", timeout=10).text
+    text = httpx.get(edge.ops_url + "/metrics", timeout=10).text
     total = 0.0
     for line in text.splitlines():
         if line.startswith(name + "{") or line.startswith(name + " "):
@@ -285,9 +292,24 @@ def test_openai_sdk_streaming_through_the_edge(
     assert finals[-1] == "length"
 
 
+def load_views(
+    edge: EdgeProcess, servers: tuple[VllmServer, ...], errors: list[BaseException]
+) -> str:
+    """The edge's view of each server next to the server's own /metrics (for a failure)."""
+    detail = httpx.get(edge.ops_url + "/healthz", timeout=10).json()["detail"]
+    views = []
+    for server in servers:
+        engine = scrape(server)
+        views.append(
+            f"{server.name}: edge {detail[server.name]}, engine running "
+            f"{engine.num_requests_running} waiting {engine.num_requests_waiting}"
+        )
+    return "; ".join(views) + f"; load-thread errors: {errors!r}"
+
+
 def edge_outstanding(edge: EdgeProcess, instance: str) -> int:
     """Requests the edge believes ``instance`` has (its ``/healthz`` view of the scrapes)."""
-    resp = httpx.get(edge.base_url + "/healthz", timeout=10)
+    resp = httpx.get(edge.ops_url + "/healthz", timeout=10)
     resp.raise_for_status()
     return int(resp.json()["detail"][instance]["outstanding"])
 
@@ -329,6 +351,7 @@ def test_edge_routes_on_the_engines_real_metrics(
                 ),
                 60,
                 "the edge seeing load on the busy server only",
+                lambda: load_views(edge, vllm_pair, errors),
             )
             resp = httpx.post(
                 edge.base_url + "/v1/chat/completions",

@@ -319,10 +319,14 @@ class Command(BaseCommand):
         self._start_engines(sup, demo_dir, host, opts, stop)
         keys = self._fresh_keys()
         edges: dict[str, str] = {}
+        #: Each edge's operator listener (/healthz, /metrics), never its public port.
+        operators: dict[str, str] = {}
         credentials: dict[str, Path] = {}
         for offset, region in enumerate(Region.objects.order_by("code"), start=1):
             base = opts["edge_base_port"]
             url = f"http://{host}:{base + offset if base else _free_port(host)}"
+            ops_port = base + 100 + offset if base else _free_port(host)
+            operators[region.code] = f"http://127.0.0.1:{ops_port}"
             edge = inventory.edge_register(
                 actor=None, region=region, name=f"{DEMO_PREFIX}{region.code}", url=url
             )
@@ -368,15 +372,18 @@ class Command(BaseCommand):
                     host,
                     "--port",
                     url.rsplit(":", 1)[1],
+                    "--operator-port",
+                    operators[code].rsplit(":", 1)[1],
                 ],
                 env=ring,
             )
-        for url in edges.values():
+        for url in operators.values():
             self._wait_http(f"{url}/healthz", sup, stop)
         tenants = Tenant.objects.filter(is_active=True).prefetch_related("allowed_regions")
         return {
             "control_plane": web,
             "edges": edges,
+            "operators": operators,
             "instances": list(
                 Instance.objects.filter(name__startswith=DEMO_PREFIX).values_list(
                     "name", "endpoint_url"
@@ -442,7 +449,8 @@ class Command(BaseCommand):
             "  worker         recompiles and publishes routing tables after every change",
         ]
         for code, url in summary["edges"].items():
-            lines.append(f"  edge {code:<13} {url}/v1/chat/completions")
+            ops = summary["operators"][code]
+            lines.append(f"  edge {code:<13} {url}/v1/chat/completions  (operator: {ops}/metrics)")
         lines += [
             f"  instances      {len(summary['instances'])} simulated engines",
             f"  API keys       one per tenant, this run only: {demo_dir / 'endpoints.json'}",
