@@ -6,6 +6,7 @@ import argparse
 import gc
 import logging
 import os
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import uvloop
@@ -55,6 +56,24 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8080)
+    p.add_argument(
+        "--max-connections",
+        type=int,
+        default=10_000,
+        help="open client connections; past it a new one gets 503 and is closed",
+    )
+    p.add_argument("--max-head-bytes", type=int, default=64 * 1024, help="request line + headers")
+    p.add_argument("--head-timeout", type=float, default=10.0, help="seconds for a request head")
+    p.add_argument(
+        "--body-timeout", type=float, default=30.0, help="seconds a request body may stall"
+    )
+    p.add_argument(
+        "--write-timeout",
+        type=float,
+        default=30.0,
+        help="seconds a client may leave its receive buffer full before it is dropped",
+    )
+    p.add_argument("--keep-alive", type=float, default=5.0, help="idle keep-alive seconds")
     p.add_argument(
         "--operator-host",
         default="127.0.0.1",
@@ -238,15 +257,43 @@ def main(argv: list[str]) -> None:
     except (TableError, ValueError) as exc:
         raise SystemExit(f"fedinfer edge: {exc}") from exc
     operator = (opts.operator_host, opts.operator_port) if opts.operator_port is not None else None
-    uvloop.run(serve(edge, opts.host, opts.port, operator))
+    limits = ServerLimits(
+        max_connections=opts.max_connections,
+        max_head_bytes=opts.max_head_bytes,
+        head_timeout_s=opts.head_timeout,
+        body_timeout_s=opts.body_timeout,
+        write_timeout_s=opts.write_timeout,
+        keep_alive_s=opts.keep_alive,
+    )
+    uvloop.run(serve(edge, opts.host, opts.port, operator, limits))
 
 
-async def serve(edge: Edge, host: str, port: int, operator: tuple[str, int] | None = None) -> None:
+@dataclass(frozen=True)
+class ServerLimits:
+    """What a client may take of the public HTTP server (server.py, docs/security.md)."""
+
+    max_connections: int = 10_000
+    max_head_bytes: int = 64 * 1024
+    head_timeout_s: float = 10.0
+    body_timeout_s: float = 30.0
+    write_timeout_s: float = 30.0
+    keep_alive_s: float = 5.0
+
+
+async def serve(
+    edge: Edge,
+    host: str,
+    port: int,
+    operator: tuple[str, int] | None = None,
+    limits: ServerLimits | None = None,
+) -> None:
     """Start the edge's background work, serve until SIGINT/SIGTERM, then drain and stop.
 
     ``operator``: (host, port) of the operator listener, a server of its own so that a flood
     on the public port never holds back a health check or a scrape."""
-    server = EdgeServer(edge)
+    server = EdgeServer(edge, **asdict(limits or ServerLimits()))
+    edge.metrics.http_refusals = server.refusals
+    edge.metrics.open_connections = lambda: len(server.connections)
     ops = EdgeServer(edge.operator) if operator is not None else None
     await edge.startup()
     # What exists now (modules, table, metric families) lives as long as the process: keep it

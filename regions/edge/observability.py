@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import random
 from bisect import bisect_left
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 from prometheus_client.core import (
@@ -179,7 +179,20 @@ class _RequestCollector(Collector):
         )
         for instance, n in self.m.inflight.items():
             inflight.add_metric([instance], n)
-        yield from (requests, ttft, e2e, predicted, actual, prompt, inflight)
+        refusals = CounterMetricFamily(
+            "fedinfer_edge_http_refusals",
+            "Client connections or requests the edge's HTTP server refused or cut, by reason "
+            "(head too large or too slow, body stalled, client not reading, connection cap, "
+            "malformed or ambiguous framing)",
+            labels=["reason"],
+        )
+        for reason, n in self.m.http_refusals.items():
+            refusals.add_metric([reason], n)
+        connections = GaugeMetricFamily(
+            "fedinfer_edge_open_connections", "Client connections open on the public port"
+        )
+        connections.add_metric([], self.m.open_connections())
+        yield from (requests, ttft, e2e, predicted, actual, prompt, inflight, refusals, connections)
 
 
 class EdgeMetrics:
@@ -192,6 +205,10 @@ class EdgeMetrics:
         self.all_series: dict[tuple[str, str], Series] = {}
         #: Requests in flight per instance.
         self.inflight: dict[str, int] = {}
+        #: The public HTTP server's refusal counts by reason, and its open connections (set by
+        #: whoever serves the edge: ``cli.serve``).
+        self.http_refusals: dict[str, int] = {}
+        self.open_connections: Callable[[], int] = lambda: 0
         r.register(_RequestCollector(self))
         self.retries = Counter(
             "fedinfer_edge_retries", "Requests re-sent to another instance", ["model"], registry=r

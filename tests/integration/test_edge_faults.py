@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import re
 import signal
+import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -174,3 +176,45 @@ def test_gateway_queue_is_first_in_first_out(tmp_path: Path) -> None:
             assert [f.result() for f in futures] == [200] * 6
         order = [p.split("fifo-")[1].strip() for p in engine.stats()["prompts"]]
         assert order == [f"q{k}" for k in range(6)]
+
+
+def test_a_client_that_stops_reading_a_stream_frees_its_slot(tmp_path: Path) -> None:
+    """A stream nobody reads fills the socket buffers; at the write timeout the edge drops the
+    client, the engine sees the request aborted, the slot is free again, and the instance —
+    which did nothing wrong — stays admitted. Other clients are served meanwhile."""
+    with cluster(tmp_path, 1, edge_args=("--write-timeout", "1", "--max-retries", "0")) as edge:
+        (engine,) = edge.engines.values()
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.connect(("127.0.0.1", edge.port))
+        body = json.dumps(
+            {
+                "model": "llama",
+                "messages": [{"role": "user", "content": "never read"}],
+                "stream": True,
+                "max_tokens": 200_000,
+            }
+        ).encode()
+        sock.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nhost: edge\r\n"
+            b"content-type: application/json\r\ncontent-length: %d\r\n\r\n%b" % (len(body), body)
+        )
+        try:
+            deadline = time.monotonic() + 30
+            while engine.stats()["aborted"] != 1:
+                assert time.monotonic() < deadline, "the unread stream was never aborted"
+                # Meanwhile the edge keeps serving everyone else.
+                ok = httpx.post(
+                    edge.url + "/v1/chat/completions",
+                    json={"model": "llama", "messages": [{"role": "user", "content": "hi"}]},
+                    timeout=10,
+                )
+                assert ok.status_code == 200, ok.text
+                time.sleep(0.2)
+        finally:
+            sock.close()
+        health = httpx.get(edge.ops + "/healthz").json()["detail"][engine.name]
+        assert health["healthy"] and health["inflight"] == 0, health
+        metrics = httpx.get(edge.ops + "/metrics").text
+        assert 'fedinfer_edge_http_refusals_total{reason="write_timeout"} 1.0' in metrics
+        assert "fedinfer_edge_ejections_total{" not in metrics
