@@ -113,10 +113,16 @@ MIGRATION_MODULES = {
 
 REDIS_URL = env_str("REDIS_URL", "", required_in_production=True)
 
-# Throttle counters must be shared by every web process: Redis when there is one.
+# Throttle counters must be shared by every web process: Redis when there is one. While it is
+# down the login throttle counts per process (federation.api.throttles.FallbackCache); the
+# timeouts keep an unreachable Redis from holding each login for long.
 CACHES = {
     "default": (
-        {"BACKEND": "django.core.cache.backends.redis.RedisCache", "LOCATION": REDIS_URL}
+        {
+            "BACKEND": "django.core.cache.backends.redis.RedisCache",
+            "LOCATION": REDIS_URL,
+            "OPTIONS": {"socket_connect_timeout": 1, "socket_timeout": 1},
+        }
         if REDIS_URL
         else {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"}
     )

@@ -53,6 +53,21 @@ RAMP_STEP_KEY = "fedinfer:tables:ramp-step:{at_ms}"
 RAMP_STEP_SLACK_S = 0.05
 #: Audit actions that change nothing a table contains.
 ACTIONS_WITHOUT_RECOMPILE = frozenset({"edge.rotate_credential"})
+#: Tenancy changes that can take access away (a key revoked, rotated, deleted, narrowed; a
+#: tenant deactivated, deleted or restricted). Their tables are published by the request that
+#: made them, once it commits, instead of by the worker: a revocation reaches the edges even
+#: while the worker or Redis is down.
+ACTIONS_PUBLISHED_AT_ONCE = frozenset(
+    {
+        "api_key.revoke",
+        "api_key.rotate",
+        "api_key.delete",
+        "api_key.update",
+        "tenant.deactivate",
+        "tenant.delete",
+        "tenant.update",
+    }
+)
 
 
 def redis_client() -> redis.Redis | None:
@@ -217,13 +232,32 @@ def _recompile_claim() -> None:
         client.close()
 
 
+def routing_tables_publish_now() -> list[RoutingTableVersion]:
+    """Publish the tables in this process, now: after a change that takes access away.
+
+    Every region's table is compiled, since every table carries every tenant (an edge may
+    forward a request elsewhere, so it authenticates all of them); only the changed ones are
+    stored. The Redis nudge stays best-effort: edges that miss it poll the database. If the
+    publish itself fails, the worker's debounced recompile is queued instead.
+    """
+    try:
+        return routing_tables_publish()
+    except Exception:
+        logger.exception("publishing the routing tables at once failed; queueing a recompile")
+        routing_tables_schedule_recompile()
+        return []
+
+
 def recompile_on_audit_event(
     sender: type[AuditEvent], instance: AuditEvent, created: bool, **kwargs: Any
 ) -> None:
-    """Receiver: an inventory or tenancy change schedules a recompile once it commits."""
+    """Receiver: an inventory or tenancy change schedules a recompile once it commits; one that
+    takes access away (``ACTIONS_PUBLISHED_AT_ONCE``) is published by this request then."""
     if not created or instance.action in ACTIONS_WITHOUT_RECOMPILE:
         return
-    if instance.object_type.startswith(("inventory.", "tenancy.")):
+    if instance.action in ACTIONS_PUBLISHED_AT_ONCE:
+        transaction.on_commit(routing_tables_publish_now, robust=True)
+    elif instance.object_type.startswith(("inventory.", "tenancy.")):
         transaction.on_commit(routing_tables_schedule_recompile, robust=True)
 
 

@@ -183,7 +183,9 @@ def _tenant_set_active(*, actor: Actor, tenant: Tenant, active: bool) -> Tenant:
 
 @transaction.atomic
 def tenant_deactivate(*, actor: Actor, tenant: Tenant) -> Tenant:
-    """Stop serving a tenant without losing its keys, members or history."""
+    """Stop serving a tenant without losing its keys, members or history. The tables without
+    it are published on commit by this request, not the worker (``ACTIONS_PUBLISHED_AT_ONCE``
+    in ``federation.routing.services``)."""
     return _tenant_set_active(actor=actor, tenant=tenant, active=False)
 
 
@@ -333,7 +335,8 @@ def api_key_update(*, actor: Actor, api_key: ApiKey, data: Mapping[str, Any]) ->
 
 @transaction.atomic
 def api_key_revoke(*, actor: Actor, api_key: ApiKey) -> ApiKey:
-    """Revoke for good: the current secret and any secret still in rotation grace stop working."""
+    """Revoke for good: the current secret and any secret still in rotation grace stop working.
+    The tables without it are published on commit by this request, not the worker."""
     api_key = ApiKey.objects.select_for_update().get(pk=api_key.pk)
     if api_key.revoked_at is not None:
         raise Conflict(f"API key {api_key.prefix} is already revoked.", code="revoked")
@@ -352,7 +355,8 @@ def api_key_revoke(*, actor: Actor, api_key: ApiKey) -> ApiKey:
 @transaction.atomic
 def api_key_rotate(*, actor: Actor, api_key: ApiKey, grace_seconds: int = 0) -> IssuedKey:
     """Issue a new secret (and prefix). The old secret stops working now, or after
-    ``grace_seconds`` so clients can switch over without an outage."""
+    ``grace_seconds`` so clients can switch over without an outage. The new tables are
+    published on commit by this request, not the worker."""
     if not 0 <= grace_seconds <= MAX_ROTATION_GRACE_SECONDS:
         raise ValidationError(
             {"grace_seconds": [f"Must be between 0 and {MAX_ROTATION_GRACE_SECONDS}."]}
