@@ -1007,7 +1007,7 @@ class Edge:
         ex.complete = True
         err = EdgeError(
             502,
-            f"no remote region could take the request ({'; '.join(failures)})",
+            "no remote region could take the request; retry later",
             "upstream_error",
             retry_after=self.cfg.retry_after_s,
         )
@@ -1067,10 +1067,8 @@ class Edge:
             except UpstreamError as exc:
                 self.metrics.midstream_failures.labels(f"remote:{remote.code}").inc()
                 ex.complete = True
-                message = (
-                    f"remote region {remote.code} failed mid-stream ({exc}); "
-                    "the response is incomplete"
-                )
+                log.warning("remote region %s failed mid-stream: %s", remote.code, exc)
+                message = f"region {remote.code} failed mid-stream; the response is incomplete"
                 await send(
                     {
                         "type": "http.response.body",
@@ -1102,7 +1100,10 @@ class Edge:
         if reason == "saturated":
             msg = f"all instances of `{req.model}` are at capacity; retry later"
         elif last_failure:
-            msg = f"no instance of `{req.model}` could serve the request (last: {last_failure})"
+            log.warning(
+                "no instance of %s could serve a request (last: %s)", req.model, last_failure
+            )
+            msg = f"no instance of `{req.model}` could serve the request; retry later"
         else:
             msg = f"no healthy instance of `{req.model}` in region {self.cfg.region}"
         err = EdgeError(503, msg, reason, retry_after=self.cfg.retry_after_s)
@@ -1113,9 +1114,10 @@ class Edge:
     async def _upstream_failed(
         self, send: Send, req: ParsedRequest, decision: Decision, retries: int, last_failure: str
     ) -> None:
+        log.warning("upstream failed before responding: %s", last_failure)
         err = EdgeError(
             502,
-            f"upstream failed before responding ({last_failure})",
+            f"the engine serving `{req.model}` failed before responding; retry later",
             "upstream_error",
             retry_after=self.cfg.retry_after_s,
         )
@@ -1272,10 +1274,8 @@ class Edge:
         if failure:
             self.metrics.midstream_failures.labels(inst.id).inc()
             self.health.connect_error(inst.id, f"mid-stream: {failure}")
-            message = (
-                f"upstream instance {inst.id} failed mid-stream ({failure}); "
-                "the response is incomplete"
-            )
+            log.warning("instance %s failed mid-stream: %s", inst.id, failure)
+            message = "the engine failed mid-stream; the response is incomplete"
             ex.complete = True
             await send(
                 {

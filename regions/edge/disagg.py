@@ -16,6 +16,7 @@ small hook in ``app.py``'s ``_route_and_forward``.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from collections.abc import Sequence
@@ -47,6 +48,8 @@ PREFILL_KV_PARAMS: dict[str, Any] = {
 _PREFILL_DROPS = ("stream_options", "min_tokens", "min_completion_tokens")
 
 Mode = Literal["pd", "decode_only", "none"]
+
+log = logging.getLogger("fedinfer.edge.disagg")
 
 
 @dataclass(frozen=True, slots=True)
@@ -450,9 +453,10 @@ async def _decode(
                 attempt.failed(failure)
                 if decode_retries >= edge.cfg.max_retries:
                     ex.complete = True
+                    log.warning("decode leg on %s failed: %s", inst.id, failure.reason)
                     err = EdgeError(
                         502,
-                        f"decode instances failed before responding ({inst.id}: {failure.reason})",
+                        "decode engines failed before responding; retry later",
                         "upstream_error",
                         retry_after=edge.cfg.retry_after_s,
                     )
