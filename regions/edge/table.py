@@ -10,10 +10,12 @@ whole and the edge keeps serving from the last good one.
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Literal
+from urllib.parse import urlsplit
 
 import msgspec
 
@@ -180,8 +182,9 @@ def validate_table(table: RoutingTable) -> None:
         if inst.id in seen:
             raise TableError(f"duplicate instance id {inst.id!r}")
         seen.add(inst.id)
-        if not inst.url.startswith(("http://", "https://")):
-            raise TableError(f"{where}: url must be http(s), got {inst.url!r}")
+        defect = _origin_defect(inst.url)
+        if defect:
+            raise TableError(f"{where}: url {inst.url!r} {defect}")
         if not inst.model:
             raise TableError(f"{where}: model must not be empty")
         if inst.tp < 1:
@@ -209,10 +212,47 @@ def validate_table(table: RoutingTable) -> None:
         if remote.code == table.region or remote.code in codes:
             raise TableError(f"remote region {remote.code!r} duplicated or equal to own region")
         codes.add(remote.code)
-        if not remote.edge_url.startswith(("http://", "https://")):
-            raise TableError(f"remote region {remote.code!r}: edge_url must be http(s)")
+        defect = _origin_defect(remote.edge_url)
+        if defect:
+            raise TableError(
+                f"remote region {remote.code!r}: edge_url {remote.edge_url!r} {defect}"
+            )
         if remote.rtt_ms < 0:
             raise TableError(f"remote region {remote.code!r}: rtt_ms must be >= 0")
+
+
+#: A DNS name or IPv4 address (underscores allowed: container names), or an IPv6 address.
+_HOST = re.compile(r"[a-z0-9._-]+|[0-9a-f:.]+")
+
+
+def _origin_defect(url: str) -> str:
+    """Why ``url`` is not an ``http(s)://host[:port][/]`` origin ("" when it is one).
+
+    The edge appends its own paths to the origin, so a path, query or credentials would be
+    silently dropped (or break each request): refused with the table instead.
+    """
+    try:
+        parts = urlsplit(url)
+    except ValueError as exc:  # a bad [IPv6] literal
+        return f"does not parse: {exc}"
+    try:
+        port = parts.port
+    except ValueError:  # out of range, or not a number
+        port = 0
+    if parts.scheme not in ("http", "https"):
+        return "scheme must be http or https"
+    host = parts.hostname
+    if not host:
+        return "has no host"
+    if not _HOST.fullmatch(host):
+        return "host must be a DNS name or IP address (ASCII: punycode for IDN)"
+    if port == 0:
+        return "port must be a number within 1-65535"
+    if "@" in parts.netloc:
+        return "must not carry userinfo"
+    if parts.path not in ("", "/") or parts.query or parts.fragment:
+        return "must not have a path, query or fragment"
+    return ""
 
 
 def check_successor(current: RoutingTable | None, new: RoutingTable, *, region: str) -> None:

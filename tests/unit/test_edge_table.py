@@ -106,6 +106,57 @@ def test_defects_are_refused(mutate: Any, message: str) -> None:
         decode_table(enc(d))
 
 
+@pytest.mark.parametrize(
+    ("url", "defect"),
+    [
+        ("ftp://x:21", "scheme must be http or https"),
+        ("127.0.0.1:9001", "scheme must be http or https"),
+        ("http://", "no host"),
+        ("http://:9001", "no host"),
+        ("http://user:pw@x:9001", "userinfo"),
+        ("http://x:9001/v1", "path"),
+        ("http://x:9001//", "path"),
+        ("http://x:9001?a=1", "query"),
+        ("http://x:9001#f", "fragment"),
+        ("http://x:99999", "port"),
+        ("http://x:0", "port"),
+        ("http://x:abc", "port"),
+        ("http://[zz]:1", "does not parse"),
+        ("http://x y:9001", "host"),
+        ("http://h\u00f6st:9001", "host"),
+    ],
+)
+def test_a_url_that_is_not_an_http_origin_is_refused_naming_its_owner(
+    url: str, defect: str
+) -> None:
+    d = doc()
+    d["instances"][0]["url"] = url
+    with pytest.raises(TableError, match=rf"instance 'i-1': url .*{defect}"):
+        decode_table(enc(d))
+    d = doc()
+    d["remote_regions"][0]["edge_url"] = url
+    with pytest.raises(TableError, match=rf"remote region 'us-east': edge_url .*{defect}"):
+        decode_table(enc(d))
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "http://vllm-0:8000",
+        "http://vllm-0:8000/",
+        "https://edge.eu-west.example",
+        "http://[::1]:9001",
+        "HTTP://X_1:80",
+    ],
+)
+def test_http_and_https_origins_are_accepted(url: str) -> None:
+    d = doc()
+    d["instances"][0]["url"] = url
+    d["remote_regions"][0]["edge_url"] = url
+    t = decode_table(enc(d))
+    assert t.instances[0].url == url and t.remote_regions[0].edge_url == url
+
+
 def test_schema_2_carries_ramps_and_schema_1_defaults_them_to_full() -> None:
     assert decode_table(enc(doc())).ramp == 1.0
     d = doc(schema_version=2, ramp=0.4)
