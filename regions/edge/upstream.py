@@ -10,13 +10,25 @@ connections per origin: one ``write`` per request, parser callbacks straight int
 What it keeps from a full client: connect and read timeouts, backpressure (a slow client pauses
 reading from the upstream instead of buffering a whole stream), keep-alive only when the server
 allows it, idle connections retired before the server's own keep-alive timeout (uvicorn's, and
-so vLLM's, is 5 s), and one transparent retry when a *reused* connection turns out to have been
-closed by the server before it read the request (the race every keep-alive client has).
+so vLLM's, is 5 s), and https:// origins with verified certificates (system CAs, or a CA bundle:
+:func:`client_ssl_context`).
+
+What a misbehaving upstream cannot do: hold the edge's memory with a response head over
+``max_head_bytes`` (64 KiB) or a non-streamed answer over ``max_body_bytes`` (64 MiB) — both an
+:class:`UpstreamError` with the connection closed — or answer the next request on a connection
+with bytes it sent beyond an answer's framing or while the connection idled in the pool (such a
+connection is closed, never reused).
+
+Retries: one, transparent, only when a *reused* connection was closed or reset by the server
+before a byte of the answer (the race every keep-alive client has: it closed the idle connection
+as the request went out); never after a timeout, when the engine may be working on it.
+:attr:`UpstreamError.sent` tells the caller whether the request may have reached the upstream.
 """
 
 from __future__ import annotations
 
 import asyncio
+import ssl
 import time
 from collections import deque
 from typing import Any, cast
@@ -28,20 +40,46 @@ import httptools
 _HIGH_WATER = 256 * 1024
 
 
+#: How a connection the server dropped ends (besides EOF): a reused one it never answered on.
+_DROPPED = (ConnectionResetError, BrokenPipeError)
+
+
 class UpstreamError(Exception):
-    """The upstream did not (fully) answer: refused, reset, closed, timed out or malformed."""
+    """The upstream did not (fully) answer: refused, reset, closed, timed out, malformed, too large.
+
+    ``sent`` is False only when connecting failed (refused, connect timeout, TLS handshake):
+    then the request cannot have reached the upstream and another one may be tried. True once
+    its bytes were written, whatever came after: the upstream may be running it.
+    """
+
+    def __init__(self, message: str, *, sent: bool = True) -> None:
+        super().__init__(message)
+        self.sent = sent
+
+
+def client_ssl_context(ca_file: str | None) -> ssl.SSLContext:
+    """Verifies upstream certificates (and host names) against the PEM bundle ``ca_file``
+    (only those CAs: a private PKI), or the system's CAs when None."""
+    return ssl.create_default_context(cafile=ca_file)
 
 
 class _Origin:
-    __slots__ = ("host", "hostport", "port")
+    __slots__ = ("authority", "host", "port", "ssl")
 
-    def __init__(self, base_url: str) -> None:
+    def __init__(self, base_url: str, pool: UpstreamPool) -> None:
         parts = urlsplit(base_url)
-        if parts.scheme != "http" or not parts.hostname:
-            raise ValueError(f"upstream URL must be http://host[:port], got {base_url!r}")
+        tls = parts.scheme == "https"
+        if not (tls or parts.scheme == "http") or not parts.hostname:
+            raise ValueError(f"upstream URL must be http(s)://host[:port], got {base_url!r}")
+        default_port = 443 if tls else 80
         self.host = parts.hostname
-        self.port = parts.port or 80
-        self.hostport = f"{parts.hostname}:{self.port}".encode("latin-1")
+        self.port = parts.port or default_port
+        self.ssl = pool.ssl_context() if tls else None
+        authority = f"[{self.host}]" if ":" in self.host else self.host
+        if self.port != default_port:
+            authority += f":{self.port}"
+        #: The host header's value.
+        self.authority = authority.encode("latin-1")
 
 
 class Response:
@@ -53,7 +91,9 @@ class Response:
         "_conn",
         "_done",
         "_error",
+        "_limit",
         "_waiter",
+        "_whole",
         "headers",
         "status",
     )
@@ -69,22 +109,35 @@ class Response:
         self._done = False
         self._error: UpstreamError | None = None
         self._waiter: asyncio.Future[None] | None = None
+        #: Unread bytes beyond which :meth:`_overflow` acts: the high-water mark, or
+        #: ``max_body_bytes`` once :meth:`read` takes the answer whole.
+        self._limit = _HIGH_WATER
+        self._whole = False
 
     # -- fed by the connection
 
     def _feed(self, data: bytes) -> None:
         self._chunks.append(data)
         self._buffered += len(data)
-        if self._buffered > _HIGH_WATER:
-            self._conn.pause()
+        if self._buffered > self._limit:
+            self._overflow()
         self._wake()
+
+    def _overflow(self) -> None:
+        if not self._whole:
+            self._conn.pause()  # streamed: read on once the client has taken it
+            return
+        self._chunks.clear()
+        if self._error is None:
+            self._error = UpstreamError("answer too large")
+        self._conn.close()
 
     def _finish(self) -> None:
         self._done = True
         self._wake()
 
     def _fail(self, error: UpstreamError) -> None:
-        if not self._done:
+        if not self._done and self._error is None:  # the first failure is the cause
             self._error = error
             self._wake()
 
@@ -115,7 +168,15 @@ class Response:
         return data
 
     async def read(self) -> bytes:
-        """The whole body."""
+        """The whole body, whatever its size up to the pool's ``max_body_bytes`` (beyond it an
+        :class:`UpstreamError`, the connection closed). Reads on past the streaming high-water
+        mark, so the connection goes back to the pool reading."""
+        conn = self._conn
+        self._whole = True
+        self._limit = conn.pool.max_body_bytes
+        if self._buffered > self._limit:
+            self._overflow()
+        conn.resume()
         while not self._done:
             if self._error is not None:
                 raise self._error
@@ -151,10 +212,18 @@ class _Connection(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpResponseParser(self)
         self.closed = False
+        #: The server closed or reset it (not us, not a timeout): on a reused connection with
+        #: no byte of answer, the request was not taken.
+        self.dropped = False
         self.keep_alive = False
         self.idle_since = 0.0
         self.received = False
         self._paused = False
+        #: A request is out and its answer not complete: another answer is not one.
+        self._expecting = False
+        self._in_head = False
+        #: Bytes the response head may still take.
+        self._head_room = 0
         self._headers: dict[bytes, bytes] = {}
         self._head: asyncio.Future[Response] | None = None
         self._response: Response | None = None
@@ -167,6 +236,17 @@ class _Connection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self.received = True
+        if self._in_head:
+            room = self._head_room
+            if len(data) > room:
+                # Parse what the head may take; the rest only if the head ended within it.
+                self.data_received(data[:room])
+                if self._in_head:
+                    self._abandon(UpstreamError("response head too large"))
+                elif not self.closed:
+                    self.data_received(data[room:])
+                return
+            self._head_room = room - len(data)
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as exc:
@@ -176,6 +256,7 @@ class _Connection(asyncio.Protocol):
         return False  # let the transport close; connection_lost settles the response
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self.dropped = not self.closed and (exc is None or isinstance(exc, _DROPPED))
         self.closed = True
         self.pool._forget(self)
         response = self._response
@@ -188,12 +269,18 @@ class _Connection(asyncio.Protocol):
     # -- httptools callbacks
 
     def on_message_begin(self) -> None:
+        if not self._expecting:
+            # An answer no request is waiting for (after the one that completed, or on an idle
+            # connection) must not become the next request's: stops the parser, which closes
+            # the connection (a complete answer before it stands).
+            raise UpstreamError("data after the answer")
         self._headers = {}
 
     def on_header(self, name: bytes, value: bytes) -> None:
         self._headers[name.lower()] = value
 
     def on_headers_complete(self) -> None:
+        self._in_head = False
         headers = self._headers
         status = self.parser.get_status_code()
         self.keep_alive = self.parser.should_keep_alive()
@@ -210,6 +297,7 @@ class _Connection(asyncio.Protocol):
             self._response._feed(body)
 
     def on_message_complete(self) -> None:
+        self._expecting = False
         if self._response is not None:
             self._response._finish()
 
@@ -226,6 +314,8 @@ class _Connection(asyncio.Protocol):
     def send(self, data: bytes) -> asyncio.Future[Response]:
         assert self.transport is not None
         self.received = False
+        self._expecting = self._in_head = True
+        self._head_room = self.pool.max_head_bytes
         self._response = None
         head: asyncio.Future[Response] = self.loop.create_future()
         self._head = head
@@ -283,12 +373,20 @@ class UpstreamPool:
         read_timeout_s: float,
         idle_timeout_s: float = 4.0,
         max_idle_per_origin: int = 256,
+        max_head_bytes: int = 64 * 1024,
+        max_body_bytes: int = 64 * 1024 * 1024,
+        ssl_context: ssl.SSLContext | None = None,
     ) -> None:
+        """``max_body_bytes`` bounds answers taken whole (:meth:`Response.read`), not streams;
+        ``ssl_context`` verifies https origins (default: the system's CAs)."""
         self.loop = asyncio.get_running_loop()
         self.connect_timeout_s = connect_timeout_s
         self.read_timeout_s = read_timeout_s
         self.idle_timeout_s = idle_timeout_s
         self.max_idle = max_idle_per_origin
+        self.max_head_bytes = max_head_bytes
+        self.max_body_bytes = max_body_bytes
+        self._ssl_context = ssl_context
         self._origins: dict[str, _Origin] = {}
         self._idle: dict[str, list[_Connection]] = {}
         self._all: set[_Connection] = set()
@@ -300,12 +398,12 @@ class UpstreamPool:
         headers are in. Raises :class:`UpstreamError` when nothing usable came back."""
         origin = self._origins.get(base_url)
         if origin is None:
-            origin = self._origins[base_url] = _Origin(base_url)
+            origin = self._origins[base_url] = _Origin(base_url, self)
         parts = [
             b"POST ",
             path.encode("latin-1"),
             b" HTTP/1.1\r\nhost: ",
-            origin.hostport,
+            origin.authority,
             b"\r\ncontent-type: application/json\r\ncontent-length: ",
             str(len(body)).encode(),
             b"\r\n",
@@ -319,12 +417,20 @@ class UpstreamPool:
             try:
                 return await self._exchange(conn, data)
             except UpstreamError:
-                if conn.received:
+                if conn.received or not conn.dropped:
                     raise
-                # The server closed this idle connection as we reused it: it never saw the
-                # request, so sending it again on a fresh connection is safe.
+                # The server closed (or reset) this idle connection as we reused it, without a
+                # byte of answer: it did not take the request, so it goes out again on a fresh
+                # connection. Not after a timeout: the engine may be working on it.
         conn = await self._connect(base_url, origin)
         return await self._exchange(conn, data)
+
+    def ssl_context(self) -> ssl.SSLContext:
+        """What https origins are verified with: the one given, else the system's CAs (loaded
+        with the first https origin: ~20 ms)."""
+        if self._ssl_context is None:
+            self._ssl_context = ssl.create_default_context()
+        return self._ssl_context
 
     async def _exchange(self, conn: _Connection, data: bytes) -> Response:
         head = conn.send(data)
@@ -354,12 +460,21 @@ class UpstreamPool:
         try:
             _, conn = await asyncio.wait_for(
                 self.loop.create_connection(
-                    lambda: _Connection(self, key, origin), origin.host, origin.port
+                    lambda: _Connection(self, key, origin),
+                    origin.host,
+                    origin.port,
+                    ssl=origin.ssl,
+                    server_hostname=origin.host if origin.ssl is not None else None,
                 ),
                 self.connect_timeout_s,
             )
-        except (OSError, TimeoutError) as exc:
-            raise UpstreamError(f"connect: {exc.__class__.__name__}") from exc
+        except (OSError, TimeoutError) as exc:  # ssl.SSLError is an OSError
+            why = f"connect: {exc.__class__.__name__}"
+            if isinstance(exc, ssl.SSLError):
+                why += f" ({exc})"
+            raise UpstreamError(why, sent=False) from exc
+        if conn.closed:  # it spoke or hung up first: closed before the request went out
+            raise UpstreamError("connect: closed by the server", sent=False)
         self._all.add(conn)
         return conn
 
