@@ -818,10 +818,24 @@ def _transition(*, actor: Actor, instance: Instance, state: str, reason: str = "
     return instance
 
 
-def _guard_ready_in_active_region(instance: Instance, state: str) -> None:
-    if state != lifecycle.READY:
-        return
-    region = Region.objects.get(pools__deployments__instances=instance)
+def _lock_region_of(instance: Instance) -> Region:
+    """Lock the row of the instance's region, before the instance is locked.
+
+    Region, then instance: the order ``region_evacuate`` (and the heartbeat) lock them in.
+    Holding the region row until commit serialises a transition to ready with an evacuation:
+    the evacuation either waits for the transition (and then drains the ready instance) or the
+    transition waits for the evacuation (and then is refused). Reading the region without the
+    lock let both commit, leaving a ready instance in an evacuated region.
+    """
+    region_id = (
+        Instance.objects.filter(pk=instance.pk)
+        .values_list("deployment__pool__region_id", flat=True)
+        .get()
+    )
+    return Region.objects.select_for_update().get(pk=region_id)
+
+
+def _refuse_ready_in_evacuated(region: Region) -> None:
     if region.status == Region.Status.EVACUATED:
         raise Conflict(
             f"Region {region.code} is evacuated: its instances cannot become ready; restore "
@@ -832,10 +846,13 @@ def _guard_ready_in_active_region(instance: Instance, state: str) -> None:
 
 @transaction.atomic
 def instance_transition(*, actor: Actor, instance: Instance, state: str) -> Instance:
-    """Any legal lifecycle move (the provisioner reports loading, warming, ready, failed…)."""
+    """Any legal lifecycle move (the provisioner reports loading, warming, ready, failed…).
+    Becoming ready is refused in an evacuated region, atomically with evacuations."""
+    region = _lock_region_of(instance) if state == lifecycle.READY else None
     instance = _lock(instance)
     lifecycle.check_transition(instance.state, state)
-    _guard_ready_in_active_region(instance, state)
+    if region is not None:
+        _refuse_ready_in_evacuated(region)
     if state in lifecycle.LIVE_STATES and instance.state not in lifecycle.LIVE_STATES:
         _ensure_room_for_replica(instance.deployment)
     reason = Instance.DrainReason.OPERATOR if state == lifecycle.DRAINING else ""
@@ -859,11 +876,12 @@ def instance_drain(*, actor: Actor, instance: Instance) -> Instance:
 @transaction.atomic
 def instance_undrain(*, actor: Actor, instance: Instance) -> Instance:
     """Route to a draining instance again. Idempotent for a ready one."""
+    region = _lock_region_of(instance)
     instance = _lock(instance)
     if instance.state == lifecycle.READY:
         return instance
     lifecycle.check_transition(instance.state, lifecycle.READY)
-    _guard_ready_in_active_region(instance, lifecycle.READY)
+    _refuse_ready_in_evacuated(region)
     return _transition(actor=actor, instance=instance, state=lifecycle.READY)
 
 
