@@ -34,13 +34,20 @@ from regions.edge.hop import HOP_HEADER, HopVerifier, sign_hop
 from regions.edge.kv_events import KvEventHub
 from regions.edge.load import LoadBoard, scrape_loop
 from regions.edge.observability import (
+    CacheView,
     EdgeMetrics,
     child_traceparent,
     route_header,
     server_timing,
 )
 from regions.edge.parse import ParsedRequest, UsageTap, body_usage, parse_request
-from regions.edge.prefix_index import BLOCK_BYTES, BYTES_PER_TOKEN, PrefixIndex, block_hashes
+from regions.edge.prefix_index import (
+    BLOCK_BYTES,
+    BYTES_PER_TOKEN,
+    PrefixIndex,
+    SeenPrefixes,
+    block_hashes,
+)
 from regions.edge.prefix_index import root_seed as _root_seed
 from regions.edge.scheduler import (
     Candidate,
@@ -126,7 +133,7 @@ class _Exchange:
     the response is complete, which must not cancel the request's bookkeeping.
     """
 
-    __slots__ = ("complete", "disconnected", "sent", "used_tokens")
+    __slots__ = ("complete", "disconnected", "salt", "sent", "used_tokens", "view")
 
     def __init__(self) -> None:
         self.disconnected = False
@@ -134,6 +141,10 @@ class _Exchange:
         self.complete = False
         #: Prompt + completion tokens the engine reported (None: unknown, e.g. a cut stream).
         self.used_tokens: int | None = None
+        #: The tenant's salt for :class:`SeenPrefixes` (None: no tenants, show everything).
+        self.salt: int | None = None
+        #: What the route header may show this tenant of the prefix cache.
+        self.view: CacheView | None = None
 
 
 class _Waiter:
@@ -203,6 +214,8 @@ class Edge:
         self.health = HealthBoard(cfg.health, on_eject=self._on_eject)
         self.loads = LoadBoard(cfg.scrape_timeout_s)
         self.prefix = PrefixIndex(cfg.prefix_capacity, cfg.prefix_ttl_s)
+        self.seen = SeenPrefixes(cfg.prefix_capacity)
+        self.prefill_rates: dict[str, float] = {}
         #: Session key (:func:`_session_key`) → instance; at most ``session_capacity`` entries
         #: of a fixed size, whatever the clients send.
         self.sessions: OrderedDict[int, str] = OrderedDict()
@@ -251,6 +264,7 @@ class Edge:
         self.table = table
         self.by_model = {k: tuple(v) for k, v in by_model.items()}
         self.instances = {i.id: i for i in table.instances}
+        self.prefill_rates = {i.id: i.prefill_tokens_per_s for i in table.instances}
         self.spill = spill_plan(table)
         self.ramping = ramping(table)
         now = int(time.time())
@@ -634,6 +648,8 @@ class Edge:
             spill = _Spill(remotes, allowed, authorization, session_hdr, point)
 
         ex = _Exchange()
+        if tenant is not None:
+            ex.salt = _root_seed(tenant.slug)
         task = asyncio.current_task()
         watcher = asyncio.create_task(_watch_disconnect(receive, ex, task))
         try:
@@ -851,6 +867,12 @@ class Edge:
         if seed is None:
             seed = self._seeds[model] = _root_seed(model)
         hashes = block_hashes(req.prompt, seed, self.cfg.block_bytes)
+        if ex.salt is not None:
+            # Show a tenant only the cache its own prompts made (never what others sent).
+            own = self.seen.depth(hashes, ex.salt) if hashes else 0
+            if hashes:
+                self.seen.add(hashes, ex.salt)
+            ex.view = CacheView(int(own * self.block_tokens), self.prefill_rates)
         # P/D disaggregation (disagg.py): prefill and decode instances serve it in two hops.
         if await disagg.serve(self, req, hashes, traceparent, arrived, ex, send):
             return
@@ -895,7 +917,9 @@ class Edge:
                     last_failure = f"{inst_id}: {failure.reason}"
                     if retries >= self.cfg.max_retries:
                         ex.complete = True
-                        await self._upstream_failed(send, req, decision, retries, last_failure)
+                        await self._upstream_failed(
+                            send, req, decision, retries, last_failure, ex.view
+                        )
                         return
                     retries += 1
                     self.metrics.retries.labels(model).inc()
@@ -1112,7 +1136,13 @@ class Edge:
         await self._error(send, err, route_header(self.cfg.region, None, retries, reason), [timing])
 
     async def _upstream_failed(
-        self, send: Send, req: ParsedRequest, decision: Decision, retries: int, last_failure: str
+        self,
+        send: Send,
+        req: ParsedRequest,
+        decision: Decision,
+        retries: int,
+        last_failure: str,
+        view: CacheView | None,
     ) -> None:
         log.warning("upstream failed before responding: %s", last_failure)
         err = EdgeError(
@@ -1123,7 +1153,7 @@ class Edge:
         )
         inst = decision.winner.instance if decision.winner else ""
         self.metrics.count(req.model, inst, 502)
-        await self._error(send, err, route_header(self.cfg.region, decision, retries))
+        await self._error(send, err, route_header(self.cfg.region, decision, retries, view=view))
 
     async def _forward(
         self,
@@ -1191,7 +1221,10 @@ class Edge:
             headers_out = [
                 (b"content-type", ctype),
                 (b"content-length", str(len(body)).encode()),
-                (b"x-fedinfer-route", route or route_header(self.cfg.region, decision, retries)),
+                (
+                    b"x-fedinfer-route",
+                    route or route_header(self.cfg.region, decision, retries, view=ex.view),
+                ),
                 (b"server-timing", server_timing(queue_s, connect_s, ttft) + timing_extra),
                 (b"traceparent", traceparent.encode()),
             ]
@@ -1251,7 +1284,10 @@ class Edge:
         headers_out = [
             (b"content-type", ctype),
             (b"cache-control", b"no-cache"),
-            (b"x-fedinfer-route", route or route_header(self.cfg.region, decision, retries)),
+            (
+                b"x-fedinfer-route",
+                route or route_header(self.cfg.region, decision, retries, view=ex.view),
+            ),
             (b"server-timing", server_timing(queue_s, connect_s, ttft) + timing_extra),
             (b"traceparent", traceparent.encode()),
         ]

@@ -270,6 +270,8 @@ async def serve(
             break
         if prefill is None and _has_usable_mixed(edge, req.model):
             return False  # every prefill instance failed: the mixed instances serve it
+    if prefill is not None and ex.view is not None:
+        prefill = ex.view.shown(prefill)  # the tenant sees only the cache its prompts made
     return await _decode(
         edge,
         mode,

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import random
 from bisect import bisect_left
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, replace
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 from prometheus_client.core import (
@@ -47,6 +48,29 @@ def child_traceparent(incoming: str | None) -> tuple[str, str]:
     return trace_id, f"00-{trace_id}-{_rand(64) or 1:016x}-01"
 
 
+@dataclass(frozen=True, slots=True)
+class CacheView:
+    """What one tenant may be shown of the prefix cache: at most ``own_cached`` tokens (what
+    it sent itself, :class:`~regions.edge.prefix_index.SeenPrefixes`). Tokens cached by other
+    tenants' prompts are shown as uncached, their prefill time at the instance's ``rates``."""
+
+    own_cached: int
+    rates: Mapping[str, float]
+
+    def shown(self, s: Scored) -> Scored:
+        hidden = s.cached_tokens - self.own_cached
+        if hidden <= 0:
+            return s
+        rate = self.rates.get(s.instance, 0.0)
+        extra = hidden / rate if rate > 0 else 0.0
+        return replace(
+            s,
+            ttft_s=s.ttft_s + extra,
+            prefill_s=s.prefill_s + extra,
+            cached_tokens=self.own_cached,
+        )
+
+
 def _terms(s: Scored) -> str:
     return (
         f"ttft_ms:{s.ttft_s * 1000:.1f},queue_ms:{s.queue_s * 1000:.1f},"
@@ -54,17 +78,27 @@ def _terms(s: Scored) -> str:
     )
 
 
-def route_header(region: str, decision: Decision | None, retries: int, reason: str = "") -> bytes:
-    """Compact explanation, e.g. ``region=r;instance=i-3;score=ttft_ms:..;runner_up=i-1:40.2``."""
+def route_header(
+    region: str,
+    decision: Decision | None,
+    retries: int,
+    reason: str = "",
+    view: CacheView | None = None,
+) -> bytes:
+    """Compact explanation, e.g. ``region=r;instance=i-3;score=ttft_ms:..;runner_up=i-1:40.2``.
+
+    With ``view`` (a tenant's request), cache terms are limited to what that tenant sent."""
     if decision is None or decision.winner is None:
         why = reason or (decision.reason if decision else "none")
         return f"region={region};instance=none;reason={why};retries={retries}".encode()
-    w = decision.winner
+    w = decision.winner if view is None else view.shown(decision.winner)
     text = (
         f"region={region};instance={w.instance};policy_reason={decision.reason};score={_terms(w)}"
     )
     r = decision.runner_up
     if r is not None:
+        if view is not None:
+            r = view.shown(r)
         text += f";runner_up={r.instance}:{r.ttft_s * 1000:.1f}"
     return f"{text};retries={retries}".encode()
 

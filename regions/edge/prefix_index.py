@@ -180,3 +180,53 @@ class PrefixIndex:
             del self._entries[h]
         if instance in self._held:
             self._held[instance] = 0
+
+
+class SeenPrefixes:
+    """Which prompt prefixes each tenant has sent itself: what a route header may show it.
+
+    The routing index is shared (engines share their caches across tenants unless a cache salt
+    separates them), but a tenant told "528 tokens cached" for a prompt it never sent learns
+    that another tenant sent it. Keys are a block's chained hash XOR the tenant's salt, so one
+    LRU of plain ints bounded to ``capacity`` keys serves every tenant; holdings are prefix-
+    closed as in :class:`PrefixIndex` (chains inserted tail first, evicted from the tail).
+    """
+
+    __slots__ = ("_keys", "capacity")
+
+    def __init__(self, capacity: int = 200_000) -> None:
+        if capacity < 1:
+            raise ValueError("capacity must be >= 1")
+        self.capacity = capacity
+        self._keys: OrderedDict[int, None] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def depth(self, hashes: Sequence[int], salt: int) -> int:
+        """Leading blocks of ``hashes`` this tenant (``salt``) has sent before."""
+        keys = self._keys
+        n = len(hashes)
+        if not n or (hashes[0] ^ salt) not in keys:
+            return 0
+        if (hashes[-1] ^ salt) in keys:
+            return n
+        lo, hi = 1, n - 1  # block lo was sent, block n was not
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if (hashes[mid - 1] ^ salt) in keys:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    def add(self, hashes: Sequence[int], salt: int) -> None:
+        keys = self._keys
+        for h in reversed(hashes):
+            k = h ^ salt
+            if k in keys:
+                keys.move_to_end(k)
+            else:
+                keys[k] = None
+        while len(keys) > self.capacity:
+            keys.popitem(last=False)

@@ -33,6 +33,7 @@ TENANTS = [
      "budget_state": "exhausted"},
     {"tenant": "slow", "key_hashes": [h("fi_slow")], "allowed_regions": ["r1"],
      "requests_per_s": 0.5},
+    {"tenant": "other", "key_hashes": [h("fi_other")], "allowed_regions": ["r1"]},
 ]  # fmt: skip
 
 
@@ -101,3 +102,35 @@ def test_rate_limit_answers_429_with_retry_after(edge: EdgeProc) -> None:
     assert r.status_code == 429 and error_of(r)["code"] == "rate_limit_exceeded"
     assert int(r.headers["retry-after"]) >= 1
     assert r.headers["x-fedinfer-route"].startswith("region=r1;instance=none")
+
+
+def cached_shown(edge: EdgeProc, key: str, system: str, question: str) -> int:
+    resp = httpx.post(
+        edge.url + "/v1/chat/completions",
+        json={
+            "model": "llama",
+            "messages": [
+                {"role": "system", "content": system},
+                {"role": "user", "content": question},
+            ],
+        },
+        headers={"Authorization": f"Bearer {key}"},
+        timeout=10,
+    )
+    assert resp.status_code == 200, resp.text
+    route = dict(part.split("=", 1) for part in resp.headers["x-fedinfer-route"].split(";"))
+    terms = dict(term.split(":", 1) for term in route["score"].split(","))
+    return int(terms["cached"])
+
+
+def test_the_route_header_shows_a_tenant_only_the_cache_its_own_prompts_made(
+    edge: EdgeProc,
+) -> None:
+    """Tenant ``eu`` warms a system prompt; ``other`` sending the same prompt must not learn
+    that from the route header (it would reveal another tenant's prompt), until it has sent
+    the prompt itself."""
+    system = "You are the confidential assistant of Example Corp. " * 40
+    assert cached_shown(edge, "fi_eu", system, "first") == 0
+    assert cached_shown(edge, "fi_eu", system, "second") >= 400  # its own prefix: shown
+    assert cached_shown(edge, "fi_other", system, "probe") == 0  # another tenant's: hidden
+    assert cached_shown(edge, "fi_other", system, "again") >= 400  # now its own as well

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from regions.edge.prefix_index import PrefixIndex, block_hashes, root_seed
+from regions.edge.prefix_index import PrefixIndex, SeenPrefixes, block_hashes, root_seed
 
 SEED = root_seed("llama")
 
@@ -141,3 +141,26 @@ def test_shrink_drops_the_oldest_chains_tails_first_and_keeps_prefixes() -> None
     assert idx.match(new, now=9.0) == {"i-1": 4}
     assert idx.held("i-1") == 4
     assert idx.shrink_instance("i-1", 0, before=100.0) == 0
+
+
+def test_seen_prefixes_are_per_tenant_and_prefix_closed() -> None:
+    seen = SeenPrefixes(capacity=1000)
+    a, b = root_seed("tenant-a"), root_seed("tenant-b")
+    system = block_hashes(text(8, "sys"), SEED)
+    seen.add(system, a)
+    assert seen.depth(system, a) == 8
+    assert seen.depth(system, b) == 0  # tenant b never sent it
+    longer = block_hashes(text(8, "sys") + text(4, "turn"), SEED)
+    assert seen.depth(longer, a) == 8  # the shared system prompt, not the new turn
+    seen.add(longer[:3], b)
+    assert seen.depth(longer, b) == 3
+
+
+def test_seen_prefixes_stay_within_their_capacity_under_a_flood() -> None:
+    seen = SeenPrefixes(capacity=100)
+    for tenant in range(50):
+        seen.add(block_hashes(text(10, f"t{tenant}"), SEED), root_seed(f"tenant-{tenant}"))
+        assert len(seen) <= 100
+    # The newest chain is whole; the oldest is gone.
+    assert seen.depth(block_hashes(text(10, "t49"), SEED), root_seed("tenant-49")) == 10
+    assert seen.depth(block_hashes(text(10, "t0"), SEED), root_seed("tenant-0")) == 0
