@@ -915,7 +915,7 @@ class Edge:
                 except UpstreamFailure as failure:
                     attempt.failed(failure)
                     last_failure = f"{inst_id}: {failure.reason}"
-                    if retries >= self.cfg.max_retries:
+                    if retries >= self.cfg.max_retries or not failure.retry:
                         ex.complete = True
                         await self._upstream_failed(
                             send, req, decision, retries, last_failure, ex.view
@@ -988,6 +988,7 @@ class Edge:
             headers.append((b"x-session-id", spill.session))
         failures: list[str] = []
         tries = targets[: self.cfg.max_retries + 1]
+        may_run_remotely = False  # a remote may be serving it: never send it elsewhere
         for remote in tries:
             self.metrics.spills.labels(remote.code, why).inc()
             # Signed for this remote (and this try): a value is good at one region, once.
@@ -1006,6 +1007,9 @@ class Edge:
                 )
             except UpstreamError as exc:
                 failures.append(f"{remote.code}: {exc}")
+                if not _may_retry(exc):
+                    may_run_remotely = True
+                    break
                 continue
             connect_s = time.perf_counter() - t0
             clean = False
@@ -1020,13 +1024,16 @@ class Edge:
                 return True
             except UpstreamFailure as failure:
                 failures.append(f"{remote.code}: {failure.reason}")
+                if not failure.retry:
+                    may_run_remotely = True
+                    break
             finally:
                 if clean:
                     resp.release()
                 else:
                     resp.close()
         log.warning("spill-over of %s failed: %s", req.model, "; ".join(failures))
-        if fallback:
+        if fallback and not may_run_remotely:
             return False
         ex.complete = True
         err = EdgeError(
@@ -1065,7 +1072,7 @@ class Edge:
         try:
             first = await resp.readany() if req.stream else await resp.read()
         except UpstreamError as exc:
-            raise UpstreamFailure(f"read: {exc}", connect=True) from exc
+            raise UpstreamFailure(f"read: {exc}", connect=True, retry=_may_retry(exc)) from exc
         ttft = time.perf_counter() - arrived
         headers_out = [
             (b"content-type", ctype),
@@ -1187,7 +1194,7 @@ class Edge:
                 [(b"traceparent", traceparent.encode()), *upstream_headers],
             )
         except UpstreamError as exc:
-            raise UpstreamFailure(str(exc), connect=True) from exc
+            raise UpstreamFailure(str(exc), connect=True, retry=_may_retry(exc)) from exc
         connect_s = time.perf_counter() - t0
         clean = False
         try:
@@ -1216,7 +1223,7 @@ class Edge:
             try:
                 body = await resp.read()
             except UpstreamError as exc:
-                raise UpstreamFailure(f"read: {exc}", connect=True) from exc
+                raise UpstreamFailure(f"read: {exc}", connect=True, retry=_may_retry(exc)) from exc
             ttft = time.perf_counter() - arrived
             headers_out = [
                 (b"content-type", ctype),
@@ -1276,10 +1283,11 @@ class Edge:
             while not first:
                 chunk = await resp.readany()
                 if not chunk:
+                    # The engine ended the stream itself: it is not running the request.
                     raise UpstreamFailure("closed before the first byte", connect=True)
                 first = tap.feed(chunk)
         except UpstreamError as exc:
-            raise UpstreamFailure(f"stream: {exc}", connect=True) from exc
+            raise UpstreamFailure(f"stream: {exc}", connect=True, retry=_may_retry(exc)) from exc
         ttft = time.perf_counter() - arrived
         headers_out = [
             (b"content-type", ctype),
@@ -1368,6 +1376,11 @@ def _session_key(tenant: str, model: str, session: bytes) -> int:
     """A fixed-size key per (tenant, model, session id): one tenant's session ids never pin
     another tenant's requests, and no client-sized string is kept in the session map."""
     return xxhash.xxh3_64_intdigest(b"%b\0%b\0%b" % (tenant.encode(), model.encode(), session))
+
+
+def _may_retry(exc: UpstreamError) -> bool:
+    """Another upstream may take the request: this one never got it, or dropped it itself."""
+    return not exc.sent or exc.dropped
 
 
 def _now_ms() -> int:

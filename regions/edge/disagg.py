@@ -453,7 +453,7 @@ async def _decode(
                 return True
             except UpstreamFailure as failure:
                 attempt.failed(failure)
-                if decode_retries >= edge.cfg.max_retries:
+                if decode_retries >= edge.cfg.max_retries or not failure.retry:
                     ex.complete = True
                     log.warning("decode leg on %s failed: %s", inst.id, failure.reason)
                     err = EdgeError(

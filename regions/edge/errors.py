@@ -58,13 +58,20 @@ def sse_error_event(message: str, code: str) -> bytes:
 
 
 class UpstreamFailure(Exception):
-    """The chosen instance failed before the first byte reached the client (retry allowed).
+    """The chosen instance failed before the first byte reached the client.
 
     ``connect``: it never (fully) answered — refused, reset, timed out — as opposed to an
     answer with a 5xx status; health counts the two differently.
+
+    ``retry``: another instance may be tried. Only when the engine cannot be running the
+    request: the connection failed before the request was written, the engine dropped the
+    connection itself (crashed, or gave the request up), or it answered with a 5xx status.
+    After a read timeout (or a malformed or oversized answer) the engine may still be
+    generating it, so it is never sent to a second one.
     """
 
-    def __init__(self, reason: str, connect: bool) -> None:
+    def __init__(self, reason: str, connect: bool, retry: bool = True) -> None:
         super().__init__(reason)
         self.reason = reason
         self.connect = connect
+        self.retry = retry

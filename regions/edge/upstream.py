@@ -50,11 +50,17 @@ class UpstreamError(Exception):
     ``sent`` is False only when connecting failed (refused, connect timeout, TLS handshake):
     then the request cannot have reached the upstream and another one may be tried. True once
     its bytes were written, whatever came after: the upstream may be running it.
+
+    ``dropped``: the upstream itself closed or reset the connection (it crashed, or gave the
+    request up): it is no longer running the request (vLLM aborts a request whose connection
+    is gone). A timeout, a malformed or oversized answer is not ``dropped``: the engine may
+    still be working when the edge gives up.
     """
 
-    def __init__(self, message: str, *, sent: bool = True) -> None:
+    def __init__(self, message: str, *, sent: bool = True, dropped: bool = False) -> None:
         super().__init__(message)
         self.sent = sent
+        self.dropped = dropped
 
 
 def client_ssl_context(ca_file: str | None) -> ssl.SSLContext:
@@ -264,7 +270,7 @@ class _Connection(asyncio.Protocol):
             response._finish()  # a body delimited by the connection's end
         else:
             why = f"connection lost: {exc.__class__.__name__}" if exc else "connection closed"
-            self._settle_error(UpstreamError(why))
+            self._settle_error(UpstreamError(why, dropped=self.dropped))
 
     # -- httptools callbacks
 

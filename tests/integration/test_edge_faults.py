@@ -240,3 +240,52 @@ def test_error_bodies_name_no_instance_and_no_internal_error(tmp_path: Path) -> 
             text = answer.text
             assert engine.name not in text and str(engine.port) not in text, text
             assert "Error" not in answer.json()["error"]["message"], text
+
+
+def test_a_read_timeout_is_never_resent_to_another_engine(tmp_path: Path) -> None:
+    """A slow engine may still be generating: the edge answers 502 at its read timeout instead
+    of running the request a second time elsewhere (a retry storm on an overloaded fleet).
+    The time to that 502 is bounded by the read timeout (docs/security.md)."""
+    with cluster(
+        tmp_path,
+        2,
+        engine_args=("--tokens", "40", "--token-delay", "0.1"),  # 4 s per answer
+        edge_args=("--read-timeout", "1", "--max-retries", "2"),
+    ) as edge:
+        started = time.monotonic()
+        answer = httpx.post(
+            edge.url + "/v1/chat/completions",
+            json={"model": "llama", "messages": [{"role": "user", "content": "slow"}]},
+            timeout=30,
+        )
+        elapsed = time.monotonic() - started
+        assert answer.status_code == 502, answer.text
+        assert route_of(answer.headers)["retries"] == "0"
+        assert elapsed < 3.0, elapsed
+        requests = [e.stats()["requests"] for e in edge.engines.values()]
+        assert sorted(requests) == [0, 1], requests
+
+
+def test_an_engine_that_drops_the_connection_is_retried_elsewhere(tmp_path: Path) -> None:
+    """A dead engine runs nothing: its requests not yet answered go to another one."""
+    with cluster(
+        tmp_path,
+        2,
+        engine_args=("--tokens", "20", "--token-delay", "0.1"),
+        edge_args=("--max-retries", "2", "--eject-after", "100"),
+    ) as edge:
+        with ThreadPoolExecutor(4) as pool:
+            futures = [
+                pool.submit(
+                    httpx.post,
+                    edge.url + "/v1/chat/completions",
+                    json={"model": "llama", "messages": [{"role": "user", "content": f"q{k}"}]},
+                    timeout=30,
+                )
+                for k in range(4)
+            ]
+            time.sleep(0.5)
+            edge.engines["i-1"].proc.send_signal(signal.SIGKILL)
+            answers = [f.result() for f in futures]
+        assert [a.status_code for a in answers] == [200] * 4, [a.text for a in answers]
+        assert {route_of(a.headers)["instance"] for a in answers} == {"i-2"}
