@@ -74,7 +74,6 @@ class Fleet:
 def build_fleet(codes: list[str], engine_ports: list[int], edge_ports: list[int]) -> Fleet:
     """Regions, links, one pool/deployment/ready instance each, edges, a tenant, an admin."""
     from django.contrib.auth.models import User
-    from rest_framework.authtoken.models import Token
 
     from federation.inventory import services as inv
     from federation.inventory.models import AcceleratorType
@@ -145,9 +144,9 @@ def build_fleet(codes: list[str], engine_ports: list[int], edge_ports: list[int]
     key = tenancy.api_key_create(actor=None, tenant=tenant, name="k").plaintext
     admin = User.objects.create_user(username="bench-admin", password=uuid.uuid4().hex)
     Membership.objects.create(user=admin, role=Membership.Role.ADMIN)
-    token, _ = Token.objects.get_or_create(user=admin)
+    admin_token = tenancy.auth_token_issue(user=admin).plaintext
     routing.routing_tables_publish()
-    return Fleet(codes, instance_ids, credentials, key, token.key)
+    return Fleet(codes, instance_ids, credentials, key, admin_token)
 
 
 async def versions(client: httpx.AsyncClient, edges: dict[str, str]) -> dict[str, int]:
