@@ -122,6 +122,8 @@ class TenantRow:
     #: Spend this month, USD. There is no metering yet: callers pass 0 until there is.
     spend_usd: float = 0.0
     keys: tuple[KeyRow, ...] = ()
+    #: The secret vLLM ``cache_salt`` of a tenant whose KV cache is isolated (None: shared).
+    cache_salt: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -379,6 +381,7 @@ def _tenant_entry(tenant: TenantRow, allowed: frozenset[str], class_id: str) -> 
         "budget_state": budget_state(
             monthly_budget_usd=tenant.monthly_budget_usd, spend_usd=tenant.spend_usd
         ),
+        "cache_salt": tenant.cache_salt,
     }
 
 

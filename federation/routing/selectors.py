@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import base64
 from collections.abc import Mapping
 from datetime import datetime
 from typing import Any
 
 from django.conf import settings
 from django.utils import timezone
+from django.utils.crypto import salted_hmac
 
 from federation.inventory.models import Edge, Instance, Region, RegionLink
 from federation.routing.compiler import (
@@ -58,6 +60,14 @@ def _load_tokens_per_s(load: Any) -> float | None:
     return float(value)
 
 
+def tenant_cache_salt(slug: str) -> str:
+    """A tenant's secret KV-cache salt: an HMAC of its slug under the deployment's secret key,
+    so it is stable across compiles (byte-identical tables) and unguessable to clients; only
+    the signed tables, which edges fetch with their credentials, carry it."""
+    digest = salted_hmac("fedinfer.kv-cache-salt", slug, algorithm="sha256").digest()
+    return base64.urlsafe_b64encode(digest).decode().rstrip("=")
+
+
 def tenant_rows(
     *, now: datetime | None = None, spend_usd: Mapping[str, float] | None = None
 ) -> tuple[TenantRow, ...]:
@@ -87,6 +97,7 @@ def tenant_rows(
                 else float(tenant.monthly_budget_usd),
                 spend_usd=float(spend.get(tenant.slug, 0.0)),
                 keys=tuple(keys.get(tenant.pk, ())),
+                cache_salt=tenant_cache_salt(tenant.slug) if tenant.isolate_kv_cache else None,
             )
         )
     return tuple(rows)

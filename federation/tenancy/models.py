@@ -39,6 +39,13 @@ class Tenant(TimeStampedModel):
         validators=[MinValueValidator(0)],
         help_text="Empty = no budget limit.",
     )
+    isolate_kv_cache = models.BooleanField(
+        default=False,
+        help_text=(
+            "Its prompts' KV cache is its own: engines never share cached prefixes with other "
+            "tenants (no timing signal of its prompts; no cache hits from shared prompts)."
+        ),
+    )
     is_active = models.BooleanField(default=True)
 
     class Meta:

@@ -90,6 +90,7 @@ def tenant_create(
     requests_per_minute: int | None = None,
     tokens_per_minute: int | None = None,
     monthly_budget_usd: Decimal | None = None,
+    isolate_kv_cache: bool = False,
     is_active: bool = True,
 ) -> Tenant:
     jurisdictions = sorted(set(allowed_jurisdictions))
@@ -101,6 +102,7 @@ def tenant_create(
         requests_per_minute=requests_per_minute,
         tokens_per_minute=tokens_per_minute,
         monthly_budget_usd=monthly_budget_usd,
+        isolate_kv_cache=isolate_kv_cache,
         is_active=is_active,
     )
     _clean(tenant, tenant_residency_errors(jurisdictions, regions))
@@ -118,6 +120,7 @@ def tenant_create(
             "requests_per_minute": requests_per_minute,
             "tokens_per_minute": tokens_per_minute,
             "monthly_budget_usd": monthly_budget_usd,
+            "isolate_kv_cache": isolate_kv_cache,
             "is_active": is_active,
         },
     )
@@ -132,6 +135,7 @@ TENANT_UPDATABLE = frozenset(
         "requests_per_minute",
         "tokens_per_minute",
         "monthly_budget_usd",
+        "isolate_kv_cache",
     }
 )
 

@@ -40,7 +40,13 @@ from regions.edge.observability import (
     route_header,
     server_timing,
 )
-from regions.edge.parse import ParsedRequest, UsageTap, body_usage, parse_request
+from regions.edge.parse import (
+    ParsedRequest,
+    UsageTap,
+    body_usage,
+    parse_request,
+    with_cache_salt,
+)
 from regions.edge.prefix_index import (
     BLOCK_BYTES,
     BYTES_PER_TOKEN,
@@ -599,6 +605,8 @@ class Edge:
                 )
             if tenant is not None:
                 admission.policy(tenant, model)
+            if req.cache_salt is not None or (tenant is not None and tenant.policy.cache_salt):
+                req = with_cache_salt(req, tenant.policy.cache_salt if tenant else None)
             allowed = tenant.allowed if tenant is not None else None
             # A request that already hopped is served here or refused: never forwarded again.
             remotes = () if hopped else self.spill.get(model, ())
@@ -866,6 +874,9 @@ class Edge:
         seed = self._seeds.get(model)
         if seed is None:
             seed = self._seeds[model] = _root_seed(model)
+        if req.cache_salt is not None:
+            # The engine shares salted blocks only with the same salt: so does the index.
+            seed = xxhash.xxh3_64_intdigest(req.cache_salt.encode(), seed=seed)
         hashes = block_hashes(req.prompt, seed, self.cfg.block_bytes)
         if ex.salt is not None:
             # Show a tenant only the cache its own prompts made (never what others sent).

@@ -34,6 +34,9 @@ MEDIA_PART_TOKENS = 1024
 DEFAULT_OUTPUT_TOKENS = 1024
 #: ``n``/``best_of`` above this are refused: each is another full generation to charge.
 MAX_CHOICES = 128
+#: A client's ``cache_salt``: vLLM takes at most 1,024 characters, and a tenant's salt (a
+#: base64 HMAC of 43) may be joined in front of it.
+MAX_CLIENT_SALT = 960
 
 
 @dataclass(slots=True)
@@ -52,6 +55,8 @@ class ParsedRequest:
     user: str | None
     #: Output tokens the request may generate: choices x ``max_tokens`` (or the default).
     max_output_tokens: int = DEFAULT_OUTPUT_TOKENS
+    #: vLLM's ``cache_salt`` as sent upstream (the client's, or the tenant's joined with it).
+    cache_salt: str | None = None
 
     @property
     def cost_tokens(self) -> int:
@@ -147,6 +152,12 @@ def parse_request(raw: bytes, *, chat: bool, bytes_per_token: float) -> ParsedRe
         prompt, exact = render_completion(doc.get("prompt"))
     tokens = exact if exact is not None else int(len(prompt) / bytes_per_token) + 1
     tokens += media * MEDIA_PART_TOKENS
+    salt = doc.get("cache_salt")
+    if salt is not None and not (isinstance(salt, str) and 0 < len(salt) <= MAX_CLIENT_SALT):
+        raise _bad(
+            f"'cache_salt' must be a non-empty string of at most {MAX_CLIENT_SALT} characters",
+            "cache_salt",
+        )
     tools = doc.get("tools")
     if tools:
         # Tool schemas are rendered into the prompt by the chat template.
@@ -173,7 +184,26 @@ def parse_request(raw: bytes, *, chat: bool, bytes_per_token: float) -> ParsedRe
         strip_usage=strip,
         user=user if isinstance(user, str) and user else None,
         max_output_tokens=_output_tokens(doc),
+        cache_salt=salt,
     )
+
+
+def with_cache_salt(req: ParsedRequest, tenant_salt: str | None) -> ParsedRequest:
+    """The request's ``cache_salt`` as the engine gets it. vLLM hashes the first KV block with
+    the salt, so only requests with the same salt share cached prefixes. An isolated tenant's
+    salt goes first (``t:<tenant>[:<client's>]``); a client's own salt is sent as
+    ``c:<client's>``: no client, whatever it sends, can produce a tenant's salt."""
+    if tenant_salt is None and req.cache_salt is None:
+        return req
+    if tenant_salt is not None:
+        salt = f"t:{tenant_salt}" + (f":{req.cache_salt}" if req.cache_salt else "")
+    else:
+        salt = f"c:{req.cache_salt}"
+    doc = orjson.loads(req.body)
+    doc["cache_salt"] = salt
+    req.body = orjson.dumps(doc)
+    req.cache_salt = salt
+    return req
 
 
 def usage_numbers(usage: Any) -> tuple[int | None, int | None, int | None]:

@@ -119,6 +119,10 @@ class TenantPolicy(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     key_valid_until: dict[str, str] = msgspec.field(default_factory=dict)
     #: Id of its entry in ``residency_classes`` (refusals live there, once per class).
     residency_class: str | None = None
+    #: Set when the tenant's KV cache is isolated: the edge sends this secret as vLLM's
+    #: ``cache_salt`` with every request (joined with the client's own salt, if any), so no
+    #: other tenant can hit — or time — its cached prefixes. Absent: caches are shared.
+    cache_salt: str | None = None
 
 
 class Signature(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

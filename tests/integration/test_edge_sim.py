@@ -6,6 +6,7 @@ engine killed mid-stream, an engine answering 500, an engine failing its health 
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -218,3 +219,57 @@ def test_health_probe_hysteresis_ejects_and_readmits(
         time.sleep(0.05)
     seen = {route_of(ask(sim_edge, f"y{k}").headers)["instance"] for k in range(9)}
     assert flaky in seen
+
+
+def test_an_isolated_tenants_cache_is_its_own(tmp_path: Path) -> None:
+    """A tenant whose policy carries a ``cache_salt`` gets it sent as vLLM's ``cache_salt``: a
+    prompt it warmed is a hit for itself and a miss for anyone else (no timing or usage signal
+    of its prompts), while unsalted tenants still share caches. One engine, so every request
+    meets the same cache."""
+
+    def key_hash(key: str) -> str:
+        return hashlib.sha256(key.encode()).hexdigest()
+
+    with engine_sims(tmp_path, 1, MODEL, "--num-gpu-blocks", "4096", "--seed", "5") as engines:
+        doc = table_doc("sim", 1, [{"id": "sim-0", "url": engines[0]["url"], "model": MODEL}])
+        doc["tenants"] = [
+            {"tenant": "vault", "key_hashes": [key_hash("fi_vault")], "allowed_regions": ["sim"],
+             "cache_salt": "c2VjcmV0LXNhbHQtb2YtdGhlLXZhdWx0LXRlbmFudC0wMDAx"},
+            {"tenant": "open", "key_hashes": [key_hash("fi_open")], "allowed_regions": ["sim"]},
+            {"tenant": "peer", "key_hashes": [key_hash("fi_peer")], "allowed_regions": ["sim"]},
+        ]  # fmt: skip
+        edge = start_edge(tmp_path, doc)
+        try:
+
+            def cached(key: str, system: str, question: str, **extra: Any) -> int:
+                resp = httpx.post(
+                    edge.url + "/v1/chat/completions",
+                    json={
+                        "model": MODEL,
+                        "messages": [
+                            {"role": "system", "content": system},
+                            {"role": "user", "content": question},
+                        ],
+                        "max_tokens": 2,
+                        **extra,
+                    },
+                    headers={"Authorization": f"Bearer {key}"},
+                    timeout=20,
+                )
+                assert resp.status_code == 200, resp.text
+                return int(resp.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+            secret = "The vault tenant's confidential operating instructions. " * 30
+            assert cached("fi_vault", secret, "one") == 0
+            assert cached("fi_vault", secret, "two") >= 256  # its own: a hit
+            assert cached("fi_open", secret, "probe") == 0  # another tenant: a miss
+            # A client cannot pick the vault's salt: its own salt is used as given, and the
+            # vault's requests carry the vault's salt joined with theirs.
+            salt = "c2VjcmV0LXNhbHQtb2YtdGhlLXZhdWx0LXRlbmFudC0wMDAx"
+            assert cached("fi_open", secret, "forge", cache_salt=salt) == 0
+            # Unsalted tenants still share the engine's cache.
+            shared = "A system prompt many tenants use, word for word. " * 30
+            assert cached("fi_open", shared, "one") == 0
+            assert cached("fi_peer", shared, "two") >= 256
+        finally:
+            stop(edge.proc)

@@ -13,7 +13,8 @@ from federation.inventory import services as inventory
 from federation.inventory.models import Deployment, Instance, Region
 from federation.routing.compiler import compile_fleet_tables, fleet_plan
 from federation.routing.selectors import fleet_snapshot
-from federation.tenancy.models import ApiKey
+from federation.tenancy import services as tenancy
+from federation.tenancy.models import ApiKey, Tenant
 from regions.edge.table import decode_table
 from regions.tables.signing import SignatureError, sign, verify
 
@@ -90,6 +91,25 @@ def test_demo_fleet_tables_enforce_residency_and_verify_at_the_edge() -> None:
     assert {c: orjson.dumps(d) for c, d in _compile().items()} == {
         c: orjson.dumps(d) for c, d in tables.items()
     }
+
+
+@pytest.mark.django_db
+def test_an_isolated_tenant_gets_a_secret_stable_cache_salt() -> None:
+    _demo_fleet()
+    tables = _compile()
+    assert _by_key(tables["eu-west"], "globex-eu")["cache_salt"] is None  # shared by default
+    tenant = Tenant.objects.get(slug="globex-eu")
+    tenancy.tenant_update(actor=None, tenant=tenant, data={"isolate_kv_cache": True})
+    salted = _compile()
+    salt = _by_key(salted["eu-west"], "globex-eu")["cache_salt"]
+    assert isinstance(salt, str) and len(salt) == 43 and "globex" not in salt
+    assert _by_key(salted["us-east"], "globex-eu")["cache_salt"] == salt  # one salt fleet-wide
+    assert _by_key(salted["eu-west"], "initech")["cache_salt"] is None
+    assert _compile() == salted  # stable: the same tables next time
+    # The edge reads it from the table.
+    signed = orjson.dumps(sign(salted["eu-west"], KEY, "k1"))
+    policy = next(t for t in decode_table(signed).tenants or () if t.tenant == "globex-eu")
+    assert policy.cache_salt == salt
 
 
 @pytest.mark.django_db

@@ -14,6 +14,7 @@ from regions.edge.parse import (
     UsageTap,
     body_usage,
     parse_request,
+    with_cache_salt,
 )
 
 
@@ -191,3 +192,21 @@ def test_bad_output_limits_are_refused(extra: dict[str, object]) -> None:
     with pytest.raises(EdgeError) as info:
         parse_request(chat(**extra), chat=True, bytes_per_token=4.0)
     assert info.value.status == 400
+
+
+def test_cache_salts_are_namespaced_so_no_client_can_take_a_tenants() -> None:
+    plain = parse_request(chat(), chat=True, bytes_per_token=4.0)
+    assert with_cache_salt(plain, None) is plain and plain.cache_salt is None  # untouched
+    tenant = with_cache_salt(parse_request(chat(), chat=True, bytes_per_token=4.0), "T")
+    assert tenant.cache_salt == "t:T" and orjson.loads(tenant.body)["cache_salt"] == "t:T"
+    both = with_cache_salt(
+        parse_request(chat(cache_salt="u1"), chat=True, bytes_per_token=4.0), "T"
+    )
+    assert both.cache_salt == "t:T:u1"
+    forged = with_cache_salt(
+        parse_request(chat(cache_salt="t:T"), chat=True, bytes_per_token=4.0), None
+    )
+    assert forged.cache_salt == "c:t:T"  # never equal to a tenant's salt
+    for bad in ("", 7, "x" * 961):
+        with pytest.raises(EdgeError):
+            parse_request(chat(cache_salt=bad), chat=True, bytes_per_token=4.0)

@@ -77,6 +77,11 @@ class TenantCreateInput(StrictFieldsMixin, serializers.Serializer):
     requests_per_minute = _rate_field()
     tokens_per_minute = _rate_field()
     monthly_budget_usd = MoneyField(allow_null=True, required=False)
+    isolate_kv_cache = StrictBooleanField(
+        required=False,
+        default=False,
+        help_text="Engines never share this tenant's cached prompt prefixes with other tenants.",
+    )
     is_active = StrictBooleanField(required=False, default=True)
 
 
@@ -87,6 +92,7 @@ class TenantUpdateInput(StrictFieldsMixin, serializers.Serializer):
     requests_per_minute = _rate_field()
     tokens_per_minute = _rate_field()
     monthly_budget_usd = MoneyField(allow_null=True, required=False)
+    isolate_kv_cache = StrictBooleanField(required=False)
 
 
 class TenantOutput(serializers.ModelSerializer):
@@ -108,6 +114,7 @@ class TenantOutput(serializers.ModelSerializer):
             "requests_per_minute",
             "tokens_per_minute",
             "monthly_budget_usd",
+            "isolate_kv_cache",
             "is_active",
             "created_at",
             "updated_at",

@@ -199,6 +199,7 @@ class SimEngine:
         lora: str | None = None,
         ignore_eos: bool = False,
         min_tokens: int = 0,
+        cache_salt: str | None = None,
     ) -> tuple[Request, list[str]]:
         """A request and its planned output: same prompt, same answer (greedy-like), and the
         answer's natural length is log-normal around ``output_len_median``."""
@@ -214,6 +215,7 @@ class SimEngine:
             planned_output_ids=ids,
             max_tokens=max_tokens,
             lora=lora,
+            cache_salt=cache_salt,
             arrival_time=time.monotonic(),
         )
         return request, texts

@@ -39,6 +39,8 @@ class Request:
     #: Finish with "stop" after the whole plan when it is shorter than ``max_tokens``.
     arrival_time: float = 0.0
     lora: str | None = None
+    #: vLLM's ``cache_salt``: its prefix-cache blocks are shared only with the same salt.
+    cache_salt: str | None = None
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     block_ids: list[int] = field(default_factory=list)
@@ -382,4 +384,7 @@ class Scheduler:
 
 
 def _extra(request: Request) -> bytes:
-    return request.lora.encode() if request.lora else b""
+    extra = request.lora.encode() if request.lora else b""
+    if request.cache_salt:
+        extra += b"\0salt:" + request.cache_salt.encode()
+    return extra

@@ -463,6 +463,13 @@ class EngineApp:
             raise _bad_request(f"max_tokens must be at least 1, got {effective}.", "max_tokens")
         min_tokens = _int_field(body, "min_tokens") or 0
         ignore_eos = _bool_field(body, "ignore_eos", False)
+        cache_salt = body.get("cache_salt")
+        if cache_salt is not None and not (
+            isinstance(cache_salt, str) and 0 < len(cache_salt) <= 1024
+        ):
+            raise _validation_error(
+                "string_type", "body.cache_salt", "Input should be a valid string", cache_salt
+            )
         try:
             kv_params = request_params(body)
         except ValueError:
@@ -473,7 +480,12 @@ class EngineApp:
                 body["kv_transfer_params"],
             ) from None
         request, texts = engine.new_request(
-            prompt_ids, effective, lora=lora, ignore_eos=ignore_eos, min_tokens=min_tokens
+            prompt_ids,
+            effective,
+            lora=lora,
+            ignore_eos=ignore_eos,
+            min_tokens=min_tokens,
+            cache_salt=cache_salt,
         )
         if kv_params is not None and not engine.config.zero_latency:
             kv = engine.config.kv_transfer
