@@ -131,6 +131,20 @@ def test_session_affinity_by_header_and_user_field(edge: EdgeProc) -> None:
     assert len(users) == 1
 
 
+def test_session_ids_are_bounded(edge: EdgeProc) -> None:
+    """A session id is hashed to a fixed-size key; longer than 256 bytes it is refused, so a
+    client cannot make the edge keep (or hash and forward) megabytes per request."""
+    body = {"model": "llama", "messages": [{"role": "user", "content": "x"}]}
+    ok = httpx.post(
+        edge.url + "/v1/chat/completions", json=body, headers={"x-session-id": "s" * 256}
+    )
+    assert ok.status_code == 200, ok.text
+    for extra, headers in (({}, {"x-session-id": "s" * 257}), ({"user": "u" * 257}, {})):
+        r = httpx.post(edge.url + "/v1/chat/completions", json=body | extra, headers=headers)
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["code"] == "invalid_session_id"
+
+
 def test_traceparent_is_propagated_with_the_callers_trace_id(edge: EdgeProc) -> None:
     trace = "4bf92f3577b34da6a3ce929d0e0e4736"
     caller = f"00-{trace}-00f067aa0ba902b7-01"
