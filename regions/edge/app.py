@@ -81,7 +81,7 @@ from regions.edge.table import (
     file_stamp,
     served_models,
 )
-from regions.edge.upstream import Response, UpstreamError, UpstreamPool
+from regions.edge.upstream import Response, UpstreamError, UpstreamPool, client_ssl_context
 
 log = logging.getLogger("fedinfer.edge")
 
@@ -109,6 +109,8 @@ class EdgeConfig:
     max_retries: int = 2
     connect_timeout_s: float = 2.0
     read_timeout_s: float = 300.0
+    #: PEM bundle that verifies ``https://`` engines and remote edges (None: the system CAs).
+    upstream_ca_file: str | None = None
     probe_interval_s: float = 1.0
     probe_timeout_s: float = 1.0
     scrape_interval_s: float = 0.5
@@ -378,10 +380,18 @@ class Edge:
     # ---------------------------------------------------------------- lifecycle
 
     async def startup(self) -> None:
+        tls = (
+            client_ssl_context(self.cfg.upstream_ca_file)
+            if self.cfg.upstream_ca_file is not None
+            else None
+        )
         self._http = UpstreamPool(
-            connect_timeout_s=self.cfg.connect_timeout_s, read_timeout_s=self.cfg.read_timeout_s
+            connect_timeout_s=self.cfg.connect_timeout_s,
+            read_timeout_s=self.cfg.read_timeout_s,
+            ssl_context=tls,
         )
         self._probe_client = httpx.AsyncClient(
+            verify=tls if tls is not None else True,
             timeout=httpx.Timeout(self.cfg.probe_timeout_s),
             limits=httpx.Limits(max_connections=64, max_keepalive_connections=64),
         )

@@ -92,6 +92,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--max-retries", type=int, default=2, help="other instances tried before byte one"
     )
+    p.add_argument(
+        "--upstream-ca-file",
+        type=Path,
+        help="PEM bundle that verifies https:// engines and remote edges (default: system CAs)",
+    )
     p.add_argument("--connect-timeout", type=float, default=2.0)
     p.add_argument("--read-timeout", type=float, default=300.0)
     p.add_argument("--probe-interval", type=float, default=1.0)
@@ -214,6 +219,7 @@ def config_from_args(opts: argparse.Namespace) -> EdgeConfig:
         max_retries=opts.max_retries,
         connect_timeout_s=opts.connect_timeout,
         read_timeout_s=opts.read_timeout,
+        upstream_ca_file=str(opts.upstream_ca_file) if opts.upstream_ca_file else None,
         probe_interval_s=opts.probe_interval,
         probe_timeout_s=opts.probe_timeout,
         scrape_interval_s=opts.scrape_interval,
