@@ -210,3 +210,14 @@ def test_cache_salts_are_namespaced_so_no_client_can_take_a_tenants() -> None:
     for bad in ("", 7, "x" * 961):
         with pytest.raises(EdgeError):
             parse_request(chat(cache_salt=bad), chat=True, bytes_per_token=4.0)
+
+
+def test_an_event_that_never_ends_stops_the_framing_but_not_the_bytes() -> None:
+    """An engine that sends over 1 MiB without a blank line: the tap stops holding it back
+    (bounded memory) and passes everything through unchanged."""
+    tap = UsageTap(strip=True)
+    blob = b"data: " + b"x" * 600_000
+    assert tap.feed(blob) == b""  # held: an event may still end
+    out = tap.feed(blob)  # over 1 MiB pending: forwarded as is from now on
+    assert out == blob + blob and tap.pending == b"" and not tap.framing
+    assert tap.feed(USAGE) == USAGE  # no longer framed, so nothing is stripped either
