@@ -301,14 +301,13 @@ class Edge:
         now = time.monotonic()
         elapsed = max(now - self._beat_at, 1e-3)
         self._beat_at = now
-        stale = self.cfg.scrape_interval_s * 4 + 1.0
         previous = self._beat_tokens
         tokens: dict[str, int] = {}
         instances = []
         for inst in self.table.instances:
             health = self.health.states.get(inst.id)
             load = self.loads.get(inst.id)
-            _, waiting, kv = load.snapshot(now, stale)
+            _, waiting, kv = load.snapshot()
             tokens[inst.id] = load.tokens
             sent = load.tokens - previous.get(inst.id, load.tokens)
             instances.append(
@@ -499,12 +498,11 @@ class Edge:
     async def _healthz(self, send: Send) -> None:
         """Liveness plus what the scheduler currently believes about each instance."""
         now = time.monotonic()
-        stale = self.cfg.scrape_interval_s * 4 + 1.0
         instances = {}
         for inst in self.table.instances:
             health = self.health.states.get(inst.id)
             load = self.loads.get(inst.id)
-            outstanding, waiting, kv = load.snapshot(now, stale)
+            outstanding, waiting, kv = load.snapshot()
             instances[inst.id] = {
                 "state": inst.state,
                 "healthy": health is not None and health.healthy,
@@ -699,10 +697,9 @@ class Edge:
         out = []
         states = self.health.states
         targeted = self._targeted
-        stale = self.cfg.scrape_interval_s * 4 + 1.0
         for inst in self.by_model[model]:
             load = self.loads.get(inst.id)
-            outstanding, waiting, kv = load.snapshot(now, stale)
+            outstanding, waiting, kv = load.snapshot()
             health = states.get(inst.id)
             out.append(
                 Candidate(

@@ -3,7 +3,7 @@ with each engine's ``/metrics`` (every edge's traffic, but up to a scrape interv
 
 ``outstanding`` = the engine's running + waiting at the last scrape, plus the requests this
 edge sent since that scrape and minus those it finished, never below this edge's own in-flight
-count. A stale scrape (engine too busy to answer) keeps the engine's last known load.
+count. An old scrape (engine too busy to answer) keeps the engine's last known load.
 ``pending_tokens``: the uncached prompt tokens this edge sent, drained at the engine's prefill
 rate — the prefill work the engine probably still has ahead of a new request.
 """
@@ -88,21 +88,16 @@ class InstanceLoad:
         self.admitted_since_scrape = 0
         self.finished_since_scrape = 0
 
-    def snapshot(self, now: float, stale_after_s: float) -> tuple[int, int, float]:
-        """(outstanding requests, of which waiting to be scheduled, KV-cache usage 0..1)."""
+    def snapshot(self) -> tuple[int, int, float]:
+        """(outstanding requests, of which waiting to be scheduled, KV-cache usage 0..1).
+
+        However old the last scrape (an engine too busy to answer ``/metrics`` in time is the
+        usual cause), its load stands rather than silence being read as idle; only what this
+        edge itself sent or saw finish since is added or taken off (a dead engine is ejected
+        by health checks, not by this number)."""
         engine = self.engine
         if engine is None:
             return self.inflight, 0, 0.0
-        if now - self.scraped_at > stale_after_s:
-            # Scrapes failing for a while: an engine too busy to answer /metrics in time is
-            # the usual cause, so keep its last known load rather than read silence as idle
-            # (a dead engine is ejected by health checks, not by this number).
-            outstanding = engine.num_requests_running + engine.num_requests_waiting
-            return (
-                max(self.inflight, outstanding),
-                engine.num_requests_waiting,
-                (engine.kv_cache_usage_perc),
-            )
         delta = self.admitted_since_scrape - self.finished_since_scrape
         total = engine.num_requests_running + engine.num_requests_waiting + delta
         # Requests sent since the scrape are not counted as waiting here: their prefill work is
@@ -163,10 +158,26 @@ async def scrape_loop(
     interval_s: float,
     on_error: Callable[[str], None] | None = None,
 ) -> None:
-    """Scrape every instance's ``/metrics`` every ``interval_s`` until cancelled."""
-    while True:
-        started = time.monotonic()
-        pairs = targets()
-        if pairs:
-            await asyncio.gather(*(scrape_once(client, board, i, u, on_error) for i, u in pairs))
-        await asyncio.sleep(max(0.0, interval_s - (time.monotonic() - started)))
+    """Scrape every instance's ``/metrics`` every ``interval_s`` until cancelled.
+
+    Each instance on its own: a starved engine answering late (up to the scrape timeout)
+    delays its own next reading, never the other engines'."""
+    running: dict[str, asyncio.Task[None]] = {}
+    try:
+        while True:
+            started = time.monotonic()
+            pairs = targets()
+            for instance, url in pairs:
+                task = running.get(instance)
+                if task is None or task.done():
+                    running[instance] = asyncio.create_task(
+                        scrape_once(client, board, instance, url, on_error)
+                    )
+            live = {instance for instance, _ in pairs}
+            for instance in [i for i in running if i not in live and running[i].done()]:
+                del running[instance]
+            await asyncio.sleep(max(0.0, interval_s - (time.monotonic() - started)))
+    finally:
+        for task in running.values():
+            task.cancel()
+        await asyncio.gather(*running.values(), return_exceptions=True)

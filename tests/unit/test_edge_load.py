@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import httpx
 
 from regions.edge.cli import build_parser, config_from_args
-from regions.edge.load import LoadBoard, scrape_once
+from regions.edge.load import LoadBoard, scrape_loop, scrape_once
 
 METRICS = """\
 vllm:num_requests_running{engine="0",model_name="m"} 4.0
@@ -49,3 +50,34 @@ def test_scrape_timeout_flag_is_separate_from_the_probe_timeout() -> None:
     assert cfg.probe_timeout_s == 1.0
     cfg = config_from_args(build_parser().parse_args([*args, "--probe-timeout", "4"]))
     assert (cfg.probe_timeout_s, cfg.scrape_timeout_s) == (4.0, 2.0)
+
+
+def test_a_slow_engine_does_not_hold_back_the_other_engines_readings() -> None:
+    """One engine answering /metrics late (a starved CPU server) delays only its own reading:
+    the other engine is read every interval meanwhile."""
+    scrapes = {"fast": 0, "slow": 0}
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        name = request.url.host
+        scrapes[name] += 1
+        if name == "slow":
+            await asyncio.sleep(5.0)
+        return httpx.Response(200, text=METRICS)
+
+    async def run() -> None:
+        board = LoadBoard(scrape_timeout_s=10.0)
+        board.sync(["fast", "slow"])
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+            loop = asyncio.create_task(
+                scrape_loop(
+                    client, board, lambda: [("fast", "http://fast"), ("slow", "http://slow")], 0.05
+                )
+            )
+            await asyncio.sleep(0.6)
+            loop.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await loop
+
+    asyncio.run(run())
+    assert scrapes["slow"] == 1  # still waiting for its first answer
+    assert scrapes["fast"] >= 8, scrapes

@@ -236,10 +236,24 @@ def test_a_stale_scrape_keeps_the_last_known_load_instead_of_reading_idle() -> N
     load.scraped(
         EngineLoad(num_requests_running=6, num_requests_waiting=2, kv_cache_usage_perc=0.5), 100.0
     )
-    assert load.snapshot(100.2, stale_after_s=3.0) == (8, 2, 0.5)
-    # Ten seconds without an answer to /metrics: still 8 outstanding, not 0.
-    assert load.snapshot(110.0, stale_after_s=3.0) == (8, 2, 0.5)
-    assert InstanceLoad().snapshot(110.0, stale_after_s=3.0) == (0, 0, 0.0)
+    assert load.snapshot() == (8, 2, 0.5)
+    # However long without an answer to /metrics: still 8 outstanding, not 0.
+    assert load.snapshot() == (8, 2, 0.5)
+    assert InstanceLoad().snapshot() == (0, 0, 0.0)
+
+
+def test_an_old_scrape_forgets_what_this_edge_saw_finish_since() -> None:
+    """A reading taken while this edge's own request ran there must not keep the engine
+    loaded after that request finished, however long the next reading takes."""
+    from regions.edge.load import InstanceLoad
+    from regions.engines.metrics import EngineLoad
+
+    load = InstanceLoad()
+    load.admit(10)
+    load.scraped(EngineLoad(num_requests_running=1, num_requests_waiting=0), 100.0)
+    assert load.snapshot() == (1, 0, 0.0)
+    load.finish(0.5)
+    assert load.snapshot() == (0, 0, 0.0)
 
 
 def test_pending_prefill_drains_at_the_engine_rate_and_clears_when_idle() -> None:
@@ -268,5 +282,5 @@ def test_requests_sent_since_the_scrape_are_pending_tokens_not_waiting_requests(
     load.pending(100.0, 1000.0)
     load.admit(300)
     load.admit(300)
-    assert load.snapshot(100.1, stale_after_s=3.0) == (5, 1, 0.0)
+    assert load.snapshot() == (5, 1, 0.0)
     assert load.pending(100.1, 1000.0) == pytest.approx(500.0)
