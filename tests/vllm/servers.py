@@ -188,8 +188,9 @@ class EdgeProcess:
 
 
 EDGE_REGION = "cpu-lab"
-#: Measured for the tiny model on this machine: 6,000-12,000 prompt tokens/s (docs/real-vllm.md).
-PREFILL_TOKENS_PER_S = 8000.0
+#: Measured for the tiny model on this machine: ~4,600 prompt tokens/s end to end
+#: (docs/real-vllm.md).
+PREFILL_TOKENS_PER_S = 4500.0
 
 
 def routing_table(servers: tuple[VllmServer, ...]) -> dict[str, object]:

@@ -328,8 +328,10 @@ def test_edge_routes_on_the_engines_real_metrics(
         try:
             while not stop.is_set():
                 # Long generations (the prompt is ~20 tokens of the 1024 allowed) keep the gaps
-                # between one request and the next short against the time each one runs.
-                post_chat(busy.base_url, chat(None, f"keep going {worker}.{n}", max_tokens=900))
+                # between one request and the next short against the time each one runs, and
+                # lengths that differ per worker keep the four from finishing all at once.
+                length = 900 - 150 * worker
+                post_chat(busy.base_url, chat(None, f"keep going {worker}.{n}", max_tokens=length))
                 n += 1
         except BaseException as exc:
             errors.append(exc)
