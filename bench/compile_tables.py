@@ -1,4 +1,4 @@
-"""Compile-time benchmark of the routing tables (issue 4): a seeded synthetic fleet of 30
+"""Compile-time benchmark of the routing tables: a seeded synthetic fleet of 30
 regions, 300 GPU pools, 200 models and 5,000 tenants; time to compile all 30 tables, demand
 split (HiGHS) included, median of repeated runs. Target: < 2 s.
 

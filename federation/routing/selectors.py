@@ -108,7 +108,7 @@ def fleet_snapshot(
 ) -> FleetSnapshot:
     """Everything the compiler reads, at ``now`` (default: the current time)."""
     now = now or timezone.now()
-    # The first registered edge of a region receives its spill-over (issue 4 adds health).
+    # The first registered edge of a region receives its spill-over (no health or load yet).
     edge_urls: dict[str, str] = {}
     for code, url in Edge.objects.order_by("name").values_list("region__code", "url"):
         edge_urls.setdefault(code, url)

@@ -2,7 +2,7 @@
 
 Built once per table (:meth:`Admission.load`): a dict from SHA-256 key hash to the tenant's
 compiled state, so a request costs one SHA-256 of its key, one dict lookup and two token
-buckets. A table without a ``tenants`` section (a hand-written issue-3 table) disables
+buckets. A table without a ``tenants`` section (a hand-written table, file mode only) disables
 admission: no authentication at all, as before. Buckets belong to the tenant and survive new
 table versions (a limit change re-rates them without refilling them).
 

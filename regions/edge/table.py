@@ -1,9 +1,9 @@
 """The routing-table document (schema 1, or 2 with ramps: ``docs/routing-table.md``); its loader.
 
-The edge depends on this document, never on the control plane's models: in this issue it is
-read from a file, in the next one fetched (and its ``signature`` verified) from the control
-plane. Decoding is strict (msgspec Structs, unknown fields refused) and :func:`validate_table`
-checks what a type cannot say (unique ids, positive rates, URLs), so a bad table is refused as a
+The edge depends on this document, never on the control plane's models: it is read from a
+file (``--table``) or fetched from the control plane with its ``signature`` verified (sync.py).
+Decoding is strict (msgspec Structs, unknown fields refused) and :func:`validate_table` checks
+what a type cannot say (unique ids, positive rates, URLs), so a bad table is refused as a
 whole and the edge keeps serving from the last good one.
 """
 
@@ -52,13 +52,13 @@ class Instance(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     #: ZMQ endpoint of vLLM KV-cache events, when the engine publishes them.
     kv_events_endpoint: str | None = None
     #: Tokens/s it sustains at the target utilisation, and its share of that among the
-    #: region's instances of the same model and role (issue 4, from the compiler).
+    #: region's instances of the same model and role (from the compiler).
     capacity_tokens_per_s: float = 0.0
     weight: float = 0.0
 
 
 class RemoteRegion(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """Another region's edge that may take spill-over or failover traffic (issue 4)."""
+    """Another region's edge that may take spill-over or failover traffic."""
 
     code: str
     edge_url: str
@@ -71,7 +71,7 @@ class RemoteRegion(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 class RouteTarget(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """A remote region's offer for one model, as seen from this region (issue 4)."""
+    """A remote region's offer for one model, as seen from this region."""
 
     code: str
     #: Share of this region's expected demand for the model the demand split sends there.
@@ -84,7 +84,7 @@ class RouteTarget(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 class ModelRoute(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """Where this region's traffic for one model (or adapter) goes (issue 4)."""
+    """Where this region's traffic for one model (or adapter) goes."""
 
     model: str
     demand_tokens_per_s: float = 0.0
