@@ -22,8 +22,11 @@ from federation.core.models import TimeStampedModel
 
 
 class ServiceURLValidator(URLValidator):
-    """http(s) URLs whose host may also be a single DNS label: inside a cluster an engine is
-    often ``http://vllm-0:8000`` (Django's URLValidator wants a dot or 'localhost')."""
+    """An http(s) origin, ``scheme://host[:port]`` (a trailing ``/`` allowed), whose host may
+    also be a single DNS label: inside a cluster an engine is often ``http://vllm-0:8000``
+    (Django's URLValidator wants a dot or 'localhost'). No user info, path, query or fragment:
+    the edges refuse a routing table naming such a URL as a whole (regions/edge/table.py), so
+    one bad registration would stop a region's table updates."""
 
     schemes = ["http", "https"]
     host_re = (
@@ -37,10 +40,9 @@ class ServiceURLValidator(URLValidator):
     )
     regex = _lazy_re_compile(
         r"^(?:[a-z0-9.+-]*)://"
-        r"(?:[^\s:@/]+(?::[^\s:@/]*)?@)?"
         r"(?:" + URLValidator.ipv4_re + "|" + URLValidator.ipv6_re + "|" + host_re + ")"
         r"(?::[0-9]{1,5})?"
-        r"(?:[/?#][^\s]*)?"
+        r"/?"
         r"\Z",
         re.IGNORECASE,
     )

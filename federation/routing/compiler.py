@@ -339,7 +339,7 @@ def _instance_entries(rows: Iterable[InstanceRow]) -> list[dict[str, Any]]:
         entries.append(
             {
                 "id": row.name,
-                "url": row.endpoint_url,
+                "url": row.endpoint_url.rstrip("/"),  # the edge appends /v1/..., /health
                 "model": row.model,
                 "adapters": list(row.adapters),
                 "role": row.role,
@@ -649,7 +649,7 @@ def _remote_region(plan: FleetPlan, origin: str, code: str, rtt: float) -> dict[
     usd, tokens, cap, load = plan.region_totals.get(code, (0.0, 0.0, 0.0, 0.0))
     entry: dict[str, Any] = {
         "code": code,
-        "edge_url": region.edge_url,
+        "edge_url": region.edge_url.rstrip("/"),
         "rtt_ms": rtt,
         "models": plan.models_at.get(code, []),
         # Blended over its models: USD per hour of all its replicas over their tokens.

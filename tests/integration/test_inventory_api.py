@@ -812,6 +812,11 @@ def test_instances_beyond_max_replicas_are_refused(
     [
         ({"name": "\u0399-1"}, "name", "lowercase letters"),  # Greek capital iota
         ({"endpoint_url": "not a url"}, "endpoint_url", "valid URL"),
+        # Not an origin: the edges would refuse the whole routing table naming it.
+        ({"endpoint_url": "http://i-1.local:8000/v1"}, "endpoint_url", "valid URL"),
+        ({"endpoint_url": "http://user:pw@i-1.local:8000"}, "endpoint_url", "valid URL"),
+        ({"endpoint_url": "http://i-1.local:8000?x=1"}, "endpoint_url", "valid URL"),
+        ({"endpoint_url": "ftp://i-1.local:8000"}, "endpoint_url", "valid URL"),
         ({"endpoint_url": "http://i-0.local:8000"}, "endpoint_url", "already exists"),
         ({"deployment": "one"}, "deployment", "Incorrect type"),
         ({"state": "ready"}, "state", "Unknown field"),

@@ -57,6 +57,8 @@ def test_table_lists_only_routable_local_instances_and_decodes_at_the_edge() -> 
     assert [i.id for i in table.instances] == ["us-1"]  # draining and remote ones excluded
     assert table.instances[0].adapters == ("m-8b-sql",)
     assert table.instances[0].max_concurrency == 128
+    # Registered as http://…/ ; the edge appends /v1/… and /health, so no trailing slash.
+    assert table.instances[0].url == "http://127.0.0.1:9400"
     # The evacuated region is never a spill-over target; RTT is symmetric when one way is known.
     assert [(r.code, r.rtt_ms, r.models) for r in table.remote_regions] == [
         ("eu-west", 75.0, ("m-70b", "m-8b-sql"))
