@@ -649,7 +649,7 @@ def _remote_region(plan: FleetPlan, origin: str, code: str, rtt: float) -> dict[
     usd, tokens, cap, load = plan.region_totals.get(code, (0.0, 0.0, 0.0, 0.0))
     entry: dict[str, Any] = {
         "code": code,
-        "edge_url": region.edge_url.rstrip("/"),
+        "edge_url": (region.edge_url or "").rstrip("/"),  # remotes without an edge are skipped
         "rtt_ms": rtt,
         "models": plan.models_at.get(code, []),
         # Blended over its models: USD per hour of all its replicas over their tokens.
