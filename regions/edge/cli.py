@@ -23,6 +23,21 @@ from regions.tables.signing import parse_key_ring
 log = logging.getLogger("fedinfer.edge")
 
 
+@dataclass(frozen=True)
+class ServerLimits:
+    """What a client may take of the public HTTP server (server.py, docs/security.md)."""
+
+    max_connections: int = 10_000
+    max_head_bytes: int = 64 * 1024
+    head_timeout_s: float = 10.0
+    body_timeout_s: float = 30.0
+    write_timeout_s: float = 30.0
+    keep_alive_s: float = 5.0
+
+
+_LIMITS = ServerLimits()
+
+
 def build_parser() -> argparse.ArgumentParser:
     # No abbreviations: an old ``--table-keys SECRET`` must not be taken for ``--table-keys-file``
     # (and its secret printed in the error).
@@ -56,24 +71,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8080)
-    p.add_argument(
-        "--max-connections",
-        type=int,
-        default=10_000,
-        help="open client connections; past it a new one gets 503 and is closed",
-    )
-    p.add_argument("--max-head-bytes", type=int, default=64 * 1024, help="request line + headers")
-    p.add_argument("--head-timeout", type=float, default=10.0, help="seconds for a request head")
-    p.add_argument(
-        "--body-timeout", type=float, default=30.0, help="seconds a request body may stall"
-    )
-    p.add_argument(
-        "--write-timeout",
-        type=float,
-        default=30.0,
-        help="seconds a client may leave its receive buffer full before it is dropped",
-    )
-    p.add_argument("--keep-alive", type=float, default=5.0, help="idle keep-alive seconds")
+    limits = (
+        ("--max-connections", int, _LIMITS.max_connections, "open client connections; past it "
+         "a new one gets 503 and is closed"),
+        ("--max-head-bytes", int, _LIMITS.max_head_bytes, "request line + headers"),
+        ("--head-timeout", float, _LIMITS.head_timeout_s, "seconds for a request head"),
+        ("--body-timeout", float, _LIMITS.body_timeout_s, "seconds a request body may stall"),
+        ("--write-timeout", float, _LIMITS.write_timeout_s, "seconds a client may leave its "
+         "receive buffer full before it is dropped"),
+        ("--keep-alive", float, _LIMITS.keep_alive_s, "idle keep-alive seconds"),
+    )  # fmt: skip
+    for flag, kind, default, text in limits:
+        p.add_argument(flag, type=kind, default=default, help=text)
     p.add_argument(
         "--operator-host",
         default="127.0.0.1",
@@ -272,18 +281,6 @@ def main(argv: list[str]) -> None:
         keep_alive_s=opts.keep_alive,
     )
     uvloop.run(serve(edge, opts.host, opts.port, operator, limits))
-
-
-@dataclass(frozen=True)
-class ServerLimits:
-    """What a client may take of the public HTTP server (server.py, docs/security.md)."""
-
-    max_connections: int = 10_000
-    max_head_bytes: int = 64 * 1024
-    head_timeout_s: float = 10.0
-    body_timeout_s: float = 30.0
-    write_timeout_s: float = 30.0
-    keep_alive_s: float = 5.0
 
 
 async def serve(
