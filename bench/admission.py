@@ -16,7 +16,7 @@ import msgspec
 
 from regions.edge.admission import Admission
 from regions.edge.parse import parse_request
-from regions.edge.table import decode_table
+from regions.tables.schema import decode_table
 
 BODY = b'{"model":"llama","messages":[{"role":"user","content":"Hello there, how are you?"}]}'
 

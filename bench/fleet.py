@@ -10,7 +10,7 @@ from pathlib import Path
 import msgspec
 
 from bench.procs import ROOT, Proc, ProcGroup, fedinfer_argv, free_port, free_ports, wait_http
-from regions.edge.table import SCHEMA_VERSION, Instance, RoutingTable, validate_table
+from regions.tables.schema import SCHEMA_VERSION, Instance, RoutingTable, validate_table
 
 BENCH_VENV = ROOT / ".venv-bench"
 SGLANG_INSTALL = f"python3 -m venv {BENCH_VENV} && {BENCH_VENV}/bin/pip install sglang-router"

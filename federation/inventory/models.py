@@ -25,7 +25,7 @@ class ServiceURLValidator(URLValidator):
     """An http(s) origin, ``scheme://host[:port]`` (a trailing ``/`` allowed), whose host may
     also be a single DNS label: inside a cluster an engine is often ``http://vllm-0:8000``
     (Django's URLValidator wants a dot or 'localhost'). No user info, path, query or fragment:
-    the edges refuse a routing table naming such a URL as a whole (regions/edge/table.py), so
+    the edges refuse a routing table naming such a URL as a whole (regions/tables/schema.py), so
     one bad registration would stop a region's table updates."""
 
     schemes = ["http", "https"]

@@ -4,7 +4,7 @@ One :func:`fleet_plan` per snapshot does the fleet-wide work once — capacities
 every (region, model), residency classes, the demand split (``demand.py``, a linear programme)
 and the tenant entries — and :func:`compile_region_table` cuts one region's document out of
 it. The document's schema is ``docs/routing-table.md``; the edge decodes it with
-``regions.edge.table.decode_table`` and verifies it with ``regions.tables.signing``.
+``regions.tables.schema.decode_table`` and verifies it with ``regions.tables.signing``.
 
 Output is deterministic (everything sorted, floats rounded), so an unchanged fleet compiles to
 a byte-identical body; the version and ``generated_at`` are the caller's.

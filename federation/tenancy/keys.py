@@ -8,11 +8,12 @@ routing table, so a stolen database or table never yields a usable key.
 
 from __future__ import annotations
 
-import hashlib
 import re
 import secrets
 import string
 from dataclasses import dataclass
+
+from regions.tables.schema import key_hash
 
 KEY_PREFIX = "fi"
 #: People's API tokens (``POST /auth/token/``) read ``ft_<prefix>_<secret>``, the same shape.
@@ -49,8 +50,9 @@ class ParsedKey:
 
 
 def hash_key(plaintext: str) -> str:
-    """SHA-256 hex of the whole key: what is stored and what the edge looks up."""
-    return hashlib.sha256(plaintext.encode("utf-8")).hexdigest()
+    """SHA-256 hex of the whole key: what is stored and what the edge looks up (the table
+    contract's :func:`~regions.tables.schema.key_hash`)."""
+    return key_hash(plaintext.encode("utf-8"))
 
 
 def generate_key(kind: str = KEY_PREFIX) -> GeneratedKey:

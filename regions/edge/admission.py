@@ -22,12 +22,11 @@ decides what to do about it (forward to an allowed region, or 403), never serve 
 
 from __future__ import annotations
 
-import hashlib
 import math
 from datetime import datetime
 
 from regions.edge.errors import EdgeError
-from regions.edge.table import RoutingTable, TableError, TenantPolicy
+from regions.tables.schema import RoutingTable, TableError, TenantPolicy, key_hash
 
 _BEARER = b"bearer "
 
@@ -139,8 +138,8 @@ class Admission:
             )
             state.tokens = self._bucket(old.tokens if old else None, policy.tokens_per_s, 0.0, now)
             tenants[policy.tenant] = state
-            for key_hash in policy.key_hashes:
-                by_hash[key_hash] = state
+            for digest in policy.key_hashes:
+                by_hash[digest] = state
         self.by_hash = by_hash
         self._tenants = tenants
         self.enabled = True
@@ -163,11 +162,11 @@ class Admission:
         key = _key_of(header)
         if key is None:
             raise _MISSING
-        key_hash = hashlib.sha256(key).hexdigest()
-        state = self.by_hash.get(key_hash)
+        digest = key_hash(key)
+        state = self.by_hash.get(digest)
         if state is None:
             raise _UNKNOWN
-        until = state.valid_until.get(key_hash) if state.valid_until else None
+        until = state.valid_until.get(digest) if state.valid_until else None
         if until is not None and wall_now >= until:
             raise EdgeError(
                 401,

@@ -71,17 +71,16 @@ from regions.edge.spill import (
     spill_plan,
 )
 from regions.edge.sync import SyncConfig, TableSync
-from regions.edge.table import (
-    FileStamp,
+from regions.edge.table_file import FileStamp, file_stamp
+from regions.edge.upstream import Response, UpstreamError, UpstreamPool, client_ssl_context
+from regions.tables.schema import (
     Instance,
     RoutingTable,
     TableError,
     check_successor,
     decode_table,
-    file_stamp,
     served_models,
 )
-from regions.edge.upstream import Response, UpstreamError, UpstreamPool, client_ssl_context
 
 log = logging.getLogger("fedinfer.edge")
 

@@ -13,7 +13,7 @@ from regions.edge.errors import UpstreamFailure
 
 if TYPE_CHECKING:
     from regions.edge.app import Edge
-    from regions.edge.table import Instance
+    from regions.tables.schema import Instance
 
 
 class Attempt:

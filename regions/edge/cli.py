@@ -17,7 +17,7 @@ from regions.edge.hop import hop_keys
 from regions.edge.scheduler import POLICIES, SchedulerConfig
 from regions.edge.server import EdgeServer
 from regions.edge.sync import SyncConfig, initial_table
-from regions.edge.table import TableError, check_successor, decode_table
+from regions.tables.schema import TableError, check_successor, decode_table
 from regions.tables.signing import parse_key_ring
 
 log = logging.getLogger("fedinfer.edge")

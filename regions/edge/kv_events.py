@@ -37,7 +37,7 @@ import zmq.asyncio
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from regions.edge.prefix_index import PrefixIndex
-from regions.edge.table import Instance
+from regions.tables.schema import Instance
 
 log = logging.getLogger("fedinfer.edge.kv_events")
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import xxhash
 
-from regions.edge.table import RoutingTable
+from regions.tables.schema import RoutingTable
 
 _POINTS = float(2**64)
 

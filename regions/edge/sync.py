@@ -28,7 +28,7 @@ from typing import Any, Protocol
 import httpx
 import orjson
 
-from regions.edge.table import RoutingTable, TableError, check_successor
+from regions.tables.schema import RoutingTable, TableError, check_successor
 from regions.tables.signing import verify
 
 log = logging.getLogger("fedinfer.edge.sync")

@@ -19,7 +19,7 @@ from typing import Any
 
 import orjson
 
-from regions.edge.table import RoutingTable, TableError, decode_table
+from regions.tables.schema import RoutingTable, TableError, decode_table
 
 ALG = "HMAC-SHA256"
 

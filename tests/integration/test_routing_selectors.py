@@ -15,7 +15,7 @@ from federation.routing.compiler import compile_fleet_tables, fleet_plan
 from federation.routing.selectors import fleet_snapshot
 from federation.tenancy import services as tenancy
 from federation.tenancy.models import ApiKey, Tenant
-from regions.edge.table import decode_table
+from regions.tables.schema import decode_table
 from regions.tables.signing import SignatureError, sign, verify
 
 KEY = "integration-signing-key"

@@ -10,7 +10,7 @@ import pytest
 
 from regions.edge.admission import Admission, TokenBucket
 from regions.edge.errors import EdgeError
-from regions.edge.table import RoutingTable, TableError, decode_table
+from regions.tables.schema import RoutingTable, TableError, decode_table
 
 
 def h(key: str) -> str:

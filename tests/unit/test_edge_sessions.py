@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from regions.edge.app import Edge, EdgeConfig, _session_key
-from regions.edge.table import Instance, RoutingTable
+from regions.tables.schema import Instance, RoutingTable
 
 
 def test_session_keys_are_fixed_size_and_scoped_to_tenant_and_model() -> None:

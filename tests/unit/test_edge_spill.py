@@ -14,7 +14,7 @@ from regions.edge.spill import (
     returning_remotes,
     spill_plan,
 )
-from regions.edge.table import decode_table
+from regions.tables.schema import decode_table
 
 
 def table(**kw: Any) -> Any:

@@ -23,7 +23,7 @@ from regions.edge.sync import (
     load_persisted,
     persist_table,
 )
-from regions.edge.table import RoutingTable, TableError
+from regions.tables.schema import RoutingTable, TableError
 from regions.tables.signing import SignatureError, sign
 
 KEYS = {"k1": "secret-1"}

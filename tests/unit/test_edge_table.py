@@ -8,11 +8,11 @@ from typing import Any
 import orjson
 import pytest
 
-from regions.edge.table import (
+from regions.edge.table_file import read_table_file
+from regions.tables.schema import (
     TableError,
     check_successor,
     decode_table,
-    read_table_file,
     served_models,
 )
 

@@ -12,7 +12,7 @@ from federation.routing.compiler import (
     compile_region_table,
     prefill_tokens_per_s,
 )
-from regions.edge.table import decode_table
+from regions.tables.schema import decode_table
 
 
 def _instance(name: str, region: str, *, state: str = "ready", model: str = "m-8b") -> InstanceRow:

@@ -19,7 +19,7 @@ from federation.routing.compiler import (
     ramp_next_change_s,
     region_down,
 )
-from regions.edge.table import decode_table
+from regions.tables.schema import decode_table
 
 NOW = datetime(2026, 11, 29, 12, 0, tzinfo=UTC)
 POLICY = RampPolicy(window_s=60.0, steps=4)

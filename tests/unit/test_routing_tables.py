@@ -23,7 +23,7 @@ from federation.routing.compiler import (
     replica_tokens_per_s,
 )
 from federation.tenancy.residency import ResidencyPolicy
-from regions.edge.table import decode_table
+from regions.tables.schema import decode_table
 
 M8 = "llama-8b"
 M70 = "llama-70b"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from regions.edge.table import TableError
+from regions.tables.schema import TableError
 from regions.tables.signing import (
     SignatureError,
     canonical_bytes,

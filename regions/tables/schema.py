@@ -1,7 +1,8 @@
-"""The routing-table document (schema 1, or 2 with ramps: ``docs/routing-table.md``); its loader.
+"""The routing-table contract (schema 1, or 2 with ramps: ``docs/routing-table.md``).
 
-The edge depends on this document, never on the control plane's models: it is read from a
-file (``--table``) or fetched from the control plane with its ``signature`` verified (sync.py).
+The one definition both sides share: the control plane's compiler builds these Structs and
+encodes them; the edge decodes the same Structs from a file (``--table``) or from the control
+plane with its ``signature`` verified (``regions/edge/sync.py``). Pure: no Django, no I/O.
 Decoding is strict (msgspec Structs, unknown fields refused) and :func:`validate_table` checks
 what a type cannot say (unique ids, positive rates, URLs), so a bad table is refused as a
 whole and the edge keeps serving from the last good one.
@@ -9,11 +10,9 @@ whole and the edge keeps serving from the last good one.
 
 from __future__ import annotations
 
-import os
+import hashlib
 import re
-from dataclasses import dataclass
 from datetime import datetime
-from pathlib import Path
 from typing import Literal
 from urllib.parse import urlsplit
 
@@ -26,6 +25,12 @@ READABLE_SCHEMA_VERSIONS = (SCHEMA_VERSION, RAMP_SCHEMA_VERSION)
 
 Role = Literal["mixed", "prefill", "decode"]
 InstanceState = Literal["ready", "starting", "draining", "stopped"]
+
+
+def key_hash(plaintext: bytes) -> str:
+    """SHA-256 hex of a whole API key: what the control plane stores and the table's
+    ``key_hashes`` carry, and what the edge looks a presented key up by."""
+    return hashlib.sha256(plaintext).hexdigest()
 
 
 class TableError(ValueError):
@@ -161,6 +166,13 @@ def decode_table(data: bytes) -> RoutingTable:
     return table
 
 
+def encode_table(table: RoutingTable) -> dict[str, object]:
+    """The JSON-ready document of ``table`` (what is signed, stored and served); fields left
+    at their default are written too, so the document says everything the edge will use."""
+    document: dict[str, object] = msgspec.to_builtins(table)
+    return document
+
+
 def validate_table(table: RoutingTable) -> None:
     """Checks a type cannot express; the first defect is raised as :class:`TableError`."""
     if table.schema_version not in READABLE_SCHEMA_VERSIONS:
@@ -277,26 +289,3 @@ def served_models(table: RoutingTable) -> tuple[str, ...]:
             names.add(inst.model)
             names.update(inst.adapters)
     return tuple(sorted(names))
-
-
-@dataclass(frozen=True, slots=True)
-class FileStamp:
-    """What identifies one version of the file on disk (cheap change detection)."""
-
-    mtime_ns: int
-    size: int
-    inode: int
-
-
-def file_stamp(path: Path) -> FileStamp:
-    st = os.stat(path)
-    return FileStamp(st.st_mtime_ns, st.st_size, st.st_ino)
-
-
-def read_table_file(path: Path) -> RoutingTable:
-    """Read and decode ``path``; I/O errors become :class:`TableError` too."""
-    try:
-        data = path.read_bytes()
-    except OSError as exc:
-        raise TableError(f"cannot read routing table {path}: {exc}") from exc
-    return decode_table(data)
