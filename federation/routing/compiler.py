@@ -31,11 +31,7 @@ from federation.routing.demand import (
     split_shared_demand,
 )
 from federation.tenancy.residency import ResidencyPolicy, region_allowed
-
-#: Tables without a ramp in progress are schema 1, unchanged; a ramp adds ``ramp`` fields,
-#: which only schema 2 may carry (an edge that reads only 1 keeps its last table meanwhile).
-SCHEMA_VERSION = 1
-RAMP_SCHEMA_VERSION = 2
+from regions.tables import schema
 
 #: Prefill throughput of an 8B model on one H100-80G, tokens/s. Prefill is compute bound, so
 #: it scales with the accelerator's relative speed and inversely with the parameter count;
@@ -183,7 +179,7 @@ def cost_per_mtok(*, price_per_gpu_hour: float, gpus: int, tokens_per_s: float) 
     return price_per_gpu_hour * gpus / 3600.0 / tokens_per_s * 1e6
 
 
-def budget_state(*, monthly_budget_usd: float | None, spend_usd: float) -> str:
+def budget_state(*, monthly_budget_usd: float | None, spend_usd: float) -> schema.BudgetState:
     """``exhausted`` at or over budget, ``warn`` from :data:`BUDGET_WARN_SHARE`, else ``ok``."""
     if monthly_budget_usd is None:
         return "ok"
@@ -289,8 +285,8 @@ class FleetPlan:
     demand: dict[tuple[str, str], float]
     split: DemandSplit
     latency_penalty: float
-    tenant_entries: list[dict[str, Any]]
-    instance_entries: dict[str, list[dict[str, Any]]]
+    tenant_entries: tuple[schema.TenantPolicy, ...]
+    instance_entries: dict[str, tuple[schema.Instance, ...]]
     #: (region, served name) -> its offer as :func:`_offer` rounds it (filled on first use).
     offers: dict[tuple[str, str], tuple[float, float, float, float]]
     #: class id -> served name -> refusal reason, the same from every origin.
@@ -303,6 +299,8 @@ class FleetPlan:
     region_totals: dict[str, tuple[float, float, float, float]]
     #: Active region -> share of its traffic it gets back (1 unless it is ramping or down).
     ramps: dict[str, float] = field(default_factory=dict)
+    #: ``tenant_entries`` encoded for the documents, once for all regions (filled on first use).
+    tenant_documents: list[dict[str, Any]] | None = None
     #: Seconds until some region's ramp moves to its next step (None: no ramp in progress);
     #: the publisher recompiles then.
     next_ramp_change_s: float | None = None
@@ -327,62 +325,64 @@ def _instance_tokens(row: InstanceRow) -> float:
     ) * ROLE_CAPACITY_SHARE.get(row.role, 1.0)
 
 
-def _instance_entries(rows: Iterable[InstanceRow]) -> list[dict[str, Any]]:
+#: The database's role names as the table types them (an unknown one fails the compile).
+_ROLE: dict[str, schema.Role] = {role: role for role in schema.ROLES}
+
+
+def _instance_entries(rows: Iterable[InstanceRow]) -> tuple[schema.Instance, ...]:
     """Entries of one region's routable instances, with capacity weights per (model, role)."""
     ordered = sorted(rows, key=lambda r: r.name)
     caps = [_instance_tokens(r) * TARGET_UTILISATION for r in ordered]
     totals: dict[tuple[str, str], float] = {}
     for row, cap in zip(ordered, caps, strict=True):
         totals[(row.model, row.role)] = totals.get((row.model, row.role), 0.0) + cap
-    entries = []
-    for row, cap in zip(ordered, caps, strict=True):
-        entries.append(
-            {
-                "id": row.name,
-                "url": row.endpoint_url.rstrip("/"),  # the edge appends /v1/..., /health
-                "model": row.model,
-                "adapters": list(row.adapters),
-                "role": row.role,
-                "accelerator": row.accelerator,
-                "tp": row.tensor_parallel_size,
-                "max_concurrency": row.max_num_seqs,
-                "prefill_tokens_per_s": round(
-                    prefill_tokens_per_s(
-                        relative_speed=row.relative_speed,
-                        tensor_parallel_size=row.tensor_parallel_size,
-                        params_b=row.parameter_count_b,
-                    ),
-                    1,
+    return tuple(
+        schema.Instance(
+            id=row.name,
+            url=row.endpoint_url.rstrip("/"),  # the edge appends /v1/..., /health
+            model=row.model,
+            adapters=tuple(row.adapters),
+            role=_ROLE[row.role],
+            accelerator=row.accelerator,
+            tp=row.tensor_parallel_size,
+            max_concurrency=row.max_num_seqs,
+            prefill_tokens_per_s=round(
+                prefill_tokens_per_s(
+                    relative_speed=row.relative_speed,
+                    tensor_parallel_size=row.tensor_parallel_size,
+                    params_b=row.parameter_count_b,
                 ),
-                "state": "ready",
-                "capacity_tokens_per_s": _r(cap, 1),
-                "weight": _r(cap / totals[(row.model, row.role)]),
-            }
+                1,
+            ),
+            state="ready",
+            capacity_tokens_per_s=_r(cap, 1),
+            weight=_r(cap / totals[(row.model, row.role)]),
         )
-    return entries
+        for row, cap in zip(ordered, caps, strict=True)
+    )
 
 
-def _tenant_entry(tenant: TenantRow, allowed: frozenset[str], class_id: str) -> dict[str, Any]:
+def _tenant_entry(tenant: TenantRow, allowed: frozenset[str], class_id: str) -> schema.TenantPolicy:
     keys = sorted((k for k in tenant.keys if INFERENCE_SCOPE in k.scopes), key=lambda k: k.key_hash)
-    return {
-        "tenant": tenant.slug,
-        "key_hashes": [k.key_hash for k in keys],
-        "key_valid_until": {
+    return schema.TenantPolicy(
+        tenant=tenant.slug,
+        key_hashes=tuple(k.key_hash for k in keys),
+        key_valid_until={
             k.key_hash: _rfc3339(k.valid_until) for k in keys if k.valid_until is not None
         },
-        "allowed_regions": sorted(allowed),
-        "residency_class": class_id,
-        "requests_per_s": None
+        allowed_regions=tuple(sorted(allowed)),
+        residency_class=class_id,
+        requests_per_s=None
         if tenant.requests_per_minute is None
         else _r(tenant.requests_per_minute / 60.0),
-        "tokens_per_s": None
+        tokens_per_s=None
         if tenant.tokens_per_minute is None
         else _r(tenant.tokens_per_minute / 60.0),
-        "budget_state": budget_state(
+        budget_state=budget_state(
             monthly_budget_usd=tenant.monthly_budget_usd, spend_usd=tenant.spend_usd
         ),
-        "cache_salt": tenant.cache_salt,
-    }
+        cache_salt=tenant.cache_salt,
+    )
 
 
 def fleet_plan(
@@ -452,13 +452,15 @@ def fleet_plan(
         (ResidencyClass(_class_id(a), a, len(t)) for a, t in by_allowed.items()),
         key=lambda c: c.id,
     )
-    tenant_entries = sorted(
-        (
-            _tenant_entry(t, allowed, _class_id(allowed))
-            for allowed, group in by_allowed.items()
-            for t in group
-        ),
-        key=lambda e: e["tenant"],
+    tenant_entries = tuple(
+        sorted(
+            (
+                _tenant_entry(t, allowed, _class_id(allowed))
+                for allowed, group in by_allowed.items()
+                for t in group
+            ),
+            key=lambda e: e.tenant,
+        )
     )
 
     # Expected demand per (origin, served name), attributed to residency classes by
@@ -560,7 +562,7 @@ def _offer(plan: FleetPlan, region: str, name: str) -> tuple[float, float, float
     return cached
 
 
-def _route(plan: FleetPlan, origin: str, name: str) -> dict[str, Any]:
+def _route(plan: FleetPlan, origin: str, name: str) -> schema.ModelRoute:
     """Where ``origin``'s traffic for ``name`` goes: local share and ordered remotes."""
     where = plan.serving[name]
     local = origin in where
@@ -586,32 +588,29 @@ def _route(plan: FleetPlan, origin: str, name: str) -> dict[str, Any]:
     for _, _, s, rtt in ranked:
         cost_r, spare_r, share_r, _ = _offer(plan, s, name)
         entries.append(
-            {
-                "code": s,
-                "weight": _r(weights.get(s, 0.0)),
-                "rtt_ms": rtt,
-                "cost_per_mtok": cost_r,
-                "headroom_tokens_per_s": spare_r,
-                "headroom": share_r,
-            }
+            schema.RouteTarget(
+                code=s,
+                weight=_r(weights.get(s, 0.0)),
+                rtt_ms=rtt,
+                cost_per_mtok=cost_r,
+                headroom_tokens_per_s=spare_r,
+                headroom=share_r,
+            )
         )
-    route: dict[str, Any] = {
-        "model": name,
-        "demand_tokens_per_s": _r(demand, 1),
-        "local_weight": _r(weights.get(origin, 0.0)),
-        "unserved_tokens_per_s": _r(unserved, 1),
-        "local_capacity_tokens_per_s": 0.0,
-        "local_headroom_tokens_per_s": 0.0,
-        "local_cost_per_mtok": 0.0,
-        "remotes": entries,
-    }
+    capacity = headroom = cost = 0.0
     if local:
-        cost_r, spare_r, _, _ = _offer(plan, origin, name)
-        supply = plan.supply[(origin, plan.base_at[(origin, name)])]
-        route["local_capacity_tokens_per_s"] = _r(supply.capacity_tokens_per_s, 1)
-        route["local_headroom_tokens_per_s"] = spare_r
-        route["local_cost_per_mtok"] = cost_r
-    return route
+        cost, headroom, _, _ = _offer(plan, origin, name)
+        capacity = _r(plan.supply[(origin, plan.base_at[(origin, name)])].capacity_tokens_per_s, 1)
+    return schema.ModelRoute(
+        model=name,
+        demand_tokens_per_s=_r(demand, 1),
+        local_weight=_r(weights.get(origin, 0.0)),
+        unserved_tokens_per_s=_r(unserved, 1),
+        local_capacity_tokens_per_s=capacity,
+        local_headroom_tokens_per_s=headroom,
+        local_cost_per_mtok=cost,
+        remotes=tuple(entries),
+    )
 
 
 def _class_refusals(
@@ -644,22 +643,73 @@ def _refusals(plan: FleetPlan, origin: str, cls: ResidencyClass) -> dict[str, st
     return dict(sorted(patched.items()))
 
 
-def _remote_region(plan: FleetPlan, origin: str, code: str, rtt: float) -> dict[str, Any]:
+def _remote_region(plan: FleetPlan, code: str, rtt: float) -> schema.RemoteRegion:
     region = plan.regions[code]
     usd, tokens, cap, load = plan.region_totals.get(code, (0.0, 0.0, 0.0, 0.0))
-    entry: dict[str, Any] = {
-        "code": code,
-        "edge_url": (region.edge_url or "").rstrip("/"),  # remotes without an edge are skipped
-        "rtt_ms": rtt,
-        "models": plan.models_at.get(code, []),
+    return schema.RemoteRegion(
+        code=code,
+        edge_url=(region.edge_url or "").rstrip("/"),  # remotes without an edge are skipped
+        rtt_ms=rtt,
+        models=tuple(plan.models_at.get(code, ())),
         # Blended over its models: USD per hour of all its replicas over their tokens.
-        "cost_per_mtok": _r(usd / 3600.0 / tokens * 1e6) if tokens else 0.0,
-        "headroom": _r(max(cap - load, 0.0) / cap) if cap else 0.0,
-    }
-    ramp = plan.ramps.get(code, 1.0)
-    if ramp < 1.0:
-        entry["ramp"] = _r(ramp)
-    return entry
+        cost_per_mtok=_r(usd / 3600.0 / tokens * 1e6) if tokens else 0.0,
+        headroom=_r(max(cap - load, 0.0) / cap) if cap else 0.0,
+        ramp=_r(plan.ramps.get(code, 1.0)),
+    )
+
+
+def _plan_of(snapshot: FleetSnapshot, plan: FleetPlan | None) -> FleetPlan:
+    """``plan``, or the snapshot's memoised plan at the default latency penalty."""
+    if plan is not None:
+        return plan
+    memo = snapshot.plans.get(DEFAULT_LATENCY_PENALTY_USD_PER_MTOK_PER_MS)
+    if memo is None:
+        memo = snapshot.plans[DEFAULT_LATENCY_PENALTY_USD_PER_MTOK_PER_MS] = fleet_plan(snapshot)
+    return memo
+
+
+def region_table(
+    snapshot: FleetSnapshot,
+    *,
+    region: str,
+    version: int,
+    generated_at: str,
+    plan: FleetPlan | None = None,
+) -> schema.RoutingTable:
+    """The routing table for ``region``, typed as the edge decodes it.
+
+    The fleet-wide ``plan`` (demand split, tenant entries) is computed on the first call for
+    a snapshot and reused for its other regions; pass one to use another latency penalty.
+    """
+    if region not in {r.code for r in snapshot.regions}:
+        raise KeyError(f"unknown region {region!r}")
+    plan = _plan_of(snapshot, plan)
+    remotes = tuple(
+        _remote_region(plan, code, rtt) for code, rtt in sorted(plan.reach[region].items())
+    )
+    classes = tuple(
+        schema.ResidencyClass(
+            id=cls.id,
+            allowed_regions=tuple(sorted(cls.allowed)),
+            refusals=_refusals(plan, region, cls),
+        )
+        for cls in plan.classes
+    )
+    own = plan.ramps.get(region, 1.0) if region in plan.serving_regions else 1.0
+    ramping = own < 1.0 or any(r.ramp < 1.0 for r in remotes)
+    return schema.RoutingTable(
+        # A ramp needs schema 2; without one the table stays readable by schema-1 edges.
+        schema_version=schema.RAMP_SCHEMA_VERSION if ramping else schema.SCHEMA_VERSION,
+        version=version,
+        region=region,
+        generated_at=generated_at,
+        instances=plan.instance_entries.get(region, ()),
+        remote_regions=remotes,
+        routes=tuple(_route(plan, region, name) for name in sorted(plan.serving)),
+        residency_classes=classes,
+        tenants=plan.tenant_entries,
+        ramp=_r(own),
+    )
 
 
 def compile_region_table(
@@ -670,47 +720,14 @@ def compile_region_table(
     generated_at: str,
     plan: FleetPlan | None = None,
 ) -> dict[str, Any]:
-    """The routing-table document for ``region`` (a plain dict, ready for JSON).
-
-    The fleet-wide ``plan`` (demand split, tenant entries) is computed on the first call for
-    a snapshot and reused for its other regions; pass one to use another latency penalty.
-    """
-    if region not in {r.code for r in snapshot.regions}:
-        raise KeyError(f"unknown region {region!r}")
-    if plan is None:
-        plan = snapshot.plans.get(DEFAULT_LATENCY_PENALTY_USD_PER_MTOK_PER_MS)
-        if plan is None:
-            plan = snapshot.plans[DEFAULT_LATENCY_PENALTY_USD_PER_MTOK_PER_MS] = fleet_plan(
-                snapshot
-            )
-    remotes = [
-        _remote_region(plan, region, code, rtt) for code, rtt in sorted(plan.reach[region].items())
-    ]
-    classes = [
-        {
-            "id": cls.id,
-            "allowed_regions": sorted(cls.allowed),
-            "refusals": _refusals(plan, region, cls),
-        }
-        for cls in plan.classes
-    ]
-    document: dict[str, Any] = {
-        "schema_version": SCHEMA_VERSION,
-        "version": version,
-        "region": region,
-        "generated_at": generated_at,
-        "instances": plan.instance_entries.get(region, []),
-        "remote_regions": remotes,
-        "routes": [_route(plan, region, name) for name in sorted(plan.serving)],
-        "residency_classes": classes,
-        "tenants": plan.tenant_entries,
-    }
-    own = plan.ramps.get(region, 1.0)
-    if own < 1.0 and region in plan.serving_regions:
-        document["ramp"] = _r(own)
-    if "ramp" in document or any("ramp" in r for r in remotes):
-        document["schema_version"] = RAMP_SCHEMA_VERSION
-    return document
+    """The routing-table document for ``region``: :func:`region_table`, ready for JSON."""
+    plan = _plan_of(snapshot, plan)
+    if plan.tenant_documents is None:
+        plan.tenant_documents = schema.encode_tenants(plan.tenant_entries)
+    table = region_table(
+        snapshot, region=region, version=version, generated_at=generated_at, plan=plan
+    )
+    return schema.encode_table(table, encoded_tenants=plan.tenant_documents)
 
 
 def compile_fleet_tables(

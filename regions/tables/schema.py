@@ -13,7 +13,7 @@ from __future__ import annotations
 import hashlib
 import re
 from datetime import datetime
-from typing import Literal
+from typing import Any, Literal
 from urllib.parse import urlsplit
 
 import msgspec
@@ -24,6 +24,8 @@ RAMP_SCHEMA_VERSION = 2
 READABLE_SCHEMA_VERSIONS = (SCHEMA_VERSION, RAMP_SCHEMA_VERSION)
 
 Role = Literal["mixed", "prefill", "decode"]
+ROLES: tuple[Role, ...] = ("mixed", "prefill", "decode")
+BudgetState = Literal["ok", "warn", "exhausted"]
 InstanceState = Literal["ready", "starting", "draining", "stopped"]
 
 
@@ -119,7 +121,7 @@ class TenantPolicy(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     allowed_regions: tuple[str, ...] = ()
     requests_per_s: float | None = None
     tokens_per_s: float | None = None
-    budget_state: Literal["ok", "warn", "exhausted"] = "ok"
+    budget_state: BudgetState = "ok"
     #: Key hash -> RFC 3339 UTC time the edge stops accepting it (absent: no expiry).
     key_valid_until: dict[str, str] = msgspec.field(default_factory=dict)
     #: Id of its entry in ``residency_classes`` (refusals live there, once per class).
@@ -166,11 +168,34 @@ def decode_table(data: bytes) -> RoutingTable:
     return table
 
 
-def encode_table(table: RoutingTable) -> dict[str, object]:
-    """The JSON-ready document of ``table`` (what is signed, stored and served); fields left
-    at their default are written too, so the document says everything the edge will use."""
-    document: dict[str, object] = msgspec.to_builtins(table)
+def encode_table(
+    table: RoutingTable, *, encoded_tenants: list[dict[str, Any]] | None = None
+) -> dict[str, Any]:
+    """The JSON-ready document of ``table``: what is signed, stored and served.
+
+    Every field is written, defaults included, so the document says all the edge will use —
+    except a ``ramp`` of 1, which is left out: a table without a ramp in progress stays a
+    schema-1 document that an edge reading only schema 1 accepts. ``encoded_tenants`` is
+    ``table.tenants`` already encoded (:func:`encode_tenants`): every region's table carries
+    the same tenant list, so the compiler encodes it once for all of them.
+    """
+    if encoded_tenants is not None:
+        table = msgspec.structs.replace(table, tenants=None)
+    document: dict[str, Any] = msgspec.json.decode(msgspec.json.encode(table))  # plain JSON
+    if encoded_tenants is not None:
+        document["tenants"] = encoded_tenants
+    if table.ramp == 1.0:
+        del document["ramp"]
+    for remote in document["remote_regions"]:
+        if remote["ramp"] == 1.0:
+            del remote["ramp"]
     return document
+
+
+def encode_tenants(tenants: tuple[TenantPolicy, ...]) -> list[dict[str, Any]]:
+    """``tenants`` as the document's ``tenants`` list (see :func:`encode_table`)."""
+    encoded: list[dict[str, Any]] = msgspec.json.decode(msgspec.json.encode(tenants))
+    return encoded
 
 
 def validate_table(table: RoutingTable) -> None:
