@@ -205,61 +205,77 @@ def validate_table(table: RoutingTable) -> None:
         raise TableError(
             f"unsupported schema_version {table.schema_version} (this edge reads {readable})"
         )
+    if table.version < 1:
+        raise TableError("version must be a positive integer")
+    if not table.region:
+        raise TableError("region must not be empty")
+    _validate_ramps(table)
+    seen: set[str] = set()
+    for inst in table.instances:
+        if inst.id in seen:
+            raise TableError(f"duplicate instance id {inst.id!r}")
+        seen.add(inst.id)
+        _validate_instance(inst)
+    for tenant in table.tenants or ():
+        _validate_tenant(tenant)
+    codes: set[str] = set()
+    for remote in table.remote_regions:
+        if remote.code == table.region or remote.code in codes:
+            raise TableError(f"remote region {remote.code!r} duplicated or equal to own region")
+        codes.add(remote.code)
+        _validate_remote(remote)
+
+
+def _validate_ramps(table: RoutingTable) -> None:
     ramps = [("ramp", table.ramp)] + [(f"{r.code}.ramp", r.ramp) for r in table.remote_regions]
     for name, ramp in ramps:
         if not 0.0 <= ramp <= 1.0:
             raise TableError(f"{name} must be within [0, 1], got {ramp}")
         if ramp != 1.0 and table.schema_version < RAMP_SCHEMA_VERSION:
             raise TableError(f"{name} needs schema_version {RAMP_SCHEMA_VERSION}")
-    if table.version < 1:
-        raise TableError("version must be a positive integer")
-    if not table.region:
-        raise TableError("region must not be empty")
-    seen: set[str] = set()
-    for inst in table.instances:
-        where = f"instance {inst.id!r}"
-        if not inst.id:
-            raise TableError("instance id must not be empty")
-        if inst.id in seen:
-            raise TableError(f"duplicate instance id {inst.id!r}")
-        seen.add(inst.id)
-        defect = _origin_defect(inst.url)
-        if defect:
-            raise TableError(f"{where}: url {inst.url!r} {defect}")
-        if not inst.model:
-            raise TableError(f"{where}: model must not be empty")
-        if inst.tp < 1:
-            raise TableError(f"{where}: tp must be >= 1")
-        if inst.max_concurrency < 1:
-            raise TableError(f"{where}: max_concurrency must be >= 1")
-        if not inst.prefill_tokens_per_s > 0:
-            raise TableError(f"{where}: prefill_tokens_per_s must be > 0")
-        if inst.kv_block_tokens < 1:
-            raise TableError(f"{where}: kv_block_tokens must be >= 1")
-    for tenant in table.tenants or ():
-        for key_hash, until in tenant.key_valid_until.items():
-            try:
-                datetime.fromisoformat(until.replace("Z", "+00:00"))
-            except ValueError:
-                raise TableError(
-                    f"tenant {tenant.tenant!r}: key_valid_until of {key_hash[:12]}... "
-                    f"is not an RFC 3339 time: {until!r}"
-                ) from None
-        for rate in (tenant.requests_per_s, tenant.tokens_per_s):
-            if rate is not None and rate < 0:
-                raise TableError(f"tenant {tenant.tenant!r}: rate limits must be >= 0")
-    codes: set[str] = set()
-    for remote in table.remote_regions:
-        if remote.code == table.region or remote.code in codes:
-            raise TableError(f"remote region {remote.code!r} duplicated or equal to own region")
-        codes.add(remote.code)
-        defect = _origin_defect(remote.edge_url)
-        if defect:
+
+
+def _validate_instance(inst: Instance) -> None:
+    if not inst.id:
+        raise TableError("instance id must not be empty")
+    where = f"instance {inst.id!r}"
+    defect = _origin_defect(inst.url)
+    if defect:
+        raise TableError(f"{where}: url {inst.url!r} {defect}")
+    if not inst.model:
+        raise TableError(f"{where}: model must not be empty")
+    at_least_one = {
+        "tp": inst.tp,
+        "max_concurrency": inst.max_concurrency,
+        "kv_block_tokens": inst.kv_block_tokens,
+    }
+    for name, value in at_least_one.items():
+        if value < 1:
+            raise TableError(f"{where}: {name} must be >= 1")
+    if not inst.prefill_tokens_per_s > 0:
+        raise TableError(f"{where}: prefill_tokens_per_s must be > 0")
+
+
+def _validate_tenant(tenant: TenantPolicy) -> None:
+    for digest, until in tenant.key_valid_until.items():
+        try:
+            datetime.fromisoformat(until.replace("Z", "+00:00"))
+        except ValueError:
             raise TableError(
-                f"remote region {remote.code!r}: edge_url {remote.edge_url!r} {defect}"
-            )
-        if remote.rtt_ms < 0:
-            raise TableError(f"remote region {remote.code!r}: rtt_ms must be >= 0")
+                f"tenant {tenant.tenant!r}: key_valid_until of {digest[:12]}... "
+                f"is not an RFC 3339 time: {until!r}"
+            ) from None
+    for rate in (tenant.requests_per_s, tenant.tokens_per_s):
+        if rate is not None and rate < 0:
+            raise TableError(f"tenant {tenant.tenant!r}: rate limits must be >= 0")
+
+
+def _validate_remote(remote: RemoteRegion) -> None:
+    defect = _origin_defect(remote.edge_url)
+    if defect:
+        raise TableError(f"remote region {remote.code!r}: edge_url {remote.edge_url!r} {defect}")
+    if remote.rtt_ms < 0:
+        raise TableError(f"remote region {remote.code!r}: rtt_ms must be >= 0")
 
 
 #: A DNS name or IPv4 address (underscores allowed: container names), or an IPv6 address.
