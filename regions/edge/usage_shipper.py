@@ -1,0 +1,120 @@
+"""Ship the usage spool to the control plane's usage stream, off the request path.
+
+One background task: every ``interval_s`` it writes what the requests buffered (one fsync per
+batch, in a worker thread), then sends what is on disk in batches and acknowledges each batch in
+the spool only after the sink accepted it. While the sink is down the spool grows (bounded) and
+the task retries with backoff; nothing is dropped here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from typing import Protocol
+
+import redis.asyncio as aioredis
+
+from regions.edge.usage_spool import UsageSpool
+
+log = logging.getLogger("fedinfer.edge.usage")
+
+#: The Redis stream the control plane's ingestion reads (one entry per record, field ``r``).
+USAGE_STREAM = "fedinfer:usage"
+
+
+class UsageSink(Protocol):
+    """Where records go; ``send`` returns only once all of them are accepted, else raises."""
+
+    async def send(self, records: list[bytes]) -> None: ...
+
+    async def close(self) -> None: ...
+
+
+class RedisStreamSink:
+    """Appends records to :data:`USAGE_STREAM` in one MULTI/EXEC per batch (all or none)."""
+
+    def __init__(self, url: str, *, stream: str = USAGE_STREAM, timeout_s: float = 5.0) -> None:
+        self.stream = stream
+        self._redis = aioredis.Redis.from_url(
+            url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s
+        )
+
+    async def send(self, records: list[bytes]) -> None:
+        async with self._redis.pipeline(transaction=True) as pipe:
+            for record in records:
+                pipe.xadd(self.stream, {b"r": record})
+            await pipe.execute()
+
+    async def close(self) -> None:
+        await self._redis.aclose()
+
+
+@dataclass(slots=True)
+class ShipperStats:
+    shipped: int = 0
+    failures: int = 0
+    #: Consecutive failed sends (0 while the sink accepts).
+    failing_for: int = 0
+
+
+class UsageShipper:
+    def __init__(
+        self,
+        spool: UsageSpool,
+        sink: UsageSink,
+        *,
+        interval_s: float = 0.05,
+        batch: int = 500,
+        max_backoff_s: float = 5.0,
+    ) -> None:
+        self.spool = spool
+        self.sink = sink
+        self.interval_s = interval_s
+        self.batch = batch
+        self.max_backoff_s = max_backoff_s
+        self.stats = ShipperStats()
+
+    async def run(self) -> None:
+        """Flush and ship until cancelled."""
+        while True:
+            await asyncio.sleep(self._delay())
+            await self.flush()
+            await self.ship()
+
+    async def flush(self) -> None:
+        records = self.spool.take_buffer()
+        if records:
+            await asyncio.to_thread(self.spool.write, records)
+
+    async def ship(self) -> None:
+        """Send what is on disk, batch after batch, until it is all sent or a send fails."""
+        while True:
+            batch = await asyncio.to_thread(self.spool.read, self.batch)
+            if not batch.records:
+                return
+            try:
+                await self.sink.send(batch.records)
+            except Exception as exc:  # the sink is away: keep the records, retry later
+                self.stats.failures += 1
+                self.stats.failing_for += 1
+                if self.stats.failing_for == 1:
+                    log.warning("usage shipping failed, spooling: %s", exc)
+                return
+            if self.stats.failing_for:
+                log.info("usage shipping resumed after %d failures", self.stats.failing_for)
+            self.stats.failing_for = 0
+            await asyncio.to_thread(self.spool.ack, batch.end)
+            self.stats.shipped += len(batch.records)
+
+    async def stop(self) -> None:
+        """On shutdown: write what is buffered, try one last shipment, close the sink."""
+        await self.flush()
+        await self.ship()
+        await self.sink.close()
+
+    def _delay(self) -> float:
+        """The interval, doubled per consecutive failure up to ``max_backoff_s``."""
+        if not self.stats.failing_for:
+            return self.interval_s
+        return min(self.max_backoff_s, self.interval_s * 2.0 ** min(self.stats.failing_for, 16))

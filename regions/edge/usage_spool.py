@@ -1,0 +1,194 @@
+"""The edge's usage spool: every usage record on local disk until the control plane has it.
+
+Records are appended to memory on the request path (no I/O there) and written to the current
+segment file with one ``fsync`` per small batch (:meth:`UsageSpool.flush`, from a background
+task). A shipper sends what is on disk and only then moves the *acknowledged* cursor, which is
+itself written atomically; segments wholly before it are deleted. So a record leaves the spool
+only once accepted, and a crash loses at most the batch not yet flushed; a batch shipped but not
+yet acknowledged when the edge stops is shipped again after the restart (ingestion is
+idempotent on the request id).
+
+Format: ``usage-<12-digit sequence>.jsonl``, one JSON record per line. A line cut by a crash (no
+final newline) is truncated away on open. The spool is bounded (``max_bytes``); what the edge
+does when it is full is its policy (``--usage-spool-full``), not the spool's.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+SEGMENT_GLOB = "usage-*.jsonl"
+ACKED_FILE = "acked"
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class Cursor:
+    """A position in the spool: a segment's sequence number and a byte offset in it."""
+
+    segment: int
+    offset: int
+
+
+@dataclass(frozen=True, slots=True)
+class Batch:
+    records: list[bytes]
+    #: Where the spool continues after these records (what :meth:`UsageSpool.ack` takes).
+    end: Cursor
+
+
+class UsageSpool:
+    """Append-only, bounded, crash-safe store of encoded usage records (one process owns it)."""
+
+    def __init__(
+        self, directory: Path, *, max_bytes: int = 256 << 20, segment_bytes: int = 8 << 20
+    ) -> None:
+        if max_bytes < segment_bytes or segment_bytes < 1:
+            raise ValueError("max_bytes must be at least one segment (segment_bytes >= 1)")
+        self.directory = directory
+        self.max_bytes = max_bytes
+        self.segment_bytes = segment_bytes
+        directory.mkdir(parents=True, exist_ok=True)
+        self._buffer: list[bytes] = []
+        self._buffered_bytes = 0
+        self.acked = self._read_acked()
+        self._segments = self._recover()
+        #: Bytes on disk from the acknowledged cursor on (what the bound counts, with the buffer).
+        self._disk_bytes = sum(self._size(s) for s in self._segments) - self.acked.offset
+        self.written_records = 0
+
+    # --- the request path ----------------------------------------------------------------
+
+    def append(self, record: bytes) -> None:
+        """Buffer one encoded record (a single line of JSON); written by the next flush."""
+        self._buffer.append(record)
+        self._buffered_bytes += len(record) + 1
+
+    def has_room(self) -> bool:
+        """False once the records not yet acknowledged fill ``max_bytes``."""
+        return self._disk_bytes + self._buffered_bytes < self.max_bytes
+
+    @property
+    def unshipped_bytes(self) -> int:
+        return self._disk_bytes + self._buffered_bytes
+
+    # --- the background task -------------------------------------------------------------
+
+    def take_buffer(self) -> list[bytes]:
+        """Hand the buffered records to :meth:`write` (call on the thread that appends)."""
+        records, self._buffer = self._buffer, []
+        self._buffered_bytes -= sum(len(r) + 1 for r in records)
+        return records
+
+    def write(self, records: list[bytes]) -> None:
+        """Append ``records`` to the current segment and fsync (may run in a worker thread)."""
+        if not records:
+            return
+        data = b"".join(r + b"\n" for r in records)
+        current = self._segments[-1]
+        if self._size(current) >= self.segment_bytes:
+            current = current + 1
+            self._segments.append(current)
+        with open(self._path(current), "ab") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        if self._size(current) == len(data):  # a new file: make its name durable too
+            self._fsync_directory()
+        self._disk_bytes += len(data)
+        self.written_records += len(records)
+
+    def flush(self) -> int:
+        """:meth:`take_buffer` then :meth:`write`, on one thread; the number written."""
+        records = self.take_buffer()
+        self.write(records)
+        return len(records)
+
+    def read(self, limit: int, start: Cursor | None = None) -> Batch:
+        """Up to ``limit`` records on disk from ``start`` (default: the acknowledged cursor)."""
+        cursor = start or self.acked
+        records: list[bytes] = []
+        for segment in self._segments:
+            if segment < cursor.segment or len(records) >= limit:
+                continue
+            offset = cursor.offset if segment == cursor.segment else 0
+            path = self._path(segment)
+            if not path.exists():  # nothing written yet
+                break
+            with open(path, "rb") as f:
+                f.seek(offset)
+                for line in f:
+                    if not line.endswith(b"\n"):
+                        break  # being written right now: the next read gets it
+                    records.append(line[:-1])
+                    offset += len(line)
+                    if len(records) >= limit:
+                        break
+            cursor = Cursor(segment, offset)
+        return Batch(records, cursor)
+
+    def ack(self, cursor: Cursor) -> None:
+        """Everything before ``cursor`` was accepted: persist it, delete finished segments."""
+        if cursor <= self.acked:
+            return
+        freed = self._bytes_between(self.acked, cursor)
+        tmp = self.directory / (ACKED_FILE + ".tmp")
+        with open(tmp, "w") as f:
+            f.write(f"{cursor.segment} {cursor.offset}\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.directory / ACKED_FILE)
+        self._fsync_directory()
+        self.acked = cursor
+        self._disk_bytes -= freed
+        while len(self._segments) > 1 and self._segments[0] < cursor.segment:
+            self._path(self._segments.pop(0)).unlink(missing_ok=True)
+
+    # --- files ---------------------------------------------------------------------------
+
+    def _path(self, segment: int) -> Path:
+        return self.directory / f"usage-{segment:012d}.jsonl"
+
+    def _size(self, segment: int) -> int:
+        try:
+            return self._path(segment).stat().st_size
+        except FileNotFoundError:
+            return 0
+
+    def _bytes_between(self, start: Cursor, end: Cursor) -> int:
+        if start.segment == end.segment:
+            return end.offset - start.offset
+        middle = sum(self._size(s) for s in self._segments if start.segment < s < end.segment)
+        return self._size(start.segment) - start.offset + middle + end.offset
+
+    def _read_acked(self) -> Cursor:
+        try:
+            segment, offset = (self.directory / ACKED_FILE).read_text().split()
+        except FileNotFoundError:
+            return Cursor(0, 0)
+        return Cursor(int(segment), int(offset))
+
+    def _recover(self) -> list[int]:
+        """Segments from the acknowledged one on; a torn last line is cut off."""
+        found = sorted(int(p.name[6:18]) for p in self.directory.glob(SEGMENT_GLOB))
+        for segment in found:
+            if segment < self.acked.segment:
+                self._path(segment).unlink()
+        segments = [s for s in found if s >= self.acked.segment] or [self.acked.segment]
+        last = self._path(segments[-1])
+        if last.exists():
+            data = last.read_bytes()
+            keep = data.rfind(b"\n") + 1
+            if keep != len(data):
+                with open(last, "r+b") as f:
+                    f.truncate(keep)
+                    os.fsync(f.fileno())
+        return segments
+
+    def _fsync_directory(self) -> None:
+        fd = os.open(self.directory, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)

@@ -1,0 +1,109 @@
+"""The usage spool: records survive restarts and torn writes, leave only once acknowledged,
+and the bound counts what is not yet acknowledged."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from regions.edge.usage_spool import Cursor, UsageSpool
+
+
+def rec(i: int) -> bytes:
+    return b'{"request_id":"r%d"}' % i
+
+
+def test_records_are_read_back_in_order_and_only_after_a_flush(tmp_path: Path) -> None:
+    spool = UsageSpool(tmp_path)
+    for i in range(3):
+        spool.append(rec(i))
+    assert spool.read(10).records == []  # buffered, not on disk
+    assert spool.flush() == 3
+    assert spool.read(10).records == [rec(0), rec(1), rec(2)]
+    assert spool.read(2).records == [rec(0), rec(1)]
+
+
+def test_a_record_leaves_only_once_acknowledged_and_that_survives_a_restart(
+    tmp_path: Path,
+) -> None:
+    spool = UsageSpool(tmp_path)
+    for i in range(5):
+        spool.append(rec(i))
+    spool.flush()
+    first = spool.read(2)
+    assert spool.read(10).records[:2] == first.records  # unacknowledged: read again
+    spool.ack(first.end)
+    assert spool.read(10).records == [rec(2), rec(3), rec(4)]
+    reopened = UsageSpool(tmp_path)
+    assert reopened.read(10).records == [rec(2), rec(3), rec(4)]
+    reopened.ack(reopened.read(10).end)
+    assert UsageSpool(tmp_path).read(10).records == []
+
+
+def test_an_unacknowledged_batch_is_shipped_again_after_a_restart(tmp_path: Path) -> None:
+    spool = UsageSpool(tmp_path)
+    spool.append(rec(1))
+    spool.flush()
+    spool.read(10)  # sent, but the edge stopped before the acknowledgement
+    assert UsageSpool(tmp_path).read(10).records == [rec(1)]
+
+
+def test_a_line_torn_by_a_crash_is_cut_off_and_writing_goes_on(tmp_path: Path) -> None:
+    spool = UsageSpool(tmp_path)
+    spool.append(rec(1))
+    spool.flush()
+    segment = next(tmp_path.glob("usage-*.jsonl"))
+    with open(segment, "ab") as f:
+        f.write(b'{"request_id":"r2"')  # the crash came mid-write
+    reopened = UsageSpool(tmp_path)
+    reopened.append(rec(3))
+    reopened.flush()
+    assert reopened.read(10).records == [rec(1), rec(3)]
+
+
+def test_segments_roll_over_and_finished_ones_are_deleted(tmp_path: Path) -> None:
+    spool = UsageSpool(tmp_path, max_bytes=1000, segment_bytes=40)
+    for i in range(10):
+        spool.append(rec(i))
+        spool.flush()
+    assert len(list(tmp_path.glob("usage-*.jsonl"))) >= 4
+    batch = spool.read(100)
+    assert batch.records == [rec(i) for i in range(10)]
+    spool.ack(batch.end)
+    assert len(list(tmp_path.glob("usage-*.jsonl"))) == 1
+    assert spool.unshipped_bytes == 0
+    spool.append(rec(10))
+    spool.flush()
+    assert UsageSpool(tmp_path, max_bytes=1000, segment_bytes=40).read(10).records == [rec(10)]
+
+
+def test_the_bound_counts_unacknowledged_bytes_buffered_or_on_disk(tmp_path: Path) -> None:
+    spool = UsageSpool(tmp_path, max_bytes=70, segment_bytes=70)
+    spool.append(rec(1))  # 19 bytes + newline
+    spool.append(rec(2))
+    spool.append(rec(3))
+    assert spool.has_room()
+    spool.append(rec(4))
+    assert not spool.has_room()
+    spool.flush()
+    assert not spool.has_room()
+    spool.ack(spool.read(2).end)
+    assert spool.has_room()
+    assert spool.unshipped_bytes == 40
+    assert UsageSpool(tmp_path, max_bytes=70, segment_bytes=70).unshipped_bytes == 40
+
+
+def test_acknowledging_an_older_cursor_changes_nothing(tmp_path: Path) -> None:
+    spool = UsageSpool(tmp_path)
+    spool.append(rec(1))
+    spool.append(rec(2))
+    spool.flush()
+    spool.ack(spool.read(2).end)
+    spool.ack(Cursor(0, 0))
+    assert spool.read(10).records == []
+
+
+def test_a_bound_smaller_than_a_segment_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValueError):
+        UsageSpool(tmp_path, max_bytes=10, segment_bytes=100)
