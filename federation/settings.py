@@ -55,6 +55,7 @@ INSTALLED_APPS = [
     "federation.inventory",
     "federation.tenancy",
     "federation.routing",
+    "federation.metering",
 ]
 
 MIDDLEWARE = [
@@ -109,6 +110,7 @@ MIGRATION_MODULES = {
     "inventory": "migrations.inventory",
     "tenancy": "migrations.tenancy",
     "routing": "migrations.routing",
+    "metering": "migrations.metering",
 }
 
 REDIS_URL = env_str("REDIS_URL", "", required_in_production=True)

@@ -16,11 +16,9 @@ from typing import Protocol
 import redis.asyncio as aioredis
 
 from regions.edge.usage_spool import UsageSpool
+from regions.tables.usage import USAGE_FIELD, USAGE_STREAM
 
 log = logging.getLogger("fedinfer.edge.usage")
-
-#: The Redis stream the control plane's ingestion reads (one entry per record, field ``r``).
-USAGE_STREAM = "fedinfer:usage"
 
 
 class UsageSink(Protocol):
@@ -43,7 +41,7 @@ class RedisStreamSink:
     async def send(self, records: list[bytes]) -> None:
         async with self._redis.pipeline(transaction=True) as pipe:
             for record in records:
-                pipe.xadd(self.stream, {b"r": record})
+                pipe.xadd(self.stream, {USAGE_FIELD: record})
             await pipe.execute()
 
     async def close(self) -> None:

@@ -11,6 +11,10 @@ from __future__ import annotations
 import msgspec
 
 USAGE_SCHEMA_VERSION = 1
+#: The Redis stream edges append records to (one entry per record, the document in field ``r``)
+#: and the control plane's ingestion reads with a consumer group.
+USAGE_STREAM = "fedinfer:usage"
+USAGE_FIELD = b"r"
 
 
 class UsageRecord(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

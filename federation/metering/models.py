@@ -1,0 +1,124 @@
+"""Usage as the edges recorded it, the prices it is charged at, and hourly rollups.
+
+``UsageRecord`` is a fact table: one row per served request, written once by ingestion (keyed
+by ``(started_at, request_id)``, so a record shipped twice is stored once) and never updated.
+Its dimensions are stored as the edge named them (tenant slug, model, region, instance) plus the
+pool the instance belonged to at ingestion, so history keeps its meaning when the inventory
+changes. On PostgreSQL the table is partitioned by month (``migrations/metering/0001``), so a
+month of records is one partition to scan, detach or drop.
+"""
+
+from __future__ import annotations
+
+from django.db import models
+
+from federation.core.models import TimeStampedModel
+from federation.inventory.models import LanguageModel
+from federation.tenancy.models import Tenant
+
+
+class ModelPrice(TimeStampedModel):
+    """USD per million tokens of a model from ``effective_from`` on; a row with a tenant
+    overrides the list price for that tenant."""
+
+    model = models.ForeignKey(LanguageModel, on_delete=models.CASCADE, related_name="prices")
+    tenant = models.ForeignKey(
+        Tenant, null=True, blank=True, on_delete=models.CASCADE, related_name="prices"
+    )
+    input_per_mtok = models.DecimalField(max_digits=14, decimal_places=6)
+    cached_input_per_mtok = models.DecimalField(max_digits=14, decimal_places=6)
+    output_per_mtok = models.DecimalField(max_digits=14, decimal_places=6)
+    effective_from = models.DateTimeField()
+
+    class Meta:
+        ordering = ["model", "tenant", "-effective_from"]
+        constraints = [
+            models.UniqueConstraint(
+                fields=["model", "tenant", "effective_from"], name="uniq_model_price_from"
+            ),
+            models.UniqueConstraint(
+                fields=["model", "effective_from"],
+                condition=models.Q(tenant__isnull=True),
+                name="uniq_list_price_from",
+            ),
+        ]
+
+    def __str__(self) -> str:
+        who = self.tenant_id or "list"
+        return f"{self.model_id} ({who}) from {self.effective_from:%Y-%m-%d}"
+
+
+class UsageRecord(models.Model):
+    """One served request (``regions/tables/usage.py``), priced at ingestion."""
+
+    pk = models.CompositePrimaryKey("started_at", "request_id")
+    started_at = models.DateTimeField()
+    request_id = models.CharField(max_length=64)
+    tenant = models.CharField(max_length=63, blank=True)
+    key_prefix = models.CharField(max_length=32, blank=True)
+    model = models.CharField(max_length=128)
+    adapter = models.CharField(max_length=128, blank=True)
+    region = models.CharField(max_length=63)
+    entry_region = models.CharField(max_length=63)
+    instance = models.CharField(max_length=63)
+    #: ``<region>/<pool>`` of the instance at ingestion ("" if it is no longer known).
+    pool = models.CharField(max_length=130, blank=True)
+    prompt_tokens = models.PositiveIntegerField()
+    cached_tokens = models.PositiveIntegerField()
+    completion_tokens = models.PositiveIntegerField()
+    ttft_ms = models.FloatField(null=True)
+    duration_ms = models.FloatField()
+    status = models.PositiveSmallIntegerField()
+    streamed = models.BooleanField()
+    cancelled = models.BooleanField()
+    usage_reported = models.BooleanField()
+    #: Exact: per-token prices have 6 decimals, so a price has at most 12.
+    price_usd = models.DecimalField(max_digits=24, decimal_places=12)
+
+    class Meta:
+        indexes = [models.Index(fields=["tenant", "started_at"], name="usage_tenant_time")]
+
+    def __str__(self) -> str:
+        return f"{self.request_id} ({self.tenant or '-'}, {self.model})"
+
+
+class UsageHour(models.Model):
+    """Usage summed per hour x tenant x model x region x pool (what reports read)."""
+
+    hour = models.DateTimeField()
+    tenant = models.CharField(max_length=63, blank=True)
+    model = models.CharField(max_length=128)
+    region = models.CharField(max_length=63)
+    pool = models.CharField(max_length=130, blank=True)
+    requests = models.PositiveIntegerField()
+    cancelled = models.PositiveIntegerField()
+    errors = models.PositiveIntegerField()
+    prompt_tokens = models.PositiveBigIntegerField()
+    cached_tokens = models.PositiveBigIntegerField()
+    completion_tokens = models.PositiveBigIntegerField()
+    #: Exact: per-token prices have 6 decimals, so a price has at most 12.
+    price_usd = models.DecimalField(max_digits=24, decimal_places=12)
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(
+                fields=["hour", "tenant", "model", "region", "pool"], name="uniq_usage_hour"
+            )
+        ]
+        indexes = [models.Index(fields=["tenant", "hour"], name="usage_hour_tenant")]
+
+    def __str__(self) -> str:
+        return f"{self.hour:%Y-%m-%d %H}h {self.tenant or '-'} {self.model}"
+
+
+class StaleUsageHour(models.Model):
+    """An hour whose records changed since its rollup was computed. Each ingestion renews
+    ``mark``; the rollup task recomputes the hour and removes the row only if the mark is
+    still the one it read, so records that arrive meanwhile get their own recompute."""
+
+    hour = models.DateTimeField(primary_key=True)
+    mark = models.UUIDField()
+    marked_at = models.DateTimeField()
+
+    def __str__(self) -> str:
+        return f"{self.hour:%Y-%m-%d %H}h"

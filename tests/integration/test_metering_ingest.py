@@ -1,0 +1,171 @@
+"""Usage ingestion on the real PostgreSQL and Redis: priced exactly, stored once however often
+a record arrives, hourly rollups equal to the records, a batch acknowledged only after its
+commit, a dead consumer's batch claimed and ingested, bad documents set aside with a reason."""
+
+from __future__ import annotations
+
+import os
+from datetime import UTC, datetime, timedelta
+from decimal import Decimal
+
+import pytest
+import redis
+from django.db import connection
+
+from federation.metering.models import StaleUsageHour, UsageHour, UsageRecord
+from federation.metering.partitions import partition_name
+from federation.metering.pricing import Price
+from federation.metering.services import model_price_set, usage_hours_refresh, usage_ingest
+from federation.metering.stream import GROUP, REJECTED_STREAM, usage_stream_consume
+from federation.tenancy.models import Tenant
+from regions.tables.usage import USAGE_FIELD, USAGE_STREAM, encode_record
+from regions.tables.usage import UsageRecord as Doc
+from tests.integration.inventory_factories import (
+    make_deployment,
+    make_instance,
+    make_model,
+    make_pool,
+    make_region,
+)
+
+pytestmark = pytest.mark.django_db
+
+HOUR = datetime(2026, 11, 30, 14, 0, tzinfo=UTC)
+LIST = Price(Decimal("0.15"), Decimal("0.075"), Decimal("0.60"))
+ACME = Price(Decimal("0.10"), Decimal("0.01"), Decimal("0.40"))
+
+
+@pytest.fixture
+def fleet() -> str:
+    region = make_region("us-east")
+    model = make_model()
+    deployment = make_deployment(model, make_pool(region, "h100"))
+    make_instance(deployment, "us-1", state="ready")
+    Tenant.objects.create(slug="acme", name="Acme")
+    Tenant.objects.create(slug="globex", name="Globex")
+    model_price_set(actor=None, model=model, price=LIST, effective_from=HOUR - timedelta(days=1))
+    model_price_set(
+        actor=None,
+        model=model,
+        price=ACME,
+        effective_from=HOUR,
+        tenant=Tenant.objects.get(slug="acme"),
+    )
+    return model.name
+
+
+def doc(i: int, model: str, tenant: str, minute: int = 5, **kw: object) -> Doc:
+    fields: dict[str, object] = {
+        "request_id": f"req-{i}",
+        "started_at": (HOUR + timedelta(minutes=minute, seconds=i)).timestamp(),
+        "region": "us-east",
+        "entry_region": "us-east",
+        "instance": "us-1",
+        "model": model,
+        "tenant": tenant,
+        "key_prefix": "fi_abc",
+        "prompt_tokens": 1000 + i,
+        "cached_tokens": 512,
+        "completion_tokens": 200 + i,
+        "duration_ms": 900.0,
+        **kw,
+    }
+    return Doc(**fields)  # type: ignore[arg-type]
+
+
+def expected_price(d: Doc, p: Price) -> Decimal:
+    fresh = d.prompt_tokens - d.cached_tokens
+    return (
+        fresh * p.input_per_mtok
+        + d.cached_tokens * p.cached_input_per_mtok
+        + d.completion_tokens * p.output_per_mtok
+    ) / Decimal(1_000_000)
+
+
+def test_records_are_priced_exactly_stored_once_and_rolled_up(fleet: str) -> None:
+    docs = [doc(i, fleet, "acme" if i % 2 else "globex") for i in range(40)]
+    # A late record of the previous hour: priced at the list price (acme's starts at HOUR).
+    early = doc(99, fleet, "acme", minute=-30)
+    batch = [encode_record(d) for d in [*docs, early]]
+    assert usage_ingest(documents=batch).accepted == 41
+    assert usage_ingest(documents=batch[:20]).accepted == 20  # shipped again: no duplicate
+    assert UsageRecord.objects.count() == 41
+
+    stored = {r.request_id: r for r in UsageRecord.objects.all()}
+    for d in docs:
+        price = ACME if d.tenant == "acme" else LIST
+        assert stored[d.request_id].price_usd == expected_price(d, price)
+        assert stored[d.request_id].pool == "us-east/h100"
+    assert stored["req-99"].price_usd == expected_price(early, LIST)
+
+    assert sorted(usage_hours_refresh()) == [HOUR - timedelta(hours=1), HOUR]
+    assert not StaleUsageHour.objects.exists()
+    for tenant in ("acme", "globex"):
+        row = UsageHour.objects.get(hour=HOUR, tenant=tenant)
+        mine = [d for d in docs if d.tenant == tenant]
+        assert row.requests == len(mine) == 20
+        assert row.prompt_tokens == sum(d.prompt_tokens for d in mine)
+        assert row.completion_tokens == sum(d.completion_tokens for d in mine)
+        assert row.price_usd == sum(
+            (stored[d.request_id].price_usd for d in mine), start=Decimal(0)
+        )
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT count(*) FROM pg_inherits WHERE inhrelid::regclass::text = %s",
+            [partition_name(2026, 11)],
+        )
+        assert cursor.fetchone() == (1,)
+
+
+def test_a_late_record_makes_its_hour_recomputed(fleet: str) -> None:
+    usage_ingest(documents=[encode_record(doc(1, fleet, "acme"))])
+    usage_hours_refresh()
+    usage_ingest(documents=[encode_record(doc(2, fleet, "acme"))])
+    assert usage_hours_refresh() == [HOUR]
+    assert UsageHour.objects.get(hour=HOUR, tenant="acme").requests == 2
+
+
+def test_bad_documents_are_returned_with_the_reason_and_the_rest_is_stored(fleet: str) -> None:
+    too_cached = doc(1, fleet, "acme", cached_tokens=5000)
+    result = usage_ingest(
+        documents=[b"{not json", encode_record(too_cached), encode_record(doc(2, fleet, "acme"))]
+    )
+    assert result.accepted == 1
+    assert [reason.split(":")[0] for _, reason in result.rejected] == [
+        "usage record does not decode",
+        "token counts must be >= 0, cached within the prompt",
+    ]
+    assert list(UsageRecord.objects.values_list("request_id", flat=True)) == ["req-2"]
+
+
+@pytest.fixture
+def stream() -> redis.Redis:
+    client = redis.Redis.from_url(os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/15"))
+    client.delete(USAGE_STREAM, REJECTED_STREAM)
+    yield client
+    client.delete(USAGE_STREAM, REJECTED_STREAM)
+
+
+def test_the_stream_is_acknowledged_after_the_commit_and_a_dead_consumers_batch_is_claimed(
+    fleet: str, stream: redis.Redis
+) -> None:
+    for i in range(30):
+        stream.xadd(USAGE_STREAM, {USAGE_FIELD: encode_record(doc(i, fleet, "acme"))})
+    stream.xadd(USAGE_STREAM, {b"other": b"x"})
+    # A worker that read ten entries and was killed before it committed.
+    stream.xgroup_create(USAGE_STREAM, GROUP, id="0")
+    stream.xreadgroup(GROUP, "dead-worker", {USAGE_STREAM: ">"}, count=10)
+
+    first = usage_stream_consume(stream, consumer="live", batch=8)
+    assert first.records == 20  # the 20 entries nobody had read (and one with no record)
+    assert first.rejected == 1
+    assert UsageRecord.objects.count() == 20
+    assert stream.xpending(USAGE_STREAM, GROUP)["pending"] == 10  # the dead worker's, unacked
+
+    second = usage_stream_consume(stream, consumer="live", batch=8, claim_idle_ms=0)
+    assert second.records == 10
+    assert UsageRecord.objects.count() == 30
+    assert stream.xpending(USAGE_STREAM, GROUP)["pending"] == 0
+    assert stream.xlen(USAGE_STREAM) == 0
+    [(_, rejected)] = stream.xrange(REJECTED_STREAM)
+    assert b"has no record" in rejected[b"reason"]
