@@ -98,6 +98,8 @@ class UsageHour(models.Model):
     completion_tokens = models.PositiveBigIntegerField()
     #: Exact: per-token prices have 6 decimals, so a price has at most 12.
     price_usd = models.DecimalField(max_digits=24, decimal_places=12)
+    #: Its share of its pool's cost in the hour (``federation/metering/cost.py``).
+    cost_usd = models.DecimalField(max_digits=24, decimal_places=12)
 
     class Meta:
         constraints = [
@@ -109,6 +111,28 @@ class UsageHour(models.Model):
 
     def __str__(self) -> str:
         return f"{self.hour:%Y-%m-%d %H}h {self.tenant or '-'} {self.model}"
+
+
+class PoolHour(models.Model):
+    """A GPU pool's cost in one hour and where it went: ``allocated`` to usage (the sum of its
+    ``UsageHour.cost_usd``), or unallocated as ``idle`` GPUs and ``warm_idle`` instances —
+    the three add up to ``cost`` exactly."""
+
+    hour = models.DateTimeField()
+    #: ``<region>/<pool>``, as in ``UsageRecord.pool``.
+    pool = models.CharField(max_length=130)
+    gpus = models.PositiveIntegerField()
+    cost_usd = models.DecimalField(max_digits=24, decimal_places=12)
+    allocated_usd = models.DecimalField(max_digits=24, decimal_places=12)
+    idle_usd = models.DecimalField(max_digits=24, decimal_places=12)
+    warm_idle_usd = models.DecimalField(max_digits=24, decimal_places=12)
+    busy_s = models.FloatField()
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["hour", "pool"], name="uniq_pool_hour")]
+
+    def __str__(self) -> str:
+        return f"{self.hour:%Y-%m-%d %H}h {self.pool}"
 
 
 class StaleUsageHour(models.Model):

@@ -10,21 +10,30 @@ from what the records say.
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
+from decimal import Decimal
 from typing import Any
 
 from django.core.exceptions import ValidationError
 from django.db import connection, transaction
-from django.db.models import Count, Q, Sum
+from django.db.models import Count, F, Q, QuerySet, Sum
 from django.utils import timezone
 
 from federation.core.audit import Actor, audit_record
-from federation.inventory.models import Instance, LanguageModel
+from federation.inventory.models import GPUPool, Instance, LanguageModel
 from federation.metering import partitions
-from federation.metering.models import ModelPrice, StaleUsageHour, UsageHour, UsageRecord
+from federation.metering.cost import ZERO, InstanceHour, PoolHourCost, pool_hour_cost
+from federation.metering.models import (
+    ModelPrice,
+    PoolHour,
+    StaleUsageHour,
+    UsageHour,
+    UsageRecord,
+)
 from federation.metering.pricing import FREE, PRICE_DECIMALS, Price, request_price
+from federation.routing.compiler import decode_tokens_per_s, prefill_tokens_per_s
 from federation.tenancy.models import Tenant
 from regions.tables.usage import UsageRecord as UsageDocument
 from regions.tables.usage import UsageRecordError, decode_record
@@ -242,37 +251,104 @@ def usage_hours_refresh(*, limit: int = 100) -> list[datetime]:
     return done
 
 
+#: Instance states that hold their GPUs (a stopped or failed instance has released them).
+HOLDING_GPUS = ("loading", "warming", "ready", "draining")
+Group = tuple[str, str, str, str]  # tenant, model, region, pool
+
+
 def _recompute_hour(hour: datetime) -> None:
-    UsageHour.objects.filter(hour=hour).delete()
-    groups = (
-        UsageRecord.objects.filter(started_at__gte=hour, started_at__lt=hour + timedelta(hours=1))
-        .values("tenant", "model", "region", "pool")
-        .annotate(
-            n=Count("request_id"),
-            n_cancelled=Count("request_id", filter=Q(cancelled=True)),
-            n_errors=Count("request_id", filter=Q(status__gte=ERROR_STATUS)),
-            prompt=Sum("prompt_tokens"),
-            cached=Sum("cached_tokens"),
-            completion=Sum("completion_tokens"),
-            price=Sum("price_usd"),
-        )
+    """The hour's rollups and pool costs from its records and the pools as they are now."""
+    records = UsageRecord.objects.filter(
+        started_at__gte=hour, started_at__lt=hour + timedelta(hours=1)
     )
+    groups = records.values("tenant", "model", "region", "pool").annotate(
+        n=Count("request_id"),
+        n_cancelled=Count("request_id", filter=Q(cancelled=True)),
+        n_errors=Count("request_id", filter=Q(status__gte=ERROR_STATUS)),
+        prompt=Sum("prompt_tokens"),
+        cached=Sum("cached_tokens"),
+        completion=Sum("completion_tokens"),
+        price=Sum("price_usd"),
+    )
+    pools = _pool_costs(records)
+    allocated: dict[Hashable, Decimal] = {}
+    for cost in pools.values():
+        allocated.update(cost.allocated)
+    UsageHour.objects.filter(hour=hour).delete()
     UsageHour.objects.bulk_create(
-        [
-            UsageHour(
-                hour=hour,
-                tenant=g["tenant"],
-                model=g["model"],
-                region=g["region"],
-                pool=g["pool"],
-                requests=g["n"],
-                cancelled=g["n_cancelled"],
-                errors=g["n_errors"],
-                prompt_tokens=g["prompt"],
-                cached_tokens=g["cached"],
-                completion_tokens=g["completion"],
-                price_usd=g["price"],
-            )
-            for g in groups
-        ]
+        UsageHour(
+            hour=hour,
+            tenant=g["tenant"],
+            model=g["model"],
+            region=g["region"],
+            pool=g["pool"],
+            requests=g["n"],
+            cancelled=g["n_cancelled"],
+            errors=g["n_errors"],
+            prompt_tokens=g["prompt"],
+            cached_tokens=g["cached"],
+            completion_tokens=g["completion"],
+            price_usd=g["price"],
+            cost_usd=allocated.get((g["tenant"], g["model"], g["region"], g["pool"]), ZERO),
+        )
+        for g in groups
+    )
+    PoolHour.objects.filter(hour=hour).delete()
+    PoolHour.objects.bulk_create(
+        PoolHour(
+            hour=hour,
+            pool=pool,
+            gpus=gpus,
+            cost_usd=cost.cost,
+            allocated_usd=sum(cost.allocated.values(), start=ZERO),
+            idle_usd=cost.idle,
+            warm_idle_usd=cost.warm_idle,
+            busy_s=cost.busy_s,
+        )
+        for (pool, gpus), cost in pools.items()
+    )
+
+
+def _pool_costs(records: QuerySet[UsageRecord]) -> dict[tuple[str, int], PoolHourCost]:
+    """Every pool's cost in the hour, split over the hour's usage groups."""
+    usage: dict[str, dict[Hashable, tuple[int, int]]] = {}
+    for row in records.values("instance", "tenant", "model", "region", "pool").annotate(
+        fresh=Sum(F("prompt_tokens") - F("cached_tokens")), generated=Sum("completion_tokens")
+    ):
+        group: Group = (row["tenant"], row["model"], row["region"], row["pool"])
+        usage.setdefault(row["instance"], {})[group] = (row["fresh"], row["generated"])
+    instances = Instance.objects.filter(
+        Q(state__in=HOLDING_GPUS) | Q(name__in=list(usage))
+    ).select_related("deployment__pool", "deployment__model")
+    by_pool: dict[int, list[InstanceHour]] = {}
+    for inst in instances:
+        by_pool.setdefault(inst.deployment.pool_id, []).append(_instance_hour(inst, usage))
+    costs = {}
+    for pool in GPUPool.objects.select_related("region", "accelerator"):
+        gpus = pool.total_gpus
+        costs[(f"{pool.region.code}/{pool.name}", gpus)] = pool_hour_cost(
+            gpus=gpus,
+            price_per_gpu_hour=pool.price_per_gpu_hour,
+            instances=by_pool.get(pool.pk, []),
+        )
+    return costs
+
+
+def _instance_hour(
+    inst: Instance, usage: dict[str, dict[Hashable, tuple[int, int]]]
+) -> InstanceHour:
+    dep = inst.deployment
+    speed = dep.pool.accelerator.relative_speed
+    tp = dep.tensor_parallel_size
+    params_b = float(dep.model.parameter_count_b)
+    return InstanceHour(
+        instance=inst.name,
+        gpus=tp,
+        prefill_tokens_per_s=prefill_tokens_per_s(
+            relative_speed=speed, tensor_parallel_size=tp, params_b=params_b
+        ),
+        decode_tokens_per_s=decode_tokens_per_s(
+            relative_speed=speed, tensor_parallel_size=tp, params_b=params_b
+        ),
+        usage=usage.get(inst.name, {}),
     )

@@ -163,14 +163,30 @@ def prefill_tokens_per_s(
     )
 
 
+def decode_tokens_per_s(
+    *, relative_speed: float, tensor_parallel_size: int, params_b: float
+) -> float:
+    """Expected generated tokens per second of one replica with a full batch."""
+    return (
+        REFERENCE_DECODE_TOKENS_PER_S
+        * relative_speed
+        * tensor_parallel_size**TP_EXPONENT
+        * REFERENCE_PARAMS_B
+        / params_b
+    )
+
+
 def replica_tokens_per_s(
     *, relative_speed: float, tensor_parallel_size: int, params_b: float
 ) -> float:
     """Prompt plus generated tokens per second one replica sustains at full load: the
     harmonic blend of its prefill and decode rates at :data:`PROMPT_TOKEN_SHARE`."""
-    scale = relative_speed * tensor_parallel_size**TP_EXPONENT * REFERENCE_PARAMS_B / params_b
-    prefill = REFERENCE_PREFILL_TOKENS_PER_S * scale
-    decode = REFERENCE_DECODE_TOKENS_PER_S * scale
+    prefill = prefill_tokens_per_s(
+        relative_speed=relative_speed, tensor_parallel_size=tensor_parallel_size, params_b=params_b
+    )
+    decode = decode_tokens_per_s(
+        relative_speed=relative_speed, tensor_parallel_size=tensor_parallel_size, params_b=params_b
+    )
     return 1.0 / (PROMPT_TOKEN_SHARE / prefill + (1.0 - PROMPT_TOKEN_SHARE) / decode)
 
 

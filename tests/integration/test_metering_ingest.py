@@ -12,7 +12,8 @@ import pytest
 import redis
 from django.db import connection
 
-from federation.metering.models import StaleUsageHour, UsageHour, UsageRecord
+from federation.inventory.models import Region
+from federation.metering.models import PoolHour, StaleUsageHour, UsageHour, UsageRecord
 from federation.metering.partitions import partition_name
 from federation.metering.pricing import Price
 from federation.metering.services import model_price_set, usage_hours_refresh, usage_ingest
@@ -115,6 +116,32 @@ def test_records_are_priced_exactly_stored_once_and_rolled_up(fleet: str) -> Non
             [partition_name(2026, 11)],
         )
         assert cursor.fetchone() == (1,)
+
+
+def test_each_pool_hour_is_accounted_for_exactly(fleet: str) -> None:
+    """Every pool's hour (here an H100 pool of 16 GPUs running one TP-1 instance, and an idle
+    L4 pool) is split into what the usage groups carry and what is unallocated, exactly."""
+    make_pool(
+        Region.objects.get(code="us-east"),
+        "l4",
+        accelerator="L4-24G",
+        interconnect="pcie",
+        price_per_gpu_hour=Decimal("0.70"),
+    )
+    docs = [doc(i, fleet, ("acme", "globex", "initech")[i % 3]) for i in range(30)]
+    usage_ingest(documents=[encode_record(d) for d in docs])
+    usage_hours_refresh()
+    h100 = PoolHour.objects.get(hour=HOUR, pool="us-east/h100")
+    assert h100.cost_usd == 16 * Decimal("2.50")
+    assert h100.idle_usd == 15 * Decimal("2.50")  # 15 GPUs run no instance
+    assert h100.warm_idle_usd == 0
+    groups = UsageHour.objects.filter(hour=HOUR, pool="us-east/h100")
+    assert h100.allocated_usd == sum((g.cost_usd for g in groups), start=Decimal(0))
+    assert h100.allocated_usd + h100.idle_usd + h100.warm_idle_usd == h100.cost_usd
+    assert h100.allocated_usd == Decimal("2.50")  # the instance's GPU-hour, all carried
+    assert {g.tenant for g in groups if g.cost_usd > 0} == {"acme", "globex", "initech"}
+    l4 = PoolHour.objects.get(hour=HOUR, pool="us-east/l4")
+    assert (l4.cost_usd, l4.idle_usd, l4.allocated_usd) == (16 * Decimal("0.70"),) * 2 + (0,)
 
 
 def test_a_late_record_makes_its_hour_recomputed(fleet: str) -> None:

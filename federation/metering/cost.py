@@ -1,0 +1,115 @@
+"""What serving cost the operator: a GPU pool's hour split over the usage it served. Pure, exact.
+
+The rule (``docs/metering.md``):
+
+1. A pool's hour costs its GPUs x its price per GPU-hour, busy or not.
+2. That cost is split over the pool's instances by their GPUs (tensor-parallel size); GPUs with
+   no instance are *idle*, their share is unallocated. (Instances that came and went within the
+   hour may add up to more GPUs than the pool has: then they share all of it, nothing idle.)
+3. An instance's share is split over the usage it served in the hour by *engine time*: each
+   fresh (uncached) prompt token costs 1/prefill-rate seconds, each generated token
+   1/decode-rate seconds, at the instance's speed. Warm but idle time is part of the instance's
+   cost, so its users carry it in proportion to their engine time ("full absorption"): a
+   replica kept warm is kept warm for the tenants that use it. An instance that served nothing
+   in the hour is *warm idle*, unallocated.
+
+Every split is exact to 1e-12 USD (largest remainder), so for each pool and hour
+``allocated + unallocated == cost`` to the last digit, and so for any grouping of the result.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import dataclass, field
+from decimal import ROUND_DOWN, Decimal
+from typing import TypeVar
+
+QUANTUM = Decimal("1e-12")
+#: The part of a pool's GPUs no instance uses (instance names are never empty).
+_IDLE = ""
+ZERO = Decimal(0)
+K = TypeVar("K", bound=Hashable)
+
+
+def split_exactly(amount: Decimal, weights: Mapping[K, float]) -> dict[K, Decimal]:
+    """``amount`` split in proportion to ``weights`` (all > 0), each share a multiple of
+    :data:`QUANTUM`, summing to ``amount`` exactly: shares are rounded down, then the units
+    left over go one each to the largest remainders (ties in key order, so it is
+    deterministic)."""
+    if amount != amount.quantize(QUANTUM):
+        raise ValueError(f"{amount} has more decimals than {QUANTUM}")
+    if not weights:
+        raise ValueError("nothing to split over")
+    if min(weights.values()) <= 0:
+        raise ValueError("weights must be > 0")
+    total = sum(Decimal(w) for w in weights.values())
+    exact = {k: amount * Decimal(w) / total for k, w in weights.items()}
+    shares = {k: v.quantize(QUANTUM, rounding=ROUND_DOWN) for k, v in exact.items()}
+    left = int((amount - sum(shares.values(), start=ZERO)) / QUANTUM)
+    by_remainder = sorted(exact, key=lambda k: (shares[k] - exact[k], repr(k)))
+    for k in by_remainder[:left]:
+        shares[k] += QUANTUM
+    return shares
+
+
+@dataclass(frozen=True, slots=True)
+class InstanceHour:
+    """One instance of the pool in the hour: its GPUs, speeds, and what each group of usage
+    (e.g. tenant x model) asked of it, as (fresh prompt tokens, generated tokens)."""
+
+    instance: str
+    gpus: int
+    prefill_tokens_per_s: float
+    decode_tokens_per_s: float
+    usage: Mapping[Hashable, tuple[int, int]] = field(default_factory=dict)
+
+    def engine_seconds(self) -> dict[Hashable, float]:
+        """Engine time per group; groups that cost no engine time are left out."""
+        seconds = {
+            group: fresh / self.prefill_tokens_per_s + generated / self.decode_tokens_per_s
+            for group, (fresh, generated) in self.usage.items()
+        }
+        return {group: s for group, s in seconds.items() if s > 0}
+
+
+@dataclass(slots=True)
+class PoolHourCost:
+    cost: Decimal
+    #: Group -> its share of the pool's cost.
+    allocated: dict[Hashable, Decimal]
+    #: GPUs with no instance.
+    idle: Decimal = ZERO
+    #: Instances that served nothing in the hour.
+    warm_idle: Decimal = ZERO
+    #: Engine seconds of the hour's usage, over all instances.
+    busy_s: float = 0.0
+
+    @property
+    def unallocated(self) -> Decimal:
+        return self.idle + self.warm_idle
+
+
+def pool_hour_cost(
+    *, gpus: int, price_per_gpu_hour: Decimal, instances: Sequence[InstanceHour]
+) -> PoolHourCost:
+    """Split one pool's hour (see the module's rule); ``gpus``: the pool's GPUs in all."""
+    cost = (gpus * price_per_gpu_hour).quantize(QUANTUM)
+    used = sum(i.gpus for i in instances)
+    result = PoolHourCost(cost=cost, allocated={})
+    if cost == 0 or gpus == 0:
+        return result
+    parts: dict[Hashable, float] = {i.instance: float(i.gpus) for i in instances if i.gpus}
+    if gpus > used:
+        parts[_IDLE] = float(gpus - used)
+    shares = split_exactly(cost, parts)
+    result.idle = shares.pop(_IDLE, ZERO)
+    for inst in instances:
+        seconds = inst.engine_seconds()
+        share = shares.get(inst.instance, ZERO)
+        if not seconds:
+            result.warm_idle += share
+            continue
+        result.busy_s += sum(seconds.values())
+        for group, amount in split_exactly(share, seconds).items():
+            result.allocated[group] = result.allocated.get(group, ZERO) + amount
+    return result
