@@ -16,6 +16,7 @@ from federation.inventory.models import Region
 from federation.metering.models import PoolHour, StaleUsageHour, UsageHour, UsageRecord
 from federation.metering.partitions import partition_name
 from federation.metering.pricing import Price
+from federation.metering.selectors import UsageQuery, pool_cost_report, usage_report
 from federation.metering.services import model_price_set, usage_hours_refresh, usage_ingest
 from federation.metering.stream import GROUP, REJECTED_STREAM, usage_stream_consume
 from federation.tenancy.models import Tenant
@@ -140,6 +141,24 @@ def test_each_pool_hour_is_accounted_for_exactly(fleet: str) -> None:
     assert h100.allocated_usd + h100.idle_usd + h100.warm_idle_usd == h100.cost_usd
     assert h100.allocated_usd == Decimal("2.50")  # the instance's GPU-hour, all carried
     assert {g.tenant for g in groups if g.cost_usd > 0} == {"acme", "globex", "initech"}
+    by_tenant = usage_report(
+        UsageQuery(
+            HOUR, HOUR + timedelta(days=1), group_by=["tenant"], bucket="day", with_cost=True
+        )
+    )
+    assert [(r["tenant"], r["requests"]) for r in by_tenant] == [
+        ("acme", 10),
+        ("globex", 10),
+        ("initech", 10),
+    ]
+    assert sum((r["cost_usd"] for r in by_tenant), start=Decimal(0)) == h100.allocated_usd
+    for r in by_tenant:
+        assert r["day"] == HOUR.replace(hour=0)
+        assert r["margin_usd"] == r["price_usd"] - r["cost_usd"]
+    [acme] = usage_report(UsageQuery(HOUR, HOUR + timedelta(hours=1), filters={"tenant": ["acme"]}))
+    assert "cost_usd" not in acme and acme["requests"] == 10
+    pools = pool_cost_report(start=HOUR, end=HOUR + timedelta(hours=1))
+    assert [p["pool"] for p in pools] == ["us-east/h100", "us-east/l4"]
     l4 = PoolHour.objects.get(hour=HOUR, pool="us-east/l4")
     assert (l4.cost_usd, l4.idle_usd, l4.allocated_usd) == (16 * Decimal("0.70"),) * 2 + (0,)
 

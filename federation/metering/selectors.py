@@ -1,0 +1,94 @@
+"""Reads for metering: usage and cost reports from the hourly rollups.
+
+Reports read ``UsageHour`` and ``PoolHour`` only (hundreds of rows per hour, not one per
+request), so a month over millions of requests is summed from a few hundred thousand rows.
+Amounts are exact decimals: a report's total is the sum of its rows to the last digit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any, Literal
+
+from django.db.models import QuerySet, Sum
+from django.db.models.functions import TruncDay
+
+from federation.metering.models import PoolHour, UsageHour
+
+Dimension = Literal["tenant", "model", "region", "pool"]
+DIMENSIONS: tuple[Dimension, ...] = ("tenant", "model", "region", "pool")
+Bucket = Literal["hour", "day"]
+USAGE_SUMS = (
+    "requests",
+    "cancelled",
+    "errors",
+    "prompt_tokens",
+    "cached_tokens",
+    "completion_tokens",
+    "price_usd",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class UsageQuery:
+    start: datetime
+    end: datetime
+    group_by: Sequence[Dimension] = ()
+    bucket: Bucket | None = None
+    #: Dimension -> the values to keep (e.g. ``{"tenant": ["acme"]}``: a tenant's own view).
+    filters: dict[Dimension, Sequence[str]] = field(default_factory=dict)
+    #: Add the operator's cost and the margin (price - cost): for operators only.
+    with_cost: bool = False
+
+
+def _bucketed(rows: QuerySet[Any], bucket: Bucket | None) -> tuple[QuerySet[Any], list[str]]:
+    if bucket == "hour":
+        return rows, ["hour"]
+    if bucket == "day":
+        return rows.annotate(day=TruncDay("hour", tzinfo=UTC)), ["day"]
+    return rows, []
+
+
+def usage_report(query: UsageQuery) -> list[dict[str, Any]]:
+    """Usage summed by ``group_by`` (and time bucket), ordered by them."""
+    rows = UsageHour.objects.filter(hour__gte=query.start, hour__lt=query.end)
+    for dimension, values in query.filters.items():
+        rows = rows.filter(**{f"{dimension}__in": list(values)})
+    rows, keys = _bucketed(rows, query.bucket)
+    keys = [*keys, *query.group_by]
+    sums: dict[str, Any] = {name: Sum(name, default=0) for name in USAGE_SUMS}
+    if query.with_cost:
+        sums["cost_usd"] = Sum("cost_usd", default=0)
+    if keys:
+        report = list(rows.values(*keys).annotate(**sums).order_by(*keys))
+    else:
+        report = [rows.aggregate(**sums)]
+    if query.with_cost:
+        for row in report:
+            row["margin_usd"] = row["price_usd"] - row["cost_usd"]
+    return report
+
+
+def pool_cost_report(
+    *, start: datetime, end: datetime, bucket: Bucket | None = None, pools: Sequence[str] = ()
+) -> list[dict[str, Any]]:
+    """Each pool's cost and where it went (allocated, idle, warm idle), by time bucket."""
+    rows = PoolHour.objects.filter(hour__gte=start, hour__lt=end)
+    if pools:
+        rows = rows.filter(pool__in=list(pools))
+    rows, keys = _bucketed(rows, bucket)
+    keys = [*keys, "pool"]
+    return list(
+        rows.values(*keys)
+        .annotate(
+            gpu_hours=Sum("gpus"),
+            cost_usd=Sum("cost_usd"),
+            allocated_usd=Sum("allocated_usd"),
+            idle_usd=Sum("idle_usd"),
+            warm_idle_usd=Sum("warm_idle_usd"),
+            busy_s=Sum("busy_s"),
+        )
+        .order_by(*keys)
+    )
