@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from bisect import bisect_left
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from itertools import accumulate
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -18,6 +18,10 @@ from prometheus_client.core import HistogramMetricFamily, Metric
 from prometheus_client.utils import floatToGoString
 
 from regions.engines.simulator.scheduler import SchedulerCounters
+
+#: A bucket bound as Prometheus labels it (``1e+06``, ``+Inf``), exactly as prometheus_client's
+#: own histograms do; the library leaves this helper unannotated, so it is typed here.
+_go_float: Callable[[float], str] = floatToGoString
 
 FINISH_REASONS = ("stop", "length", "abort", "error", "repetition")
 REQUEST_LATENCY_BUCKETS: tuple[float, ...] = (
@@ -78,7 +82,7 @@ class FastHistogram:
     def collect(self) -> Iterator[Metric]:
         family = HistogramMetricFamily(self.name, self.documentation, labels=self.labels)
         cumulative = list(accumulate(self.counts))
-        bounds = [floatToGoString(b) for b in self.upper] + ["+Inf"]
+        bounds = [_go_float(b) for b in self.upper] + ["+Inf"]
         family.add_metric(self.values, list(zip(bounds, cumulative, strict=True)), self.sum)
         yield family
 
