@@ -148,6 +148,25 @@ def parse_vllm_metrics(text: str) -> EngineLoad:
     Raises ``ValueError`` on a malformed line of a metric it reads.
     """
     text = "\n" + text
+    totals, running_samples = _summed(text)
+    kv_usage = _kv_usage(text)
+    running, waiting, max_lora = _lora_adapters(text)
+    block_size, num_gpu_blocks = _cache_config(text)
+    return EngineLoad(
+        kv_cache_usage_perc=kv_usage,
+        running_lora_adapters=running,
+        waiting_lora_adapters=waiting,
+        max_lora=max_lora,
+        block_size=block_size,
+        num_gpu_blocks=num_gpu_blocks,
+        model_names=_model_names(running_samples),
+        **totals,
+    )
+
+
+def _summed(text: str) -> tuple[dict[str, int], list[tuple[str, float]]]:
+    """The summed ``EngineLoad`` fields found (the first name present of each), and the
+    running-requests samples, whose labels name the served models."""
     totals: dict[str, int] = {}
     running_samples: list[tuple[str, float]] = []
     for field, names in _SUMMED:
@@ -158,8 +177,11 @@ def parse_vllm_metrics(text: str) -> EngineLoad:
                 if name == _MODEL_LABEL_SOURCE:
                     running_samples = samples
                 break
+    return totals, running_samples
 
-    kv_usage = 0.0
+
+def _kv_usage(text: str) -> float:
+    """The KV-cache usage fraction, averaged over engines (0 when absent)."""
     for name in _KV_USAGE_NAMES:
         samples = _series(text, name)
         if samples:
@@ -167,44 +189,45 @@ def parse_vllm_metrics(text: str) -> EngineLoad:
             # A fraction cannot exceed 1; a value above it was published in percent.
             if kv_usage > 1.0:
                 kv_usage /= 100.0
-            kv_usage = min(max(kv_usage, 0.0), 1.0)
-            break
+            return min(max(kv_usage, 0.0), 1.0)
+    return 0.0
 
-    running: tuple[str, ...] = ()
-    waiting: tuple[str, ...] = ()
-    max_lora: int | None = None
+
+def _lora_adapters(text: str) -> tuple[tuple[str, ...], tuple[str, ...], int | None]:
+    """Running and waiting adapters and ``max_lora``, from the newest LoRA info series."""
     lora = _series(text, _LORA_INFO)
-    if lora:
-        # The gauge is set to the current time on every step, once per label combination ever
-        # seen; the newest series is the present state.
-        labels = parse_labels(max(lora, key=lambda s: s[1])[0])
-        running = _split_csv(labels.get("running_lora_adapters", ""))
-        waiting = _split_csv(labels.get("waiting_lora_adapters", ""))
-        max_lora = _int_or_none(labels.get("max_lora", ""))
+    if not lora:
+        return (), (), None
+    # The gauge is set to the current time on every step, once per label combination ever
+    # seen; the newest series is the present state.
+    labels = parse_labels(max(lora, key=lambda s: s[1])[0])
+    return (
+        _split_csv(labels.get("running_lora_adapters", "")),
+        _split_csv(labels.get("waiting_lora_adapters", "")),
+        _int_or_none(labels.get("max_lora", "")),
+    )
 
-    block_size: int | None = None
-    num_gpu_blocks: int | None = None
+
+def _cache_config(text: str) -> tuple[int | None, int | None]:
+    """Block size and number of GPU blocks, when the server publishes its cache config."""
     cache = _series(text, _CACHE_INFO)
-    if cache:
-        labels = parse_labels(cache[0][0])
-        block_size = _int_or_none(labels.get("block_size", ""))
-        num_gpu_blocks = _int_or_none(labels.get("num_gpu_blocks", ""))
+    if not cache:
+        return None, None
+    labels = parse_labels(cache[0][0])
+    return (
+        _int_or_none(labels.get("block_size", "")),
+        _int_or_none(labels.get("num_gpu_blocks", "")),
+    )
 
+
+def _model_names(running_samples: list[tuple[str, float]]) -> tuple[str, ...]:
+    """Distinct ``model_name`` label values, in order of appearance."""
     models: dict[str, None] = {}
     for label_text, _ in running_samples:
         model = parse_labels(label_text).get("model_name")
         if model:
             models[model] = None
-    return EngineLoad(
-        kv_cache_usage_perc=kv_usage,
-        running_lora_adapters=running,
-        waiting_lora_adapters=waiting,
-        max_lora=max_lora,
-        block_size=block_size,
-        num_gpu_blocks=num_gpu_blocks,
-        model_names=tuple(models),
-        **totals,
-    )
+    return tuple(models)
 
 
 def _int_or_none(value: str) -> int | None:

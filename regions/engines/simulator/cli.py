@@ -218,13 +218,31 @@ def build_engines(configs: list[EngineConfig]) -> list[SimEngine]:
 
 
 async def serve(args: argparse.Namespace, engines: list[SimEngine]) -> None:
-    configs = [engine.config for engine in engines]
+    """Run the engines and one HTTP server each until a signal (or every engine's kill),
+    then close everything."""
     sockets = [_bind(args.host, args.port + i if args.port else 0) for i in range(len(engines))]
     publishers = kv_event_publishers(args.kv_events_config, engines, args.host)
-    loop = asyncio.get_running_loop()
-    servers: list[_Server] = []
     engine_tasks = [asyncio.ensure_future(engine.run()) for engine in engines]
-    for engine, cfg in zip(engines, configs, strict=True):
+    servers = _servers(engines, args.log_level)
+    logging.getLogger("uvicorn.error").addFilter(CUT_FILTER)
+    _stop_on_signals(servers)
+    server_tasks = [
+        asyncio.ensure_future(server.serve(sockets=[sock]))
+        for server, sock in zip(servers, sockets, strict=True)
+    ]
+    await _until_started(servers, server_tasks)
+    _announce(engines, sockets, args.host, args.ready_file)
+    try:
+        await asyncio.gather(*server_tasks)
+    finally:
+        await _shut_down(engines, engine_tasks, sockets, publishers)
+
+
+def _servers(engines: list[SimEngine], log_level: str) -> list[_Server]:
+    """One uvicorn server per engine, not yet serving; a ``kill_after_s`` fault is armed."""
+    loop = asyncio.get_running_loop()
+    servers = []
+    for engine in engines:
         app = EngineApp(engine)
         config = uvicorn.Config(
             app,
@@ -232,7 +250,7 @@ async def serve(args: argparse.Namespace, engines: list[SimEngine]) -> None:
             http="httptools",
             lifespan="off",
             access_log=False,
-            log_level=args.log_level,
+            log_level=log_level,
             timeout_graceful_shutdown=2,
             timeout_keep_alive=30,
             backlog=2048,
@@ -240,58 +258,80 @@ async def serve(args: argparse.Namespace, engines: list[SimEngine]) -> None:
         server = _Server(config)
         app.on_kill = _stopper(server)
         servers.append(server)
-        if cfg.faults.kill_after_s is not None:
-            loop.call_later(cfg.faults.kill_after_s, app.kill)
-    logging.getLogger("uvicorn.error").addFilter(CUT_FILTER)
+        if engine.config.faults.kill_after_s is not None:
+            loop.call_later(engine.config.faults.kill_after_s, app.kill)
+    return servers
+
+
+def _stop_on_signals(servers: list[_Server]) -> None:
+    """SIGINT and SIGTERM stop every server (``serve`` then closes the engines)."""
 
     def stop() -> None:
         for server in servers:
             server.should_exit = True
 
+    loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop)
-    server_tasks = [
-        asyncio.ensure_future(server.serve(sockets=[sock]))
-        for server, sock in zip(servers, sockets, strict=True)
-    ]
-    for _ in range(500):  # every server up within 5 s, or give up
-        if all(s.started for s in servers) or any(t.done() for t in server_tasks):
-            break
+
+
+async def _until_started(servers: list[_Server], tasks: list[asyncio.Task[None]]) -> None:
+    """Every server up within 5 s, or stop waiting (one that failed has ended its task)."""
+    for _ in range(500):
+        if all(s.started for s in servers) or any(t.done() for t in tasks):
+            return
         await asyncio.sleep(0.01)
+
+
+def _announce(
+    engines: list[SimEngine], sockets: list[socket.socket], host: str, ready_file: Path | None
+) -> None:
+    """Give each engine its own address (its KV side channel), print its listening line and
+    write the ready-file."""
     ready = []
     for engine, sock in zip(engines, sockets, strict=True):
-        port = sock.getsockname()[1]
-        engine.side_channel = (args.host, port)
-        url = f"http://{args.host}:{port}"
-        entry: dict[str, object] = {"index": engine.index, "url": url, "port": port}
-        events = ""
-        if engine.kv_events is not None:
-            entry["kv_events_endpoint"] = advertised(engine.kv_events, args.host)
-            events = f" kv_events={entry['kv_events_endpoint']}"
-        ready.append(entry)
-        print(
-            f"engine-sim: engine {engine.index} listening on {url} "
-            f"model={engine.served_model_names[0]} accelerator={engine.config.accelerator} "
-            f"tp={engine.config.tp} num_gpu_blocks={engine.num_gpu_blocks} "
-            f"max_model_len={engine.max_model_len}"
-            + (" zero-latency" if engine.config.zero_latency else "")
-            + events,
-            flush=True,
-        )
-    if args.ready_file is not None:
-        args.ready_file.write_text(json.dumps({"engines": ready}))
-    try:
-        await asyncio.gather(*server_tasks)
-    finally:
-        for engine in engines:
-            await engine.aclose()
-        for task in engine_tasks:
-            task.cancel()
-        await asyncio.gather(*engine_tasks, return_exceptions=True)
-        for sock in sockets:
-            sock.close()
-        for publisher in publishers:
-            publisher.close()
+        port: int = sock.getsockname()[1]
+        engine.side_channel = (host, port)
+        ready.append(_announce_engine(engine, host, port))
+    if ready_file is not None:
+        ready_file.write_text(json.dumps({"engines": ready}))
+
+
+def _announce_engine(engine: SimEngine, host: str, port: int) -> dict[str, object]:
+    """Print the engine's ``listening on`` line; its ready-file entry."""
+    url = f"http://{host}:{port}"
+    entry: dict[str, object] = {"index": engine.index, "url": url, "port": port}
+    events = ""
+    if engine.kv_events is not None:
+        entry["kv_events_endpoint"] = advertised(engine.kv_events, host)
+        events = f" kv_events={entry['kv_events_endpoint']}"
+    print(
+        f"engine-sim: engine {engine.index} listening on {url} "
+        f"model={engine.served_model_names[0]} accelerator={engine.config.accelerator} "
+        f"tp={engine.config.tp} num_gpu_blocks={engine.num_gpu_blocks} "
+        f"max_model_len={engine.max_model_len}"
+        + (" zero-latency" if engine.config.zero_latency else "")
+        + events,
+        flush=True,
+    )
+    return entry
+
+
+async def _shut_down(
+    engines: list[SimEngine],
+    engine_tasks: list[asyncio.Task[None]],
+    sockets: list[socket.socket],
+    publishers: list[KVEventPublisher],
+) -> None:
+    for engine in engines:
+        await engine.aclose()
+    for task in engine_tasks:
+        task.cancel()
+    await asyncio.gather(*engine_tasks, return_exceptions=True)
+    for sock in sockets:
+        sock.close()
+    for publisher in publishers:
+        publisher.close()
 
 
 def _stopper(server: _Server) -> Callable[[], None]:

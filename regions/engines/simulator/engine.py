@@ -36,6 +36,8 @@ from regions.engines.simulator.scheduler import (
     Scheduler,
     SchedulerConfig,
     Status,
+    StepPlan,
+    StepResult,
 )
 from regions.engines.simulator.tokenizer import OutputPlanner, Tokenizer, tokens_digest
 
@@ -137,29 +139,16 @@ class SimEngine:
         self.metrics = EngineMetrics(
             self.served_model_names[0],
             self.max_model_len,
-            {
-                "block_size": str(bs),
-                "cache_dtype": "auto",
-                "enable_prefix_caching": str(config.enable_prefix_caching),
-                "gpu_memory_utilization": "0.9",
-                "num_cpu_blocks": "None",
-                "num_gpu_blocks": str(self.num_gpu_blocks),
-                "num_gpu_blocks_override": str(config.num_gpu_blocks),
-                "prefix_caching_hash_algo": "xxhash",
-                "sliding_window": "None",
-            },
+            _cache_config_info(config, self.num_gpu_blocks),
             config.max_loras,
         )
         self.faults = FaultInjector(config.seed * 7919 + index, config.faults)
         self.loras: dict[str, str] = dict(config.lora_modules)
         self.streams: dict[str, RequestStream] = {}
         self.created = int(time.time())
-        digest = xxhash.xxh64_hexdigest(
-            f"{config.model}|{config.accelerator}|{config.tp}|{self.max_model_len}|"
-            f"{self.num_gpu_blocks}|{config.seed}".encode()
+        self.system_fingerprint = _system_fingerprint(
+            config, self.max_model_len, self.num_gpu_blocks
         )
-        tp = f"-tp{config.tp}" if config.tp > 1 else ""
-        self.system_fingerprint = f"vllm-{VLLM_VERSION}{tp}-{digest[:8]}"
         self.killed = False
         self.killed_event = asyncio.Event()
         #: NixlConnector's engine id (a fresh one per start: a restarted engine holds nothing).
@@ -316,34 +305,38 @@ class SimEngine:
             await asyncio.sleep(delay if delay > 0 else 0)
             now = clock()
             step_start = step_end if now - step_end < 0.002 else now
-            result = scheduler.update(plan, now)
-            if self.kv_events is not None:
-                self.kv_events.flush()  # one batch per step, as vLLM publishes them
-            self.metrics.iteration_tokens.observe(plan.num_scheduled_tokens)
-            ttft = self.metrics.ttft.observe
-            itl = self.metrics.itl.observe
-            streams = self.streams
-            for request in result.first_tokens:
-                ttft(now - request.arrival_time)
-            for request in result.sampled:
-                stream = streams.get(request.request_id)
-                if stream is None:
-                    continue
-                if stream.last_token_time is not None:
-                    itl(now - stream.last_token_time)
-                stream.last_token_time = now
-                stream.notify()
-            held = scheduler.held
-            for request in result.finished:
-                streams.pop(request.request_id, None)
-                self._record_finished(request, now)
-                if request.request_id in held:
-                    # Nobody came for the blocks: free them, as vLLM's abort timeout does.
-                    asyncio.get_running_loop().call_later(
-                        self.config.kv_transfer.hold_s,
-                        scheduler.release_held,
-                        request.request_id,
-                    )
+            self._deliver(plan, scheduler.update(plan, now), now)
+
+    def _deliver(self, plan: StepPlan, result: StepResult, now: float) -> None:
+        """A computed step's effects outside the scheduler: KV events and metrics published,
+        handlers woken for their new tokens, finished requests recorded."""
+        if self.kv_events is not None:
+            self.kv_events.flush()  # one batch per step, as vLLM publishes them
+        self.metrics.iteration_tokens.observe(plan.num_scheduled_tokens)
+        ttft = self.metrics.ttft.observe
+        itl = self.metrics.itl.observe
+        streams = self.streams
+        for request in result.first_tokens:
+            ttft(now - request.arrival_time)
+        for request in result.sampled:
+            stream = streams.get(request.request_id)
+            if stream is None:
+                continue
+            if stream.last_token_time is not None:
+                itl(now - stream.last_token_time)
+            stream.last_token_time = now
+            stream.notify()
+        held = self.scheduler.held
+        for request in result.finished:
+            streams.pop(request.request_id, None)
+            self._record_finished(request, now)
+            if request.request_id in held:
+                # Nobody came for the blocks: free them, as vLLM's abort timeout does.
+                asyncio.get_running_loop().call_later(
+                    self.config.kv_transfer.hold_s,
+                    self.scheduler.release_held,
+                    request.request_id,
+                )
 
     def _record_finished(self, request: Request, now: float) -> None:
         self.metrics.record_finished(
@@ -397,3 +390,28 @@ class SimEngine:
             waiting_loras=scheduler.waiting_loras(),
         )
         return self.metrics.exposition()
+
+
+def _cache_config_info(config: EngineConfig, num_gpu_blocks: int) -> dict[str, str]:
+    """The labels of vLLM's ``vllm:cache_config_info`` for this engine."""
+    return {
+        "block_size": str(config.block_size),
+        "cache_dtype": "auto",
+        "enable_prefix_caching": str(config.enable_prefix_caching),
+        "gpu_memory_utilization": "0.9",
+        "num_cpu_blocks": "None",
+        "num_gpu_blocks": str(num_gpu_blocks),
+        "num_gpu_blocks_override": str(config.num_gpu_blocks),
+        "prefix_caching_hash_algo": "xxhash",
+        "sliding_window": "None",
+    }
+
+
+def _system_fingerprint(config: EngineConfig, max_model_len: int, num_gpu_blocks: int) -> str:
+    """Stable for one configuration, different across them, as clients see vLLM's."""
+    digest = xxhash.xxh64_hexdigest(
+        f"{config.model}|{config.accelerator}|{config.tp}|{max_model_len}|"
+        f"{num_gpu_blocks}|{config.seed}".encode()
+    )
+    tp = f"-tp{config.tp}" if config.tp > 1 else ""
+    return f"vllm-{VLLM_VERSION}{tp}-{digest[:8]}"

@@ -103,7 +103,9 @@ class PerfModel:
 
     @property
     def _scale(self) -> float:
-        return (self.params_billion / 8.0) / (self.accelerator.speed * self.tp**TP_EXPONENT)
+        return (self.params_billion / 8.0) / (
+            self.accelerator.speed * math.pow(self.tp, TP_EXPONENT)
+        )
 
     def step_time(
         self,
@@ -138,7 +140,7 @@ class PerfModel:
 
     def kv_bytes_per_token(self) -> float:
         # KV width grows slower than parameter count (GQA): 8B → 128 KiB, 70B → ~340 KiB.
-        return KV_BYTES_PER_TOKEN_8B * (self.params_billion / 8.0) ** 0.45
+        return KV_BYTES_PER_TOKEN_8B * math.pow(self.params_billion / 8.0, 0.45)
 
     def default_num_gpu_blocks(self, block_size: int = 16) -> int:
         """Blocks that fit beside the weights, as vLLM sizes its cache at start-up."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from bisect import bisect_left
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from itertools import accumulate
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -18,6 +18,10 @@ from prometheus_client.core import HistogramMetricFamily, Metric
 from prometheus_client.utils import floatToGoString
 
 from regions.engines.simulator.scheduler import SchedulerCounters
+
+#: A bucket bound as Prometheus labels it (``1e+06``, ``+Inf``), exactly as prometheus_client's
+#: own histograms do; the library leaves this helper unannotated, so it is typed here.
+_go_float: Callable[[float], str] = floatToGoString
 
 FINISH_REASONS = ("stop", "length", "abort", "error", "repetition")
 REQUEST_LATENCY_BUCKETS: tuple[float, ...] = (
@@ -78,12 +82,39 @@ class FastHistogram:
     def collect(self) -> Iterator[Metric]:
         family = HistogramMetricFamily(self.name, self.documentation, labels=self.labels)
         cumulative = list(accumulate(self.counts))
-        bounds = [floatToGoString(b) for b in self.upper] + ["+Inf"]
+        bounds = [_go_float(b) for b in self.upper] + ["+Inf"]
         family.add_metric(self.values, list(zip(bounds, cumulative, strict=True)), self.sum)
         yield family
 
 
+class _Declarer:
+    """Declares metrics in one registry, each labelled with the engine's model name and index;
+    hands back the engine's series."""
+
+    __slots__ = ("labels", "registry", "values")
+
+    def __init__(self, registry: CollectorRegistry, model_name: str, engine: str):
+        self.registry = registry
+        self.labels = ["model_name", "engine"]
+        self.values = (model_name, engine)
+
+    def gauge(self, name: str, doc: str) -> Gauge:
+        return Gauge(name, doc, self.labels, registry=self.registry).labels(*self.values)
+
+    def counter(self, name: str, doc: str) -> Counter:
+        return Counter(name, doc, self.labels, registry=self.registry).labels(*self.values)
+
+    def histogram(self, name: str, doc: str, buckets: Sequence[float]) -> Histogram:
+        metric = Histogram(name, doc, self.labels, buckets=buckets, registry=self.registry)
+        return metric.labels(*self.values)
+
+    def fast_histogram(self, name: str, doc: str, buckets: Sequence[float]) -> FastHistogram:
+        return FastHistogram(name, doc, self.labels, self.values, buckets, self.registry)
+
+
 class EngineMetrics:
+    """One engine's vLLM metrics, registered in vLLM's order (the exposition follows it)."""
+
     def __init__(
         self,
         model_name: str,
@@ -92,124 +123,128 @@ class EngineMetrics:
         max_loras: int,
         engine: str = "0",
     ):
-        self.registry = r = CollectorRegistry()
-        labels = ["model_name", "engine"]
-        lv = (model_name, engine)
+        self.registry = CollectorRegistry()
+        declare = _Declarer(self.registry, model_name, engine)
+        self._declare_engine_state(declare)
+        self._declare_request_stats(declare, max_model_len)
+        self._declare_latencies(declare)
+        self._declare_config_info(cache_info, max_loras, engine)
+        self._exported = SchedulerCounters()
 
-        def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(name, doc, labels, registry=r)
-
-        def counter(name: str, doc: str) -> Counter:
-            return Counter(name, doc, labels, registry=r)
-
-        def hist(name: str, doc: str, buckets: tuple[float, ...] | list[float]) -> Histogram:
-            return Histogram(name, doc, labels, buckets=buckets, registry=r)
-
-        self.running = gauge(
+    def _declare_engine_state(self, declare: _Declarer) -> None:
+        """Queue gauges and token counters, brought up to date when scraped (``refresh``)."""
+        self.running = declare.gauge(
             "vllm:num_requests_running", "Number of requests in model execution batches."
-        ).labels(*lv)
-        self.waiting = gauge(
+        )
+        self.waiting = declare.gauge(
             "vllm:num_requests_waiting", "Number of requests waiting to be processed."
-        ).labels(*lv)
-        self.kv_usage = gauge(
+        )
+        self.kv_usage = declare.gauge(
             "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage."
-        ).labels(*lv)
-        self.prefix_queries = counter(
+        )
+        self.prefix_queries = declare.counter(
             "vllm:prefix_cache_queries",
             "Prefix cache queries, in terms of number of queried tokens.",
-        ).labels(*lv)
-        self.prefix_hits = counter(
+        )
+        self.prefix_hits = declare.counter(
             "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens."
-        ).labels(*lv)
-        self.external_queries = counter(
+        )
+        self.external_queries = declare.counter(
             "vllm:external_prefix_cache_queries",
             "External prefix cache queries from KV connector cross-instance cache sharing, in "
             "terms of number of queried tokens.",
-        ).labels(*lv)
-        self.external_hits = counter(
+        )
+        self.external_hits = declare.counter(
             "vllm:external_prefix_cache_hits",
             "External prefix cache hits from KV connector cross-instance cache sharing, in "
             "terms of number of cached tokens.",
-        ).labels(*lv)
-        self.failed_transfers = counter(
+        )
+        self.failed_transfers = declare.counter(
             "vllm:nixl_num_failed_transfers", "Number of failed NIXL KV Cache transfers."
-        ).labels(*lv)
-        self.preemptions = counter(
+        )
+        self.preemptions = declare.counter(
             "vllm:num_preemptions", "Cumulative number of preemption from the engine."
-        ).labels(*lv)
-        self.prompt_tokens = counter(
+        )
+        self.prompt_tokens = declare.counter(
             "vllm:prompt_tokens", "Number of prefill tokens processed."
-        ).labels(*lv)
-        self.generation_tokens = counter(
+        )
+        self.generation_tokens = declare.counter(
             "vllm:generation_tokens", "Number of generation tokens processed."
-        ).labels(*lv)
+        )
+
+    def _declare_request_stats(self, declare: _Declarer, max_model_len: int) -> None:
+        """Finished requests by reason, and the token counts of requests and steps."""
         success = Counter(
             "vllm:request_success",
             "Count of successfully processed requests.",
-            [*labels, "finished_reason"],
-            registry=r,
+            [*declare.labels, "finished_reason"],
+            registry=declare.registry,
         )
-        self.success = {reason: success.labels(*lv, reason) for reason in FINISH_REASONS}
+        self.success = {
+            reason: success.labels(*declare.values, reason) for reason in FINISH_REASONS
+        }
         token_buckets = build_1_2_5_buckets(max_model_len)
-        self.request_prompt_tokens = hist(
+        self.request_prompt_tokens = declare.histogram(
             "vllm:request_prompt_tokens", "Number of prefill tokens processed.", token_buckets
-        ).labels(*lv)
-        self.request_generation_tokens = hist(
+        )
+        self.request_generation_tokens = declare.histogram(
             "vllm:request_generation_tokens",
             "Number of generation tokens processed.",
             token_buckets,
-        ).labels(*lv)
-        self.iteration_tokens = hist(
+        )
+        self.iteration_tokens = declare.histogram(
             "vllm:iteration_tokens_total",
             "Histogram of number of tokens per engine_step.",
             ITERATION_TOKENS_BUCKETS,
-        ).labels(*lv)
-        self.max_tokens_param = hist(
+        )
+        self.max_tokens_param = declare.histogram(
             "vllm:request_params_max_tokens",
             "Histogram of the max_tokens request parameter.",
             token_buckets,
-        ).labels(*lv)
-        self.ttft = FastHistogram(
+        )
+
+    def _declare_latencies(self, declare: _Declarer) -> None:
+        """Per-token latencies (observed in the engine loop) and per-request phase times."""
+        self.ttft = declare.fast_histogram(
             "vllm:time_to_first_token_seconds",
             "Histogram of time to first token in seconds.",
-            labels,
-            lv,
             TTFT_BUCKETS,
-            r,
         )
-        self.itl = FastHistogram(
+        self.itl = declare.fast_histogram(
             "vllm:inter_token_latency_seconds",
             "Histogram of inter-token latency in seconds.",
-            labels,
-            lv,
             ITL_BUCKETS,
-            r,
         )
-        self.e2e = hist(
+        self.e2e = declare.histogram(
             "vllm:e2e_request_latency_seconds",
             "Histogram of e2e request latency in seconds.",
             REQUEST_LATENCY_BUCKETS,
-        ).labels(*lv)
-        self.queue_time = hist(
+        )
+        self.queue_time = declare.histogram(
             "vllm:request_queue_time_seconds",
             "Histogram of time spent in WAITING phase for request.",
             REQUEST_LATENCY_BUCKETS,
-        ).labels(*lv)
-        self.prefill_time = hist(
+        )
+        self.prefill_time = declare.histogram(
             "vllm:request_prefill_time_seconds",
             "Histogram of time spent in PREFILL phase for request.",
             REQUEST_LATENCY_BUCKETS,
-        ).labels(*lv)
-        self.decode_time = hist(
+        )
+        self.decode_time = declare.histogram(
             "vllm:request_decode_time_seconds",
             "Histogram of time spent in DECODE phase for request.",
             REQUEST_LATENCY_BUCKETS,
-        ).labels(*lv)
+        )
+
+    def _declare_config_info(
+        self, cache_info: Mapping[str, str], max_loras: int, engine: str
+    ) -> None:
+        """The cache configuration, and the LoRA adapters' gauge when LoRA is enabled."""
         Gauge(
             "vllm:cache_config_info",
             "Information of the LLMEngine CacheConfig",
             [*cache_info, "engine"],
-            registry=r,
+            registry=self.registry,
         ).labels(*cache_info.values(), engine).set(1)
         self.max_loras = max_loras
         self.lora_info: Gauge | None = None
@@ -218,9 +253,8 @@ class EngineMetrics:
                 "vllm:lora_requests_info",
                 "Running stats on lora requests.",
                 ["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
-                registry=r,
+                registry=self.registry,
             )
-        self._exported = SchedulerCounters()
 
     def record_finished(
         self,

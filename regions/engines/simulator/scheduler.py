@@ -205,17 +205,26 @@ class Scheduler:
     # -- one step ---------------------------------------------------------------------------
 
     def schedule(self, now: float = 0.0) -> StepPlan:
-        cfg = self.config
-        kv = self.kv
+        """Plan one step: grow the running requests, then admit waiting ones unless that
+        growth had to preempt (memory is short: the preempted go first next step)."""
         plan = StepPlan()
-        budget = cfg.max_num_batched_tokens
-        running = self.running
+        budget = self._grow_running(plan, self.config.max_num_batched_tokens)
+        if not plan.preempted:
+            self._admit_waiting(plan, budget, now)
+        return plan
 
+    def _grow_running(self, plan: StepPlan, budget: int) -> int:
+        """Give each running request, oldest first, its next tokens (one to decode, a chunk of
+        an unfinished prefill), preempting the newest running requests when KV blocks run
+        out; the budget left."""
+        max_model_len = self.config.max_model_len
+        kv = self.kv
+        running = self.running
         i = 0
         while i < len(running) and budget > 0:
             request = running[i]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            num_new = min(num_new, cfg.max_model_len - request.num_computed_tokens)
+            num_new = min(num_new, max_model_len - request.num_computed_tokens)
             if num_new <= 0:
                 i += 1
                 continue
@@ -232,59 +241,83 @@ class Scheduler:
             self._add_to_plan(plan, request, num_new)
             budget -= num_new
             i += 1
+        return budget
 
-        if not plan.preempted:
-            loras = {r.lora for r in running if r.lora}
-            skipped: list[Request] = []
-            while self.waiting and budget > 0 and len(running) < cfg.max_num_seqs:
-                request = self.waiting[0]
-                if request.lora and request.lora not in loras and len(loras) >= cfg.max_loras:
-                    skipped.append(self.waiting.popleft())
-                    continue
-                hit: list[int] = []
-                if request.num_computed_tokens == 0:
-                    hit = kv.find_cached_prefix(request.block_hashes, request.num_tokens)
-                num_cached = len(hit) * kv.block_size
-                # Transferred KV covers what the local cache does not, but never the last
-                # token: it is computed here to sample from (as vLLM's connector leaves it).
-                external = 0
-                if request.num_external_tokens > 0 and request.num_computed_tokens == 0:
-                    reach = min(request.num_external_tokens, request.num_tokens - 1)
-                    external = max(0, reach - num_cached)
-                num_new = request.num_tokens - request.num_computed_tokens - num_cached - external
-                if cfg.enable_chunked_prefill:
-                    num_new = min(num_new, budget)
-                elif num_new > budget:
-                    break
-                if not kv.allocate(
-                    request.block_ids, request.num_computed_tokens, num_new + external, hit
-                ):
-                    break
-                self.waiting.popleft()
-                if request.num_cached_tokens < 0:
-                    # vLLM counts a request's lookup once; re-lookups after preemption are
-                    # kept apart (preempted_* stats) and not exported.
-                    request.num_cached_tokens = num_cached + external
-                    counters = self.counters
-                    counters.prefix_cache_queries += request.num_tokens
-                    counters.prefix_cache_hits += num_cached
-                    if request.num_external_tokens > 0:
-                        counters.external_prefix_cache_queries += request.num_tokens - num_cached
-                        counters.external_prefix_cache_hits += external
-                # Used once: a preempted request recomputes (the remote blocks are gone).
-                request.num_external_tokens = 0
-                request.num_computed_tokens += num_cached + external
-                request.num_registered_blocks = len(hit)
-                if request.first_scheduled_time is None:
-                    request.first_scheduled_time = now
-                request.status = Status.RUNNING
-                running.append(request)
-                if request.lora:
-                    loras.add(request.lora)
-                self._add_to_plan(plan, request, num_new)
-                budget -= num_new
-            self.waiting.extendleft(reversed(skipped))
-        return plan
+    def _admit_waiting(self, plan: StepPlan, budget: int, now: float) -> None:
+        """Start waiting requests in FCFS order while there are seats, budget and blocks; one
+        whose adapter would exceed ``max_loras`` waits, keeping its place in line."""
+        cfg = self.config
+        running = self.running
+        waiting = self.waiting
+        loras = {r.lora for r in running if r.lora}
+        skipped: list[Request] = []
+        while waiting and budget > 0 and len(running) < cfg.max_num_seqs:
+            request = waiting[0]
+            if request.lora and request.lora not in loras and len(loras) >= cfg.max_loras:
+                skipped.append(waiting.popleft())
+                continue
+            num_new = self._admit(request, budget, now)
+            if num_new is None:
+                break
+            if request.lora:
+                loras.add(request.lora)
+            self._add_to_plan(plan, request, num_new)
+            budget -= num_new
+        waiting.extendleft(reversed(skipped))
+
+    def _admit(self, request: Request, budget: int, now: float) -> int | None:
+        """Move the first waiting request to running: its cached and transferred prompt
+        tokens count as computed, the rest is its prefill (chunked to ``budget``). The tokens
+        it computes this step, or None when it does not fit (it stays first in line)."""
+        kv = self.kv
+        hit, external = self._reusable_prefix(request)
+        num_cached = len(hit) * kv.block_size
+        num_new = request.num_tokens - request.num_computed_tokens - num_cached - external
+        if self.config.enable_chunked_prefill:
+            num_new = min(num_new, budget)
+        elif num_new > budget:
+            return None
+        if not kv.allocate(request.block_ids, request.num_computed_tokens, num_new + external, hit):
+            return None
+        self.waiting.popleft()
+        self._count_prefix_lookup(request, num_cached, external)
+        # Used once: a preempted request recomputes (the remote blocks are gone).
+        request.num_external_tokens = 0
+        request.num_computed_tokens += num_cached + external
+        request.num_registered_blocks = len(hit)
+        if request.first_scheduled_time is None:
+            request.first_scheduled_time = now
+        request.status = Status.RUNNING
+        self.running.append(request)
+        return num_new
+
+    def _reusable_prefix(self, request: Request) -> tuple[list[int], int]:
+        """For a request with nothing computed: the prefix-cache blocks it starts from, and
+        the transferred tokens beyond them. Transferred KV covers what the local cache does
+        not, but never the last token: it is computed here to sample from (as vLLM's
+        connector leaves it)."""
+        if request.num_computed_tokens != 0:
+            return [], 0
+        kv = self.kv
+        hit = kv.find_cached_prefix(request.block_hashes, request.num_tokens)
+        external = 0
+        if request.num_external_tokens > 0:
+            reach = min(request.num_external_tokens, request.num_tokens - 1)
+            external = max(0, reach - len(hit) * kv.block_size)
+        return hit, external
+
+    def _count_prefix_lookup(self, request: Request, num_cached: int, external: int) -> None:
+        """vLLM counts a request's lookup once; re-lookups after preemption are kept apart
+        (preempted_* stats) and not exported."""
+        if request.num_cached_tokens >= 0:
+            return
+        request.num_cached_tokens = num_cached + external
+        counters = self.counters
+        counters.prefix_cache_queries += request.num_tokens
+        counters.prefix_cache_hits += num_cached
+        if request.num_external_tokens > 0:
+            counters.external_prefix_cache_queries += request.num_tokens - num_cached
+            counters.external_prefix_cache_hits += external
 
     def _add_to_plan(self, plan: StepPlan, request: Request, num_new: int) -> None:
         plan.scheduled.append((request, num_new))

@@ -15,6 +15,7 @@ import logging
 import random
 import time
 from collections.abc import Awaitable, Callable, MutableMapping
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
@@ -109,6 +110,76 @@ def _bool_field(body: dict[str, Any], name: str, default: bool) -> bool:
             "bool_type", f"body.{name}", "Input should be a valid boolean", value
         )
     return value
+
+
+@dataclass(frozen=True, slots=True)
+class _Generation:
+    """A chat or completions request once its endpoint's own fields are read: what the path
+    both share (``EngineApp._generate``) starts from."""
+
+    body: dict[str, Any]
+    fate: Fate
+    #: The name the client used (echoed in the response) and the adapter it resolves to.
+    model: str
+    lora: str | None
+    prompt_ids: list[int]
+    #: As the client asked (None: up to the context limit), and its parameter's name.
+    max_tokens: int | None
+    max_tokens_param: str
+    chat: bool
+
+
+@dataclass(frozen=True, slots=True)
+class _ResponseShape:
+    """How the answer goes out: streamed or whole, with usage chunks or not."""
+
+    stream: bool
+    include_usage: bool
+    continuous: bool
+
+
+def _response_shape(body: dict[str, Any]) -> _ResponseShape:
+    """``n``, ``stream`` and ``stream_options``, checked as vLLM checks them."""
+    n = _int_field(body, "n")
+    if n is not None and n != 1:
+        raise _bad_request("the simulator generates one choice per request (n=1)", "n")
+    stream = _bool_field(body, "stream", False)
+    options = body.get("stream_options")
+    if options is not None:
+        if not stream:
+            raise _bad_request("Stream options can only be defined when `stream=True`.")
+        if not isinstance(options, dict):
+            raise _validation_error(
+                "model_type", "body.stream_options", "Input should be an object", options
+            )
+    include_usage = bool(options and options.get("include_usage"))
+    continuous = include_usage and bool(options and options.get("continuous_usage_stats"))
+    return _ResponseShape(stream, include_usage, continuous)
+
+
+def _cache_salt(body: dict[str, Any]) -> str | None:
+    """vLLM's ``cache_salt``: 1 to 1024 characters, or absent."""
+    value = body.get("cache_salt")
+    if value is None:
+        return None
+    if isinstance(value, str) and 0 < len(value) <= 1024:
+        return value
+    raise _validation_error(
+        "string_type", "body.cache_salt", "Input should be a valid string", value
+    )
+
+
+def _kv_transfer_params(body: dict[str, Any]) -> dict[str, Any] | None:
+    """The P/D ``kv_transfer_params``; a non-object is refused as pydantic refuses it."""
+    try:
+        return request_params(body)
+    except ValueError:
+        raise _validation_error(
+            "dict_type",
+            "body.kv_transfer_params",
+            "Input should be a valid dictionary",
+            body["kv_transfer_params"],
+        ) from None
 
 
 class EngineApp:
@@ -306,9 +377,8 @@ class EngineApp:
         param = "max_completion_tokens"
         if max_tokens is None:
             max_tokens, param = _int_field(body, "max_tokens"), "max_tokens"
-        await self._generate(
-            scope, receive, send, body, fate, model, lora, prompt_ids, max_tokens, param, True
-        )
+        generation = _Generation(body, fate, model, lora, prompt_ids, max_tokens, param, chat=True)
+        await self._generate(scope, receive, send, generation)
 
     async def completions(self, scope: Scope, receive: Receive, send: Send) -> None:
         body = await _json_body(scope, receive)
@@ -338,19 +408,10 @@ class EngineApp:
         max_tokens = _int_field(body, "max_tokens")
         if "max_tokens" not in body:
             max_tokens = 16  # vLLM's CompletionRequest default
-        await self._generate(
-            scope,
-            receive,
-            send,
-            body,
-            fate,
-            model,
-            lora,
-            prompt_ids,
-            max_tokens,
-            "max_tokens",
-            False,
+        generation = _Generation(
+            body, fate, model, lora, prompt_ids, max_tokens, "max_tokens", chat=False
         )
+        await self._generate(scope, receive, send, generation)
 
     def _check_chars(self, text: str) -> None:
         """vLLM's cheap pre-check: text longer than limit x longest token cannot fit."""
@@ -409,41 +470,52 @@ class EngineApp:
             raise _Disconnected
 
     async def _generate(
-        self,
-        scope: Scope,
-        receive: Receive,
-        send: Send,
-        body: dict[str, Any],
-        fate: Fate,
-        model: str,
-        lora: str | None,
-        prompt_ids: list[int],
-        max_tokens: int | None,
-        max_tokens_param: str,
-        chat: bool,
+        self, scope: Scope, receive: Receive, send: Send, generation: _Generation
     ) -> None:
+        """What chat and completions share: check the rest of the body, plan the answer and
+        send it, whole or streamed, as the engine produces it."""
         engine = self.engine
-        n = _int_field(body, "n")
-        if n is not None and n != 1:
-            raise _bad_request("the simulator generates one choice per request (n=1)", "n")
-        stream = _bool_field(body, "stream", False)
-        options = body.get("stream_options")
-        if options is not None:
-            if not stream:
-                raise _bad_request("Stream options can only be defined when `stream=True`.")
-            if not isinstance(options, dict):
-                raise _validation_error(
-                    "model_type", "body.stream_options", "Input should be an object", options
-                )
-        include_usage = bool(options and options.get("include_usage"))
-        continuous = include_usage and bool(options and options.get("continuous_usage_stats"))
-        limit = engine.max_model_len
-        num_prompt = len(prompt_ids)
+        shape = _response_shape(generation.body)
+        max_tokens = self._max_output_tokens(generation)
+        request, texts = await self._new_request(generation, max_tokens)
+        chat = generation.chat
+        fmt = _Formatter(
+            _request_id(scope, generation.body, "chatcmpl-" if chat else "cmpl-"),
+            int(time.time()),
+            self._model_json.get(generation.model) or orjson.dumps(generation.model).decode(),
+            engine.system_fingerprint,
+            chat,
+            len(generation.prompt_ids),
+            shape.include_usage,
+            shape.continuous,
+        )
+        handle = engine.submit(request, texts)
+        fate = generation.fate
+        if engine.config.zero_latency and fate.die_after_tokens is None:
+            # Everything is known: one body, no engine loop, no disconnect watcher.
+            await _send_at_once(send, fmt, request, texts, shape.stream)
+            return
+        watcher = asyncio.ensure_future(_abort_on_disconnect(receive, engine, request.request_id))
+        try:
+            if shape.stream:
+                await self._stream(send, handle, fmt, fate)
+            else:
+                await self._full(send, handle, fmt, fate)
+        finally:
+            watcher.cancel()
+
+    def _max_output_tokens(self, generation: _Generation) -> int:
+        """The answer's length limit: what the client asked, capped by the context the prompt
+        leaves; vLLM's 400 when either does not fit."""
+        limit = self.engine.max_model_len
+        num_prompt = len(generation.prompt_ids)
+        max_tokens = generation.max_tokens
         if max_tokens is not None and max_tokens > limit:
+            param = generation.max_tokens_param
             raise _bad_request(
-                f"{max_tokens_param}={max_tokens} cannot be greater than max_model_len={limit}. "
+                f"{param}={max_tokens} cannot be greater than max_model_len={limit}. "
                 "Please request fewer output tokens.",
-                max_tokens_param,
+                param,
             )
         if num_prompt > limit:
             # vLLM tokenizes with truncation to limit + 1, hence "at least".
@@ -461,74 +533,44 @@ class EngineApp:
         )
         if effective < 1:
             raise _bad_request(f"max_tokens must be at least 1, got {effective}.", "max_tokens")
+        return effective
+
+    async def _new_request(
+        self, generation: _Generation, max_tokens: int
+    ) -> tuple[Request, list[str]]:
+        """The engine's request and its planned answer texts, from the sampling fields; a
+        P/D leg is prepared before the engine sees it."""
+        body = generation.body
         min_tokens = _int_field(body, "min_tokens") or 0
         ignore_eos = _bool_field(body, "ignore_eos", False)
-        cache_salt = body.get("cache_salt")
-        if cache_salt is not None and not (
-            isinstance(cache_salt, str) and 0 < len(cache_salt) <= 1024
-        ):
-            raise _validation_error(
-                "string_type", "body.cache_salt", "Input should be a valid string", cache_salt
-            )
-        try:
-            kv_params = request_params(body)
-        except ValueError:
-            raise _validation_error(
-                "dict_type",
-                "body.kv_transfer_params",
-                "Input should be a valid dictionary",
-                body["kv_transfer_params"],
-            ) from None
-        request, texts = engine.new_request(
-            prompt_ids,
-            effective,
-            lora=lora,
+        cache_salt = _cache_salt(body)
+        kv_params = _kv_transfer_params(body)
+        request, texts = self.engine.new_request(
+            generation.prompt_ids,
+            max_tokens,
+            lora=generation.lora,
             ignore_eos=ignore_eos,
             min_tokens=min_tokens,
             cache_salt=cache_salt,
         )
-        if kv_params is not None and not engine.config.zero_latency:
-            kv = engine.config.kv_transfer
-            if kv.producer and kv_params.get("do_remote_decode"):
-                request.hold_on_finish = True
-            elif kv.consumer and kv_params.get("do_remote_prefill"):
-                # Before the engine sees the request, as vLLM's WAITING_FOR_REMOTE_KVS: the
-                # transfer counts in its TTFT and queue time, not in any engine step.
-                request.num_external_tokens = await engine.load_remote_kv(kv_params)
-        rid = _request_id(scope, body, "chatcmpl-" if chat else "cmpl-")
-        created = int(time.time())
-        model_json = self._model_json.get(model) or orjson.dumps(model).decode()
-        handle = engine.submit(request, texts)
-        fmt = _Formatter(
-            rid,
-            created,
-            model_json,
-            engine.system_fingerprint,
-            chat,
-            num_prompt,
-            include_usage,
-            continuous,
-        )
-        if engine.config.zero_latency and fate.die_after_tokens is None:
-            # Everything is known: one body, no engine loop, no disconnect watcher.
-            if stream:
-                out = [fmt.first_chunk()] if chat else []
-                out.append(fmt.token_chunks(texts, 0, len(texts), request))
-                if include_usage:
-                    out.append(fmt.usage_chunk(request))
-                out.append(DONE)
-                await _send_stream_once(send, b"".join(out))
-            else:
-                await _send_raw_json(send, fmt.full_response(request, texts))
+        if kv_params is not None:
+            await self._join_transfer(request, kv_params)
+        return request, texts
+
+    async def _join_transfer(self, request: Request, kv_params: dict[str, Any]) -> None:
+        """P/D disaggregation by this engine's KV role: a prefill leg holds its blocks for
+        the decode engine; a decode leg reads the prefill engine's blocks first. Zero-latency
+        engines ignore it."""
+        engine = self.engine
+        if engine.config.zero_latency:
             return
-        watcher = asyncio.ensure_future(_abort_on_disconnect(receive, engine, request.request_id))
-        try:
-            if stream:
-                await self._stream(send, handle, fmt, fate)
-            else:
-                await self._full(send, handle, fmt, fate)
-        finally:
-            watcher.cancel()
+        kv = engine.config.kv_transfer
+        if kv.producer and kv_params.get("do_remote_decode"):
+            request.hold_on_finish = True
+        elif kv.consumer and kv_params.get("do_remote_prefill"):
+            # Before the engine sees the request, as vLLM's WAITING_FOR_REMOTE_KVS: the
+            # transfer counts in its TTFT and queue time, not in any engine step.
+            request.num_external_tokens = await engine.load_remote_kv(kv_params)
 
     async def _stream(
         self,
@@ -749,7 +791,8 @@ class _Formatter:
 
 
 def _request_id(scope: Scope, body: dict[str, Any], prefix: str) -> str:
-    for key, value in scope["headers"]:
+    headers: list[tuple[bytes, bytes]] = scope["headers"]
+    for key, value in headers:
         if key == b"x-request-id":
             return prefix + value.decode("latin-1")
     given = body.get("request_id")
@@ -861,6 +904,21 @@ async def _send_text(send: Send, status: int, text: str) -> None:
     headers = [(b"content-length", str(len(body)).encode())]
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
+
+
+async def _send_at_once(
+    send: Send, fmt: _Formatter, request: Request, texts: list[str], stream: bool
+) -> None:
+    """A finished answer (zero-latency mode) as one body, streamed or not."""
+    if stream:
+        out = [fmt.first_chunk()] if fmt.chat else []
+        out.append(fmt.token_chunks(texts, 0, len(texts), request))
+        if fmt.include_usage:
+            out.append(fmt.usage_chunk(request))
+        out.append(DONE)
+        await _send_stream_once(send, b"".join(out))
+    else:
+        await _send_raw_json(send, fmt.full_response(request, texts))
 
 
 async def _send_stream_once(send: Send, body: bytes) -> None:
