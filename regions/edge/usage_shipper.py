@@ -1,4 +1,5 @@
-"""Ship the usage spool to the control plane's usage stream, off the request path.
+"""Ship the usage spool to the control plane, off the request path: to the Redis usage
+stream, or (without Redis) to the control plane's usage endpoint.
 
 One background task: every ``interval_s`` it writes what the requests buffered (one fsync per
 batch, in a worker thread), then sends what is on disk in batches and acknowledges each batch in
@@ -13,6 +14,7 @@ import logging
 from dataclasses import dataclass
 from typing import Protocol
 
+import httpx
 import redis.asyncio as aioredis
 
 from regions.edge.usage_spool import UsageSpool
@@ -46,6 +48,30 @@ class RedisStreamSink:
 
     async def close(self) -> None:
         await self._redis.aclose()
+
+
+class ControlPlaneSink:
+    """POSTs each batch to the control plane (``/api/v1/edges/<name>/usage``, newline-
+    delimited records, the edge's credential): for a control plane without Redis, as in the
+    embedded demo. A 2xx means the batch is committed there."""
+
+    def __init__(self, url: str, credential: str, *, timeout_s: float = 10.0) -> None:
+        self.url = url
+        self._client = httpx.AsyncClient(
+            timeout=timeout_s,
+            headers={
+                "Authorization": f"Bearer {credential}",
+                "Content-Type": "application/x-ndjson",
+            },
+        )
+
+    async def send(self, records: list[bytes]) -> None:
+        resp = await self._client.post(self.url, content=b"\n".join(records))
+        if resp.status_code >= 300:
+            raise RuntimeError(f"usage refused ({resp.status_code}): {resp.text[:200]}")
+
+    async def close(self) -> None:
+        await self._client.aclose()
 
 
 @dataclass(slots=True)

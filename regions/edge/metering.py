@@ -1,0 +1,82 @@
+"""Metering at the edge: one usage record per served request, spooled and shipped.
+
+The record stage calls :meth:`Meter.record` once a response has ended (streamed or not, cut or
+complete); that only encodes the record and appends it to memory. The spool and its shipper do
+the I/O in the background (``usage_spool.py``, ``usage_shipper.py``). When the spool is full —
+the control plane or Redis away for long — the policy decides: ``refuse`` (the default) turns
+new requests away with 503 until records drain, because a request served and not billed is
+lost for good; ``serve`` keeps serving and counts each record it drops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import secrets
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from regions.edge.usage_shipper import UsageShipper, UsageSink
+from regions.edge.usage_spool import UsageSpool
+from regions.tables.usage import UsageRecord, encode_record
+
+FullPolicy = Literal["refuse", "serve"]
+
+
+@dataclass(frozen=True, slots=True)
+class MeteringConfig:
+    """Where records are spooled, how much may wait there, and what happens when it is full;
+    where they are shipped is the sink given to :class:`Meter`."""
+
+    spool_dir: Path
+    max_bytes: int = 256 << 20
+    full_policy: FullPolicy = "refuse"
+
+
+class RequestIds:
+    """Unique request ids without a syscall per request: a random per-process prefix and a
+    counter (``<12 hex>-<n hex>``), unique across edges and restarts."""
+
+    def __init__(self) -> None:
+        self._prefix = secrets.token_hex(6) + "-"
+        self._next = itertools.count(1)
+
+    def new(self) -> str:
+        return f"{self._prefix}{next(self._next):x}"
+
+
+class Meter:
+    def __init__(self, cfg: MeteringConfig, sink: UsageSink) -> None:
+        self.cfg = cfg
+        self.spool = UsageSpool(cfg.spool_dir, max_bytes=cfg.max_bytes)
+        self.shipper = UsageShipper(self.spool, sink)
+        self.ids = RequestIds()
+        self.recorded = 0
+        self.dropped = 0
+        self._task: asyncio.Task[None] | None = None
+
+    def refuses(self) -> bool:
+        """Whether a new request must be turned away: the spool is full and the policy is
+        to refuse rather than serve unbilled."""
+        return self.cfg.full_policy == "refuse" and not self.spool.has_room()
+
+    def record(self, record: UsageRecord) -> None:
+        """Spool one record (requests already admitted are recorded even past the bound)."""
+        if self.cfg.full_policy == "serve" and not self.spool.has_room():
+            self.dropped += 1
+            return
+        self.spool.append(encode_record(record))
+        self.recorded += 1
+
+    async def start(self) -> None:
+        self._task = asyncio.create_task(self.shipper.run(), name="usage-shipper")
+
+    async def stop(self) -> None:
+        """Stop shipping in the background, then flush and ship what is left once."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        await self.shipper.stop()
