@@ -89,3 +89,8 @@ bench-routing: $(STAMP)
 .PHONY: bench-federation
 bench-federation: $(STAMP)
 	$(BIN)/python -m bench federation
+
+## make bench-metering: usage ingestion rate and a month's report on PostgreSQL (docs/benchmarks.md)
+.PHONY: bench-metering
+bench-metering: $(STAMP)
+	DATABASE_URL=$(TEST_DATABASE_URL) $(BIN)/python -m bench metering

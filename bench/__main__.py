@@ -5,6 +5,8 @@
     python -m bench routing [...]   only routing quality (flags: python -m bench.routing_quality -h)
     python -m bench federation [...]  table propagation and evacuation on the real control plane
                                       (PostgreSQL + Redis; flags: python -m bench.federation -h)
+    python -m bench metering [...]    usage ingestion rate and report time on PostgreSQL
+                                      (flags: python -m bench.metering -h)
 
 Results are printed as Markdown tables and written as JSON under ``var/bench/``.
 """
@@ -28,6 +30,10 @@ def main(argv: list[str]) -> None:
         from bench import federation
 
         federation.main(argv[1:])
+    elif argv[0] == "metering":
+        from bench import metering
+
+        metering.main(argv[1:])
     else:
         raise SystemExit(__doc__)
 

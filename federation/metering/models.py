@@ -113,6 +113,36 @@ class UsageHour(models.Model):
         return f"{self.hour:%Y-%m-%d %H}h {self.tenant or '-'} {self.model}"
 
 
+class UsageDay(models.Model):
+    """``UsageHour`` summed per UTC day, kept with its hours: month reports read 30 rows per
+    group instead of 720."""
+
+    day = models.DateField()
+    tenant = models.CharField(max_length=63, blank=True)
+    model = models.CharField(max_length=128)
+    region = models.CharField(max_length=63)
+    pool = models.CharField(max_length=130, blank=True)
+    requests = models.PositiveIntegerField()
+    cancelled = models.PositiveIntegerField()
+    errors = models.PositiveIntegerField()
+    prompt_tokens = models.PositiveBigIntegerField()
+    cached_tokens = models.PositiveBigIntegerField()
+    completion_tokens = models.PositiveBigIntegerField()
+    price_usd = models.DecimalField(max_digits=24, decimal_places=12)
+    cost_usd = models.DecimalField(max_digits=24, decimal_places=12)
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(
+                fields=["day", "tenant", "model", "region", "pool"], name="uniq_usage_day"
+            )
+        ]
+        indexes = [models.Index(fields=["tenant", "day"], name="usage_day_tenant")]
+
+    def __str__(self) -> str:
+        return f"{self.day:%Y-%m-%d} {self.tenant or '-'} {self.model}"
+
+
 class PoolHour(models.Model):
     """A GPU pool's cost in one hour and where it went: ``allocated`` to usage (the sum of its
     ``UsageHour.cost_usd``), or unallocated as ``idle`` GPUs and ``warm_idle`` instances —

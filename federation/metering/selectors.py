@@ -9,13 +9,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import UTC, datetime, time
 from typing import Any, Literal
 
 from django.db.models import QuerySet, Sum
-from django.db.models.functions import TruncDay
+from django.db.models.functions import TruncDate
 
-from federation.metering.models import PoolHour, UsageHour
+from federation.metering.models import PoolHour, UsageDay, UsageHour
 
 Dimension = Literal["tenant", "model", "region", "pool"]
 DIMENSIONS: tuple[Dimension, ...] = ("tenant", "model", "region", "pool")
@@ -43,21 +43,26 @@ class UsageQuery:
     with_cost: bool = False
 
 
-def _bucketed(rows: QuerySet[Any], bucket: Bucket | None) -> tuple[QuerySet[Any], list[str]]:
-    if bucket == "hour":
-        return rows, ["hour"]
-    if bucket == "day":
-        return rows.annotate(day=TruncDay("hour", tzinfo=UTC)), ["day"]
-    return rows, []
+def _midnight(moment: datetime) -> bool:
+    return moment.astimezone(UTC).time() == time(0)
 
 
 def usage_report(query: UsageQuery) -> list[dict[str, Any]]:
-    """Usage summed by ``group_by`` (and time bucket), ordered by them."""
-    rows = UsageHour.objects.filter(hour__gte=query.start, hour__lt=query.end)
+    """Usage summed by ``group_by`` (and time bucket), ordered by them. Whole UTC days not
+    bucketed by hour are read from the daily rollups, anything else from the hourly ones."""
+    if query.bucket != "hour" and _midnight(query.start) and _midnight(query.end):
+        rows: QuerySet[Any] = UsageDay.objects.filter(
+            day__gte=query.start.astimezone(UTC).date(), day__lt=query.end.astimezone(UTC).date()
+        )
+        time_keys = ["day"] if query.bucket == "day" else []
+    else:
+        rows = UsageHour.objects.filter(hour__gte=query.start, hour__lt=query.end)
+        if query.bucket == "day":
+            rows = rows.annotate(day=TruncDate("hour", tzinfo=UTC))
+        time_keys = [query.bucket] if query.bucket else []
     for dimension, values in query.filters.items():
         rows = rows.filter(**{f"{dimension}__in": list(values)})
-    rows, keys = _bucketed(rows, query.bucket)
-    keys = [*keys, *query.group_by]
+    keys = [*time_keys, *query.group_by]
     sums: dict[str, Any] = {name: Sum(name, default=0) for name in USAGE_SUMS}
     if query.with_cost:
         sums["cost_usd"] = Sum("cost_usd", default=0)
@@ -78,8 +83,9 @@ def pool_cost_report(
     rows = PoolHour.objects.filter(hour__gte=start, hour__lt=end)
     if pools:
         rows = rows.filter(pool__in=list(pools))
-    rows, keys = _bucketed(rows, bucket)
-    keys = [*keys, "pool"]
+    if bucket == "day":
+        rows = rows.annotate(day=TruncDate("hour", tzinfo=UTC))
+    keys = [bucket, "pool"] if bucket else ["pool"]
     return list(
         rows.values(*keys)
         .annotate(

@@ -12,7 +12,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, date, datetime, timedelta
 from decimal import Decimal
 from typing import Any
 
@@ -29,6 +29,7 @@ from federation.metering.models import (
     ModelPrice,
     PoolHour,
     StaleUsageHour,
+    UsageDay,
     UsageHour,
     UsageRecord,
 )
@@ -241,14 +242,51 @@ def _mark_stale(hours: set[datetime]) -> None:
 
 
 def usage_hours_refresh(*, limit: int = 100) -> list[datetime]:
-    """Recompute the rollups of up to ``limit`` stale hours, oldest first; the hours done."""
-    done = []
-    for stale in StaleUsageHour.objects.order_by("hour")[:limit]:
+    """Recompute the rollups of up to ``limit`` stale hours, oldest first, and of their days;
+    the hours done. One transaction per day, so a day's row always sums its hours."""
+    stale = list(StaleUsageHour.objects.order_by("hour")[:limit])
+    by_day: dict[date, list[StaleUsageHour]] = {}
+    for mark in stale:
+        by_day.setdefault(mark.hour.astimezone(UTC).date(), []).append(mark)
+    for day, marks in by_day.items():
         with transaction.atomic():
-            _recompute_hour(stale.hour)
-            StaleUsageHour.objects.filter(hour=stale.hour, mark=stale.mark).delete()
-        done.append(stale.hour)
-    return done
+            for mark in marks:
+                _recompute_hour(mark.hour)
+                StaleUsageHour.objects.filter(hour=mark.hour, mark=mark.mark).delete()
+            _recompute_day(day)
+    return [mark.hour for mark in stale]
+
+
+def _recompute_day(day: date) -> None:
+    start = datetime(day.year, day.month, day.day, tzinfo=UTC)
+    sums = {f"sum_{name}": Sum(name) for name in DAY_SUMS}
+    groups = (
+        UsageHour.objects.filter(hour__gte=start, hour__lt=start + timedelta(days=1))
+        .values(*DIMENSIONS)
+        .annotate(**sums)
+    )
+    UsageDay.objects.filter(day=day).delete()
+    UsageDay.objects.bulk_create(
+        UsageDay(
+            day=day,
+            **{d: g[d] for d in DIMENSIONS},
+            **{name: g[f"sum_{name}"] for name in DAY_SUMS},
+        )
+        for g in groups
+    )
+
+
+DIMENSIONS = ("tenant", "model", "region", "pool")
+DAY_SUMS = (
+    "requests",
+    "cancelled",
+    "errors",
+    "prompt_tokens",
+    "cached_tokens",
+    "completion_tokens",
+    "price_usd",
+    "cost_usd",
+)
 
 
 #: Instance states that hold their GPUs (a stopped or failed instance has released them).
