@@ -11,7 +11,8 @@ from pathlib import Path
 
 import uvloop
 
-from regions.edge.app import Edge, EdgeConfig
+from regions.edge.app import Edge
+from regions.edge.config import DisaggConfig, EdgeConfig
 from regions.edge.health import HealthConfig
 from regions.edge.hop import hop_keys
 from regions.edge.scheduler import POLICIES, SchedulerConfig
@@ -35,7 +36,13 @@ class ServerLimits:
     keep_alive_s: float = 5.0
 
 
+# Each flag's default is its setting's, written once (config.py and the configs it holds).
 _LIMITS = ServerLimits()
+_EDGE = EdgeConfig(region="", table_path=None)
+_SCHEDULER = _EDGE.scheduler
+_HEALTH = _EDGE.health
+_DISAGG = _EDGE.disagg
+_SYNC = SyncConfig(control_plane="", credential="", keys={}, state_dir=Path())
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -64,10 +71,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--state-dir", type=Path, help="persisted table (default var/edge-<region>)")
     p.add_argument("--edge-name", help="this edge's registered name (heartbeats)")
-    p.add_argument("--heartbeat-interval", type=float, default=5.0)
-    p.add_argument("--sync-wait", type=int, default=25, help="long-poll seconds (0-30)")
+    p.add_argument("--heartbeat-interval", type=float, default=_SYNC.heartbeat_s)
+    p.add_argument("--sync-wait", type=int, default=_SYNC.wait_s, help="long-poll seconds (0-30)")
     p.add_argument(
-        "--initial-timeout", type=float, default=60.0, help="first start without a saved table"
+        "--initial-timeout",
+        type=float,
+        default=_SYNC.initial_timeout_s,
+        help="first start without a saved table",
     )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8080)
@@ -94,62 +104,114 @@ def build_parser() -> argparse.ArgumentParser:
         help="port of the operator listener (/healthz with every instance's state, /metrics); "
         "without it neither is served (never on the public port)",
     )
-    p.add_argument("--policy", choices=POLICIES, default="fedinfer")
-    p.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024)
-    p.add_argument("--queue-size", type=int, default=256, help="requests waiting for capacity")
-    p.add_argument("--queue-timeout", type=float, default=5.0, help="seconds a request may wait")
+    p.add_argument("--policy", choices=POLICIES, default=_SCHEDULER.policy)
+    p.add_argument("--max-body-bytes", type=int, default=_EDGE.max_body_bytes)
     p.add_argument(
-        "--max-retries", type=int, default=2, help="other instances tried before byte one"
+        "--queue-size", type=int, default=_EDGE.queue_size, help="requests waiting for capacity"
+    )
+    p.add_argument(
+        "--queue-timeout",
+        type=float,
+        default=_EDGE.queue_timeout_s,
+        help="seconds a request may wait",
+    )
+    p.add_argument(
+        "--max-retries",
+        type=int,
+        default=_EDGE.max_retries,
+        help="other instances tried before byte one",
     )
     p.add_argument(
         "--upstream-ca-file",
         type=Path,
         help="PEM bundle that verifies https:// engines and remote edges (default: system CAs)",
     )
-    p.add_argument("--connect-timeout", type=float, default=2.0)
-    p.add_argument("--read-timeout", type=float, default=300.0)
-    p.add_argument("--probe-interval", type=float, default=1.0)
+    p.add_argument("--connect-timeout", type=float, default=_EDGE.connect_timeout_s)
+    p.add_argument("--read-timeout", type=float, default=_EDGE.read_timeout_s)
+    p.add_argument("--probe-interval", type=float, default=_EDGE.probe_interval_s)
     p.add_argument(
         "--probe-timeout",
         type=float,
-        default=1.0,
+        default=_EDGE.probe_timeout_s,
         help="seconds an engine's /health may take before the probe counts as failed",
     )
-    p.add_argument("--scrape-interval", type=float, default=0.5)
+    p.add_argument("--scrape-interval", type=float, default=_EDGE.scrape_interval_s)
     p.add_argument(
         "--scrape-timeout",
         type=float,
-        default=2.0,
+        default=_EDGE.scrape_timeout_s,
         help="seconds to wait for an engine's /metrics (a busy engine answers late)",
     )
-    p.add_argument("--table-poll", type=float, default=1.0, help="seconds between file checks")
-    p.add_argument("--eject-after", type=int, default=3, help="consecutive failures to eject")
-    p.add_argument("--readmit-after", type=int, default=2, help="consecutive successes to readmit")
-    p.add_argument("--backoff-base", type=float, default=1.0, help="first ejection, seconds")
-    p.add_argument("--affinity-factor", type=float, default=1.5)
-    p.add_argument("--affinity-margin-ms", type=float, default=50.0)
+    p.add_argument(
+        "--table-poll", type=float, default=_EDGE.table_poll_s, help="seconds between file checks"
+    )
+    p.add_argument(
+        "--eject-after",
+        type=int,
+        default=_HEALTH.eject_after,
+        help="consecutive failures to eject",
+    )
+    p.add_argument(
+        "--readmit-after",
+        type=int,
+        default=_HEALTH.readmit_after,
+        help="consecutive successes to readmit",
+    )
+    p.add_argument(
+        "--backoff-base",
+        type=float,
+        default=_HEALTH.backoff_base_s,
+        help="first ejection, seconds",
+    )
+    p.add_argument("--affinity-factor", type=float, default=_SCHEDULER.affinity_factor)
+    p.add_argument(
+        "--affinity-margin-ms", type=float, default=_SCHEDULER.affinity_margin_s * 1000.0
+    )
     p.add_argument(
         "--step-tokens",
         type=float,
-        default=128.0,
+        default=_SCHEDULER.step_tokens,
         help="one engine step costs about as much as prefilling this many tokens",
     )
     p.add_argument(
         "--decode-slowdown",
         type=float,
-        default=1.0,
+        default=_SCHEDULER.decode_slowdown,
         help="a full batch of decodes makes a step (1 + this) times as long as a lone one",
     )
-    p.add_argument("--bytes-per-token", type=float, default=4.0)
-    p.add_argument("--prefix-capacity", type=int, default=200_000, help="block hashes kept")
+    p.add_argument("--bytes-per-token", type=float, default=_EDGE.bytes_per_token)
     p.add_argument(
-        "--rate-burst", type=float, default=2.0, help="seconds of a tenant's rate limit as burst"
+        "--prefix-capacity", type=int, default=_EDGE.prefix_capacity, help="block hashes kept"
+    )
+    p.add_argument(
+        "--rate-burst",
+        type=float,
+        default=_EDGE.rate_burst_s,
+        help="seconds of a tenant's rate limit as burst",
     )
     p.add_argument(
         "--spill-margin-ms",
         type=float,
-        default=50.0,
+        default=_EDGE.spill_margin_s * 1000.0,
         help="spill to a remote only when the local queue wait exceeds its RTT by this much",
+    )
+    p.add_argument(
+        "--disagg-min-prompt-tokens",
+        type=int,
+        default=_DISAGG.min_prompt_tokens,
+        help="P/D: with mixed instances as well, shorter prompts go to them",
+    )
+    p.add_argument(
+        "--disagg-kv-full",
+        type=float,
+        default=_DISAGG.kv_full,
+        help="P/D: KV usage from which a decode instance is passed over while another has room",
+    )
+    p.add_argument(
+        "--disagg-wait-poll",
+        type=float,
+        default=_DISAGG.wait_poll_s,
+        help="P/D: seconds between decisions while every decode instance is at its cap",
     )
     p.add_argument("--log-level", default="info")
     return p
@@ -221,6 +283,11 @@ def config_from_args(opts: argparse.Namespace) -> EdgeConfig:
             eject_after=opts.eject_after,
             readmit_after=opts.readmit_after,
             backoff_base_s=opts.backoff_base,
+        ),
+        disagg=DisaggConfig(
+            min_prompt_tokens=opts.disagg_min_prompt_tokens,
+            kv_full=opts.disagg_kv_full,
+            wait_poll_s=opts.disagg_wait_poll,
         ),
         max_body_bytes=opts.max_body_bytes,
         queue_size=opts.queue_size,

@@ -9,7 +9,8 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from regions.edge.cli import build_parser, config_from_args
-from regions.edge.observability import EdgeMetrics, child_traceparent, route_header, server_timing
+from regions.edge.observability import EdgeMetrics, child_traceparent, server_timing
+from regions.edge.route import route_header
 from regions.edge.scheduler import Decision, Scored
 
 TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
