@@ -324,14 +324,8 @@ class PdRouter:
         started_wait = time.monotonic()
         decode_retries = 0
         while True:
-            pick = self._pick(req.model, exclude)
+            pick = await self._pick(req.model, exclude, started_wait)
             if pick.instance is None:
-                if (
-                    pick.reason == "saturated"
-                    and time.monotonic() - started_wait < cfg.queue_timeout_s
-                ):
-                    await asyncio.sleep(cfg.disagg.wait_poll_s)
-                    continue
                 err = EdgeError(
                     503,
                     f"no decode instance of `{req.model}` can take the request ({pick.reason})",
@@ -374,12 +368,21 @@ class PdRouter:
                     exclude = exclude | {inst.id}
                     started_wait = time.monotonic()
 
-    def _pick(self, model: str, exclude: frozenset[str]) -> DecodePick:
+    async def _pick(self, model: str, exclude: frozenset[str], since: float) -> DecodePick:
+        """The decode instance to try; while every one is at its cap, decided again every
+        ``wait_poll_s`` until the queue timeout (counted from ``since``)."""
         placement = self.placement
-        candidates = placement.candidates(model, (), time.monotonic())
-        pick = pick_decode(candidates, model, exclude, placement.turn, self.cfg.disagg)
-        placement.turn += 1
-        return pick
+        while True:
+            candidates = placement.candidates(model, (), time.monotonic())
+            pick = pick_decode(candidates, model, exclude, placement.turn, self.cfg.disagg)
+            placement.turn += 1
+            if (
+                pick.instance is not None
+                or pick.reason != "saturated"
+                or time.monotonic() - since >= self.cfg.queue_timeout_s
+            ):
+                return pick
+            await asyncio.sleep(self.cfg.disagg.wait_poll_s)
 
     async def _refuse(
         self, err: EdgeError, instance: str, route: bytes, ctx: RequestContext

@@ -133,6 +133,10 @@ class _RequestCollector(Collector):
         self.m = metrics
 
     def collect(self) -> Iterator[Metric]:
+        yield from self._request_series()
+        yield from self._server_state()
+
+    def _request_series(self) -> Iterator[Metric]:
         series = self.m.all_series
         labels = ["model", "instance"]
         requests = CounterMetricFamily(
@@ -176,6 +180,9 @@ class _RequestCollector(Collector):
             predicted.add_metric(key, s.predicted_cached)
             actual.add_metric(key, s.actual_cached)
             prompt.add_metric(key, s.prompt_tokens)
+        yield from (requests, ttft, e2e, predicted, actual, prompt)
+
+    def _server_state(self) -> Iterator[Metric]:
         inflight = GaugeMetricFamily(
             "fedinfer_edge_inflight", "Requests in flight per instance", labels=["instance"]
         )
@@ -194,7 +201,7 @@ class _RequestCollector(Collector):
             "fedinfer_edge_open_connections", "Client connections open on the public port"
         )
         connections.add_metric([], self.m.open_connections())
-        yield from (requests, ttft, e2e, predicted, actual, prompt, inflight, refusals, connections)
+        yield from (inflight, refusals, connections)
 
 
 class EdgeMetrics:
