@@ -322,10 +322,6 @@ class Edge:
 
     # ---------------------------------------------------------------- ASGI
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http":
-            await self._http_request(scope, receive, send)
-
     async def operator(self, scope: Scope, receive: Receive, send: Send) -> None:
         """The operator listener's app: ``/healthz`` (what the scheduler believes about every
         instance) and ``/metrics``. Never on the public port: instance names, loads and
@@ -344,7 +340,9 @@ class Edge:
         else:
             await self.relay.error(send, EdgeError(404, f"no route for GET {path}", "not_found"))
 
-    async def _http_request(self, scope: Scope, receive: Receive, send: Send) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return
         path: str = scope["path"]
         method: str = scope["method"]
         if path in (CHAT_PATH, COMPLETIONS_PATH):

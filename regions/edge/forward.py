@@ -62,6 +62,7 @@ class Forwarder:
 
     async def serve(self, ctx: RequestContext) -> None:
         """Place and forward until an answer (or a refusal) reached the client."""
+        req = ctx.req
         session_key = ctx.session_key
         sticky = self.sessions.get(session_key) if session_key is not None else None
         exclude: frozenset[str] = frozenset()
@@ -80,36 +81,27 @@ class Forwarder:
                 await self.relay.no_capacity(ctx, decision)
                 return
             inst = self.fleet.instances[winner.instance]
-            if await self._try(inst, decision, winner.cached_tokens, ctx):
-                return
-            exclude = exclude | {inst.id}
-            sticky = None
-
-    async def _try(
-        self, inst: Instance, decision: Decision, cached: int, ctx: RequestContext
-    ) -> bool:
-        """One try on the placed ``inst`` (``cached``: prompt tokens it is expected to hold);
-        False when another instance should be tried."""
-        req = ctx.req
-        with Attempt(self.attempts, inst, req.prompt_tokens, req.prompt_tokens - cached) as attempt:
-            # Speculative: after this prefill the winner holds the prompt (as SGLang does).
-            if ctx.hashes:
-                self.prefix.insert(ctx.hashes, inst.id, time.monotonic())
-            if ctx.session_key is not None:
-                self.sessions.remember(ctx.session_key, inst.id)
-            try:
-                await self.forward(inst, decision, ctx)
-                return True
-            except UpstreamFailure as failure:
-                attempt.failed(failure)
-                ctx.last_failure = f"{inst.id}: {failure.reason}"
-                if ctx.retries >= self.cfg.max_retries or not failure.retry:
-                    ctx.complete = True
-                    await self.relay.upstream_failed(ctx, decision)
-                    return True
-                ctx.retries += 1
-                self.metrics.retries.labels(req.model).inc()
-                return False
+            uncached = req.prompt_tokens - winner.cached_tokens
+            with Attempt(self.attempts, inst, req.prompt_tokens, uncached) as attempt:
+                # Speculative: after this prefill the winner holds the prompt (as SGLang does).
+                if ctx.hashes:
+                    self.prefix.insert(ctx.hashes, inst.id, time.monotonic())
+                if session_key is not None:
+                    self.sessions.remember(session_key, inst.id)
+                try:
+                    await self.forward(inst, decision, ctx)
+                    return
+                except UpstreamFailure as failure:
+                    attempt.failed(failure)
+                    ctx.last_failure = f"{inst.id}: {failure.reason}"
+                    if ctx.retries >= self.cfg.max_retries or not failure.retry:
+                        ctx.complete = True
+                        await self.relay.upstream_failed(ctx, decision)
+                        return
+                    ctx.retries += 1
+                    self.metrics.retries.labels(req.model).inc()
+                    exclude = exclude | {inst.id}
+                    sticky = None
 
     async def forward(
         self,
