@@ -131,8 +131,7 @@ class Admit:
                 admission.rate(tenant, req.cost_tokens, time.monotonic())
                 charged = req.cost_tokens
         except EdgeError as err:
-            self.relay.recorder.answered("", "", err.status)
-            await self.relay.error(send, err)
+            await self.relay.refuse(send, err)
             return None
         except ClientGone:
             return None

@@ -388,8 +388,7 @@ class PdRouter:
         self, err: EdgeError, instance: str, route: bytes, ctx: RequestContext
     ) -> None:
         ctx.complete = True
-        self.relay.recorder.answered(ctx.req.model, instance, err.status)
-        await self.relay.error(ctx.send, err, route)
+        await self.relay.refuse(ctx.send, err, ctx.req.model, instance, route)
 
     def _route(self, pick: DecodePick, kv: str, hops: _TwoHops, retries: int) -> bytes:
         return pd_route(self.cfg.region, hops.mode, hops.prefill, hops.note, pick, kv, retries)

@@ -273,6 +273,19 @@ class Relay:
         await ctx.send({"type": "http.response.body", "body": body})
         self.recorder.answered(ctx.req.model, instance, status)
 
+    async def refuse(
+        self,
+        send: Send,
+        err: EdgeError,
+        model: str = "",
+        where: str = "",
+        route: bytes | None = None,
+    ) -> None:
+        """Record a refusal of a request for ``model`` (at instance or region ``where``, if it
+        got that far) and answer it with :meth:`error`."""
+        self.recorder.answered(model, where, err.status)
+        await self.error(send, err, route)
+
     async def error(
         self, send: Send, err: EdgeError, route: bytes | None = None, extra: list[Any] | None = None
     ) -> None:

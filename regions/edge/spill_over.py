@@ -65,8 +65,8 @@ class SpillOver:
             "upstream_error",
             retry_after=self.cfg.retry_after_s,
         )
-        self.relay.recorder.answered(ctx.req.model, "", 502)
-        await self.relay.error(ctx.send, err, spill_failed_route(self.cfg.region, spill.why))
+        route = spill_failed_route(self.cfg.region, spill.why)
+        await self.relay.refuse(ctx.send, err, ctx.req.model, "", route)
         return True
 
     async def _try(
