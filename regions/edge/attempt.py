@@ -1,19 +1,34 @@
 """One try of a request on an instance: the bookkeeping both hops of the edge share.
 
-Used by the single-hop path (app.py) and by both legs of a disaggregated request (disagg.py),
-so that load, the in-flight gauge, health and the gateway's wake-ups stay one mechanism.
+Used by the single-hop path (``forward.py``) and by both legs of a disaggregated request
+(``disagg.py``), so that load, the in-flight gauge, health and the gateway's wake-ups stay one
+mechanism.
 """
 
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
 
 from regions.edge.errors import UpstreamFailure
+from regions.edge.gateway_line import GatewayLines
+from regions.edge.health import HealthBoard
+from regions.edge.load import InstanceLoad, LoadBoard
+from regions.tables.schema import Instance
 
-if TYPE_CHECKING:
-    from regions.edge.app import Edge
-    from regions.tables.schema import Instance
+
+class Attempts:
+    """What every try touches: the instances' load and health, the in-flight gauge (instance
+    → count) and the gateway lines waiting for a freed slot."""
+
+    __slots__ = ("health", "inflight", "lines", "loads")
+
+    def __init__(
+        self, loads: LoadBoard, health: HealthBoard, inflight: dict[str, int], lines: GatewayLines
+    ) -> None:
+        self.loads = loads
+        self.health = health
+        self.inflight = inflight
+        self.lines = lines
 
 
 class Attempt:
@@ -24,15 +39,17 @@ class Attempt:
     reached the instance, it is simply released) and the next waiter for the freed slot wakes.
     """
 
-    __slots__ = ("edge", "inst", "load", "reached", "started")
+    __slots__ = ("attempts", "inst", "load", "reached", "started")
 
-    def __init__(self, edge: Edge, inst: Instance, prompt_tokens: int, uncached: int) -> None:
-        self.edge = edge
+    def __init__(
+        self, attempts: Attempts, inst: Instance, prompt_tokens: int, uncached: int
+    ) -> None:
+        self.attempts = attempts
         self.inst = inst
-        self.load = load = edge.loads.get(inst.id)
-        load.admit(uncached)
-        load.tokens += prompt_tokens
-        inflight = edge.metrics.inflight
+        self.load: InstanceLoad = attempts.loads.get(inst.id)
+        self.load.admit(uncached)
+        self.load.tokens += prompt_tokens
+        inflight = attempts.inflight
         inflight[inst.id] = inflight.get(inst.id, 0) + 1
         #: The instance saw the request (its time counts as service time).
         self.reached = True
@@ -47,13 +64,13 @@ class Attempt:
             self.load.finish(time.perf_counter() - self.started)
         else:
             self.load.release()
-        self.edge.metrics.inflight[self.inst.id] -= 1
-        self.edge._wake(self.inst)
+        self.attempts.inflight[self.inst.id] -= 1
+        self.attempts.lines.wake(self.inst)
 
     def failed(self, failure: UpstreamFailure) -> None:
         """It failed before the first byte: count it against the instance's health."""
         self.reached = not failure.connect
         if failure.connect:
-            self.edge.health.connect_error(self.inst.id, failure.reason)
+            self.attempts.health.connect_error(self.inst.id, failure.reason)
         else:
-            self.edge.health.failure(self.inst.id, failure.reason)
+            self.attempts.health.failure(self.inst.id, failure.reason)

@@ -6,16 +6,16 @@ import argparse
 import gc
 import logging
 import os
-from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import uvloop
 
-from regions.edge.app import Edge, EdgeConfig
+from regions.edge.app import Edge
+from regions.edge.config import DisaggConfig, EdgeConfig
 from regions.edge.health import HealthConfig
 from regions.edge.hop import hop_keys
 from regions.edge.scheduler import POLICIES, SchedulerConfig
-from regions.edge.server import EdgeServer
+from regions.edge.server import EdgeServer, ServerLimits
 from regions.edge.sync import SyncConfig, initial_table
 from regions.tables.schema import TableError, check_successor, decode_table
 from regions.tables.signing import parse_key_ring
@@ -23,19 +23,22 @@ from regions.tables.signing import parse_key_ring
 log = logging.getLogger("fedinfer.edge")
 
 
-@dataclass(frozen=True)
-class ServerLimits:
-    """What a client may take of the public HTTP server (server.py, docs/security.md)."""
-
-    max_connections: int = 10_000
-    max_head_bytes: int = 64 * 1024
-    head_timeout_s: float = 10.0
-    body_timeout_s: float = 30.0
-    write_timeout_s: float = 30.0
-    keep_alive_s: float = 5.0
-
-
+# Each flag's default is its setting's, written once (config.py and the configs it holds).
 _LIMITS = ServerLimits()
+_EDGE = EdgeConfig(region="", table_path=None)
+_SCHEDULER = _EDGE.scheduler
+_HEALTH = _EDGE.health
+_DISAGG = _EDGE.disagg
+_SYNC = SyncConfig(control_plane="", credential="", keys={}, state_dir=Path())
+
+
+#: (flag, type, default, help) of the flags that only set a value.
+_Flag = tuple[str, type, object, str | None]
+
+
+def _add(p: argparse.ArgumentParser, flags: tuple[_Flag, ...]) -> None:
+    for flag, kind, default, text in flags:
+        p.add_argument(flag, type=kind, default=default, help=text)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -43,6 +46,16 @@ def build_parser() -> argparse.ArgumentParser:
     # (and its secret printed in the error).
     p = argparse.ArgumentParser(prog="fedinfer edge", description=__doc__, allow_abbrev=False)
     p.add_argument("--region", required=True, help="region code this edge serves")
+    _table_source_flags(p)
+    _server_flags(p)
+    _routing_flags(p)
+    _engine_flags(p)
+    p.add_argument("--log-level", default="info")
+    return p
+
+
+def _table_source_flags(p: argparse.ArgumentParser) -> None:
+    """Where the routing table comes from: a file, or the control plane (signed, synced)."""
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--table", type=Path, help="routing-table JSON document (file mode)")
     source.add_argument(
@@ -64,14 +77,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--state-dir", type=Path, help="persisted table (default var/edge-<region>)")
     p.add_argument("--edge-name", help="this edge's registered name (heartbeats)")
-    p.add_argument("--heartbeat-interval", type=float, default=5.0)
-    p.add_argument("--sync-wait", type=int, default=25, help="long-poll seconds (0-30)")
-    p.add_argument(
-        "--initial-timeout", type=float, default=60.0, help="first start without a saved table"
-    )
+    _add(p, (
+        ("--heartbeat-interval", float, _SYNC.heartbeat_s, None),
+        ("--sync-wait", int, _SYNC.wait_s, "long-poll seconds (0-30)"),
+        ("--initial-timeout", float, _SYNC.initial_timeout_s, "first start without a saved "
+         "table"),
+        ("--table-poll", float, _EDGE.table_poll_s, "seconds between file checks"),
+    ))  # fmt: skip
+
+
+def _server_flags(p: argparse.ArgumentParser) -> None:
+    """The public listener and its limits, and the operator listener."""
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8080)
-    limits = (
+    _add(p, (
         ("--max-connections", int, _LIMITS.max_connections, "open client connections; past it "
          "a new one gets 503 and is closed"),
         ("--max-head-bytes", int, _LIMITS.max_head_bytes, "request line + headers"),
@@ -80,9 +99,8 @@ def build_parser() -> argparse.ArgumentParser:
         ("--write-timeout", float, _LIMITS.write_timeout_s, "seconds a client may leave its "
          "receive buffer full before it is dropped"),
         ("--keep-alive", float, _LIMITS.keep_alive_s, "idle keep-alive seconds"),
-    )  # fmt: skip
-    for flag, kind, default, text in limits:
-        p.add_argument(flag, type=kind, default=default, help=text)
+        ("--max-body-bytes", int, _EDGE.max_body_bytes, None),
+    ))  # fmt: skip
     p.add_argument(
         "--operator-host",
         default="127.0.0.1",
@@ -94,65 +112,55 @@ def build_parser() -> argparse.ArgumentParser:
         help="port of the operator listener (/healthz with every instance's state, /metrics); "
         "without it neither is served (never on the public port)",
     )
-    p.add_argument("--policy", choices=POLICIES, default="fedinfer")
-    p.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024)
-    p.add_argument("--queue-size", type=int, default=256, help="requests waiting for capacity")
-    p.add_argument("--queue-timeout", type=float, default=5.0, help="seconds a request may wait")
-    p.add_argument(
-        "--max-retries", type=int, default=2, help="other instances tried before byte one"
-    )
+
+
+def _routing_flags(p: argparse.ArgumentParser) -> None:
+    """The scheduler, the gateway queue, retries, spill-over and P/D."""
+    p.add_argument("--policy", choices=POLICIES, default=_SCHEDULER.policy)
+    _add(p, (
+        ("--queue-size", int, _EDGE.queue_size, "requests waiting for capacity"),
+        ("--queue-timeout", float, _EDGE.queue_timeout_s, "seconds a request may wait"),
+        ("--max-retries", int, _EDGE.max_retries, "other instances tried before byte one"),
+        ("--affinity-factor", float, _SCHEDULER.affinity_factor, None),
+        ("--affinity-margin-ms", float, _SCHEDULER.affinity_margin_s * 1000.0, None),
+        ("--step-tokens", float, _SCHEDULER.step_tokens, "one engine step costs about as much "
+         "as prefilling this many tokens"),
+        ("--decode-slowdown", float, _SCHEDULER.decode_slowdown, "a full batch of decodes "
+         "makes a step (1 + this) times as long as a lone one"),
+        ("--bytes-per-token", float, _EDGE.bytes_per_token, None),
+        ("--prefix-capacity", int, _EDGE.prefix_capacity, "block hashes kept"),
+        ("--rate-burst", float, _EDGE.rate_burst_s, "seconds of a tenant's rate limit as burst"),
+        ("--spill-margin-ms", float, _EDGE.spill_margin_s * 1000.0, "spill to a remote only "
+         "when the local queue wait exceeds its RTT by this much"),
+        ("--disagg-min-prompt-tokens", int, _DISAGG.min_prompt_tokens, "P/D: with mixed "
+         "instances as well, shorter prompts go to them"),
+        ("--disagg-kv-full", float, _DISAGG.kv_full, "P/D: KV usage from which a decode "
+         "instance is passed over while another has room"),
+        ("--disagg-wait-poll", float, _DISAGG.wait_poll_s, "P/D: seconds between decisions "
+         "while every decode instance is at its cap"),
+    ))  # fmt: skip
+
+
+def _engine_flags(p: argparse.ArgumentParser) -> None:
+    """Connections to engines and remote edges, health probes and load scrapes."""
     p.add_argument(
         "--upstream-ca-file",
         type=Path,
         help="PEM bundle that verifies https:// engines and remote edges (default: system CAs)",
     )
-    p.add_argument("--connect-timeout", type=float, default=2.0)
-    p.add_argument("--read-timeout", type=float, default=300.0)
-    p.add_argument("--probe-interval", type=float, default=1.0)
-    p.add_argument(
-        "--probe-timeout",
-        type=float,
-        default=1.0,
-        help="seconds an engine's /health may take before the probe counts as failed",
-    )
-    p.add_argument("--scrape-interval", type=float, default=0.5)
-    p.add_argument(
-        "--scrape-timeout",
-        type=float,
-        default=2.0,
-        help="seconds to wait for an engine's /metrics (a busy engine answers late)",
-    )
-    p.add_argument("--table-poll", type=float, default=1.0, help="seconds between file checks")
-    p.add_argument("--eject-after", type=int, default=3, help="consecutive failures to eject")
-    p.add_argument("--readmit-after", type=int, default=2, help="consecutive successes to readmit")
-    p.add_argument("--backoff-base", type=float, default=1.0, help="first ejection, seconds")
-    p.add_argument("--affinity-factor", type=float, default=1.5)
-    p.add_argument("--affinity-margin-ms", type=float, default=50.0)
-    p.add_argument(
-        "--step-tokens",
-        type=float,
-        default=128.0,
-        help="one engine step costs about as much as prefilling this many tokens",
-    )
-    p.add_argument(
-        "--decode-slowdown",
-        type=float,
-        default=1.0,
-        help="a full batch of decodes makes a step (1 + this) times as long as a lone one",
-    )
-    p.add_argument("--bytes-per-token", type=float, default=4.0)
-    p.add_argument("--prefix-capacity", type=int, default=200_000, help="block hashes kept")
-    p.add_argument(
-        "--rate-burst", type=float, default=2.0, help="seconds of a tenant's rate limit as burst"
-    )
-    p.add_argument(
-        "--spill-margin-ms",
-        type=float,
-        default=50.0,
-        help="spill to a remote only when the local queue wait exceeds its RTT by this much",
-    )
-    p.add_argument("--log-level", default="info")
-    return p
+    _add(p, (
+        ("--connect-timeout", float, _EDGE.connect_timeout_s, None),
+        ("--read-timeout", float, _EDGE.read_timeout_s, None),
+        ("--probe-interval", float, _EDGE.probe_interval_s, None),
+        ("--probe-timeout", float, _EDGE.probe_timeout_s, "seconds an engine's /health may "
+         "take before the probe counts as failed"),
+        ("--scrape-interval", float, _EDGE.scrape_interval_s, None),
+        ("--scrape-timeout", float, _EDGE.scrape_timeout_s, "seconds to wait for an engine's "
+         "/metrics (a busy engine answers late)"),
+        ("--eject-after", int, _HEALTH.eject_after, "consecutive failures to eject"),
+        ("--readmit-after", int, _HEALTH.readmit_after, "consecutive successes to readmit"),
+        ("--backoff-base", float, _HEALTH.backoff_base_s, "first ejection, seconds"),
+    ))  # fmt: skip
 
 
 def ring_text(path: Path | None, env: str) -> str:
@@ -221,6 +229,11 @@ def config_from_args(opts: argparse.Namespace) -> EdgeConfig:
             eject_after=opts.eject_after,
             readmit_after=opts.readmit_after,
             backoff_base_s=opts.backoff_base,
+        ),
+        disagg=DisaggConfig(
+            min_prompt_tokens=opts.disagg_min_prompt_tokens,
+            kv_full=opts.disagg_kv_full,
+            wait_poll_s=opts.disagg_wait_poll,
         ),
         max_body_bytes=opts.max_body_bytes,
         queue_size=opts.queue_size,
@@ -294,7 +307,7 @@ async def serve(
 
     ``operator``: (host, port) of the operator listener, a server of its own so that a flood
     on the public port never holds back a health check or a scrape."""
-    server = EdgeServer(edge, **asdict(limits or ServerLimits()))
+    server = EdgeServer(edge, limits)
     edge.metrics.http_refusals = server.refusals
     edge.metrics.open_connections = lambda: len(server.connections)
     ops = EdgeServer(edge.operator) if operator is not None else None

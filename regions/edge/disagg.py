@@ -9,8 +9,9 @@ request, with those params added, then goes to the decode instance with the leas
 This is what vLLM's ``toy_proxy_server.py`` does, so it works unchanged against vLLM with a KV
 connector (NixlConnector and friends). Design and failure handling: ``docs/edge-scheduling.md``.
 
-The top half is pure (plain data in, a decision out); :func:`serve` is the I/O, called from a
-small hook in ``app.py``'s ``_route_and_forward``.
+The top half is pure (plain data in, a decision out); :class:`PdRouter` is the I/O, which the
+edge asks first for every request it serves locally (``app.py``); it says no at once for a
+model whose instances are all ``mixed``.
 """
 
 from __future__ import annotations
@@ -20,19 +21,20 @@ import logging
 import time
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, Literal
+from dataclasses import dataclass
+from typing import Any, Literal
 
 import orjson
 
 from regions.edge.attempt import Attempt
+from regions.edge.config import DisaggConfig, EdgeConfig
+from regions.edge.context import Fleet, RequestContext
 from regions.edge.errors import EdgeError, UpstreamFailure
-from regions.edge.parse import ParsedRequest
+from regions.edge.forward import Forwarder
+from regions.edge.placement import Placement
+from regions.edge.route import pd_route, prefill_refusal_route
 from regions.edge.scheduler import Candidate, Decision, Scored, serves
 from regions.edge.upstream import UpstreamError
-
-if TYPE_CHECKING:
-    from regions.edge.app import Edge, Send, _Exchange
 
 #: The prefill leg's ``kv_transfer_params``, exactly as vLLM's proxies send them.
 PREFILL_KV_PARAMS: dict[str, Any] = {
@@ -50,17 +52,6 @@ _PREFILL_DROPS = ("stream_options", "min_tokens", "min_completion_tokens")
 Mode = Literal["pd", "decode_only", "none"]
 
 log = logging.getLogger("fedinfer.edge.disagg")
-
-
-@dataclass(frozen=True, slots=True)
-class DisaggConfig:
-    #: With mixed instances as well, shorter prompts go to them: the extra hop and the KV
-    #: transfer cost more than a short prefill interferes with decodes.
-    min_prompt_tokens: int = 256
-    #: KV usage from which a decode instance is passed over while another has room.
-    kv_full: float = 0.95
-    #: How often a request re-decides while every candidate of a hop is at its cap.
-    wait_poll_s: float = 0.02
 
 
 @dataclass(slots=True)
@@ -175,34 +166,6 @@ def response_params(body: bytes) -> dict[str, Any] | None:
     return params if isinstance(params, dict) and params else None
 
 
-def route_text(
-    region: str,
-    mode: Mode,
-    prefill: Scored | None,
-    prefill_note: str,
-    decode: DecodePick,
-    kv: str,
-    retries: int,
-) -> bytes:
-    """``x-fedinfer-route`` of a P/D request: both hops and why, e.g. ``region=r;mode=pd;
-    prefill=p-1;score=ttft_ms:..;decode=d-2;decode_load=0.125;kv=transferred;retries=0``."""
-    text = f"region={region};mode={mode}"
-    if prefill is not None:
-        text += (
-            f";prefill={prefill.instance};score=ttft_ms:{prefill.ttft_s * 1000:.1f},queue_ms:"
-            f"{prefill.queue_s * 1000:.1f},prefill_ms:{prefill.prefill_s * 1000:.1f},cached:"
-            f"{prefill.cached_tokens}"
-        )
-    else:
-        text += ";prefill=none"
-    if prefill_note:
-        text += f";prefill_failed={prefill_note}"
-    text += f";decode={decode.instance or 'none'};decode_load={decode.load:.3f}"
-    if decode.runner_up is not None:
-        text += f";decode_runner_up={decode.runner_up}"
-    return f"{text};kv={kv};retries={retries}".encode("latin-1")
-
-
 # ------------------------------------------------------------------------------------ I/O
 
 
@@ -210,265 +173,222 @@ class _PrefillFailed(Exception):
     """The prefill leg failed before anything reached the client (retry or fall back)."""
 
 
-async def serve(
-    edge: Edge,
-    req: ParsedRequest,
-    hashes: list[int],
-    traceparent: str,
-    arrived: float,
-    ex: _Exchange,
-    send: Send,
-    cfg: DisaggConfig | None = None,
-) -> bool:
-    """Serve ``req`` in two hops when :func:`plan` says so; False (nothing sent) to leave it
-    to the single-hop path, including after every prefill instance failed and a mixed
-    instance exists."""
-    if all(inst.role == "mixed" for inst in edge.by_model.get(req.model, ())):
-        return False  # the common case, decided without building candidates
-    cfg = cfg or DisaggConfig()
-    now = time.monotonic()
-    mode = plan(edge._candidates(req.model, hashes, now), req.model, req.prompt_tokens, cfg)
-    if mode is None:
-        return False
-    request_id = f"fedinfer-{uuid.uuid4().hex}"
-    retries = 0
-    queue_s = 0.0
+@dataclass(slots=True)
+class _TwoHops:
+    """What the prefill hop hands the decode hop."""
+
+    mode: Mode
+    #: Both legs carry it (``x-request-id``): the engines' KV connector pairs them by it.
+    request_id: str
+    #: The prefill engine's ``kv_transfer_params`` (None: nothing to transfer).
     params: dict[str, Any] | None = None
     prefill: Scored | None = None
-    prefill_s = 0.0
-    note = ""
-    if mode == "pd":
+    prefill_s: float = 0.0
+    #: Why the prefill hop failed, for the route header.
+    note: str = ""
+    retries: int = 0
+    queue_s: float = 0.0
+
+
+class PdRouter:
+    """Serves a request in two hops when :func:`plan` says so."""
+
+    __slots__ = ("attempts", "cfg", "fleet", "forwarder", "placement", "relay")
+
+    def __init__(
+        self, cfg: EdgeConfig, fleet: Fleet, placement: Placement, forwarder: Forwarder
+    ) -> None:
+        self.cfg = cfg
+        self.fleet = fleet
+        self.placement = placement
+        self.forwarder = forwarder
+        self.attempts = forwarder.attempts
+        self.relay = forwarder.relay
+
+    async def serve(self, ctx: RequestContext) -> bool:
+        """Serve ``ctx`` in two hops when :func:`plan` says so; False (nothing sent) to leave
+        it to the single-hop path, including after every prefill instance failed and a mixed
+        instance exists."""
+        req = ctx.req
+        if all(inst.role == "mixed" for inst in self.fleet.by_model.get(req.model, ())):
+            return False  # the common case, decided without building candidates
+        candidates = self.placement.candidates(req.model, ctx.hashes, time.monotonic())
+        mode = plan(candidates, req.model, req.prompt_tokens, self.cfg.disagg)
+        if mode is None:
+            return False
+        hops = _TwoHops(mode, f"fedinfer-{uuid.uuid4().hex}")
+        if mode == "pd":
+            if await self._prefill_hop(hops, ctx):
+                return True
+            if hops.prefill is None and self._has_usable_mixed(req.model):
+                return False  # every prefill instance failed: the mixed instances serve it
+        if hops.prefill is not None and ctx.view is not None:
+            hops.prefill = ctx.view.shown(hops.prefill)  # only the cache its prompts made
+        await self._decode_hop(hops, ctx)
+        return True
+
+    async def _prefill_hop(self, hops: _TwoHops, ctx: RequestContext) -> bool:
+        """Prefill on the best prefill instance, retried elsewhere; True when that answered
+        the client already (a refusal)."""
         exclude: frozenset[str] = frozenset()
-        body = prefill_body(req.body)
-        while retries <= edge.cfg.max_retries:
+        body = prefill_body(ctx.req.body)
+        while hops.retries <= self.cfg.max_retries:
             # The prefill instances' own gateway line: bounded, first come first served.
-            decision, waited = await edge._decide(req, hashes, None, exclude, role="prefill")
-            queue_s += waited
+            decision, waited = await self.placement.place(ctx, None, exclude, role="prefill")
+            hops.queue_s += waited
             winner = decision.winner
             if winner is None and decision.reason == "saturated":
                 # Every prefill slot busy past the queue timeout: pushing prefills onto the
                 # decode engines would slow every running stream, so refuse like single-hop.
-                ex.complete = True
-                await edge._no_capacity(send, req, decision, retries, queue_s, note)
+                ctx.complete = True
+                ctx.retries, ctx.queue_s, ctx.last_failure = hops.retries, hops.queue_s, hops.note
+                await self.relay.no_capacity(ctx, decision)
                 return True
             if winner is None:
-                note = note or decision.reason
-                break
+                hops.note = hops.note or decision.reason
+                return False
             t0 = time.perf_counter()
             try:
-                params = await _prefill(
-                    edge, winner, req, hashes, body, traceparent, request_id, send, ex
-                )
+                hops.params = await self._prefill(winner, body, hops.request_id, ctx)
             except _PrefillFailed as failure:
-                note = f"{winner.instance}:{failure}".replace(";", ",")
+                hops.note = f"{winner.instance}:{failure}".replace(";", ",")
                 exclude = exclude | {winner.instance}
-                retries += 1
+                hops.retries += 1
                 continue
-            if ex.sent:
+            if ctx.sent:
                 return True  # the prefill engine refused the request (4xx): relayed as is
-            prefill, prefill_s, note = winner, time.perf_counter() - t0, ""
-            break
-        if prefill is None and _has_usable_mixed(edge, req.model):
-            return False  # every prefill instance failed: the mixed instances serve it
-    if prefill is not None and ex.view is not None:
-        prefill = ex.view.shown(prefill)  # the tenant sees only the cache its prompts made
-    return await _decode(
-        edge,
-        mode,
-        req,
-        params,
-        prefill,
-        prefill_s,
-        note,
-        request_id,
-        retries,
-        queue_s,
-        traceparent,
-        arrived,
-        ex,
-        send,
-        cfg,
-    )
+            hops.prefill, hops.prefill_s, hops.note = winner, time.perf_counter() - t0, ""
+            return False
+        return False
 
-
-def _has_usable_mixed(edge: Edge, model: str) -> bool:
-    states = edge.health.states
-    for inst in edge.by_model.get(model, ()):
-        health = states.get(inst.id)
-        if inst.role == "mixed" and inst.state == "ready" and health and health.healthy:
-            return True
-    return False
-
-
-async def _prefill(
-    edge: Edge,
-    winner: Scored,
-    req: ParsedRequest,
-    hashes: list[int],
-    body: bytes,
-    traceparent: str,
-    request_id: str,
-    send: Send,
-    ex: _Exchange,
-) -> dict[str, Any] | None:
-    """Run the prefill leg on ``winner``; its ``kv_transfer_params``. A 4xx answer is the
-    client's problem: it is relayed (``ex.sent``) and None returned."""
-    assert edge._http is not None, "edge not started"
-    inst = edge.instances[winner.instance]
-    headers = [(b"traceparent", traceparent.encode()), (b"x-request-id", request_id.encode())]
-    uncached = req.prompt_tokens - winner.cached_tokens
-    with Attempt(edge, inst, req.prompt_tokens, uncached) as attempt:
-        attempt.reached = False
-        if hashes:  # after this leg the prefill engine holds the prompt's blocks
-            edge.prefix.insert(hashes, inst.id, time.monotonic())
-        try:
-            resp = await edge._http.post(inst.url, _path(req), body, headers)
-        except UpstreamError as exc:
-            edge.health.connect_error(inst.id, str(exc))
-            raise _PrefillFailed(str(exc)) from exc
-        attempt.reached = True
-        try:
-            data = await resp.read()
-        except UpstreamError as exc:
-            edge.health.connect_error(inst.id, f"read: {exc}")
-            raise _PrefillFailed(f"read: {exc}") from exc
-        finally:
-            # Pooled again when read in full; closed otherwise (a failure, or the client gone:
-            # closing is how the engine learns to abort).
-            resp.release()
-        if resp.status >= 500:
-            edge.health.failure(inst.id, f"status {resp.status}")
-            raise _PrefillFailed(f"status {resp.status}")
-        if resp.status != 200:
-            await _relay_refusal(edge, req, inst.id, resp.status, data, send, ex)
-            return None
-        edge.health.success(inst.id)
-        return response_params(data)
-
-
-async def _relay_refusal(
-    edge: Edge,
-    req: ParsedRequest,
-    inst_id: str,
-    status: int,
-    data: bytes,
-    send: Send,
-    ex: _Exchange,
-) -> None:
-    route = f"region={edge.cfg.region};mode=pd;prefill={inst_id};decode=none;status={status}"
-    ex.sent = ex.complete = True
-    await send(
-        {
-            "type": "http.response.start",
-            "status": status,
-            "headers": [
-                (b"content-type", b"application/json"),
-                (b"content-length", str(len(data)).encode()),
-                (b"x-fedinfer-route", route.encode("latin-1")),
-            ],
-        }
-    )
-    await send({"type": "http.response.body", "body": data})
-    edge.metrics.count(req.model, inst_id, status)
-
-
-async def _decode(
-    edge: Edge,
-    mode: Mode,
-    req: ParsedRequest,
-    params: dict[str, Any] | None,
-    prefill: Scored | None,
-    prefill_s: float,
-    note: str,
-    request_id: str,
-    retries: int,
-    queue_s: float,
-    traceparent: str,
-    arrived: float,
-    ex: _Exchange,
-    send: Send,
-    cfg: DisaggConfig,
-) -> bool:
-    """The decode hop, retried on another decode instance while nothing reached the client."""
-
-    assert edge._http is not None, "edge not started"
-    body = decode_body(req.body, params) if params is not None else req.body
-    leg = replace(req, body=body)
-    kv = "transferred" if params is not None else "none"
-    # What the decode engine should report as cached: everything but the last prompt token.
-    expected_cached = max(0, req.prompt_tokens - 1) if params is not None else 0
-    exclude: frozenset[str] = frozenset()
-    started_wait = time.monotonic()
-    decode_retries = 0
-    while True:
-        pick = pick_decode(
-            edge._candidates(req.model, [], time.monotonic()), req.model, exclude, edge.turn, cfg
-        )
-        edge.turn += 1
-        if pick.instance is None:
-            if (
-                pick.reason == "saturated"
-                and time.monotonic() - started_wait < edge.cfg.queue_timeout_s
-            ):
-                await asyncio.sleep(cfg.wait_poll_s)
-                continue
-            ex.complete = True
-            err = EdgeError(
-                503,
-                f"no decode instance of `{req.model}` can take the request ({pick.reason})",
-                pick.reason,
-                retry_after=edge.cfg.retry_after_s,
-            )
-            edge.metrics.count(req.model, "", 503)
-            route = route_text(edge.cfg.region, mode, prefill, note, pick, kv, retries)
-            await edge._error(send, err, route)
-            return True
-        inst = edge.instances[pick.instance]
-        queue_s += time.monotonic() - started_wait
-        route = route_text(edge.cfg.region, mode, prefill, note, pick, kv, retries + decode_retries)
-        timing_extra = f", prefill;dur={prefill_s * 1000:.2f}".encode()
-        decision = Decision(
-            Scored(inst.id, 0.0, queue_s, 0.0, expected_cached, pick.outstanding),
-            None,
-            "pd_decode",
-        )
-        uncached = req.prompt_tokens - expected_cached
-        with Attempt(edge, inst, req.prompt_tokens, uncached) as attempt:
-            try:
-                # The single-hop relay, with both hops in the route header and timings.
-                await edge._forward(
-                    inst,
-                    leg,
-                    decision,
-                    0,
-                    traceparent,
-                    arrived,
-                    queue_s,
-                    ex,
-                    send,
-                    route=route,
-                    timing_extra=timing_extra,
-                    upstream_headers=((b"x-request-id", request_id.encode()),),
-                )
+    def _has_usable_mixed(self, model: str) -> bool:
+        states = self.attempts.health.states
+        for inst in self.fleet.by_model.get(model, ()):
+            health = states.get(inst.id)
+            if inst.role == "mixed" and inst.state == "ready" and health and health.healthy:
                 return True
-            except UpstreamFailure as failure:
-                attempt.failed(failure)
-                if decode_retries >= edge.cfg.max_retries or not failure.retry:
-                    ex.complete = True
-                    log.warning("decode leg on %s failed: %s", inst.id, failure.reason)
-                    err = EdgeError(
-                        502,
-                        "decode engines failed before responding; retry later",
-                        "upstream_error",
-                        retry_after=edge.cfg.retry_after_s,
+        return False
+
+    async def _prefill(
+        self, winner: Scored, body: bytes, request_id: str, ctx: RequestContext
+    ) -> dict[str, Any] | None:
+        """Run the prefill leg on ``winner``; its ``kv_transfer_params``. A 4xx answer is the
+        client's problem: it is relayed (``ctx.sent``) and None returned."""
+        req = ctx.req
+        inst = self.fleet.instances[winner.instance]
+        health = self.attempts.health
+        headers = [
+            (b"traceparent", ctx.traceparent.encode()),
+            (b"x-request-id", request_id.encode()),
+        ]
+        uncached = req.prompt_tokens - winner.cached_tokens
+        with Attempt(self.attempts, inst, req.prompt_tokens, uncached) as attempt:
+            attempt.reached = False
+            if ctx.hashes:  # after this leg the prefill engine holds the prompt's blocks
+                self.placement.prefix.insert(ctx.hashes, inst.id, time.monotonic())
+            try:
+                resp = await self.fleet.upstream.post(inst.url, req.path, body, headers)
+            except UpstreamError as exc:
+                health.connect_error(inst.id, str(exc))
+                raise _PrefillFailed(str(exc)) from exc
+            attempt.reached = True
+            try:
+                data = await resp.read()
+            except UpstreamError as exc:
+                health.connect_error(inst.id, f"read: {exc}")
+                raise _PrefillFailed(f"read: {exc}") from exc
+            finally:
+                # Pooled again when read in full; closed otherwise (a failure, or the client
+                # gone: closing is how the engine learns to abort).
+                resp.release()
+            if resp.status >= 500:
+                health.failure(inst.id, f"status {resp.status}")
+                raise _PrefillFailed(f"status {resp.status}")
+            if resp.status != 200:
+                route = prefill_refusal_route(self.cfg.region, inst.id, resp.status)
+                await self.relay.refusal(ctx, resp.status, data, route, inst.id)
+                return None
+            health.success(inst.id)
+            return response_params(data)
+
+    async def _decode_hop(self, hops: _TwoHops, ctx: RequestContext) -> None:
+        """The decode hop, retried on another decode instance while nothing reached the client."""
+        req = ctx.req
+        cfg = self.cfg
+        params = hops.params
+        body = decode_body(req.body, params) if params is not None else req.body
+        kv = "transferred" if params is not None else "none"
+        # What the decode engine should report as cached: everything but the last prompt token.
+        expected_cached = max(0, req.prompt_tokens - 1) if params is not None else 0
+        exclude: frozenset[str] = frozenset()
+        started_wait = time.monotonic()
+        decode_retries = 0
+        while True:
+            pick = await self._pick(req.model, exclude, started_wait)
+            if pick.instance is None:
+                err = EdgeError(
+                    503,
+                    f"no decode instance of `{req.model}` can take the request ({pick.reason})",
+                    pick.reason,
+                    retry_after=cfg.retry_after_s,
+                )
+                await self._refuse(err, "", self._route(pick, kv, hops, hops.retries), ctx)
+                return
+            inst = self.fleet.instances[pick.instance]
+            hops.queue_s += time.monotonic() - started_wait
+            route = self._route(pick, kv, hops, hops.retries + decode_retries)
+            ctx.queue_s, ctx.route = hops.queue_s, route
+            ctx.timing_extra = f", prefill;dur={hops.prefill_s * 1000:.2f}".encode()
+            scored = Scored(inst.id, 0.0, hops.queue_s, 0.0, expected_cached, pick.outstanding)
+            uncached = req.prompt_tokens - expected_cached
+            with Attempt(self.attempts, inst, req.prompt_tokens, uncached) as attempt:
+                try:
+                    # The single-hop relay, with both hops in the route header and timings.
+                    await self.forwarder.forward(
+                        inst,
+                        Decision(scored, None, "pd_decode"),
+                        ctx,
+                        body,
+                        ((b"x-request-id", hops.request_id.encode()),),
                     )
-                    edge.metrics.count(req.model, inst.id, 502)
-                    await edge._error(send, err, route)
-                    return True
-                decode_retries += 1
-                exclude = exclude | {inst.id}
-                started_wait = time.monotonic()
+                    return
+                except UpstreamFailure as failure:
+                    attempt.failed(failure)
+                    if decode_retries >= cfg.max_retries or not failure.retry:
+                        log.warning("decode leg on %s failed: %s", inst.id, failure.reason)
+                        err = EdgeError(
+                            502,
+                            "decode engines failed before responding; retry later",
+                            "upstream_error",
+                            retry_after=cfg.retry_after_s,
+                        )
+                        await self._refuse(err, inst.id, route, ctx)
+                        return
+                    decode_retries += 1
+                    exclude = exclude | {inst.id}
+                    started_wait = time.monotonic()
 
+    async def _pick(self, model: str, exclude: frozenset[str], since: float) -> DecodePick:
+        """The decode instance to try; while every one is at its cap, decided again every
+        ``wait_poll_s`` until the queue timeout (counted from ``since``)."""
+        placement = self.placement
+        while True:
+            candidates = placement.candidates(model, (), time.monotonic())
+            pick = pick_decode(candidates, model, exclude, placement.turn, self.cfg.disagg)
+            placement.turn += 1
+            if (
+                pick.instance is not None
+                or pick.reason != "saturated"
+                or time.monotonic() - since >= self.cfg.queue_timeout_s
+            ):
+                return pick
+            await asyncio.sleep(self.cfg.disagg.wait_poll_s)
 
-def _path(req: ParsedRequest) -> str:
-    return "/v1/chat/completions" if req.chat else "/v1/completions"
+    async def _refuse(
+        self, err: EdgeError, instance: str, route: bytes, ctx: RequestContext
+    ) -> None:
+        ctx.complete = True
+        await self.relay.refuse(ctx.send, err, ctx.req.model, instance, route)
+
+    def _route(self, pick: DecodePick, kv: str, hops: _TwoHops, retries: int) -> bytes:
+        return pd_route(self.cfg.region, hops.mode, hops.prefill, hops.note, pick, kv, retries)

@@ -1,7 +1,7 @@
-"""Route explanation headers, W3C trace context and the edge's Prometheus metrics.
+"""W3C trace context, ``Server-Timing``, a tenant's view of the cache, and the edge's metrics.
 
-Every response says which path it took and why (``x-fedinfer-route``), how long each hop took
-(``Server-Timing``), and carries a ``traceparent`` that the upstream engine also received.
+Every response says how long each hop took (``Server-Timing``) and carries a ``traceparent``
+that the upstream engine also received; which path it took is ``route.py``'s header.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from regions.edge.scheduler import Decision, Scored
+from regions.edge.scheduler import Scored
 
 _HEX = frozenset("0123456789abcdef")
 _rand = random.getrandbits  # trace ids need uniqueness, not secrecy
@@ -69,38 +69,6 @@ class CacheView:
             prefill_s=s.prefill_s + extra,
             cached_tokens=self.own_cached,
         )
-
-
-def _terms(s: Scored) -> str:
-    return (
-        f"ttft_ms:{s.ttft_s * 1000:.1f},queue_ms:{s.queue_s * 1000:.1f},"
-        f"prefill_ms:{s.prefill_s * 1000:.1f},cached:{s.cached_tokens},load:{s.outstanding}"
-    )
-
-
-def route_header(
-    region: str,
-    decision: Decision | None,
-    retries: int,
-    reason: str = "",
-    view: CacheView | None = None,
-) -> bytes:
-    """Compact explanation, e.g. ``region=r;instance=i-3;score=ttft_ms:..;runner_up=i-1:40.2``.
-
-    With ``view`` (a tenant's request), cache terms are limited to what that tenant sent."""
-    if decision is None or decision.winner is None:
-        why = reason or (decision.reason if decision else "none")
-        return f"region={region};instance=none;reason={why};retries={retries}".encode()
-    w = decision.winner if view is None else view.shown(decision.winner)
-    text = (
-        f"region={region};instance={w.instance};policy_reason={decision.reason};score={_terms(w)}"
-    )
-    r = decision.runner_up
-    if r is not None:
-        if view is not None:
-            r = view.shown(r)
-        text += f";runner_up={r.instance}:{r.ttft_s * 1000:.1f}"
-    return f"{text};retries={retries}".encode()
 
 
 def server_timing(queue_s: float, connect_s: float | None, ttft_s: float | None) -> bytes:
@@ -165,6 +133,10 @@ class _RequestCollector(Collector):
         self.m = metrics
 
     def collect(self) -> Iterator[Metric]:
+        yield from self._request_series()
+        yield from self._server_state()
+
+    def _request_series(self) -> Iterator[Metric]:
         series = self.m.all_series
         labels = ["model", "instance"]
         requests = CounterMetricFamily(
@@ -208,6 +180,9 @@ class _RequestCollector(Collector):
             predicted.add_metric(key, s.predicted_cached)
             actual.add_metric(key, s.actual_cached)
             prompt.add_metric(key, s.prompt_tokens)
+        yield from (requests, ttft, e2e, predicted, actual, prompt)
+
+    def _server_state(self) -> Iterator[Metric]:
         inflight = GaugeMetricFamily(
             "fedinfer_edge_inflight", "Requests in flight per instance", labels=["instance"]
         )
@@ -226,7 +201,7 @@ class _RequestCollector(Collector):
             "fedinfer_edge_open_connections", "Client connections open on the public port"
         )
         connections.add_metric([], self.m.open_connections())
-        yield from (requests, ttft, e2e, predicted, actual, prompt, inflight, refusals, connections)
+        yield from (inflight, refusals, connections)
 
 
 class EdgeMetrics:

@@ -34,6 +34,8 @@ MEDIA_PART_TOKENS = 1024
 DEFAULT_OUTPUT_TOKENS = 1024
 #: ``n``/``best_of`` above this are refused: each is another full generation to charge.
 MAX_CHOICES = 128
+CHAT_PATH = "/v1/chat/completions"
+COMPLETIONS_PATH = "/v1/completions"
 #: A client's ``cache_salt``: vLLM takes at most 1,024 characters, and a tenant's salt (a
 #: base64 HMAC of 43) may be joined in front of it.
 MAX_CLIENT_SALT = 960
@@ -57,6 +59,11 @@ class ParsedRequest:
     max_output_tokens: int = DEFAULT_OUTPUT_TOKENS
     #: vLLM's ``cache_salt`` as sent upstream (the client's, or the tenant's joined with it).
     cache_salt: str | None = None
+
+    @property
+    def path(self) -> str:
+        """Where it goes upstream: the same endpoint it came in on."""
+        return CHAT_PATH if self.chat else COMPLETIONS_PATH
 
     @property
     def cost_tokens(self) -> int:

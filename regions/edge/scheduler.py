@@ -156,24 +156,9 @@ def decide(
     candidates: Sequence[Candidate], req: RouteRequest, cfg: SchedulerConfig, turn: int = 0
 ) -> Decision:
     """Pick the instance for ``req``; ``turn`` (a counter) rotates ties and round robin."""
-    feasible: list[Candidate] = []
-    any_model = any_healthy = False
-    may_wait = cfg.policy == "fedinfer" and cfg.wait_for_warm
-    for c in candidates:
-        if not serves(c, req.model) or c.role != req.role:
-            continue
-        any_model = True
-        if c.state != "ready" or not c.healthy or c.id in req.exclude:
-            continue
-        any_healthy = True
-        if c.inflight >= c.max_concurrency and not may_wait:
-            continue
-        feasible.append(c)
-    if not feasible:
-        reason = (
-            "saturated" if any_healthy else "no_healthy_instance" if any_model else "unknown_model"
-        )
-        return Decision(None, None, reason)
+    feasible = _feasible(candidates, req, cfg.policy == "fedinfer" and cfg.wait_for_warm)
+    if isinstance(feasible, str):
+        return Decision(None, None, feasible)
 
     n = len(feasible)
     start = turn % n
@@ -186,10 +171,36 @@ def decide(
         i = min(range(n), key=lambda k: order[k].outstanding / order[k].max_concurrency)
         rest = scored[:i] + scored[i + 1 :]
         return Decision(scored[i], _best(rest), "least_loaded")
+    return _best_ttft(scored, req, cfg)
 
+
+def _feasible(
+    candidates: Sequence[Candidate], req: RouteRequest, may_wait: bool
+) -> list[Candidate] | str:
+    """The candidates that may take ``req``, or (none may) the reason why not."""
+    feasible: list[Candidate] = []
+    any_model = any_healthy = False
+    for c in candidates:
+        if not serves(c, req.model) or c.role != req.role:
+            continue
+        any_model = True
+        if c.state != "ready" or not c.healthy or c.id in req.exclude:
+            continue
+        any_healthy = True
+        if c.inflight >= c.max_concurrency and not may_wait:
+            continue
+        feasible.append(c)
+    if feasible:
+        return feasible
+    return "saturated" if any_healthy else "no_healthy_instance" if any_model else "unknown_model"
+
+
+def _best_ttft(scored: list[Scored], req: RouteRequest, cfg: SchedulerConfig) -> Decision:
+    """The ``fedinfer`` policy: the smallest expected TTFT, unless the session's instance is
+    close enough (``affinity_factor``, ``affinity_margin_s``)."""
     # Strict "<" over a rotated order: ties go round robin instead of to a fixed instance.
     best_i = 0
-    for k in range(1, n):
+    for k in range(1, len(scored)):
         if scored[k].ttft_s < scored[best_i].ttft_s:
             best_i = k
     best = scored[best_i]

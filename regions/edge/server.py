@@ -56,6 +56,7 @@ import signal
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, MutableMapping
+from dataclasses import dataclass
 from email.utils import formatdate
 from http import HTTPStatus
 from typing import Any, cast
@@ -71,7 +72,7 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
-#: Default of ``EdgeServer(max_head_bytes=)``: a larger request head is refused with 431.
+#: Default of ``ServerLimits.max_head_bytes``: a larger request head is refused with 431.
 MAX_HEAD_BYTES = 64 * 1024
 #: Stop reading a request body the application has not consumed beyond this many bytes.
 _BODY_HIGH_WATER = 256 * 1024
@@ -233,20 +234,8 @@ class _Cycle:
             return
         if self.response_complete or kind != "http.response.body":
             raise RuntimeError(f"unexpected ASGI message {kind} after the response")
-        body: bytes = message.get("body", b"")
         more: bool = message.get("more_body", False)
-        head, self._head = self._head, b""
-        if self.head_method:
-            out = head
-        elif self._chunked:
-            out = head + (b"%x\r\n%b\r\n" % (len(body), body) if body else b"")
-            if not more:
-                out += b"0\r\n\r\n"
-        else:
-            self._remaining -= len(body)
-            if self._remaining < 0:
-                raise RuntimeError("response body longer than its content-length")
-            out = head + body if head else body
+        out = self._frame(message.get("body", b""), more)
         if out:
             conn.write(out)
         if not more:
@@ -255,6 +244,20 @@ class _Cycle:
             self.response_complete = True
             self._wake()
             conn.response_done(self)
+
+    def _frame(self, body: bytes, more: bool) -> bytes:
+        """The bytes one body message puts on the wire: the held head first, then the body as
+        the head framed it (chunked, or counted against its content-length)."""
+        head, self._head = self._head, b""
+        if self.head_method:
+            return head
+        if self._chunked:
+            out = head + (b"%x\r\n%b\r\n" % (len(body), body) if body else b"")
+            return out if more else out + b"0\r\n\r\n"
+        self._remaining -= len(body)
+        if self._remaining < 0:
+            raise RuntimeError("response body longer than its content-length")
+        return head + body if head else body
 
     def _start(self, status: int, headers: Any) -> None:
         parts = [_status_line(status), self.conn.server.clock.date()]
@@ -340,7 +343,7 @@ class _Connection(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
         server = self.server
-        if len(server.connections) >= server.max_connections:
+        if len(server.connections) >= server.limits.max_connections:
             server.refusals["too_many_connections"] += 1
             self.transport.write(_plain(503, b"Too many connections", b"retry-after: 1\r\n"))
             self.close()
@@ -350,7 +353,7 @@ class _Connection(asyncio.Protocol):
         self.client = (peer[0], peer[1]) if isinstance(peer, tuple) else None
         self.local = (local[0], local[1]) if isinstance(local, tuple) else None
         server.connections.add(self)
-        self._read_deadline(_IDLE, server.keep_alive_s)
+        self._read_deadline(_IDLE, server.limits.keep_alive_s)
 
     def data_received(self, data: bytes) -> None:
         head = self._headers if self._read_kind == _HEAD else None
@@ -367,7 +370,7 @@ class _Connection(asyncio.Protocol):
             # The whole read lies inside one unfinished head: count it raw, since httptools
             # buffers a header line that does not end without calling back.
             self._head_raw += len(data)
-            if self._head_raw > self.server.max_head_bytes:
+            if self._head_raw > self.server.limits.max_head_bytes:
                 self._refuse(431, "head_too_large", b"Request head too large")
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -397,7 +400,7 @@ class _Connection(asyncio.Protocol):
         self._headers = []
         self._expect = False
         self._head_bytes = self._head_raw = 0
-        self._read_deadline(_HEAD, self.server.head_timeout_s)
+        self._read_deadline(_HEAD, self.server.limits.head_timeout_s)
 
     def on_url(self, url: bytes) -> None:
         self._url += url
@@ -408,7 +411,7 @@ class _Connection(asyncio.Protocol):
         headers = self._headers
         headers.append((name, value))
         self._count(len(name) + len(value))
-        if len(headers) > self.server.max_headers:
+        if len(headers) > self.server.limits.max_headers:
             raise _Refused(431, "head_too_large", b"Too many request headers")
         if name == b"transfer-encoding":
             # httptools refuses content-length with it, but takes "gzip, chunked" (a body the
@@ -478,11 +481,11 @@ class _Connection(asyncio.Protocol):
         elif self.server.stopping:
             self.close()
         elif self._read_kind != _HEAD:  # a pipelined head under way keeps its own deadline
-            self._read_deadline(_IDLE, self.server.keep_alive_s)
+            self._read_deadline(_IDLE, self.server.limits.keep_alive_s)
 
     def wait_body(self) -> None:
         """The application waits for request body bytes: they must come within the timeout."""
-        self._read_deadline(_BODY, self.server.body_timeout_s)
+        self._read_deadline(_BODY, self.server.limits.body_timeout_s)
 
     def write(self, data: bytes) -> None:
         if self.transport is not None and not self.closed:
@@ -491,7 +494,7 @@ class _Connection(asyncio.Protocol):
     async def drain(self) -> None:
         if self._drain is None:
             self._drain = self.loop.create_future()
-            self._write_by = at = self.loop.time() + self.server.write_timeout_s
+            self._write_by = at = self.loop.time() + self.server.limits.write_timeout_s
             self._arm(at)
         await self._drain
 
@@ -507,7 +510,7 @@ class _Connection(asyncio.Protocol):
             if self._read_kind == _HEAD:
                 # A head we stopped reading (behind pipelined requests) was not the client's
                 # delay: it gets a whole timeout again.
-                self._read_deadline(_HEAD, self.server.head_timeout_s)
+                self._read_deadline(_HEAD, self.server.limits.head_timeout_s)
 
     def close(self) -> None:
         transport = self.transport
@@ -516,7 +519,7 @@ class _Connection(asyncio.Protocol):
             transport.close()
             if transport.get_write_buffer_size():
                 # The close waits for the buffer to flush: bound that for a client not reading.
-                self._write_by = at = self.loop.time() + self.server.write_timeout_s
+                self._write_by = at = self.loop.time() + self.server.limits.write_timeout_s
                 self._arm(at)
 
     @property
@@ -527,7 +530,7 @@ class _Connection(asyncio.Protocol):
 
     def _count(self, n: int) -> None:
         self._head_bytes += n
-        if self._head_bytes > self.server.max_head_bytes:
+        if self._head_bytes > self.server.limits.max_head_bytes:
             raise _Refused(431, "head_too_large", b"Request head too large")
 
     def _refuse(self, status: int, reason: str, text: bytes) -> None:
@@ -597,34 +600,30 @@ class _Refused(Exception):
         self.text = text
 
 
+@dataclass(frozen=True, slots=True)
+class ServerLimits:
+    """What a client may take of the server (the module docstring, docs/security.md)."""
+
+    max_connections: int = 10_000
+    max_head_bytes: int = MAX_HEAD_BYTES
+    max_headers: int = 100
+    head_timeout_s: float = 10.0
+    body_timeout_s: float = 30.0
+    write_timeout_s: float = 30.0
+    keep_alive_s: float = 5.0
+    #: How long a shutdown waits for in-flight requests before it cancels them.
+    graceful_s: float = 30.0
+
+
 class EdgeServer:
     """Serves one ASGI app on ``host:port`` until :meth:`stop` (or SIGINT/SIGTERM in ``run``).
 
-    The limits are described in the module docstring; ``refusals`` counts what they refused.
+    ``limits`` are described in the module docstring; ``refusals`` counts what they refused.
     """
 
-    def __init__(
-        self,
-        app: ASGIApp,
-        *,
-        keep_alive_s: float = 5.0,
-        graceful_s: float = 30.0,
-        max_head_bytes: int = MAX_HEAD_BYTES,
-        max_headers: int = 100,
-        head_timeout_s: float = 10.0,
-        body_timeout_s: float = 30.0,
-        write_timeout_s: float = 30.0,
-        max_connections: int = 10_000,
-    ) -> None:
+    def __init__(self, app: ASGIApp, limits: ServerLimits | None = None) -> None:
         self.app = app
-        self.keep_alive_s = keep_alive_s
-        self.graceful_s = graceful_s
-        self.max_head_bytes = max_head_bytes
-        self.max_headers = max_headers
-        self.head_timeout_s = head_timeout_s
-        self.body_timeout_s = body_timeout_s
-        self.write_timeout_s = write_timeout_s
-        self.max_connections = max_connections
+        self.limits = limits or ServerLimits()
         self.refusals: dict[str, int] = dict.fromkeys(REFUSALS, 0)
         self.clock = _Clock()
         self.connections: set[_Connection] = set()
@@ -660,7 +659,7 @@ class EdgeServer:
             if conn.idle:
                 conn.close()
         if self.tasks:
-            _, pending = await asyncio.wait(set(self.tasks), timeout=self.graceful_s)
+            _, pending = await asyncio.wait(set(self.tasks), timeout=self.limits.graceful_s)
             for task in pending:
                 task.cancel()
             if pending:

@@ -19,6 +19,8 @@ point is below *r*. Its own edge forwards the others to where they went while it
 (:func:`returning_remotes`), other edges try it only for those points and otherwise use it last
 (:func:`eligible_remotes`). As *r* rises in steps, sessions move to it in point order and stay:
 the same point always lands on the same side, so a session does not bounce between regions.
+
+What one request may do is its :class:`Spill`; forwarding it is ``spill_over.py``.
 """
 
 from __future__ import annotations
@@ -42,6 +44,35 @@ class Remote:
     has_headroom: bool
     #: Share of the requests it takes while it comes back: those whose point is below it.
     ramp: float = 1.0
+
+
+class Spill:
+    """What forwarding one request to another region needs (only built when it may).
+
+    ``targets``: where to try, in order, and ``why`` — set at admission when the request must
+    go elsewhere first (not served here, residency, this region's ramp), else by the first
+    placement when a remote would answer sooner (``placement.py``).
+    """
+
+    __slots__ = ("allowed", "authorization", "point", "remotes", "session", "targets", "why")
+
+    def __init__(
+        self,
+        remotes: tuple[Remote, ...],
+        allowed: frozenset[str] | None,
+        authorization: bytes | None,
+        session: bytes | None,
+        point: float = 0.0,
+    ) -> None:
+        self.remotes = remotes
+        self.allowed = allowed
+        #: The client's headers a remote edge needs again (its key; its session id).
+        self.authorization = authorization
+        self.session = session
+        #: The request's place for regions coming back (:func:`ramp_point`).
+        self.point = point
+        self.targets: list[Remote] = []
+        self.why = ""
 
 
 def spill_plan(table: RoutingTable) -> dict[str, tuple[Remote, ...]]:

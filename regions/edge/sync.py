@@ -67,7 +67,7 @@ class SyncConfig:
 
 def backoff_delay(attempt: int, base_s: float, max_s: float, rand: Callable[[], float]) -> float:
     """Full jitter: uniform in ``[0, min(max, base * 2**attempt)]`` (attempt counts from 0)."""
-    ceiling = min(max_s, base_s * (2 ** min(attempt, 30)))
+    ceiling = min(max_s, base_s * (1 << min(attempt, 30)))
     return ceiling * rand()
 
 
@@ -141,40 +141,10 @@ def initial_table(
     attempt = 0
     with httpx.Client(timeout=min(cfg.timeout_s, 3.0)) as client:
         while True:
-            headers = cfg.headers()
-            if persisted is not None:
-                headers["If-None-Match"] = f'"{persisted.version}"'
-            problem = ""
-            try:
-                resp = client.get(cfg.table_url(region), headers=headers)
-            except httpx.HTTPError as exc:
-                problem = f"control plane unreachable: {exc.__class__.__name__}: {exc}"
-            else:
-                if resp.status_code == 200:
-                    try:
-                        table = accept_table(resp.content, cfg.keys, None, region=region)
-                    except TableError as exc:
-                        problem = f"table refused: {exc}"
-                    else:
-                        if persisted is None or table.version > persisted.version:
-                            persist_table(cfg.persisted_path, resp.content)
-                            return table
-                        if table.version == persisted.version:
-                            return persisted
-                        problem = (
-                            f"table refused: the control plane's version {table.version} is "
-                            f"older than the persisted {persisted.version} (a rollback, or a "
-                            "stale control plane)"
-                        )
-                elif resp.status_code == 304 and persisted is not None:
-                    return persisted
-                elif resp.status_code in (401, 403, 404):
-                    raise TableError(
-                        f"control plane refused the table request ({resp.status_code}): "
-                        f"{resp.text[:200]}"
-                    )
-                else:
-                    problem = f"control plane answered {resp.status_code}"
+            answer = _first_table(client, cfg, region, persisted)
+            if not isinstance(answer, str):
+                return answer
+            problem = answer
             if persisted is not None:
                 log.warning(
                     "%s; starting from the persisted table version %s", problem, persisted.version
@@ -186,6 +156,41 @@ def initial_table(
             log.warning("%s; retrying in %.1fs (no persisted table)", problem, delay)
             time.sleep(max(0.05, min(delay, deadline - time.monotonic())))
             attempt += 1
+
+
+def _first_table(
+    client: httpx.Client, cfg: SyncConfig, region: str, persisted: RoutingTable | None
+) -> RoutingTable | str:
+    """One request for the table to start with: that table, or what went wrong. A refusal of
+    this edge's credential is :class:`TableError` at once (retrying will not help)."""
+    headers = cfg.headers()
+    if persisted is not None:
+        headers["If-None-Match"] = f'"{persisted.version}"'
+    try:
+        resp = client.get(cfg.table_url(region), headers=headers)
+    except httpx.HTTPError as exc:
+        return f"control plane unreachable: {exc.__class__.__name__}: {exc}"
+    if resp.status_code == 304 and persisted is not None:
+        return persisted
+    if resp.status_code in (401, 403, 404):
+        raise TableError(
+            f"control plane refused the table request ({resp.status_code}): {resp.text[:200]}"
+        )
+    if resp.status_code != 200:
+        return f"control plane answered {resp.status_code}"
+    try:
+        table = accept_table(resp.content, cfg.keys, None, region=region)
+    except TableError as exc:
+        return f"table refused: {exc}"
+    if persisted is None or table.version > persisted.version:
+        persist_table(cfg.persisted_path, resp.content)
+        return table
+    if table.version == persisted.version:
+        return persisted
+    return (
+        f"table refused: the control plane's version {table.version} is older than the "
+        f"persisted {persisted.version} (a rollback, or a stale control plane)"
+    )
 
 
 class SyncTarget(Protocol):

@@ -6,18 +6,16 @@ from typing import Any
 
 import orjson
 
+from regions.edge.config import DisaggConfig
 from regions.edge.disagg import (
     PREFILL_KV_PARAMS,
-    DecodePick,
-    DisaggConfig,
     decode_body,
     pick_decode,
     plan,
     prefill_body,
     response_params,
-    route_text,
 )
-from regions.edge.scheduler import Candidate, Scored
+from regions.edge.scheduler import Candidate
 
 CFG = DisaggConfig(min_prompt_tokens=256)
 
@@ -141,16 +139,3 @@ def test_response_params() -> None:
     assert response_params(b'{"kv_transfer_params": {}}') is None
     assert response_params(b"not json") is None
     assert response_params(b"[1]") is None
-
-
-def test_route_text_shows_both_hops() -> None:
-    prefill = Scored("p-1", 0.0125, 0.002, 0.0105, 640, 3)
-    pick = DecodePick("d-2", 0.125, 2, "d-1", "least_decode_load")
-    text = route_text("eu", "pd", prefill, "", pick, "transferred", 0).decode()
-    parts = dict(p.split("=", 1) for p in text.split(";"))
-    assert parts["mode"] == "pd" and parts["prefill"] == "p-1" and parts["decode"] == "d-2"
-    assert parts["score"].startswith("ttft_ms:12.5,") and "cached:640" in parts["score"]
-    assert parts["decode_load"] == "0.125" and parts["decode_runner_up"] == "d-1"
-    assert parts["kv"] == "transferred" and parts["retries"] == "0"
-    failed = route_text("eu", "pd", None, "p-1:status 500", pick, "none", 1).decode()
-    assert "prefill=none;prefill_failed=p-1:status 500;decode=d-2" in failed

@@ -9,8 +9,7 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from regions.edge.cli import build_parser, config_from_args
-from regions.edge.observability import EdgeMetrics, child_traceparent, route_header, server_timing
-from regions.edge.scheduler import Decision, Scored
+from regions.edge.observability import EdgeMetrics, child_traceparent, server_timing
 
 TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
 
@@ -39,19 +38,6 @@ def test_an_invalid_or_missing_trace_starts_a_new_one(bad: str | None) -> None:
     trace_id, parent = child_traceparent(bad)
     assert trace_id != TRACE and len(trace_id) == 32
     assert parent.startswith(f"00-{trace_id}-") and parent.endswith("-01")
-
-
-def test_route_header_names_winner_terms_runner_up_and_retries() -> None:
-    w = Scored("i-3", 0.0121, 0.003, 0.0091, 512, 4)
-    r = Scored("i-1", 0.0402, 0.0, 0.0402, 0, 0)
-    text = route_header("us-east", Decision(w, r, "best_ttft"), 1).decode()
-    assert text == (
-        "region=us-east;instance=i-3;policy_reason=best_ttft;"
-        "score=ttft_ms:12.1,queue_ms:3.0,prefill_ms:9.1,cached:512,load:4;"
-        "runner_up=i-1:40.2;retries=1"
-    )
-    refused = route_header("us-east", None, 0, "saturated").decode()
-    assert refused == "region=us-east;instance=none;reason=saturated;retries=0"
 
 
 def test_server_timing() -> None:

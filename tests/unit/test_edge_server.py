@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from regions.edge.server import MAX_HEAD_BYTES, EdgeServer, Message, Receive, Send
+from regions.edge.server import MAX_HEAD_BYTES, EdgeServer, Message, Receive, Send, ServerLimits
 
 Scope = dict[str, Any]
 
@@ -45,7 +45,7 @@ async def _with_server(
     test: Callable[[int, EdgeServer], Awaitable[None]],
     **kw: Any,
 ) -> None:
-    server = EdgeServer(app, **kw)
+    server = EdgeServer(app, ServerLimits(**kw))
     port = await server.start("127.0.0.1", 0)
     try:
         await test(port, server)
@@ -198,7 +198,7 @@ def test_shutdown_lets_in_flight_requests_finish() -> None:
         await send({"type": "http.response.body", "body": b"done"})
 
     async def main() -> None:
-        server = EdgeServer(slow_app, graceful_s=5)
+        server = EdgeServer(slow_app, ServerLimits(graceful_s=5))
         port = await server.start("127.0.0.1", 0)
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
         writer.write(_post(b"/s", b""))

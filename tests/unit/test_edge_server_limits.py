@@ -53,14 +53,14 @@ def test_limits_and_refusal_counters_default_to_the_documented_values() -> None:
     async def main() -> None:
         server = EdgeServer(echo_app)
         limits = (
-            server.keep_alive_s,
-            server.graceful_s,
-            server.max_head_bytes,
-            server.max_headers,
-            server.head_timeout_s,
-            server.body_timeout_s,
-            server.write_timeout_s,
-            server.max_connections,
+            server.limits.keep_alive_s,
+            server.limits.graceful_s,
+            server.limits.max_head_bytes,
+            server.limits.max_headers,
+            server.limits.head_timeout_s,
+            server.limits.body_timeout_s,
+            server.limits.write_timeout_s,
+            server.limits.max_connections,
         )
         assert limits == (5.0, 30.0, 64 * 1024, 100, 10.0, 30.0, 30.0, 10_000)
         assert server.refusals == dict.fromkeys(REFUSALS, 0)

@@ -1,0 +1,64 @@
+"""The edge's settings, each default written once: ``cli.py`` reads its flags' defaults here."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from regions.edge.health import HealthConfig
+from regions.edge.prefix_index import BLOCK_BYTES, BYTES_PER_TOKEN
+from regions.edge.scheduler import SchedulerConfig
+from regions.edge.sync import SyncConfig
+
+
+@dataclass(frozen=True, slots=True)
+class DisaggConfig:
+    """Disaggregated prefill/decode routing (``disagg.py``)."""
+
+    #: With mixed instances as well, shorter prompts go to them: the extra hop and the KV
+    #: transfer cost more than a short prefill interferes with decodes.
+    min_prompt_tokens: int = 256
+    #: KV usage from which a decode instance is passed over while another has room.
+    kv_full: float = 0.95
+    #: How often a request re-decides while every candidate of a hop is at its cap.
+    wait_poll_s: float = 0.02
+
+
+@dataclass(frozen=True, slots=True)
+class EdgeConfig:
+    region: str
+    #: File mode (``--table``); None when the table comes from the control plane.
+    table_path: Path | None
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    health: HealthConfig = field(default_factory=HealthConfig)
+    disagg: DisaggConfig = field(default_factory=DisaggConfig)
+    max_body_bytes: int = 4 * 1024 * 1024
+    queue_size: int = 256
+    queue_timeout_s: float = 5.0
+    max_retries: int = 2
+    connect_timeout_s: float = 2.0
+    read_timeout_s: float = 300.0
+    #: PEM bundle that verifies ``https://`` engines and remote edges (None: the system CAs).
+    upstream_ca_file: str | None = None
+    probe_interval_s: float = 1.0
+    probe_timeout_s: float = 1.0
+    scrape_interval_s: float = 0.5
+    #: Separate from the probe's: a busy engine's late /metrics still says it is busy.
+    scrape_timeout_s: float = 2.0
+    table_poll_s: float = 1.0
+    block_bytes: int = BLOCK_BYTES
+    bytes_per_token: float = BYTES_PER_TOKEN
+    prefix_capacity: int = 200_000
+    prefix_ttl_s: float = 600.0
+    session_capacity: int = 100_000
+    retry_after_s: int = 1
+    #: Control-plane mode (``--control-plane``): table sync and heartbeats.
+    sync: SyncConfig | None = None
+    #: Seconds of a tenant's rate a token bucket holds (burst), see admission.py.
+    rate_burst_s: float = 2.0
+    #: Keys that sign and verify forwarded requests (hop.py): a verified hop is not charged
+    #: against the tenant's rate limits again. Empty: hops are unsigned and charged here too.
+    hop_keys: Mapping[str, bytes] = field(default_factory=dict)
+    #: Spill on latency only when the local queue wait exceeds a remote's RTT by this much.
+    spill_margin_s: float = 0.05

@@ -1,0 +1,99 @@
+"""What one request carries through the edge's stages, and what the stages read of the edge.
+
+A completion request passes through named stages, each a module with a public interface:
+
+1. **admit** (``admit.py``, the tenant rules in ``admission.py``): read and check the request,
+   authenticate and charge its tenant, decide whether it may be served here or must go to
+   another region first;
+2. **place** (``placement.py``): candidates from the current table, health and load, and the
+   scheduler's decision (``scheduler.py``);
+3. **queue** (``gateway_line.py``): wait at the gateway while the chosen instance has no slot;
+4. **forward** (``forward.py``): try instances over pooled connections, retry elsewhere while
+   nothing reached the client; two hops for P/D (``disagg.py``), another region's edge for a
+   spill-over (``spill_over.py``);
+5. **relay** (``relay.py``): pass the answer through byte for byte, streams included;
+6. **record** (``record.py``): metrics of the answer, and the tenant's settlement at the end.
+
+``app.py`` runs them in that order with one :class:`RequestContext` and keeps the table state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from regions.edge.admission import TenantState
+from regions.edge.observability import CacheView
+from regions.edge.parse import ParsedRequest
+from regions.edge.server import Send
+from regions.edge.spill import Remote, Spill
+from regions.edge.upstream import UpstreamPool
+from regions.tables.schema import Instance, RoutingTable
+
+
+@dataclass(slots=True)
+class RequestContext:
+    """One admitted request, from admission to its record: one object, mutated by the stages.
+
+    ``complete`` is set just before the last body message: the server reports a disconnect once
+    the response is complete, which must not cancel the request's bookkeeping.
+    """
+
+    req: ParsedRequest
+    send: Send
+    #: The ``traceparent`` every upstream hop gets (and the client, in the answer).
+    traceparent: str
+    #: ``time.perf_counter()`` at arrival: TTFT and end-to-end times are measured from it.
+    arrived: float
+    tenant: TenantState | None = None
+    #: Tokens charged against the tenant's rate at admission (0: not charged here).
+    charged: int = 0
+    #: The request's session (:func:`regions.edge.sessions.session_key`), if it names one.
+    session_key: int | None = None
+    #: The tenant's salt for :class:`~regions.edge.prefix_index.SeenPrefixes` (None: no
+    #: tenants, show everything).
+    salt: int | None = None
+    #: Where it may go in other regions (None: only here).
+    spill: Spill | None = None
+    #: The prompt's block hashes (``placement.Placement.hash_prompt``).
+    hashes: Sequence[int] = ()
+    #: What the route header may show this tenant of the prefix cache.
+    view: CacheView | None = None
+    #: Seconds waited at the gateway, over every placement.
+    queue_s: float = 0.0
+    #: Instances tried before the current one.
+    retries: int = 0
+    #: Why the last try failed (``instance: reason``), for the refusal's log line.
+    last_failure: str = ""
+    #: A caller with more than one hop (P/D) sets the route header and adds Server-Timing.
+    route: bytes | None = None
+    timing_extra: bytes = b""
+    #: The response has started (no retry elsewhere any more).
+    sent: bool = False
+    complete: bool = False
+    disconnected: bool = False
+    #: Prompt + completion tokens the engine reported (None: unknown, e.g. a cut stream).
+    used_tokens: int | None = None
+
+
+class Fleet(Protocol):
+    """What the stages read of the edge's current table and its connections (``app.Edge``).
+
+    Each is replaced whole when a table is applied, never changed in place.
+    """
+
+    @property
+    def table(self) -> RoutingTable: ...
+    @property
+    def by_model(self) -> Mapping[str, tuple[Instance, ...]]: ...
+    @property
+    def instances(self) -> Mapping[str, Instance]: ...
+    @property
+    def prefill_rates(self) -> Mapping[str, float]: ...
+    @property
+    def spill(self) -> Mapping[str, tuple[Remote, ...]]: ...
+    @property
+    def ramping(self) -> bool: ...
+    @property
+    def upstream(self) -> UpstreamPool: ...

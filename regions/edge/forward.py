@@ -1,0 +1,139 @@
+"""The forward stage: send a request to the instance placed, retry elsewhere before byte one.
+
+:meth:`Forwarder.serve` is the single-hop path: place (``placement.py``), try the winner over a
+pooled keep-alive connection (``upstream.py``), and on a failure before anything reached the
+client try another instance, at most ``max_retries`` times and only while the engine cannot be
+running the request. A first placement may send it to another region instead
+(``spill_over.py``). :meth:`Forwarder.forward` is one try; P/D's decode leg uses it too.
+"""
+
+from __future__ import annotations
+
+import time
+
+from regions.edge.attempt import Attempt, Attempts
+from regions.edge.config import EdgeConfig
+from regions.edge.context import Fleet, RequestContext
+from regions.edge.errors import UpstreamFailure
+from regions.edge.observability import EdgeMetrics
+from regions.edge.placement import SPILL, Placement
+from regions.edge.prefix_index import PrefixIndex
+from regions.edge.relay import Relay, may_retry
+from regions.edge.scheduler import Decision
+from regions.edge.sessions import SessionMap
+from regions.edge.spill_over import SpillOver
+from regions.edge.upstream import UpstreamError
+from regions.tables.schema import Instance
+
+
+class Forwarder:
+    __slots__ = (
+        "attempts",
+        "cfg",
+        "fleet",
+        "metrics",
+        "placement",
+        "prefix",
+        "relay",
+        "sessions",
+        "spill_over",
+    )
+
+    def __init__(
+        self,
+        cfg: EdgeConfig,
+        fleet: Fleet,
+        placement: Placement,
+        attempts: Attempts,
+        relay: Relay,
+        spill_over: SpillOver,
+        sessions: SessionMap,
+        metrics: EdgeMetrics,
+    ) -> None:
+        self.cfg = cfg
+        self.fleet = fleet
+        self.placement = placement
+        self.prefix: PrefixIndex = placement.prefix
+        self.attempts = attempts
+        self.relay = relay
+        self.spill_over = spill_over
+        self.sessions = sessions
+        self.metrics = metrics
+
+    async def serve(self, ctx: RequestContext) -> None:
+        """Place and forward until an answer (or a refusal) reached the client."""
+        req = ctx.req
+        session_key = ctx.session_key
+        sticky = self.sessions.get(session_key) if session_key is not None else None
+        exclude: frozenset[str] = frozenset()
+        spill = first_pass = ctx.spill
+        while True:
+            decision, waited = await self.placement.place(ctx, sticky, exclude, first_pass)
+            first_pass = None
+            ctx.queue_s += waited
+            if decision is SPILL and spill is not None:
+                if await self.spill_over.forward(spill, ctx, fallback=True):
+                    return
+                continue  # every remote failed before its first byte: serve it here
+            winner = decision.winner
+            if winner is None:
+                ctx.complete = True
+                await self.relay.no_capacity(ctx, decision)
+                return
+            inst = self.fleet.instances[winner.instance]
+            uncached = req.prompt_tokens - winner.cached_tokens
+            with Attempt(self.attempts, inst, req.prompt_tokens, uncached) as attempt:
+                # Speculative: after this prefill the winner holds the prompt (as SGLang does).
+                if ctx.hashes:
+                    self.prefix.insert(ctx.hashes, inst.id, time.monotonic())
+                if session_key is not None:
+                    self.sessions.remember(session_key, inst.id)
+                try:
+                    await self.forward(inst, decision, ctx)
+                    return
+                except UpstreamFailure as failure:
+                    attempt.failed(failure)
+                    ctx.last_failure = f"{inst.id}: {failure.reason}"
+                    if ctx.retries >= self.cfg.max_retries or not failure.retry:
+                        ctx.complete = True
+                        await self.relay.upstream_failed(ctx, decision)
+                        return
+                    ctx.retries += 1
+                    self.metrics.retries.labels(req.model).inc()
+                    exclude = exclude | {inst.id}
+                    sticky = None
+
+    async def forward(
+        self,
+        inst: Instance,
+        decision: Decision,
+        ctx: RequestContext,
+        body: bytes | None = None,
+        headers: tuple[tuple[bytes, bytes], ...] = (),
+    ) -> None:
+        """Send to ``inst`` (``body``: another than the client's, for a P/D leg), pass the
+        answer through; :class:`UpstreamFailure` before byte one."""
+        req = ctx.req
+        t0 = time.perf_counter()
+        try:
+            resp = await self.fleet.upstream.post(
+                inst.url,
+                req.path,
+                req.body if body is None else body,
+                [(b"traceparent", ctx.traceparent.encode()), *headers],
+            )
+        except UpstreamError as exc:
+            raise UpstreamFailure(str(exc), connect=True, retry=may_retry(exc)) from exc
+        connect_s = time.perf_counter() - t0
+        clean = False
+        try:
+            if resp.status >= 500:
+                raise UpstreamFailure(f"status {resp.status}", connect=False)
+            clean = await self.relay.answer(resp, inst, decision, connect_s, ctx)
+        finally:
+            # A fully read response returns its connection to the pool; anything else closes
+            # it, which is how the engine learns to abort the request.
+            if clean:
+                resp.release()
+            else:
+                resp.close()

@@ -1,0 +1,205 @@
+"""The place stage: which instance takes a request, waiting at the gateway while none can.
+
+:meth:`Placement.candidates` gathers plain data (the table's instances, health, live load,
+prefix-index matches, waiters) for the pure :func:`regions.edge.scheduler.decide`;
+:meth:`Placement.place` decides, and while the choice has no free slot waits in the model's
+gateway line (``gateway_line.py``) and decides again.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import xxhash
+
+from regions.edge.config import EdgeConfig
+from regions.edge.context import Fleet, RequestContext
+from regions.edge.gateway_line import GatewayLines, Waiter, blocked, line_key
+from regions.edge.health import HealthBoard
+from regions.edge.load import LoadBoard
+from regions.edge.observability import CacheView
+from regions.edge.prefix_index import PrefixIndex, SeenPrefixes, block_hashes, root_seed
+from regions.edge.scheduler import Candidate, Decision, RouteRequest, decide
+from regions.edge.spill import Spill, eligible_remotes
+
+#: Every slot taken past the queue timeout, or the gateway full.
+SATURATED = Decision(None, None, "saturated")
+#: Forward to another region instead (the request's ``spill.targets``).
+SPILL = Decision(None, None, "spill")
+
+
+class Placement:
+    """Decisions for one edge; ``turn`` rotates ties between equal instances."""
+
+    __slots__ = (
+        "_seeds",
+        "block_tokens",
+        "cfg",
+        "fleet",
+        "health",
+        "lines",
+        "loads",
+        "prefix",
+        "seen",
+        "turn",
+    )
+
+    def __init__(
+        self,
+        cfg: EdgeConfig,
+        fleet: Fleet,
+        health: HealthBoard,
+        loads: LoadBoard,
+        prefix: PrefixIndex,
+        lines: GatewayLines,
+    ) -> None:
+        self.cfg = cfg
+        self.fleet = fleet
+        self.health = health
+        self.loads = loads
+        self.prefix = prefix
+        self.lines = lines
+        self.seen = SeenPrefixes(cfg.prefix_capacity)
+        self.block_tokens = cfg.block_bytes / cfg.bytes_per_token
+        self.turn = 0
+        self._seeds: dict[str, int] = {}
+
+    def hash_prompt(self, ctx: RequestContext) -> None:
+        """The prompt's block hashes, and what its tenant may be shown of the cache."""
+        req = ctx.req
+        model = req.model
+        seed = self._seeds.get(model)
+        if seed is None:
+            seed = self._seeds[model] = root_seed(model)
+        if req.cache_salt is not None:
+            # The engine shares salted blocks only with the same salt: so does the index.
+            seed = xxhash.xxh3_64_intdigest(req.cache_salt.encode(), seed=seed)
+        hashes = ctx.hashes = block_hashes(req.prompt, seed, self.cfg.block_bytes)
+        if ctx.salt is not None:
+            # Show a tenant only the cache its own prompts made (never what others sent).
+            own = self.seen.depth(hashes, ctx.salt) if hashes else 0
+            if hashes:
+                self.seen.add(hashes, ctx.salt)
+            ctx.view = CacheView(int(own * self.block_tokens), self.fleet.prefill_rates)
+
+    def candidates(
+        self, model: str, hashes: Sequence[int], now: float, own_target: str | None = None
+    ) -> list[Candidate]:
+        """Every local instance of ``model`` as the scheduler sees it now; ``own_target``: the
+        instance a re-deciding waiter targets (it does not count itself in that line)."""
+        matched = self.prefix.match(hashes, time.monotonic()) if hashes else {}
+        out = []
+        states = self.health.states
+        targeted = self.lines.targeted
+        for inst in self.fleet.by_model[model]:
+            load = self.loads.get(inst.id)
+            outstanding, waiting, kv = load.snapshot()
+            health = states.get(inst.id)
+            out.append(
+                Candidate(
+                    id=inst.id,
+                    model=inst.model,
+                    adapters=inst.adapters,
+                    role=inst.role,
+                    state=inst.state,
+                    healthy=health is not None and health.healthy,
+                    max_concurrency=inst.max_concurrency,
+                    prefill_tokens_per_s=inst.prefill_tokens_per_s,
+                    inflight=load.inflight,
+                    outstanding=outstanding,
+                    waiting=waiting,
+                    kv_usage=kv,
+                    pending_tokens=load.pending(now, inst.prefill_tokens_per_s),
+                    mean_uncached_tokens=load.mean_uncached_tokens,
+                    mean_service_s=load.mean_service_s,
+                    cached_blocks=matched.get(inst.id, 0),
+                    queued=targeted.get(inst.id, 0) - (inst.id == own_target),
+                )
+            )
+        return out
+
+    async def place(
+        self,
+        ctx: RequestContext,
+        sticky: str | None,
+        exclude: frozenset[str],
+        spill: Spill | None = None,
+        role: str = "mixed",
+    ) -> tuple[Decision, float]:
+        """Decide; wait at the gateway (bounded queue, deadline) while the choice has no slot.
+        Returns the decision and the seconds waited.
+
+        ``role``: which instances may take it (``prefill`` for the first hop of a
+        disaggregated request, disagg.py); each role of a model has its own line.
+
+        With ``spill`` (remote regions serve the model), the first decision also says whether
+        to forward instead: the local expected queue wait exceeds a remote's RTT (+ margin), or
+        nothing local can take the request. Then :data:`SPILL` is returned and
+        ``spill.targets``/``spill.why`` are set (one decision, not a second one to peek).
+        """
+        req = ctx.req
+        route = RouteRequest(
+            model=req.model,
+            prompt_tokens=req.prompt_tokens,
+            block_tokens=self.block_tokens,
+            sticky=sticky,
+            role=role,
+            exclude=exclude,
+        )
+        started = time.monotonic()
+        lines = self.lines
+        line = lines.line(line_key(req.model, role))
+        waiter: Waiter | None = None
+        try:
+            while True:
+                now = time.monotonic()
+                decision = self._decide(ctx.hashes, route, now, waiter)
+                if spill is not None:
+                    if self._spills(spill, decision):
+                        return SPILL, now - started
+                    spill = None
+                target: str | None
+                winner = decision.winner
+                if winner is not None:
+                    target = winner.instance
+                    if not winner.wait and not blocked(line, target, waiter):
+                        return decision, now - started
+                elif decision.reason == "saturated":
+                    target = None  # any slot of the model (hard-cap policies)
+                else:
+                    return decision, now - started
+                if waiter is None:
+                    waiter = lines.join(line)
+                    if waiter is None:
+                        return SATURATED, now - started
+                remaining = started + self.cfg.queue_timeout_s - now
+                if not await lines.wait(line, waiter, target, remaining):
+                    return SATURATED, now - started
+        finally:
+            if waiter is not None:
+                lines.leave(line, waiter)
+
+    def _decide(
+        self, hashes: Sequence[int], route: RouteRequest, now: float, waiter: Waiter | None
+    ) -> Decision:
+        self.turn += 1
+        own = waiter.target if waiter is not None else None
+        return decide(
+            self.candidates(route.model, hashes, now, own), route, self.cfg.scheduler, self.turn
+        )
+
+    def _spills(self, spill: Spill, decision: Decision) -> bool:
+        """Would a remote region answer sooner (or is it the only option)? Sets its targets."""
+        winner = decision.winner
+        spill.targets = eligible_remotes(
+            spill.remotes,
+            spill.allowed,
+            winner.queue_s if winner is not None else None,
+            self.cfg.spill_margin_s,
+            spill.point,
+        )
+        if not spill.targets:
+            return False
+        spill.why = "ttft" if winner is not None else decision.reason
+        return True
