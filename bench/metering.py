@@ -216,8 +216,10 @@ def fill_month(n: int) -> float:
                    'm-' || i, 'tenant-' || (i %% 200), 'fi_abcdef12',
                    (%(models)s::text[])[1 + i %% 4], '', (%(regions)s::text[])[1 + i %% 5],
                    (%(regions)s::text[])[1 + i %% 5],
-                   (%(regions)s::text[])[1 + i %% 5] || '-' || (%(pools)s::text[])[1 + i %% 3] || '-1',
-                   (%(regions)s::text[])[1 + i %% 5] || '/' || (%(pools)s::text[])[1 + i %% 3],
+                   concat_ws('-', (%(regions)s::text[])[1 + i %% 5],
+                             (%(pools)s::text[])[1 + i %% 3], '1'),
+                   concat_ws('/', (%(regions)s::text[])[1 + i %% 5],
+                             (%(pools)s::text[])[1 + i %% 3]),
                    800 + i %% 3000, (i %% 7) * 100, 50 + i %% 500, 120.0, 2400.0,
                    CASE WHEN i %% 97 = 0 THEN 500 ELSE 200 END, i %% 2 = 0, i %% 53 = 0,
                    true, ((800 + i %% 3000) * 0.15 + (50 + i %% 500) * 0.6) / 1000000
