@@ -101,6 +101,18 @@ def _key_of(header: bytes | None) -> bytes | None:
     return key or None
 
 
+def public_prefix(header: bytes | None) -> str | None:
+    """The public part of the key in ``Authorization`` (``fi_AbC123xY``, what key lists
+    show), for usage records; None when it is not shaped like a key."""
+    key = _key_of(header)
+    if key is None or len(key) < PUBLIC_PREFIX_BYTES or key[2:3] != b"_":
+        return None
+    return key[:PUBLIC_PREFIX_BYTES].decode("ascii", "replace")
+
+
+#: ``fi_`` and the 8 characters of the key's prefix.
+PUBLIC_PREFIX_BYTES = 11
+
 _MISSING = EdgeError(
     401,
     "You didn't provide an API key. Send it as 'Authorization: Bearer fi_...'.",

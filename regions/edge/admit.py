@@ -12,11 +12,12 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 
-from regions.edge.admission import Admission, TenantState
+from regions.edge.admission import Admission, TenantState, public_prefix
 from regions.edge.config import EdgeConfig
 from regions.edge.context import Fleet, RequestContext
 from regions.edge.errors import EdgeError
 from regions.edge.hop import HOP_HEADER, HopVerifier
+from regions.edge.metering import Meter
 from regions.edge.observability import child_traceparent
 from regions.edge.parse import ParsedRequest, parse_request, with_cache_salt
 from regions.edge.prefix_index import root_seed
@@ -26,6 +27,12 @@ from regions.edge.sessions import MAX_SESSION_ID_BYTES, session_key
 from regions.edge.spill import Spill, eligible_remotes, ramp_point, returning_remotes
 
 _Headers = tuple[bytes | None, bytes | None, str | None, bytes | None]
+_SPOOL_FULL = EdgeError(
+    503,
+    "This edge cannot record usage right now (its usage spool is full); retry shortly.",
+    "usage_spool_full",
+    retry_after=5,
+)
 
 
 class ClientGone(Exception):
@@ -89,16 +96,23 @@ def _check_session(session: bytes | None, from_header: bool) -> None:
 class Admit:
     """The admit stage of one edge; ``await admit(scope, receive, send, chat)``."""
 
-    __slots__ = ("admission", "cfg", "fleet", "hops", "relay")
+    __slots__ = ("admission", "cfg", "fleet", "hops", "meter", "relay")
 
     def __init__(
-        self, cfg: EdgeConfig, fleet: Fleet, admission: Admission, hops: HopVerifier, relay: Relay
+        self,
+        cfg: EdgeConfig,
+        fleet: Fleet,
+        admission: Admission,
+        hops: HopVerifier,
+        relay: Relay,
+        meter: Meter | None,
     ) -> None:
         self.cfg = cfg
         self.fleet = fleet
         self.admission = admission
         self.hops = hops
         self.relay = relay
+        self.meter = meter
 
     async def __call__(
         self, scope: Scope, receive: Receive, send: Send, chat: bool
@@ -109,6 +123,8 @@ class Admit:
         admission = self.admission
         tenant: TenantState | None = None
         try:
+            if self.meter is not None and self.meter.refuses():
+                raise _SPOOL_FULL
             if admission.enabled:
                 # Before the body: an unauthenticated client does not get 4 MB read for it.
                 tenant = admission.authenticate(authorization, time.time())
@@ -124,10 +140,9 @@ class Admit:
             point_key = session if session is not None else raw
             spill = self._spill(req, tenant, point_key, hop is not None, authorization, session_id)
             # Charged where it entered: a hop signed by a fellow edge was charged there.
+            origin = self.hops.verify(hop, raw, authorization) if hop is not None else None
             charged = 0
-            if tenant is not None and not (
-                hop is not None and self.hops.verify(hop, raw, authorization) is not None
-            ):
+            if tenant is not None and origin is None:
                 admission.rate(tenant, req.cost_tokens, time.monotonic())
                 charged = req.cost_tokens
         except EdgeError as err:
@@ -149,6 +164,8 @@ class Admit:
             ),
             salt=root_seed(tenant.slug) if tenant is not None else None,
             spill=spill,
+            entry_region=origin,
+            key_prefix=public_prefix(authorization) if tenant is not None else None,
         )
 
     def _spill(

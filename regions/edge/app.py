@@ -35,6 +35,7 @@ from regions.edge.health import HealthBoard, probe_loop
 from regions.edge.hop import HopVerifier
 from regions.edge.kv_events import KvEventHub
 from regions.edge.load import LoadBoard, scrape_loop
+from regions.edge.metering import Meter, UsageCollector
 from regions.edge.observability import EdgeMetrics
 from regions.edge.parse import CHAT_PATH, COMPLETIONS_PATH
 from regions.edge.placement import Placement
@@ -48,6 +49,7 @@ from regions.edge.spill_over import SpillOver
 from regions.edge.sync import TableSync
 from regions.edge.table_file import FileStamp, file_stamp
 from regions.edge.upstream import UpstreamPool, client_ssl_context
+from regions.edge.usage_shipper import ControlPlaneSink, RedisStreamSink, UsageSink
 from regions.tables.schema import (
     Instance,
     RoutingTable,
@@ -90,10 +92,13 @@ class Edge:
         self.spill: dict[str, tuple[Remote, ...]] = {}
         self.ramping = False
         self.models_body = b""
+        self.meter = _meter(cfg)
+        if self.meter is not None:
+            self.metrics.registry.register(UsageCollector(self.meter))
         # The stages, in a request's order.
-        self.recorder = Recorder(self.metrics, self.admission)
+        self.recorder = Recorder(self.metrics, self.admission, cfg.region, self.meter)
         self.relay = Relay(cfg.region, cfg.retry_after_s, self.health, self.metrics, self.recorder)
-        self.admit = Admit(cfg, self, self.admission, self.hops, self.relay)
+        self.admit = Admit(cfg, self, self.admission, self.hops, self.relay, self.meter)
         self.placement = Placement(cfg, self, self.health, self.loads, self.prefix, self.lines)
         attempts = Attempts(self.loads, self.health, self.metrics.inflight, self.lines)
         self.spill_over = SpillOver(cfg, self, self.relay, self.metrics)
@@ -280,6 +285,8 @@ class Edge:
             ),
         ]
         self.kv_events.start()
+        if self.meter is not None:
+            await self.meter.start()
         if self.sync is not None:
             self._sync_client = httpx.AsyncClient(
                 limits=httpx.Limits(max_connections=4, max_keepalive_connections=4)
@@ -300,6 +307,8 @@ class Edge:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks = []
         await self.kv_events.stop()
+        if self.meter is not None:
+            await self.meter.stop()
         if self._http is not None:
             await self._http.close()
         if self._probe_client is not None:
@@ -427,6 +436,21 @@ class Edge:
         finally:
             watcher.cancel()
             self.recorder.finished(ctx)
+
+
+def _meter(cfg: EdgeConfig) -> Meter | None:
+    """The edge's meter with its sink: the Redis usage stream, else the control plane."""
+    metering = cfg.metering
+    if metering is None:
+        return None
+    sink: UsageSink
+    if metering.redis_url is not None:
+        sink = RedisStreamSink(metering.redis_url)
+    elif cfg.sync is not None and cfg.sync.edge_name:
+        sink = ControlPlaneSink(cfg.sync.usage_url(), cfg.sync.credential)
+    else:
+        raise ValueError("usage metering needs a Redis URL or a control plane and an edge name")
+    return Meter(metering, sink)
 
 
 async def _watch_disconnect(

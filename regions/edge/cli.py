@@ -14,6 +14,7 @@ from regions.edge.app import Edge
 from regions.edge.config import DisaggConfig, EdgeConfig
 from regions.edge.health import HealthConfig
 from regions.edge.hop import hop_keys
+from regions.edge.metering import MeteringConfig
 from regions.edge.scheduler import POLICIES, SchedulerConfig
 from regions.edge.server import EdgeServer, ServerLimits
 from regions.edge.sync import SyncConfig, initial_table
@@ -30,6 +31,7 @@ _SCHEDULER = _EDGE.scheduler
 _HEALTH = _EDGE.health
 _DISAGG = _EDGE.disagg
 _SYNC = SyncConfig(control_plane="", credential="", keys={}, state_dir=Path())
+_METERING = MeteringConfig(spool_dir=Path())
 
 
 #: (flag, type, default, help) of the flags that only set a value.
@@ -50,6 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     _server_flags(p)
     _routing_flags(p)
     _engine_flags(p)
+    _metering_flags(p)
     p.add_argument("--log-level", default="info")
     return p
 
@@ -139,6 +142,46 @@ def _routing_flags(p: argparse.ArgumentParser) -> None:
         ("--disagg-wait-poll", float, _DISAGG.wait_poll_s, "P/D: seconds between decisions "
          "while every decode instance is at its cap"),
     ))  # fmt: skip
+
+
+def _metering_flags(p: argparse.ArgumentParser) -> None:
+    """Usage metering: a record per served request, spooled here and shipped (metering.py)."""
+    p.add_argument(
+        "--usage-spool-dir",
+        type=Path,
+        help="meter usage: spool each request's usage record here until the control plane has "
+        "it (without this flag nothing is metered)",
+    )
+    p.add_argument(
+        "--usage-redis-url",
+        default=os.environ.get("FEDINFER_USAGE_REDIS_URL"),
+        help="ship usage to this Redis's usage stream (default: $FEDINFER_USAGE_REDIS_URL; "
+        "without one, to the control plane's usage endpoint)",
+    )
+    p.add_argument(
+        "--usage-spool-full",
+        choices=("refuse", "serve"),
+        default=_METERING.full_policy,
+        help="when the spool is full: refuse new requests (503) or serve them unmetered",
+    )
+    _add(p, (
+        ("--usage-spool-max-bytes", int, _METERING.max_bytes, "records not yet shipped, bytes"),
+    ))  # fmt: skip
+
+
+def _metering_from_args(opts: argparse.Namespace, sync: SyncConfig | None) -> MeteringConfig | None:
+    if opts.usage_spool_dir is None:
+        return None
+    if opts.usage_redis_url is None and (sync is None or not sync.edge_name):
+        raise ValueError(
+            "--usage-spool-dir needs --usage-redis-url, or --control-plane with --edge-name"
+        )
+    return MeteringConfig(
+        spool_dir=opts.usage_spool_dir,
+        max_bytes=opts.usage_spool_max_bytes,
+        full_policy=opts.usage_spool_full,
+        redis_url=opts.usage_redis_url,
+    )
 
 
 def _engine_flags(p: argparse.ArgumentParser) -> None:
@@ -251,6 +294,7 @@ def config_from_args(opts: argparse.Namespace) -> EdgeConfig:
         prefix_capacity=opts.prefix_capacity,
         rate_burst_s=opts.rate_burst,
         spill_margin_s=opts.spill_margin_ms / 1000.0,
+        metering=_metering_from_args(opts, sync),
     )
 
 

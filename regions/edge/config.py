@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from regions.edge.health import HealthConfig
+from regions.edge.metering import MeteringConfig
 from regions.edge.prefix_index import BLOCK_BYTES, BYTES_PER_TOKEN
 from regions.edge.scheduler import SchedulerConfig
 from regions.edge.sync import SyncConfig
@@ -62,3 +63,5 @@ class EdgeConfig:
     hop_keys: Mapping[str, bytes] = field(default_factory=dict)
     #: Spill on latency only when the local queue wait exceeds a remote's RTT by this much.
     spill_margin_s: float = 0.05
+    #: Usage metering (``metering.py``): None meters nothing.
+    metering: MeteringConfig | None = None

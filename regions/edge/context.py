@@ -25,7 +25,7 @@ from typing import Protocol
 
 from regions.edge.admission import TenantState
 from regions.edge.observability import CacheView
-from regions.edge.parse import ParsedRequest
+from regions.edge.parse import ParsedRequest, UsageTap
 from regions.edge.server import Send
 from regions.edge.spill import Remote, Spill
 from regions.edge.upstream import UpstreamPool
@@ -75,6 +75,18 @@ class RequestContext:
     disconnected: bool = False
     #: Prompt + completion tokens the engine reported (None: unknown, e.g. a cut stream).
     used_tokens: int | None = None
+    #: For the usage record (``metering.py``): the region whose edge the client called (None:
+    #: this one), the key's public prefix, the instance that accepted the request (the last
+    #: one tried), the answer's status and TTFT, and the prompt tokens the engine reported.
+    entry_region: str | None = None
+    key_prefix: str | None = None
+    served_by: Instance | None = None
+    status: int = 0
+    ttft_s: float | None = None
+    prompt_tokens: int | None = None
+    cached_tokens: int | None = None
+    #: The stream's tap, while the answer is a stream: what a cut stream relayed.
+    tap: UsageTap | None = None
 
 
 class Fleet(Protocol):

@@ -125,6 +125,7 @@ class Forwarder:
         except UpstreamError as exc:
             raise UpstreamFailure(str(exc), connect=True, retry=may_retry(exc)) from exc
         connect_s = time.perf_counter() - t0
+        ctx.served_by = inst  # it accepted the request: from here on, usage is recorded
         clean = False
         try:
             if resp.status >= 500:

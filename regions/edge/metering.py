@@ -14,9 +14,13 @@ import asyncio
 import contextlib
 import itertools
 import secrets
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 from regions.edge.usage_shipper import UsageShipper, UsageSink
 from regions.edge.usage_spool import UsageSpool
@@ -27,12 +31,14 @@ FullPolicy = Literal["refuse", "serve"]
 
 @dataclass(frozen=True, slots=True)
 class MeteringConfig:
-    """Where records are spooled, how much may wait there, and what happens when it is full;
-    where they are shipped is the sink given to :class:`Meter`."""
+    """Where records are spooled, how much may wait there, what happens when it is full, and
+    where they are shipped."""
 
     spool_dir: Path
     max_bytes: int = 256 << 20
     full_policy: FullPolicy = "refuse"
+    #: Ship to this Redis's usage stream; None: to the control plane's usage endpoint.
+    redis_url: str | None = None
 
 
 class RequestIds:
@@ -80,3 +86,40 @@ class Meter:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
         await self.shipper.stop()
+
+
+class UsageCollector(Collector):
+    """The meter's state at scrape time: records spooled and dropped, shipped and failed
+    shipments, bytes waiting, and whether the spool is full."""
+
+    def __init__(self, meter: Meter) -> None:
+        self.meter = meter
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        meter, stats = self.meter, self.meter.shipper.stats
+        yield CounterMetricFamily(
+            "fedinfer_edge_usage_records", "Usage records spooled", value=meter.recorded
+        )
+        yield CounterMetricFamily(
+            "fedinfer_edge_usage_dropped",
+            "Usage records dropped because the spool was full (--usage-spool-full serve)",
+            value=meter.dropped,
+        )
+        yield CounterMetricFamily(
+            "fedinfer_edge_usage_shipped", "Usage records the sink accepted", value=stats.shipped
+        )
+        yield CounterMetricFamily(
+            "fedinfer_edge_usage_ship_failures",
+            "Batches the sink refused or could not be reached for",
+            value=stats.failures,
+        )
+        yield GaugeMetricFamily(
+            "fedinfer_edge_usage_unshipped_bytes",
+            "Bytes of usage records not yet accepted by the sink (spooled or buffered)",
+            value=meter.spool.unshipped_bytes,
+        )
+        yield GaugeMetricFamily(
+            "fedinfer_edge_usage_spool_full",
+            "1 while the spool is full (new requests refused or served unmetered)",
+            value=0 if meter.spool.has_room() else 1,
+        )

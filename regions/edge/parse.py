@@ -256,6 +256,7 @@ class UsageTap:
         "cached_tokens",
         "completion_tokens",
         "done",
+        "events",
         "framing",
         "pending",
         "prompt_tokens",
@@ -270,6 +271,9 @@ class UsageTap:
         self.prompt_tokens: int | None = None
         self.cached_tokens: int | None = None
         self.completion_tokens: int | None = None
+        #: ``data:`` events forwarded: about one per generated token (what a cut stream
+        #: relayed, when the engine's usage chunk never came).
+        self.events = 0
 
     def feed(self, chunk: bytes) -> bytes:
         """Bytes to forward now (whole events only; a partial event waits for its end)."""
@@ -286,6 +290,7 @@ class UsageTap:
             return b""
         complete = data[: cut + 2]
         self.pending = data[cut + 2 :]
+        self.events += complete.count(b"data: ")
         if b"[DONE]" in complete:
             self.done = True
         if b'"usage"' not in complete:

@@ -2,7 +2,8 @@
 
 Per-request metric series (status, TTFT, end-to-end time, predicted and actual cached tokens,
 prompt tokens) and, once the request is over, the settlement of the tenant's rate charge with
-the tokens the engine reported. Usage metering hooks in here.
+the tokens the engine reported, and its usage record (``metering.py``) when an instance here
+served it — answered, cut, or abandoned by its client.
 """
 
 from __future__ import annotations
@@ -11,16 +12,25 @@ import time
 
 from regions.edge.admission import Admission
 from regions.edge.context import RequestContext
+from regions.edge.metering import Meter
 from regions.edge.observability import EdgeMetrics
 from regions.edge.scheduler import Decision
+from regions.tables.usage import UsageRecord
+
+#: The status of a request whose client left before its answer ended (nginx's convention).
+CLIENT_GONE = 499
 
 
 class Recorder:
-    __slots__ = ("admission", "metrics")
+    __slots__ = ("admission", "meter", "metrics", "region")
 
-    def __init__(self, metrics: EdgeMetrics, admission: Admission) -> None:
+    def __init__(
+        self, metrics: EdgeMetrics, admission: Admission, region: str, meter: Meter | None
+    ) -> None:
         self.metrics = metrics
         self.admission = admission
+        self.region = region
+        self.meter = meter
 
     def answered(self, model: str, where: str, status: int) -> None:
         """An answer with no timings: a refusal, an error, a remote region's answer."""
@@ -38,6 +48,10 @@ class Recorder:
     ) -> None:
         """An instance's answer: its status, times and what the engine reported of the prompt
         (``prompt``/``cached`` tokens, None when it did not say)."""
+        ctx.status = status
+        ctx.ttft_s = ttft
+        ctx.prompt_tokens = prompt
+        ctx.cached_tokens = cached
         series = self.metrics.series(ctx.req.model, instance)
         statuses = series.statuses
         statuses[status] = statuses.get(status, 0) + 1
@@ -51,7 +65,49 @@ class Recorder:
             series.prompt_tokens += prompt
 
     def finished(self, ctx: RequestContext) -> None:
-        """The request is over (answered, failed or abandoned): settle the tenant's charge."""
+        """The request is over (answered, failed or abandoned): settle the tenant's charge,
+        and meter it when an instance here answered it or was running it."""
         tenant = ctx.tenant
         if ctx.charged and tenant is not None and ctx.used_tokens is not None:
             self.admission.settle(tenant, ctx.charged, ctx.used_tokens)
+        meter = self.meter
+        cancelled = ctx.disconnected and not ctx.complete
+        if meter is not None and ctx.served_by is not None and (ctx.status or cancelled):
+            meter.record(self.usage(ctx, meter.ids.new(), cancelled))
+
+    def usage(self, ctx: RequestContext, request_id: str, cancelled: bool) -> UsageRecord:
+        """The request's usage record. Without the engine's usage report (a cut or abandoned
+        stream), the prompt is the edge's count and the completion the events relayed."""
+        inst = ctx.served_by
+        assert inst is not None
+        req = ctx.req
+        duration = time.perf_counter() - ctx.arrived
+        prompt, cached = ctx.prompt_tokens, ctx.cached_tokens or 0
+        reported = prompt is not None and ctx.used_tokens is not None
+        if prompt is not None and ctx.used_tokens is not None:
+            completion = ctx.used_tokens - prompt
+        else:
+            prompt, cached = req.prompt_tokens, 0
+            # The role chunk that opens a chat stream carries no token.
+            completion = max(ctx.tap.events - 1, 0) if ctx.tap is not None else 0
+        tenant = ctx.tenant
+        return UsageRecord(
+            request_id=request_id,
+            started_at=time.time() - duration,
+            region=self.region,
+            entry_region=ctx.entry_region or self.region,
+            instance=inst.id,
+            model=inst.model,
+            adapter=req.model if req.model != inst.model else None,
+            tenant=tenant.slug if tenant is not None else None,
+            key_prefix=ctx.key_prefix,
+            prompt_tokens=prompt,
+            cached_tokens=min(cached, prompt),
+            completion_tokens=completion,
+            ttft_ms=ctx.ttft_s * 1000.0 if ctx.ttft_s is not None else None,
+            duration_ms=duration * 1000.0,
+            status=CLIENT_GONE if cancelled else ctx.status,
+            streamed=req.stream,
+            cancelled=cancelled,
+            usage_reported=reported,
+        )

@@ -120,7 +120,7 @@ class Relay:
         ctx: RequestContext,
     ) -> bool:
         """Pass the SSE stream through; True when it ended cleanly with ``[DONE]``."""
-        tap = UsageTap(ctx.req.strip_usage)
+        tap = ctx.tap = UsageTap(ctx.req.strip_usage)
         # Hold the response headers until the first bytes arrive, so a failure before then can
         # still be retried on another instance.
         first = b""

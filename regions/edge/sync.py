@@ -61,6 +61,9 @@ class SyncConfig:
     def heartbeat_url(self) -> str:
         return f"{self.control_plane.rstrip('/')}/api/v1/edges/{self.edge_name}/heartbeat"
 
+    def usage_url(self) -> str:
+        return f"{self.control_plane.rstrip('/')}/api/v1/edges/{self.edge_name}/usage"
+
     def headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.credential}"}
 
