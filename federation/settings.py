@@ -55,6 +55,7 @@ INSTALLED_APPS = [
     "federation.inventory",
     "federation.tenancy",
     "federation.routing",
+    "federation.demo",
 ]
 
 MIDDLEWARE = [

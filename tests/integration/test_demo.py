@@ -260,7 +260,7 @@ def test_demo_exits_non_zero_naming_a_child_that_died(
     assert len(endpoints["instances"]) == 10
     children = _children(proc.pid)
     (edge_pid,) = [p for p, cmd in children.items() if " edge --region eu-west " in cmd]
-    assert not any("demo_traffic" in cmd for cmd in children.values())
+    assert not any("federation.demo.traffic" in cmd for cmd in children.values())
     os.killpg(edge_pid, signal.SIGKILL)
     assert proc.wait(timeout=30) != 0
     out = (tmp_path / "demo.log").read_text()

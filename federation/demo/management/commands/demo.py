@@ -6,33 +6,29 @@ through the lifecycle services, and runs the federation the way production does:
 control-plane web server, the Celery worker (embedded broker under ``var/broker``) that
 recompiles tables after every change, and one edge router per region in control-plane mode
 (its own credential, signed tables by long-poll, heartbeats, last good table persisted).
-A small traffic generator (``federation.core.demo_traffic``) sends requests from tenants of
+A small traffic generator (``federation.demo.traffic``) sends requests from tenants of
 different jurisdictions. The demo prints where everything is and supervises the processes:
 if one dies the demo says which and stops the rest (no silent half-platform).
 """
 
 from __future__ import annotations
 
-import contextlib
+import functools
 import json
 import os
 import signal
-import socket
-import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
-import httpx
 from django.conf import settings
 from django.core.management import call_command
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.db import connection
 
-from federation.core.management.commands.loaddemo import DEMO_PASSWORD
+from federation.demo.fleet import DEMO_PASSWORD
 from federation.inventory import lifecycle
 from federation.inventory import services as inventory
 from federation.inventory.models import Deployment, Edge, GPUPool, Instance, Region
@@ -40,17 +36,12 @@ from federation.routing import services as routing
 from federation.tenancy import services as tenancy
 from federation.tenancy.models import ApiKey, Tenant
 from federation.tenancy.selectors import tenant_permitted_regions
+from regions.supervisor import StartupError, Supervisor, free_port, http_status, wait_until
 from workers.celery import app as celery_app
 
 DEMO_PREFIX = "demo-"
 FEDINFER = [sys.executable, "-m", "federation.cli"]
 STARTUP_TIMEOUT_S = 60.0
-
-
-def _free_port(host: str) -> int:
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
 
 
 def _slug(text: str) -> str:
@@ -66,64 +57,12 @@ def _write_private(path: Path, text: str) -> None:
         out.write(text)
 
 
+def _written(path: Path) -> bool:
+    return path.exists() and path.stat().st_size > 0
+
+
 class Interrupted(Exception):
     """Ctrl-C or SIGTERM arrived: stop, this is not a failure."""
-
-
-def _tee(src: IO[bytes], log: IO[bytes], echo: Callable[[str], None]) -> None:
-    for line in src:
-        log.write(line)
-        log.flush()
-        echo(line.decode(errors="replace").rstrip("\n"))
-
-
-class Supervisor:
-    """Child processes of the demo, each in its own process group, logs under var/demo/logs."""
-
-    def __init__(self, log_dir: Path) -> None:
-        self.log_dir = log_dir
-        self.children: list[tuple[str, subprocess.Popen[bytes]]] = []
-
-    def start(
-        self,
-        name: str,
-        argv: list[str],
-        env: dict[str, str] | None = None,
-        echo: Callable[[str], None] | None = None,
-    ) -> subprocess.Popen[bytes]:
-        """Start a child; with ``echo`` its output also goes there, line by line."""
-        log = (self.log_dir / f"{name}.log").open("wb")
-        proc = subprocess.Popen(
-            argv,
-            stdout=log if echo is None else subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            env={**os.environ, **(env or {})},
-        )
-        self.children.append((name, proc))
-        if echo is None:
-            log.close()  # the child has its own copy
-        else:
-            assert proc.stdout is not None
-            threading.Thread(target=_tee, args=(proc.stdout, log, echo), daemon=True).start()
-        return proc
-
-    def dead(self) -> list[tuple[str, int]]:
-        return [(n, p.returncode) for n, p in self.children if p.poll() is not None]
-
-    def stop(self) -> None:
-        for _, proc in self.children:
-            if proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGTERM)
-        deadline = time.monotonic() + 10
-        for _, proc in self.children:
-            try:
-                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
 
 
 class Command(BaseCommand):
@@ -203,14 +142,14 @@ class Command(BaseCommand):
             pass
         finally:
             self.stdout.write("demo: stopping")
-            sup.stop()
+            sup.stop_all()
             self._forget_previous_run()
 
     def _check_children(self, sup: Supervisor, demo_dir: Path) -> None:
-        if dead := sup.dead():
+        if exited := sup.exited():
             raise CommandError(
                 "demo process(es) exited: "
-                + ", ".join(f"{n} (code {c})" for n, c in dead)
+                + ", ".join(f"{p.name} (code {p.returncode})" for p in exited)
                 + f"; see {demo_dir / 'logs'}"
             )
 
@@ -296,7 +235,13 @@ class Command(BaseCommand):
             sup.start(name, argv)
             pending.append((dep, count, ready_file))
         for dep, _count, ready_file in pending:
-            engines = self._wait_for_file(ready_file, sup, stop)["engines"]
+            self._wait(
+                sup,
+                stop,
+                functools.partial(_written, ready_file),
+                f"the engines' ready file {ready_file}",
+            )
+            engines = json.loads(ready_file.read_text())["engines"]
             for engine in engines:
                 name = (
                     f"{DEMO_PREFIX}{dep.pool.region.code}-{dep.pool.name}-"
@@ -324,8 +269,8 @@ class Command(BaseCommand):
         credentials: dict[str, Path] = {}
         for offset, region in enumerate(Region.objects.order_by("code"), start=1):
             base = opts["edge_base_port"]
-            url = f"http://{host}:{base + offset if base else _free_port(host)}"
-            ops_port = base + 100 + offset if base else _free_port(host)
+            url = f"http://{host}:{base + offset if base else free_port(host)}"
+            ops_port = base + 100 + offset if base else free_port(host)
             operators[region.code] = f"http://127.0.0.1:{ops_port}"
             edge = inventory.edge_register(
                 actor=None, region=region, name=f"{DEMO_PREFIX}{region.code}", url=url
@@ -375,7 +320,7 @@ class Command(BaseCommand):
                     "--operator-port",
                     operators[code].rsplit(":", 1)[1],
                 ],
-                env=ring,
+                env={**os.environ, **ring},
             )
         for url in operators.values():
             self._wait_http(f"{url}/healthz", sup, stop)
@@ -401,7 +346,7 @@ class Command(BaseCommand):
             [
                 sys.executable,
                 "-m",
-                "federation.core.demo_traffic",
+                "federation.demo.traffic",
                 "--endpoints",
                 str(endpoints),
                 "--rps",
@@ -412,32 +357,33 @@ class Command(BaseCommand):
             echo=self.stdout.write,
         )
 
-    def _wait_for_file(self, path: Path, sup: Supervisor, stop: dict[str, bool]) -> Any:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while time.monotonic() < deadline:
-            self._check_start(sup, stop)
-            if path.exists() and path.stat().st_size:
-                return json.loads(path.read_text())
-            time.sleep(0.1)
-        raise CommandError(f"engines did not report ready within {STARTUP_TIMEOUT_S:.0f}s ({path})")
+    def _wait(
+        self, sup: Supervisor, stop: dict[str, bool], ready: Callable[[], bool], what: str
+    ) -> None:
+        """Wait for a start-up step: Ctrl-C interrupts it, a child that exits fails it."""
+
+        def ready_unless_interrupted() -> bool:
+            if stop["now"]:
+                raise Interrupted
+            return ready()
+
+        try:
+            wait_until(
+                ready_unless_interrupted,
+                what=what,
+                timeout=STARTUP_TIMEOUT_S,
+                watch=sup.processes,
+                interval=0.2,
+            )
+        except StartupError as exc:
+            raise CommandError(f"demo start-up failed: {exc}") from exc
 
     def _wait_http(self, url: str, sup: Supervisor, stop: dict[str, bool]) -> None:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while time.monotonic() < deadline:
-            self._check_start(sup, stop)
-            try:
-                if httpx.get(url, timeout=1.0).status_code < 500:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise CommandError(f"{url} did not answer within {STARTUP_TIMEOUT_S:.0f}s")
+        def answers() -> bool:
+            status = http_status(url)
+            return status is not None and status < 500
 
-    def _check_start(self, sup: Supervisor, stop: dict[str, bool]) -> None:
-        if stop["now"]:
-            raise Interrupted
-        if dead := sup.dead():
-            raise CommandError(f"demo process exited during start-up: {dead}")
+        self._wait(sup, stop, answers, url)
 
     def _print_summary(self, summary: dict[str, Any], demo_dir: Path, *, traffic: bool) -> None:
         web = summary["control_plane"]
