@@ -169,30 +169,18 @@ class Supervisor:
         cpus: Iterable[int] | None = None,
         echo: Callable[[str], None] | None = None,
     ) -> Process:
-        """Start ``argv`` as ``name``. ``env`` is its whole environment (default: ours); Python
-        children write unbuffered, so a log's tail is current when an error quotes it. ``cpus``
-        pins it (to those of them this process may use); with ``echo`` each line of its output
-        also goes there."""
-        self.log_dir.mkdir(parents=True, exist_ok=True)
-        log = self.log_dir / f"{name}.log"
-        mode = "ab" if name in self._logs_started else "wb"
+        """Start ``argv`` as ``name`` (see :func:`start_process`) and supervise it."""
+        process = start_process(
+            name,
+            argv,
+            log=self.log_dir / f"{name}.log",
+            append=name in self._logs_started,
+            env=env,
+            cwd=self.cwd,
+            cpus=cpus,
+            echo=echo,
+        )
         self._logs_started.add(name)
-        pinned = _usable(cpus)
-        with log.open(mode) as out:
-            popen = subprocess.Popen(
-                list(argv),
-                stdout=out if echo is None else subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                cwd=self.cwd,
-                env={**(os.environ if env is None else env), "PYTHONUNBUFFERED": "1"},
-                start_new_session=True,
-                preexec_fn=None if pinned is None else lambda: os.sched_setaffinity(0, pinned),
-            )
-        if echo is not None:
-            assert popen.stdout is not None
-            threading.Thread(target=_tee, args=(popen.stdout, log, echo), daemon=True).start()
-        process = Process(name, popen, log)
         self.processes.append(process)
         return process
 
@@ -221,6 +209,41 @@ class Supervisor:
         for process in stopping:
             process.reap(deadline)
         self.processes.clear()
+
+
+def start_process(
+    name: str,
+    argv: Sequence[str],
+    *,
+    log: Path,
+    append: bool = False,
+    env: Mapping[str, str] | None = None,
+    cwd: Path | None = None,
+    cpus: Iterable[int] | None = None,
+    echo: Callable[[str], None] | None = None,
+) -> Process:
+    """Start ``argv`` in its own session, stdout and stderr to ``log`` (truncated unless
+    ``append``). ``env`` is its whole environment (default: ours); Python children write
+    unbuffered, so a log's tail is current when an error quotes it. ``cpus`` pins it (to
+    those of them this process may use); with ``echo`` each line of its output also goes
+    there. The caller stops it (:meth:`Process.stop`), or a :class:`Supervisor` does."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    pinned = _usable(cpus)
+    with log.open("ab" if append else "wb") as out:
+        popen = subprocess.Popen(
+            list(argv),
+            stdout=out if echo is None else subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            cwd=cwd,
+            env={**(os.environ if env is None else env), "PYTHONUNBUFFERED": "1"},
+            start_new_session=True,
+            preexec_fn=None if pinned is None else lambda: os.sched_setaffinity(0, pinned),
+        )
+    if echo is not None:
+        assert popen.stdout is not None
+        threading.Thread(target=_tee, args=(popen.stdout, log, echo), daemon=True).start()
+    return Process(name, popen, log)
 
 
 def _usable(cpus: Iterable[int] | None) -> set[int] | None:
