@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import stat
 import subprocess
 import sys
@@ -19,16 +18,12 @@ import httpx
 import openai
 import pytest
 
+from regions.supervisor import Process, Supervisor, free_port, wait_until
+
 ROOT = Path(__file__).resolve().parents[2]
 LLAMA = "meta-llama/Llama-3.1-8B-Instruct"
 
 Summary = tuple[dict[str, int], dict[str, dict[str, int]]]
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _wait_until(check: Callable[[], bool], timeout: float, what: str) -> float:
@@ -72,44 +67,30 @@ def _demo_env(var_dir: Path) -> dict[str, str]:
 
 
 @pytest.fixture
-def start_demo(tmp_path: Path) -> Iterator[Callable[..., tuple[subprocess.Popen[bytes], Any]]]:
-    procs: list[subprocess.Popen[bytes]] = []
+def start_demo(tmp_path: Path) -> Iterator[Callable[..., tuple[Process, Any]]]:
+    # Its log is demo.log; a stop gets 30 s before SIGKILL.
+    procs = Supervisor(tmp_path, cwd=ROOT, grace_s=30.0)
 
-    def start(*extra: str) -> tuple[subprocess.Popen[bytes], Any]:
-        log = (tmp_path / "demo.log").open("wb")
+    def start(*extra: str) -> tuple[Process, Any]:
         # Free ports from the OS: fixed ones may be taken on a busy test machine.
-        argv = ["demo", "--port", str(_free_port()), "--edge-base-port", "0"]
-        proc = subprocess.Popen(
+        argv = ["demo", "--port", str(free_port()), "--edge-base-port", "0"]
+        proc = procs.start(
+            "demo",
             [sys.executable, "-m", "federation.cli", *argv, "--exit-after", "120", *extra],
-            cwd=ROOT,
             env=_demo_env(tmp_path),
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
         )
-        procs.append(proc)
         endpoints = tmp_path / "demo" / "endpoints.json"
-        deadline = time.monotonic() + 90
-        while not endpoints.exists():
-            if proc.poll() is not None or time.monotonic() > deadline:
-                out = (tmp_path / "demo.log").read_text()
-                pytest.fail(f"demo did not start (code {proc.poll()}):\n{out[-3000:]}")
-            time.sleep(0.2)
+        wait_until(endpoints.exists, what="the demo's endpoints.json", timeout=90, watch=proc)
         return proc, json.loads(endpoints.read_text())
 
     yield start
-    for proc in procs:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGINT)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            raise
+    for proc in list(procs.processes):
+        killed = procs.stop(proc) == -signal.SIGKILL
+        assert not killed, "the demo did not stop within 30 s of SIGTERM"
 
 
 def test_demo_federates_three_regions_with_traffic_and_an_evacuation(
-    start_demo: Callable[..., tuple[subprocess.Popen[bytes], Any]], tmp_path: Path
+    start_demo: Callable[..., tuple[Process, Any]], tmp_path: Path
 ) -> None:
     proc, endpoints = start_demo("--traffic-rps", "6", "--traffic-summary-every", "6")
     demo_dir = tmp_path / "demo"
@@ -238,7 +219,7 @@ def _children(pid: int) -> dict[int, str]:
 
 
 def test_demo_exits_non_zero_naming_a_child_that_died(
-    start_demo: Callable[..., tuple[subprocess.Popen[bytes], Any]], tmp_path: Path
+    start_demo: Callable[..., tuple[Process, Any]], tmp_path: Path
 ) -> None:
     # An earlier run left eu-west evacuated and a pool cordoned: this run starts in service.
     earlier = (
