@@ -9,7 +9,6 @@ import signal
 import stat
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -24,15 +23,6 @@ ROOT = Path(__file__).resolve().parents[2]
 LLAMA = "meta-llama/Llama-3.1-8B-Instruct"
 
 Summary = tuple[dict[str, int], dict[str, dict[str, int]]]
-
-
-def _wait_until(check: Callable[[], bool], timeout: float, what: str) -> float:
-    started = time.monotonic()
-    while not check():
-        if time.monotonic() - started > timeout:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.1)
-    return time.monotonic() - started
 
 
 def _route(headers: Any) -> dict[str, str]:
@@ -141,11 +131,13 @@ def test_demo_federates_three_regions_with_traffic_and_an_evacuation(
                 return False
         return len(rows) == 3
 
-    _wait_until(on_latest_version, 15, "every edge's heartbeat on its region's latest table")
+    wait_until(
+        on_latest_version, timeout=15, what="every edge's heartbeat on its region's latest table"
+    )
 
     # The traffic generator's requests succeed, each tenant served where it may be.
     traffic_log = demo_dir / "logs" / "traffic.log"
-    _wait_until(lambda: len(_summaries(traffic_log)) >= 2, 20, "two traffic summaries")
+    wait_until(lambda: len(_summaries(traffic_log)) >= 2, timeout=20, what="two traffic summaries")
     before = _summaries(traffic_log)
     for statuses, served in before:
         assert set(statuses) == {"200"}, statuses
@@ -166,7 +158,7 @@ def test_demo_federates_three_regions_with_traffic_and_an_evacuation(
         route = _route(raw.headers)
         return route["region"] != "eu-west" and route.get("remote_from") == "eu-west"
 
-    shift_s = _wait_until(moved, 15, "eu-west traffic to move")
+    shift_s = wait_until(moved, timeout=15, what="eu-west traffic to move")
     print(f"evacuation -> traffic moved in {shift_s:.2f}s")
     assert shift_s < 10, shift_s
     seen = len(_summaries(traffic_log))
@@ -177,7 +169,7 @@ def test_demo_federates_three_regions_with_traffic_and_an_evacuation(
             for _, served in _summaries(traffic_log)[seen:]
         )
 
-    _wait_until(generator_moved, 20, "the traffic generator's eu-west traffic to move")
+    wait_until(generator_moved, timeout=20, what="the traffic generator's eu-west traffic to move")
     # The EU-only tenant has nowhere else to go: refused in eu-west, never served elsewhere.
     after = _summaries(traffic_log)[seen:]
     for _, served in after:
@@ -246,8 +238,10 @@ def test_demo_exits_non_zero_naming_a_child_that_died(
     assert proc.wait(timeout=30) != 0
     out = (tmp_path / "demo.log").read_text()
     assert "demo process(es) exited: edge-eu-west (code -9)" in out, out[-2000:]
-    _wait_until(
-        lambda: not any(Path(f"/proc/{pid}").exists() for pid in children), 15, "children to stop"
+    wait_until(
+        lambda: not any(Path(f"/proc/{pid}").exists() for pid in children),
+        timeout=15,
+        what="children to stop",
     )
     for url in endpoints["operators"].values():
         with pytest.raises(httpx.HTTPError):
