@@ -290,6 +290,12 @@ def wait_until(
         time.sleep(interval)
 
 
+def file_written(path: Path) -> bool:
+    """``path`` exists and is not empty: a ready file (``engine-sim --ready-file``) is written
+    in one go once every engine listens."""
+    return path.exists() and path.stat().st_size > 0
+
+
 def http_status(url: str, timeout: float = 1.0) -> int | None:
     """The status ``url`` answers a GET with; ``None`` when nothing answers."""
     try:

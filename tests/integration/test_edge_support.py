@@ -19,7 +19,14 @@ from typing import Any
 
 import httpx
 
-from regions.supervisor import Process, free_port, start_process, wait_http, wait_until
+from regions.supervisor import (
+    Process,
+    file_written,
+    free_port,
+    start_process,
+    wait_http,
+    wait_until,
+)
 
 FAKE_ENGINE = r"""
 import argparse, asyncio, hashlib, json, time
@@ -160,14 +167,11 @@ def engine_sims(tmp: Path, count: int, model: str, *args: str) -> Iterator[list[
     cmd = [fedinfer, "engine-sim", "--count", str(count), "--port", "0", "--model", model, *args]
     sim = start_process("engine-sim", [*cmd, "--ready-file", str(ready)], log=tmp / "sim.log")
     try:
-        wait_until(functools.partial(_written, ready), what="engine-sim's ready file", watch=sim)
+        written = functools.partial(file_written, ready)
+        wait_until(written, what="engine-sim's ready file", watch=sim)
         yield list(json.loads(ready.read_text())["engines"])
     finally:
         sim.stop()
-
-
-def _written(path: Path) -> bool:
-    return path.exists() and bool(path.read_text())
 
 
 def spawn_engine(tmp: Path, name: str, *args: str) -> Engine:

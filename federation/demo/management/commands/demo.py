@@ -36,7 +36,14 @@ from federation.routing import services as routing
 from federation.tenancy import services as tenancy
 from federation.tenancy.models import ApiKey, Tenant
 from federation.tenancy.selectors import tenant_permitted_regions
-from regions.supervisor import StartupError, Supervisor, free_port, http_status, wait_until
+from regions.supervisor import (
+    StartupError,
+    Supervisor,
+    file_written,
+    free_port,
+    http_status,
+    wait_until,
+)
 from workers.celery import app as celery_app
 
 DEMO_PREFIX = "demo-"
@@ -55,10 +62,6 @@ def _write_private(path: Path, text: str) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w") as out:
         out.write(text)
-
-
-def _written(path: Path) -> bool:
-    return path.exists() and path.stat().st_size > 0
 
 
 class Interrupted(Exception):
@@ -238,7 +241,7 @@ class Command(BaseCommand):
             self._wait(
                 sup,
                 stop,
-                functools.partial(_written, ready_file),
+                functools.partial(file_written, ready_file),
                 f"the engines' ready file {ready_file}",
             )
             engines = json.loads(ready_file.read_text())["engines"]
