@@ -13,7 +13,7 @@ from typing import Any
 import redis
 from django.conf import settings as django_settings
 
-from regions.supervisor import Supervisor, free_port, wait_http
+from regions.supervisor import Process, Supervisor, free_port, wait_http
 from workers.celery import app as celery_app
 
 FEDINFER = str(Path(sys.executable).with_name("fedinfer"))
@@ -52,11 +52,44 @@ def subprocess_env(redis_url: str, **extra: str) -> dict[str, str]:
     }
 
 
-def serve(procs: Supervisor, env: dict[str, str], *, name: str = "serve") -> tuple[str, int]:
+def serve(procs: Supervisor, env: dict[str, str], *, name: str = "serve") -> tuple[str, Process]:
     """Start ``fedinfer serve`` (uvicorn, no migrations) on a free loopback port and wait
-    until it answers; returns its URL and pid."""
+    until it answers; returns its URL and process."""
     port = free_port()
     proc = procs.start(name, [FEDINFER, "serve", "--no-migrate", "--port", str(port)], env=env)
     url = f"http://127.0.0.1:{port}"
     wait_http(f"{url}/api/v1/", watch=proc)
-    return url, proc.pid
+    return url, proc
+
+
+def write_table_keys(path: Path) -> Path:
+    """The control plane's table-signing key as an edge's key ring (``--table-keys-file``)."""
+    key_id = django_settings.FEDINFER_TABLE_SIGNING_KEY_ID
+    path.write_text(f"{key_id}={django_settings.FEDINFER_TABLE_SIGNING_KEY}")
+    return path
+
+
+def start_control_plane_edge(
+    procs: Supervisor,
+    *,
+    region: str,
+    control_plane: str,
+    credential: str,
+    table_keys: Path,
+    port: int,
+    ops_port: int,
+    env: dict[str, str],
+    args: tuple[str, ...] = (),
+) -> Process:
+    """``fedinfer edge`` named ``edge-<region>`` on the control plane's signed tables, with
+    quick probes and heartbeats; its credential is ``<log_dir>/cred-<region>`` and its last
+    good table is kept under ``<log_dir>/state-<region>``. Not waited for."""
+    cred = procs.log_dir / f"cred-{region}"
+    cred.write_text(credential)
+    cmd = [FEDINFER, "edge", "--region", region, "--control-plane", control_plane]
+    cmd += ["--credential-file", str(cred), "--table-keys-file", str(table_keys)]
+    cmd += ["--edge-name", f"edge-{region}", "--state-dir", str(procs.log_dir / f"state-{region}")]
+    cmd += ["--port", str(port), "--operator-port", str(ops_port)]
+    cmd += ["--heartbeat-interval", "0.5", "--probe-interval", "0.2", "--scrape-interval", "0.2"]
+    cmd += ["--initial-timeout", "10", "--log-level", "warning", *args]
+    return procs.start(f"edge-{region}", cmd, env=env)

@@ -37,8 +37,8 @@ class Server:
 
 @pytest.fixture
 def server(db: None, procs: Supervisor) -> Server:
-    url, pid = serve(procs, subprocess_env(settings.REDIS_URL))
-    return Server(int(url.rsplit(":", 1)[1]), pid)
+    url, proc = serve(procs, subprocess_env(settings.REDIS_URL))
+    return Server(int(url.rsplit(":", 1)[1]), proc.pid)
 
 
 def connect(server: Server) -> socket.socket:

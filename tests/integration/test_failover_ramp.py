@@ -37,7 +37,14 @@ from federation.routing import services as routing
 from federation.routing.models import RoutingTableVersion
 from federation.tenancy import services as tenancy
 from regions.supervisor import Process, Supervisor, free_port, wait_http
-from tests.integration.control_plane_support import FEDINFER, own_redis, subprocess_env
+from tests.integration.control_plane_support import (
+    FEDINFER,
+    own_redis,
+    serve,
+    start_control_plane_edge,
+    subprocess_env,
+    write_table_keys,
+)
 from tests.integration.inventory_factories import (
     LLAMA_8B,
     make_deployment,
@@ -271,9 +278,7 @@ def test_a_region_coming_back_gets_its_traffic_back_gradually(
     key = tenancy.api_key_create(actor=None, tenant=anyone, name="k").plaintext
     routing.routing_tables_publish()
 
-    serve_port = free_port()
-    cp = f"http://127.0.0.1:{serve_port}"
-    procs.start("serve", [FEDINFER, "serve", "--no-migrate", "--port", str(serve_port)], env=env())
+    cp, _ = serve(procs, env())
     worker_cmd = [FEDINFER, "worker", "--pool", "solo", "--without-gossip", "--without-mingle"]
     procs.start("worker", worker_cmd, env=env())
 
@@ -283,27 +288,18 @@ def test_a_region_coming_back_gets_its_traffic_back_gradually(
         except httpx.TransportError:
             return False
 
-    wait_until(lambda: up(cp + "/api/v1/"), 30, "serve")
-    ring = procs.log_dir / "table-keys"
-    ring.write_text(
-        f"{settings.FEDINFER_TABLE_SIGNING_KEY_ID}={settings.FEDINFER_TABLE_SIGNING_KEY}"
-    )
+    ring = write_table_keys(procs.log_dir / "table-keys")
     for code in codes:
-        cred = procs.log_dir / f"cred-{code}"
-        cred.write_text(credentials[code])
-        cmd = [FEDINFER, "edge", "--region", code, "--control-plane", cp]
-        cmd += ["--credential-file", str(cred), "--table-keys-file", str(ring)]
-        cmd += ["--edge-name", f"edge-{code}"]
-        cmd += [
-            "--state-dir",
-            str(procs.log_dir / f"state-{code}"),
-            "--port",
-            str(edge_ports[code]),
-        ]
-        cmd += ["--operator-port", str(ops_ports[code])]
-        cmd += ["--heartbeat-interval", "0.5", "--probe-interval", "0.2"]
-        cmd += ["--scrape-interval", "0.2", "--initial-timeout", "10", "--log-level", "warning"]
-        procs.start(f"edge-{code}", cmd, env=env())
+        start_control_plane_edge(
+            procs,
+            region=code,
+            control_plane=cp,
+            credential=credentials[code],
+            table_keys=ring,
+            port=edge_ports[code],
+            ops_port=ops_ports[code],
+            env=env(),
+        )
     for code in codes:
         url = f"http://127.0.0.1:{ops_ports[code]}/healthz"
         wait_until(lambda url=url: up(url), 20, f"edge {code}")

@@ -23,14 +23,20 @@ from typing import Any
 
 import httpx
 import pytest
-from django.conf import settings
 from rest_framework.test import APIClient
 
 from federation.inventory import services as inventory
 from federation.routing import services as routing
 from federation.tenancy import services as tenancy
 from regions.supervisor import Process, Supervisor, free_port
-from tests.integration.control_plane_support import FEDINFER, own_redis, subprocess_env
+from tests.integration.control_plane_support import (
+    FEDINFER,
+    own_redis,
+    serve,
+    start_control_plane_edge,
+    subprocess_env,
+    write_table_keys,
+)
 from tests.integration.inventory_factories import (
     LLAMA_8B,
     make_deployment,
@@ -146,44 +152,24 @@ def test_three_regions_federated(procs: Supervisor, admin_client: APIClient) -> 
     any_key = tenancy.api_key_create(actor=None, tenant=anyone, name="k").plaintext
     routing.routing_tables_publish()
 
-    serve_port = free_port()
-    cp = f"http://127.0.0.1:{serve_port}"
-    serve = procs.start(
-        "serve", [FEDINFER, "serve", "--no-migrate", "--port", str(serve_port)], env=env()
-    )
-    wait_until(lambda: httpx.get(cp + "/api/v1/", timeout=1).status_code < 500, 30, "serve")
-
-    ring = procs.log_dir / "table-keys"
-    ring.write_text(
-        f"{settings.FEDINFER_TABLE_SIGNING_KEY_ID}={settings.FEDINFER_TABLE_SIGNING_KEY}"
-    )
+    cp, serve_proc = serve(procs, env())
+    ring = write_table_keys(procs.log_dir / "table-keys")
     edges = {c: f"http://127.0.0.1:{edge_ports[c]}" for c in codes}
     ops_ports = {c: free_port() for c in codes}
     ops = {c: f"http://127.0.0.1:{ops_ports[c]}" for c in codes}
 
     def start_edge(code: str) -> Process:
-        cred = procs.log_dir / f"cred-{code}"
-        cred.write_text(credentials[code])
-        cmd = [FEDINFER, "edge", "--region", code, "--control-plane", cp]
-        cmd += ["--credential-file", str(cred), "--table-keys-file", str(ring)]
-        cmd += ["--edge-name", f"edge-{code}"]
-        cmd += [
-            "--state-dir",
-            str(procs.log_dir / f"state-{code}"),
-            "--port",
-            str(edge_ports[code]),
-        ]
-        cmd += ["--operator-port", str(ops_ports[code])]
-        cmd += [
-            "--heartbeat-interval",
-            "0.5",
-            "--probe-interval",
-            "0.2",
-            "--scrape-interval",
-            "0.2",
-        ]
-        cmd += ["--queue-size", "0", "--initial-timeout", "10", "--log-level", "warning"]
-        proc = procs.start(f"edge-{code}", cmd, env=env())
+        proc = start_control_plane_edge(
+            procs,
+            region=code,
+            control_plane=cp,
+            credential=credentials[code],
+            table_keys=ring,
+            port=edge_ports[code],
+            ops_port=ops_ports[code],
+            env=env(),
+            args=("--queue-size", "0"),
+        )
         wait_until(lambda: healthy(ops[code]) >= 1, 20, f"edge {code}")
         return proc
 
@@ -283,7 +269,7 @@ def test_three_regions_federated(procs: Supervisor, admin_client: APIClient) -> 
 
     # 4. A tampered persisted table is rejected (us-west), and with the control plane stopped
     #    every other edge keeps serving — also after a restart, from its persisted table.
-    procs.stop(serve)
+    procs.stop(serve_proc)
     for code in codes:
         # eu-west is still ramping back after its restore (the unrestricted tenant returns in
         # steps, test_failover_ramp.py); the EU-only tenant is served there at once.

@@ -422,7 +422,7 @@ def server(transactional_db: None, procs: Supervisor, request: pytest.FixtureReq
     env = subprocess_env(REDIS_TEST_URL)
     if getattr(request, "param", "redis") == "redis-down":
         env["REDIS_URL"] = DEAD_REDIS_URL
-    url, _pid = serve(procs, env)
+    url, _ = serve(procs, env)
     return Server(url, getattr(request, "param", "redis"))
 
 
