@@ -20,6 +20,7 @@ import signal
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -68,6 +69,21 @@ class Interrupted(Exception):
     """Ctrl-C or SIGTERM arrived: stop, this is not a failure."""
 
 
+@dataclass
+class _Run:
+    """One run of the demo: its options, directory and processes; ``stopping`` is set by
+    Ctrl-C or SIGTERM and checked between steps (never acted on inside a signal handler)."""
+
+    opts: dict[str, Any]
+    demo_dir: Path
+    sup: Supervisor
+    stopping: bool = False
+
+    @property
+    def host(self) -> str:
+        return str(self.opts["host"])
+
+
 class Command(BaseCommand):
     help = "Run the whole platform on this machine with simulated engines."
 
@@ -102,7 +118,6 @@ class Command(BaseCommand):
         )
 
     def handle(self, *args: Any, **opts: Any) -> None:
-        host: str = opts["host"]
         demo_dir = Path(settings.VAR_DIR) / "demo"
         for sub in ("logs", "engines", "edges"):
             (demo_dir / sub).mkdir(parents=True, exist_ok=True)
@@ -116,25 +131,24 @@ class Command(BaseCommand):
         call_command("loaddemo", stdout=self.stdout)
         self._forget_previous_run()
         self._back_in_service()
-        sup = Supervisor(demo_dir / "logs")
-        stop = {"now": False}
+        run = _Run(opts, demo_dir, Supervisor(demo_dir / "logs"))
 
         def on_signal(signum: int, frame: Any) -> None:
-            stop["now"] = True
+            run.stopping = True
 
         signal.signal(signal.SIGINT, on_signal)
         signal.signal(signal.SIGTERM, on_signal)
         try:
-            summary = self._start(sup, demo_dir, host, opts, stop)
+            summary = self._start(run)
             # It holds this run's API keys: readable by the demo's user only.
             endpoints = demo_dir / "endpoints.json"
             _write_private(endpoints, json.dumps(summary, indent=2))
             self._print_summary(summary, demo_dir, traffic=not opts["no_traffic"])
             if not opts["no_traffic"]:
-                self._start_traffic(sup, endpoints, opts)
+                self._start_traffic(run, endpoints)
             started = time.monotonic()
-            while not stop["now"]:
-                self._check_children(sup, demo_dir)
+            while not run.stopping:
+                self._check_children(run)
                 if (
                     opts["exit_after"] is not None
                     and time.monotonic() - started > opts["exit_after"]
@@ -145,15 +159,15 @@ class Command(BaseCommand):
             pass
         finally:
             self.stdout.write("demo: stopping")
-            sup.stop_all()
+            run.sup.stop_all()
             self._forget_previous_run()
 
-    def _check_children(self, sup: Supervisor, demo_dir: Path) -> None:
-        if exited := sup.exited():
+    def _check_children(self, run: _Run) -> None:
+        if exited := run.sup.exited():
             raise CommandError(
                 "demo process(es) exited: "
                 + ", ".join(f"{p.name} (code {p.returncode})" for p in exited)
-                + f"; see {demo_dir / 'logs'}"
+                + f"; see {run.demo_dir / 'logs'}"
             )
 
     def _forget_previous_run(self) -> None:
@@ -187,16 +201,9 @@ class Command(BaseCommand):
             ).plaintext
         return keys
 
-    def _start_engines(
-        self,
-        sup: Supervisor,
-        demo_dir: Path,
-        host: str,
-        opts: dict[str, Any],
-        stop: dict[str, bool],
-    ) -> None:
+    def _start_engines(self, run: _Run) -> None:
         """An engine-sim process per deployment, registered as ready instances."""
-        per_dep = max(1, opts["engines_per_deployment"])
+        per_dep = max(1, run.opts["engines_per_deployment"])
         pending: list[tuple[Deployment, int, Path]] = []
         deployments = Deployment.objects.select_related(
             "model", "pool__region", "pool__accelerator"
@@ -206,7 +213,7 @@ class Command(BaseCommand):
             name = (
                 f"engines-{dep.pool.region.code}-{dep.pool.name}-{_slug(dep.model.name)}-{dep.role}"
             )
-            ready_file = demo_dir / "engines" / f"{name}.json"
+            ready_file = run.demo_dir / "engines" / f"{name}.json"
             ready_file.unlink(missing_ok=True)
             argv = [
                 *FEDINFER,
@@ -214,7 +221,7 @@ class Command(BaseCommand):
                 "--count",
                 str(count),
                 "--host",
-                host,
+                run.host,
                 "--port",
                 "0",
                 "--model",
@@ -235,12 +242,11 @@ class Command(BaseCommand):
             adapters = [f"{a.name}={a.source}" for a in dep.adapters.all()]
             if adapters:
                 argv += ["--lora-modules", *adapters]
-            sup.start(name, argv)
+            run.sup.start(name, argv)
             pending.append((dep, count, ready_file))
         for dep, _count, ready_file in pending:
             self._wait(
-                sup,
-                stop,
+                run,
                 functools.partial(file_written, ready_file),
                 f"the engines' ready file {ready_file}",
             )
@@ -256,15 +262,9 @@ class Command(BaseCommand):
                 for state in ("loading", "warming", "ready"):
                     inst = inventory.instance_transition(actor=None, instance=inst, state=state)
 
-    def _start(
-        self,
-        sup: Supervisor,
-        demo_dir: Path,
-        host: str,
-        opts: dict[str, Any],
-        stop: dict[str, bool],
-    ) -> dict[str, Any]:
-        self._start_engines(sup, demo_dir, host, opts, stop)
+    def _start(self, run: _Run) -> dict[str, Any]:
+        self._start_engines(run)
+        host, opts = run.host, run.opts
         keys = self._fresh_keys()
         edges: dict[str, str] = {}
         #: Each edge's operator listener (/healthz, /metrics), never its public port.
@@ -278,7 +278,7 @@ class Command(BaseCommand):
             edge = inventory.edge_register(
                 actor=None, region=region, name=f"{DEMO_PREFIX}{region.code}", url=url
             )
-            credentials[region.code] = demo_dir / "credentials" / edge.name
+            credentials[region.code] = run.demo_dir / "credentials" / edge.name
             _write_private(
                 credentials[region.code],
                 routing.edge_credential_rotate(actor=None, edge=edge) + "\n",
@@ -289,11 +289,11 @@ class Command(BaseCommand):
         routing.routing_tables_publish()
         celery_app.control.purge()
         web = f"http://{host}:{opts['port']}"
-        sup.start(
+        run.sup.start(
             "web", [*FEDINFER, "serve", "--no-migrate", "--host", host, "--port", str(opts["port"])]
         )
-        sup.start("worker", [*FEDINFER, "worker", "--pool", "solo"])
-        self._wait_http(f"{web}/api/schema/", sup, stop)
+        run.sup.start("worker", [*FEDINFER, "worker", "--pool", "solo"])
+        self._wait_http(run, f"{web}/api/schema/")
         # The verification key ring goes through the environment, not argv (visible in ps).
         ring = {
             "FEDINFER_TABLE_KEYS": (
@@ -301,7 +301,7 @@ class Command(BaseCommand):
             )
         }
         for code, url in edges.items():
-            sup.start(
+            run.sup.start(
                 f"edge-{code}",
                 [
                     *FEDINFER,
@@ -315,7 +315,7 @@ class Command(BaseCommand):
                     "--edge-name",
                     f"{DEMO_PREFIX}{code}",
                     "--state-dir",
-                    str(demo_dir / "edges" / code),
+                    str(run.demo_dir / "edges" / code),
                     "--host",
                     host,
                     "--port",
@@ -326,7 +326,7 @@ class Command(BaseCommand):
                 env={**os.environ, **ring},
             )
         for url in operators.values():
-            self._wait_http(f"{url}/healthz", sup, stop)
+            self._wait_http(run, f"{url}/healthz")
         tenants = Tenant.objects.filter(is_active=True).prefetch_related("allowed_regions")
         return {
             "control_plane": web,
@@ -343,8 +343,8 @@ class Command(BaseCommand):
             },
         }
 
-    def _start_traffic(self, sup: Supervisor, endpoints: Path, opts: dict[str, Any]) -> None:
-        sup.start(
+    def _start_traffic(self, run: _Run, endpoints: Path) -> None:
+        run.sup.start(
             "traffic",
             [
                 sys.executable,
@@ -353,20 +353,18 @@ class Command(BaseCommand):
                 "--endpoints",
                 str(endpoints),
                 "--rps",
-                str(opts["traffic_rps"]),
+                str(run.opts["traffic_rps"]),
                 "--summary-every",
-                str(opts["traffic_summary_every"]),
+                str(run.opts["traffic_summary_every"]),
             ],
             echo=self.stdout.write,
         )
 
-    def _wait(
-        self, sup: Supervisor, stop: dict[str, bool], ready: Callable[[], bool], what: str
-    ) -> None:
+    def _wait(self, run: _Run, ready: Callable[[], bool], what: str) -> None:
         """Wait for a start-up step: Ctrl-C interrupts it, a child that exits fails it."""
 
         def ready_unless_interrupted() -> bool:
-            if stop["now"]:
+            if run.stopping:
                 raise Interrupted
             return ready()
 
@@ -375,18 +373,18 @@ class Command(BaseCommand):
                 ready_unless_interrupted,
                 what=what,
                 timeout=STARTUP_TIMEOUT_S,
-                watch=sup.processes,
+                watch=run.sup.processes,
                 interval=0.2,
             )
         except StartupError as exc:
             raise CommandError(f"demo start-up failed: {exc}") from exc
 
-    def _wait_http(self, url: str, sup: Supervisor, stop: dict[str, bool]) -> None:
+    def _wait_http(self, run: _Run, url: str) -> None:
         def answers() -> bool:
             status = http_status(url)
             return status is not None and status < 500
 
-        self._wait(sup, stop, answers, url)
+        self._wait(run, answers, url)
 
     def _print_summary(self, summary: dict[str, Any], demo_dir: Path, *, traffic: bool) -> None:
         web = summary["control_plane"]
