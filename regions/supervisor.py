@@ -63,8 +63,9 @@ def _bindable(host: str, port: int) -> bool:
 
 
 class Process:
-    """A child started by a :class:`Supervisor`: leader of its own process group, output in
-    ``log``. It answers like a ``Popen`` (``pid``, ``poll``, ``wait``, ``send_signal``)."""
+    """A child started by :func:`start_process` (or a :class:`Supervisor`): leader of its own
+    process group, output in ``log``. It answers like a ``Popen`` (``pid``, ``poll``, ``wait``,
+    ``send_signal``)."""
 
     def __init__(self, name: str, popen: subprocess.Popen[bytes], log: Path) -> None:
         self.name = name
