@@ -32,17 +32,9 @@ from urllib.parse import urlsplit, urlunsplit
 
 import httpx
 
-from bench.procs import (
-    VAR,
-    ProcGroup,
-    fedinfer_argv,
-    free_port,
-    free_ports,
-    git_rev,
-    machine_info,
-    wait_http,
-)
+from bench.procs import VAR, bench_processes, fedinfer_argv, git_rev, http_ok, machine_info
 from bench.report import fmt, markdown_table, percentile, utc_now, write_result
+from regions.supervisor import free_port, free_ports, wait_http
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 RAMP_SECONDS = 6
@@ -331,6 +323,7 @@ def run(
     engine_ports = free_ports(n_edges)
     edge_ports = [free_port() for _ in codes]
     env = {
+        **os.environ,
         "DATABASE_URL": url,
         "REDIS_URL": redis_url,
         "CELERY_BROKER_URL": redis_url,
@@ -340,7 +333,7 @@ def run(
         "FEDINFER_RAMP_SECONDS": str(RAMP_SECONDS),
         "FEDINFER_RAMP_STEPS": str(RAMP_STEPS),
     }
-    with ProcGroup(VAR / "federation-logs") as group:
+    with bench_processes(VAR / "federation-logs") as group:
         engines = group.start(
             "engines",
             fedinfer_argv(
@@ -359,9 +352,9 @@ def run(
             fedinfer_argv("worker", "--pool", "solo", "--without-gossip", "--without-mingle"),
             env=env,
         )
-        wait_http(f"http://127.0.0.1:{engine_ports[-1]}/health", engines)
+        wait_http(f"http://127.0.0.1:{engine_ports[-1]}/health", watch=engines, ready=http_ok)
         # Any answer below 500 (401 without credentials) means the control plane is up.
-        wait_http(api + "/api/v1/", serve, 60.0, ready=lambda status: status < 500)
+        wait_http(api + "/api/v1/", watch=serve, timeout=60.0)
         ring = VAR / "federation-logs" / "table-keys"
         ring.write_text(
             f"{settings.FEDINFER_TABLE_SIGNING_KEY_ID}={settings.FEDINFER_TABLE_SIGNING_KEY}"
@@ -385,7 +378,7 @@ def run(
             )  # fmt: skip
             edges[code] = f"http://127.0.0.1:{port}"
             ops[code] = f"http://127.0.0.1:{ops_port}"
-            wait_http(ops[code] + "/healthz", proc)
+            wait_http(ops[code] + "/healthz", watch=proc, ready=http_ok)
         load_before = os.getloadavg()
         # Versions are read from each edge's operator listener (/healthz).
         prop = asyncio.run(propagation(api, fleet, ops, changes, poll_s=0.01))

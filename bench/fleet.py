@@ -9,7 +9,8 @@ from pathlib import Path
 
 import msgspec
 
-from bench.procs import ROOT, Proc, ProcGroup, fedinfer_argv, free_port, free_ports, wait_http
+from bench.procs import ROOT, fedinfer_argv, http_ok
+from regions.supervisor import Process, Supervisor, free_port, free_ports, wait_http
 from regions.tables.schema import SCHEMA_VERSION, Instance, RoutingTable, validate_table
 
 BENCH_VENV = ROOT / ".venv-bench"
@@ -18,7 +19,7 @@ SGLANG_INSTALL = f"python3 -m venv {BENCH_VENV} && {BENCH_VENV}/bin/pip install 
 
 @dataclass
 class Engines:
-    proc: Proc
+    proc: Process
     ports: list[int]
     model: str
 
@@ -28,7 +29,7 @@ class Engines:
 
 
 def start_engines(
-    pg: ProcGroup,
+    pg: Supervisor,
     *,
     count: int,
     model: str,
@@ -43,7 +44,7 @@ def start_engines(
     )  # fmt: skip
     proc = pg.start(name, argv, cpus=cpus)
     for p in ports:
-        wait_http(f"http://127.0.0.1:{p}/health", proc, timeout=60)
+        wait_http(f"http://127.0.0.1:{p}/health", watch=proc, timeout=60, ready=http_ok)
     return Engines(proc, ports, model)
 
 
@@ -82,7 +83,7 @@ def write_table(
 
 
 def start_edge(
-    pg: ProcGroup,
+    pg: Supervisor,
     table: Path,
     *,
     policy: str | None = None,
@@ -90,7 +91,7 @@ def start_edge(
     region: str = "bench",
     name: str = "edge",
     model: str | None = None,
-) -> tuple[Proc, str, str]:
+) -> tuple[Process, str, str]:
     """(process, public URL, operator URL: /healthz and /metrics)."""
     port, ops_port = free_port(), free_port()
     argv = fedinfer_argv("edge", "--region", region, "--table", str(table), "--port", str(port))
@@ -99,7 +100,7 @@ def start_edge(
         argv += ["--policy", policy]
     proc = pg.start(name, argv, cpus=cpus)
     url = f"http://127.0.0.1:{port}"
-    wait_http(f"{url}/v1/models", proc, timeout=60)
+    wait_http(f"{url}/v1/models", watch=proc, timeout=60, ready=http_ok)
     return proc, url, f"http://127.0.0.1:{ops_port}"
 
 
@@ -125,8 +126,8 @@ def sglang_available() -> str | None:
 
 
 def start_sglang(
-    pg: ProcGroup, worker_urls: list[str], *, cpus: set[int] | None = None
-) -> tuple[Proc, str]:
+    pg: Supervisor, worker_urls: list[str], *, cpus: set[int] | None = None
+) -> tuple[Process, str]:
     port, prom = free_port(), free_port()
     argv = [
         str(BENCH_VENV / "bin" / "python"), "-m", "sglang_router.launch_router",
@@ -138,7 +139,7 @@ def start_sglang(
     ]  # fmt: skip
     proc = pg.start("sglang-router", argv, cpus=cpus)
     url = f"http://127.0.0.1:{port}"
-    wait_http(f"{url}/health", proc, timeout=60)
+    wait_http(f"{url}/health", watch=proc, timeout=60, ready=http_ok)
     return proc, url
 
 

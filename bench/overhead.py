@@ -38,8 +38,9 @@ from bench.fleet import (
     which_wrk,
     write_table,
 )
-from bench.procs import VAR, Proc, ProcGroup, git_rev, machine_info
+from bench.procs import VAR, bench_processes, git_rev, machine_info
 from bench.report import fmt, markdown_table, spread, utc_now, write_result
+from regions.supervisor import Process
 
 LUA = Path(__file__).with_name("wrk_post.lua")
 MODEL = "bench-zero"
@@ -71,7 +72,7 @@ def run_wrk(
     body_file: Path,
     conns: int,
     duration: float,
-    watch: dict[str, Proc],
+    watch: dict[str, Process],
     pace_ms: float = 0.0,
 ) -> dict[str, Any]:
     """One wrk run; returns its numbers plus CPU shares of the watched processes. With
@@ -162,13 +163,13 @@ def run(reps: int = 3, duration: float = 4.0, warmup: float = 2.0) -> dict[str, 
     for s, p in bodies.items():
         p.write_bytes(request_body(s))
 
-    with ProcGroup(VAR / "logs" / "overhead") as pg:
+    with bench_processes(VAR / "logs" / "overhead") as pg:
         engines = start_engines(
             pg, count=1, model=MODEL, extra=["--zero-latency", "--seed", "1"], cpus=ENGINE_CPUS
         )
         table = write_table(tmp / "table.json", engines, max_concurrency=4096)
         edge_proc, edge_url, _ = start_edge(pg, table, cpus=ROUTER_CPUS)
-        paths: dict[str, tuple[str, Proc | None]] = {
+        paths: dict[str, tuple[str, Process | None]] = {
             "direct": (engines.urls[0], None),
             "edge": (edge_url, edge_proc),
         }

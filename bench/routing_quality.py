@@ -47,10 +47,11 @@ import uvloop
 
 from bench.chat_client import Record, RunState, Target, replay, saturate
 from bench.fleet import Engines, start_edge, start_engines, write_table
-from bench.procs import VAR, Proc, ProcGroup, git_rev, machine_info
+from bench.procs import VAR, bench_processes, git_rev, machine_info
 from bench.report import fmt, markdown_table, percentile, utc_now, write_result
 from bench.workload import Workload, WorkloadSpec, generate
 from regions.engines.metrics import EngineLoad, parse_vllm_metrics
+from regions.supervisor import Process
 
 POLICIES = ("round_robin", "least_loaded", "oracle", "fedinfer")
 ENGINE_CPUS = {1}
@@ -259,7 +260,7 @@ def calibrate(cfg: Config, sc: Scenario, logdir: Path) -> dict[str, Any]:
     spec = replace(base_spec(cfg, sc), session_rate=50.0, duration_s=60.0)
     workload = generate(spec)
     concurrency = cfg.engines * cfg.max_num_seqs
-    with ProcGroup(logdir / f"calibrate-{sc.name}") as pg:
+    with bench_processes(logdir / f"calibrate-{sc.name}") as pg:
         engines = start_engines(
             pg, count=cfg.engines, model=cfg.model, extra=cfg.engine_args(), cpus=ENGINE_CPUS
         )
@@ -304,11 +305,11 @@ def calibrate(cfg: Config, sc: Scenario, logdir: Path) -> dict[str, Any]:
 def run_policy(
     cfg: Config, sc: Scenario, policy: str, workload: Workload, logdir: Path, tmp: Path
 ) -> dict[str, Any]:
-    with ProcGroup(logdir / f"{sc.name}-{policy}") as pg:
+    with bench_processes(logdir / f"{sc.name}-{policy}") as pg:
         engines: Engines = start_engines(
             pg, count=cfg.engines, model=cfg.model, extra=cfg.engine_args(), cpus=ENGINE_CPUS
         )
-        edge: Proc | None = None
+        edge: Process | None = None
         if policy == "oracle":
             target = Target(tuple(engines.urls), "session_hash")
         else:
@@ -349,7 +350,7 @@ def run_policy(
         end = scrape(engines.urls)
         edge_counters: dict[str, float] = {}
         if edge is not None:
-            edge_counters = edge_metrics(ops, pg.logdir / "edge-metrics.txt")
+            edge_counters = edge_metrics(ops, pg.log_dir / "edge-metrics.txt")
         wall = time.monotonic() - cpu.get("t0", time.monotonic())
         cpu_share = {
             "engines": (engines.proc.cpu_seconds() - cpu.get("engines0", math.nan)) / wall,

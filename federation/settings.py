@@ -56,6 +56,7 @@ INSTALLED_APPS = [
     "federation.tenancy",
     "federation.routing",
     "federation.metering",
+    "federation.demo",
 ]
 
 MIDDLEWARE = [

@@ -17,7 +17,7 @@ $BIN/fedinfer loaddemo > /dev/null
 $BIN/fedinfer shell -c "
 from federation.tenancy.services import user_create
 user_create(actor=None, username='fuzz-admin', password='fuzz-admin-passphrase', role='admin')"
-PORT=$($BIN/python -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
+PORT=$($BIN/python -c 'from regions.supervisor import free_port; print(free_port())')
 $BIN/fedinfer serve --no-migrate --port "$PORT" > var/fuzz-server.log 2>&1 &
 SERVER=$!
 trap 'kill $SERVER 2>/dev/null || true' EXIT

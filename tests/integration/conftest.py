@@ -7,13 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.control_plane_support import Procs, stop_process_group
+from regions.supervisor import Supervisor
 
 
 @pytest.fixture
-def procs(tmp_path: Path) -> Iterator[Procs]:
-    """Processes of this test, stopped (by process group) at its end."""
-    p = Procs(tmp_path)
-    yield p
-    for proc in reversed(p.running):
-        stop_process_group(proc)
+def procs(tmp_path: Path) -> Iterator[Supervisor]:
+    """Processes of this test, logs in its ``tmp_path``, stopped (by process group) at its end."""
+    with Supervisor(tmp_path, grace_s=15.0) as supervisor:
+        yield supervisor

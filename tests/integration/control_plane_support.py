@@ -5,20 +5,15 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
-import socket
-import subprocess
 import sys
-import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import httpx
 import redis
 from django.conf import settings as django_settings
 
+from regions.supervisor import Process, Supervisor, free_port, wait_http
 from workers.celery import app as celery_app
 
 FEDINFER = str(Path(sys.executable).with_name("fedinfer"))
@@ -57,54 +52,44 @@ def subprocess_env(redis_url: str, **extra: str) -> dict[str, str]:
     }
 
 
-@dataclass
-class Procs:
-    """The processes a test starts (each in its own session, output in ``<tmp>/<name>.log``)."""
-
-    tmp: Path
-    running: list[subprocess.Popen[bytes]] = field(default_factory=list)
-
-    def start(self, name: str, cmd: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
-        with (self.tmp / f"{name}.log").open("ab") as log:
-            proc = subprocess.Popen(
-                cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-            )
-        self.running.append(proc)
-        return proc
-
-    def log(self, name: str) -> str:
-        return (self.tmp / f"{name}.log").read_text(errors="replace")
-
-
-def stop_process_group(proc: subprocess.Popen[bytes]) -> None:
-    """SIGTERM the process group we started (uvicorn or celery and their children)."""
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=5)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def serve(procs: Procs, env: dict[str, str], *, name: str = "serve") -> tuple[str, int]:
+def serve(procs: Supervisor, env: dict[str, str], *, name: str = "serve") -> tuple[str, Process]:
     """Start ``fedinfer serve`` (uvicorn, no migrations) on a free loopback port and wait
-    until it answers; returns its URL and pid."""
+    until it answers; returns its URL and process."""
     port = free_port()
-    proc = procs.start(name, [FEDINFER, "serve", "--no-migrate", "--port", str(port)], env)
+    proc = procs.start(name, [FEDINFER, "serve", "--no-migrate", "--port", str(port)], env=env)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 30
-    while True:
-        assert proc.poll() is None, procs.log(name)
-        assert time.monotonic() < deadline, f"fedinfer serve did not start: {procs.log(name)}"
-        try:
-            httpx.get(f"{url}/api/v1/", timeout=1)
-            return url, proc.pid
-        except httpx.TransportError:
-            time.sleep(0.1)
+    wait_http(f"{url}/api/v1/", watch=proc)
+    return url, proc
+
+
+def write_table_keys(path: Path) -> Path:
+    """The control plane's table-signing key as an edge's key ring (``--table-keys-file``)."""
+    key_id = django_settings.FEDINFER_TABLE_SIGNING_KEY_ID
+    path.write_text(f"{key_id}={django_settings.FEDINFER_TABLE_SIGNING_KEY}")
+    return path
+
+
+def start_control_plane_edge(
+    procs: Supervisor,
+    *,
+    region: str,
+    control_plane: str,
+    credential: str,
+    table_keys: Path,
+    port: int,
+    ops_port: int,
+    env: dict[str, str],
+    args: tuple[str, ...] = (),
+) -> Process:
+    """``fedinfer edge`` named ``edge-<region>`` on the control plane's signed tables, with
+    quick probes and heartbeats; its credential is ``<log_dir>/cred-<region>`` and its last
+    good table is kept under ``<log_dir>/state-<region>``. Not waited for."""
+    cred = procs.log_dir / f"cred-{region}"
+    cred.write_text(credential)
+    cmd = [FEDINFER, "edge", "--region", region, "--control-plane", control_plane]
+    cmd += ["--credential-file", str(cred), "--table-keys-file", str(table_keys)]
+    cmd += ["--edge-name", f"edge-{region}", "--state-dir", str(procs.log_dir / f"state-{region}")]
+    cmd += ["--port", str(port), "--operator-port", str(ops_port)]
+    cmd += ["--heartbeat-interval", "0.5", "--probe-interval", "0.2", "--scrape-interval", "0.2"]
+    cmd += ["--initial-timeout", "10", "--log-level", "warning", *args]
+    return procs.start(f"edge-{region}", cmd, env=env)

@@ -73,9 +73,16 @@ def make_deployment(model: LanguageModel, pool: GPUPool, tp: int = 1, **kw: Any)
     )
 
 
-def make_instance(deployment: Deployment, name: str, state: str = "pending") -> Instance:
+def make_instance(
+    deployment: Deployment, name: str, state: str = "pending", *, endpoint_url: str = ""
+) -> Instance:
+    """An instance walked through the lifecycle services to ``state``, as a provisioner would
+    move it; ``endpoint_url`` defaults to a name that resolves nowhere."""
     instance = services.instance_create(
-        actor=None, deployment=deployment, name=name, endpoint_url=f"http://{name}.local:8000"
+        actor=None,
+        deployment=deployment,
+        name=name,
+        endpoint_url=endpoint_url or f"http://{name}.local:8000",
     )
     path = {
         "pending": [],

@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 from django.conf import settings
 
-from tests.integration.control_plane_support import Procs, serve, subprocess_env
+from regions.supervisor import Supervisor
+from tests.integration.control_plane_support import serve, subprocess_env
 
 MiB = 1024 * 1024
 URL = "/api/v1/auth/token/"  # open to anyone: nothing but the body limit stands in the way
@@ -35,9 +36,9 @@ class Server:
 
 
 @pytest.fixture
-def server(db: None, procs: Procs) -> Server:
-    url, pid = serve(procs, subprocess_env(settings.REDIS_URL))
-    return Server(int(url.rsplit(":", 1)[1]), pid)
+def server(db: None, procs: Supervisor) -> Server:
+    url, proc = serve(procs, subprocess_env(settings.REDIS_URL))
+    return Server(int(url.rsplit(":", 1)[1]), proc.pid)
 
 
 def connect(server: Server) -> socket.socket:

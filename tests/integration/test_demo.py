@@ -6,11 +6,9 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import stat
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -19,25 +17,12 @@ import httpx
 import openai
 import pytest
 
+from regions.supervisor import Process, Supervisor, free_port, wait_until
+
 ROOT = Path(__file__).resolve().parents[2]
 LLAMA = "meta-llama/Llama-3.1-8B-Instruct"
 
 Summary = tuple[dict[str, int], dict[str, dict[str, int]]]
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def _wait_until(check: Callable[[], bool], timeout: float, what: str) -> float:
-    started = time.monotonic()
-    while not check():
-        if time.monotonic() - started > timeout:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.1)
-    return time.monotonic() - started
 
 
 def _route(headers: Any) -> dict[str, str]:
@@ -72,44 +57,30 @@ def _demo_env(var_dir: Path) -> dict[str, str]:
 
 
 @pytest.fixture
-def start_demo(tmp_path: Path) -> Iterator[Callable[..., tuple[subprocess.Popen[bytes], Any]]]:
-    procs: list[subprocess.Popen[bytes]] = []
+def start_demo(tmp_path: Path) -> Iterator[Callable[..., tuple[Process, Any]]]:
+    # Its log is demo.log; a stop gets 30 s before SIGKILL.
+    procs = Supervisor(tmp_path, cwd=ROOT, grace_s=30.0)
 
-    def start(*extra: str) -> tuple[subprocess.Popen[bytes], Any]:
-        log = (tmp_path / "demo.log").open("wb")
+    def start(*extra: str) -> tuple[Process, Any]:
         # Free ports from the OS: fixed ones may be taken on a busy test machine.
-        argv = ["demo", "--port", str(_free_port()), "--edge-base-port", "0"]
-        proc = subprocess.Popen(
+        argv = ["demo", "--port", str(free_port()), "--edge-base-port", "0"]
+        proc = procs.start(
+            "demo",
             [sys.executable, "-m", "federation.cli", *argv, "--exit-after", "120", *extra],
-            cwd=ROOT,
             env=_demo_env(tmp_path),
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
         )
-        procs.append(proc)
         endpoints = tmp_path / "demo" / "endpoints.json"
-        deadline = time.monotonic() + 90
-        while not endpoints.exists():
-            if proc.poll() is not None or time.monotonic() > deadline:
-                out = (tmp_path / "demo.log").read_text()
-                pytest.fail(f"demo did not start (code {proc.poll()}):\n{out[-3000:]}")
-            time.sleep(0.2)
+        wait_until(endpoints.exists, what="the demo's endpoints.json", timeout=90, watch=proc)
         return proc, json.loads(endpoints.read_text())
 
     yield start
-    for proc in procs:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGINT)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            raise
+    for proc in list(procs.processes):
+        killed = procs.stop(proc) == -signal.SIGKILL
+        assert not killed, "the demo did not stop within 30 s of SIGTERM"
 
 
 def test_demo_federates_three_regions_with_traffic_and_an_evacuation(
-    start_demo: Callable[..., tuple[subprocess.Popen[bytes], Any]], tmp_path: Path
+    start_demo: Callable[..., tuple[Process, Any]], tmp_path: Path
 ) -> None:
     proc, endpoints = start_demo("--traffic-rps", "6", "--traffic-summary-every", "6")
     demo_dir = tmp_path / "demo"
@@ -160,11 +131,13 @@ def test_demo_federates_three_regions_with_traffic_and_an_evacuation(
                 return False
         return len(rows) == 3
 
-    _wait_until(on_latest_version, 15, "every edge's heartbeat on its region's latest table")
+    wait_until(
+        on_latest_version, timeout=15, what="every edge's heartbeat on its region's latest table"
+    )
 
     # The traffic generator's requests succeed, each tenant served where it may be.
     traffic_log = demo_dir / "logs" / "traffic.log"
-    _wait_until(lambda: len(_summaries(traffic_log)) >= 2, 20, "two traffic summaries")
+    wait_until(lambda: len(_summaries(traffic_log)) >= 2, timeout=20, what="two traffic summaries")
     before = _summaries(traffic_log)
     for statuses, served in before:
         assert set(statuses) == {"200"}, statuses
@@ -185,7 +158,7 @@ def test_demo_federates_three_regions_with_traffic_and_an_evacuation(
         route = _route(raw.headers)
         return route["region"] != "eu-west" and route.get("remote_from") == "eu-west"
 
-    shift_s = _wait_until(moved, 15, "eu-west traffic to move")
+    shift_s = wait_until(moved, timeout=15, what="eu-west traffic to move")
     print(f"evacuation -> traffic moved in {shift_s:.2f}s")
     assert shift_s < 10, shift_s
     seen = len(_summaries(traffic_log))
@@ -196,7 +169,7 @@ def test_demo_federates_three_regions_with_traffic_and_an_evacuation(
             for _, served in _summaries(traffic_log)[seen:]
         )
 
-    _wait_until(generator_moved, 20, "the traffic generator's eu-west traffic to move")
+    wait_until(generator_moved, timeout=20, what="the traffic generator's eu-west traffic to move")
     # The EU-only tenant has nowhere else to go: refused in eu-west, never served elsewhere.
     after = _summaries(traffic_log)[seen:]
     for _, served in after:
@@ -238,7 +211,7 @@ def _children(pid: int) -> dict[int, str]:
 
 
 def test_demo_exits_non_zero_naming_a_child_that_died(
-    start_demo: Callable[..., tuple[subprocess.Popen[bytes], Any]], tmp_path: Path
+    start_demo: Callable[..., tuple[Process, Any]], tmp_path: Path
 ) -> None:
     # An earlier run left eu-west evacuated and a pool cordoned: this run starts in service.
     earlier = (
@@ -260,13 +233,15 @@ def test_demo_exits_non_zero_naming_a_child_that_died(
     assert len(endpoints["instances"]) == 10
     children = _children(proc.pid)
     (edge_pid,) = [p for p, cmd in children.items() if " edge --region eu-west " in cmd]
-    assert not any("demo_traffic" in cmd for cmd in children.values())
+    assert not any("federation.demo.traffic" in cmd for cmd in children.values())
     os.killpg(edge_pid, signal.SIGKILL)
     assert proc.wait(timeout=30) != 0
     out = (tmp_path / "demo.log").read_text()
     assert "demo process(es) exited: edge-eu-west (code -9)" in out, out[-2000:]
-    _wait_until(
-        lambda: not any(Path(f"/proc/{pid}").exists() for pid in children), 15, "children to stop"
+    wait_until(
+        lambda: not any(Path(f"/proc/{pid}").exists() for pid in children),
+        timeout=15,
+        what="children to stop",
     )
     for url in endpoints["operators"].values():
         with pytest.raises(httpx.HTTPError):

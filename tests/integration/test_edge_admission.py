@@ -10,14 +10,13 @@ import httpx
 import openai
 import pytest
 
+from regions.supervisor import wait_http
 from tests.integration.test_edge_support import (
     EdgeProc,
     instance,
     spawn_engine,
     start_edge,
-    stop,
     table_doc,
-    wait_http,
 )
 
 
@@ -43,7 +42,7 @@ def edge(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EdgeProc]:
     engine = spawn_engine(tmp, "i-1")
     proc: EdgeProc | None = None
     try:
-        wait_http(engine.url + "/health", proc=engine.proc)
+        wait_http(engine.url + "/health", watch=engine.proc)
         doc = table_doc("r1", 1, [instance(engine)])
         doc["tenants"] = TENANTS
         proc = start_edge(tmp, doc, "--rate-burst", "2")
@@ -51,8 +50,8 @@ def edge(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EdgeProc]:
         yield proc
     finally:
         if proc is not None:
-            stop(proc.proc)
-        stop(engine.proc)
+            proc.proc.stop()
+        engine.proc.stop()
 
 
 def chat(edge: EdgeProc, key: str | None) -> httpx.Response:

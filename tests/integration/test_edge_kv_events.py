@@ -24,7 +24,6 @@ from tests.integration.test_edge_support import (
     engine_sims,
     route_of,
     start_edge,
-    stop,
     table_doc,
 )
 
@@ -55,7 +54,7 @@ def pair(tmp_path: Path) -> Iterator[Pair]:
             yield Pair(*edges)
         finally:
             for edge in edges:
-                stop(edge.proc)
+                edge.proc.stop()
 
 
 def prompt(i: int) -> str:

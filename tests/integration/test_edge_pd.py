@@ -22,7 +22,6 @@ from tests.integration.test_edge_support import (
     engine_sims,
     route_of,
     start_edge,
-    stop,
     table_doc,
 )
 
@@ -78,7 +77,7 @@ def pd_cluster(tmp_path: Path, roles: dict[str, str]) -> Iterator[PD]:
         try:
             yield PD(edge, urls)
         finally:
-            stop(edge.proc)
+            edge.proc.stop()
 
 
 ROLES = {"sim-0": "prefill", "sim-1": "decode", "sim-2": "decode"}

@@ -24,7 +24,6 @@ from tests.integration.test_edge_support import (
     engine_sims,
     route_of,
     start_edge,
-    stop,
     table_doc,
 )
 
@@ -80,7 +79,7 @@ def sim_cluster(tmp_path: Path) -> Iterator[SimEdge]:
         try:
             yield SimEdge(edge, urls)
         finally:
-            stop(edge.proc)
+            edge.proc.stop()
 
 
 @pytest.fixture(scope="module")
@@ -272,4 +271,4 @@ def test_an_isolated_tenants_cache_is_its_own(tmp_path: Path) -> None:
             assert cached("fi_open", shared, "one") == 0
             assert cached("fi_peer", shared, "two") >= 256
         finally:
-            stop(edge.proc)
+            edge.proc.stop()

@@ -19,6 +19,7 @@ import orjson
 import pytest
 
 from regions.edge.hop import hop_keys, sign_hop
+from regions.supervisor import wait_http
 from regions.tables.signing import parse_key_ring
 from tests.integration.test_edge_support import (
     EdgeProc,
@@ -27,9 +28,7 @@ from tests.integration.test_edge_support import (
     route_of,
     spawn_engine,
     start_edge,
-    stop,
     table_doc,
-    wait_http,
 )
 
 
@@ -75,7 +74,7 @@ def fed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fed]:
         q2 = spawn_engine(tmp, "q2", "--model", "qwen")
         procs += [e1.proc, e2.proc, q2.proc]
         for e in (e1, e2, q2):
-            wait_http(e.url + "/health", proc=e.proc)
+            wait_http(e.url + "/health", watch=e.proc)
         (tmp / "r2").mkdir()
         t2 = table_doc("r2", 1, [instance(e2), instance(q2, model="qwen")])
         t2["tenants"] = TENANTS
@@ -93,7 +92,7 @@ def fed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fed]:
         yield Fed(r1, r2, e1, e2, q2, t1)
     finally:
         for p in reversed(procs):
-            stop(p)
+            p.stop()
 
 
 def chat(url: str, key: str, model: str = "llama", **headers: str) -> httpx.Response:

@@ -9,19 +9,24 @@ Everything binds to loopback on free ports and is killed in fixture teardown.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
-import os
-import signal
-import socket
-import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import httpx
+
+from regions.supervisor import (
+    Process,
+    file_written,
+    free_port,
+    start_process,
+    wait_http,
+    wait_until,
+)
 
 FAKE_ENGINE = r"""
 import argparse, asyncio, hashlib, json, time
@@ -139,39 +144,11 @@ web.run_app(app, host="127.0.0.1", port=o.port, print=None, access_log=None)
 """
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def wait_http(url: str, timeout: float = 20.0, proc: subprocess.Popen[bytes] | None = None) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"process for {url} exited with {proc.returncode}")
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(url, timeout=0.5).status_code < 500:
-                return
-        time.sleep(0.05)
-    raise TimeoutError(f"{url} did not come up in {timeout}s")
-
-
-def stop(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=5)
-
-
 @dataclass
 class Engine:
     name: str
     port: int
-    proc: subprocess.Popen[bytes]
+    proc: Process
 
     @property
     def url(self) -> str:
@@ -188,31 +165,23 @@ def engine_sims(tmp: Path, count: int, model: str, *args: str) -> Iterator[list[
     ready = tmp / "ready.json"
     fedinfer = str(Path(sys.executable).with_name("fedinfer"))
     cmd = [fedinfer, "engine-sim", "--count", str(count), "--port", "0", "--model", model, *args]
-    sim = subprocess.Popen(
-        [*cmd, "--ready-file", str(ready)], stdout=subprocess.DEVNULL, env=dict(os.environ)
-    )
+    sim = start_process("engine-sim", [*cmd, "--ready-file", str(ready)], log=tmp / "sim.log")
     try:
-        deadline = time.monotonic() + 30
-        while not ready.exists() or not ready.read_text():
-            assert sim.poll() is None, "engine-sim exited"
-            assert time.monotonic() < deadline, "engine-sim did not become ready"
-            time.sleep(0.05)
+        written = functools.partial(file_written, ready)
+        wait_until(written, what="engine-sim's ready file", watch=sim)
         yield list(json.loads(ready.read_text())["engines"])
     finally:
-        stop(sim)
+        sim.stop()
 
 
 def spawn_engine(tmp: Path, name: str, *args: str) -> Engine:
-    """Start a fake engine without waiting for it (see :func:`wait_http`)."""
+    """Start a fake engine without waiting for it (see :func:`regions.supervisor.wait_http`)."""
     script = tmp / "fake_engine.py"
     if not script.exists():
         script.write_text(FAKE_ENGINE)
     port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, str(script), "--port", str(port), "--name", name, *args],
-        stdout=subprocess.DEVNULL,
-    )
-    return Engine(name, port, proc)
+    argv = [sys.executable, str(script), "--port", str(port), "--name", name, *args]
+    return Engine(name, port, start_process(name, argv, log=tmp / f"engine-{name}.log"))
 
 
 def table_doc(region: str, version: int, instances: list[dict[str, Any]]) -> dict[str, Any]:
@@ -241,7 +210,7 @@ def instance(engine: Engine, **kw: Any) -> dict[str, Any]:
 @dataclass
 class EdgeProc:
     port: int
-    proc: subprocess.Popen[bytes]
+    proc: Process
     table: Path
     log: Path
     ops_port: int = 0
@@ -267,13 +236,12 @@ def start_edge(tmp: Path, table: dict[str, Any], *args: str) -> EdgeProc:
     cmd += ["--port", str(port), "--operator-port", str(ops_port)]
     cmd += ["--probe-interval", "0.2", "--scrape-interval", "0.2"]
     cmd += ["--table-poll", "0.2", "--log-level", "warning", *args]
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ))
+    proc = start_process("edge", cmd, log=log)
     edge = EdgeProc(port, proc, path, log, ops_port)
     try:
-        wait_http(edge.ops + "/healthz", proc=proc)
+        wait_http(edge.ops + "/healthz", watch=proc)
     except Exception:
-        stop(proc)
+        proc.stop()
         raise
     return edge
 
@@ -294,16 +262,16 @@ def cluster(
         for k in range(1, n + 1):
             engines.append(spawn_engine(tmp, f"i-{k}", *engine_args))
         for e in engines:
-            wait_http(e.url + "/health", proc=e.proc)
+            wait_http(e.url + "/health", watch=e.proc)
         table = table_doc("r1", 1, [instance(e, **inst_kw) for e in engines])
         edge = start_edge(tmp, table, *edge_args)
         edge.engines = {e.name: e for e in engines}
         yield edge
     finally:
         if edge is not None:
-            stop(edge.proc)
+            edge.proc.stop()
         for e in engines:
-            stop(e.proc)
+            e.proc.stop()
 
 
 def route_of(headers: Any) -> dict[str, str]:

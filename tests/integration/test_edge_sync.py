@@ -9,7 +9,6 @@ table, persist, start from the persisted table while the control plane is down.
 from __future__ import annotations
 
 import hashlib
-import os
 import subprocess
 import sys
 import time
@@ -21,14 +20,12 @@ import httpx
 import orjson
 import pytest
 
+from regions.supervisor import Process, free_port, start_process, wait_http
 from regions.tables.signing import sign
 from tests.integration.test_edge_support import (
-    free_port,
     instance,
     spawn_engine,
-    stop,
     table_doc,
-    wait_http,
 )
 
 FAKE_CP = r"""
@@ -101,8 +98,9 @@ class ControlPlane:
         script = tmp / "fake_cp.py"
         script.write_text(FAKE_CP)
         self.port = port or free_port()
-        self.proc = subprocess.Popen([sys.executable, str(script), str(self.port)])
-        wait_http(f"{self.url}/_stats", proc=self.proc)
+        argv = [sys.executable, str(script), str(self.port)]
+        self.proc = start_process("fake-cp", argv, log=tmp / "fake-cp.log", append=True)
+        wait_http(f"{self.url}/_stats", watch=self.proc)
 
     @property
     def url(self) -> str:
@@ -124,7 +122,7 @@ def ops_url(port: int) -> str:
     return f"http://127.0.0.1:{OPS_PORTS[port]}"
 
 
-def start_synced_edge(tmp: Path, cp_url: str, state: Path, port: int) -> subprocess.Popen[bytes]:
+def start_synced_edge(tmp: Path, cp_url: str, state: Path, port: int) -> Process:
     cred = tmp / "cred"
     cred.write_text("fe_secret\n")
     keys = tmp / "table-keys"
@@ -137,13 +135,11 @@ def start_synced_edge(tmp: Path, cp_url: str, state: Path, port: int) -> subproc
     cmd += ["--initial-timeout", "10", "--port", str(port), "--probe-interval", "0.2"]
     cmd += ["--operator-port", str(OPS_PORTS[port])]
     cmd += ["--scrape-interval", "0.2", "--log-level", "warning"]
-    log = open(tmp / f"edge-{port}.log", "ab")  # noqa: SIM115 - closed with the process
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ))
-    log.close()
+    proc = start_process("edge", cmd, log=tmp / f"edge-{port}.log", append=True)
     try:
-        wait_http(ops_url(port) + "/healthz", proc=proc)
+        wait_http(ops_url(port) + "/healthz", watch=proc)
     except Exception:
-        stop(proc)
+        proc.stop()
         raise
     return proc
 
@@ -171,19 +167,19 @@ def chat(port: int) -> httpx.Response:
 
 
 @pytest.fixture
-def procs(tmp_path: Path) -> Iterator[list[subprocess.Popen[bytes]]]:
-    started: list[subprocess.Popen[bytes]] = []
+def procs(tmp_path: Path) -> Iterator[list[Process]]:
+    started: list[Process] = []
     yield started
     for p in reversed(started):
-        stop(p)
+        p.stop()
 
 
 def test_edge_syncs_verifies_persists_and_survives_the_control_plane(
-    tmp_path: Path, procs: list[subprocess.Popen[bytes]]
+    tmp_path: Path, procs: list[Process]
 ) -> None:
     engine = spawn_engine(tmp_path, "i-1")
     procs.append(engine.proc)
-    wait_http(engine.url + "/health", proc=engine.proc)
+    wait_http(engine.url + "/health", watch=engine.proc)
     cp = ControlPlane(tmp_path)
     procs.append(cp.proc)
     cp.publish(signed(cp_doc("r1", 1, [instance(engine)])))
@@ -229,8 +225,8 @@ def test_edge_syncs_verifies_persists_and_survives_the_control_plane(
     }  # fmt: skip
 
     # Control plane down, edge restarted: it serves from the persisted table (static stability).
-    stop(cp.proc)
-    stop(edge)
+    cp.proc.stop()
+    edge.stop()
     port2 = free_port()
     edge2 = start_synced_edge(tmp_path, cp.url, state, port2)
     procs.append(edge2)

@@ -19,15 +19,13 @@ import httpx
 import pytest
 import trustme
 
+from regions.supervisor import free_port, wait_http
 from tests.integration.test_edge_support import (
-    free_port,
     instance,
     route_of,
     spawn_engine,
     start_edge,
-    stop,
     table_doc,
-    wait_http,
 )
 
 TENANTS = [
@@ -94,7 +92,7 @@ def tls_r2(ca: trustme.CA, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     edge = None
     terminator = None
     try:
-        wait_http(engine.url + "/health", proc=engine.proc)
+        wait_http(engine.url + "/health", watch=engine.proc)
         doc = table_doc("r2", 1, [instance(engine, model="qwen")])
         doc["tenants"] = TENANTS
         edge = start_edge(tmp, doc)
@@ -106,8 +104,8 @@ def tls_r2(ca: trustme.CA, tmp_path_factory: pytest.TempPathFactory) -> Iterator
         if terminator is not None:
             terminator.stop()
         if edge is not None:
-            stop(edge.proc)
-        stop(engine.proc)
+            edge.proc.stop()
+        engine.proc.stop()
 
 
 @contextlib.contextmanager
@@ -116,7 +114,7 @@ def r1_spilling_to(tmp: Path, remote_url: str, *args: str) -> Iterator[str]:
     local = spawn_engine(tmp, "e1")
     edge = None
     try:
-        wait_http(local.url + "/health", proc=local.proc)
+        wait_http(local.url + "/health", watch=local.proc)
         doc = table_doc("r1", 1, [instance(local)])
         doc["tenants"] = TENANTS
         doc["remote_regions"] = [
@@ -127,8 +125,8 @@ def r1_spilling_to(tmp: Path, remote_url: str, *args: str) -> Iterator[str]:
         yield edge.url
     finally:
         if edge is not None:
-            stop(edge.proc)
-        stop(local.proc)
+            edge.proc.stop()
+        local.proc.stop()
 
 
 def ask_qwen(url: str) -> httpx.Response:

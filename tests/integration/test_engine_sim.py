@@ -2,14 +2,9 @@
 
 from __future__ import annotations
 
-import os
-import queue
 import re
-import signal
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -24,6 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from regions.engines.metrics import parse_vllm_metrics
 from regions.engines.simulator.perf import PerfModel, accelerator
+from regions.supervisor import Process, start_process, wait_until
 
 FEDINFER = str(Path(sys.executable).with_name("fedinfer"))
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
@@ -32,7 +28,7 @@ READY = re.compile(r"engine-sim: engine (\d+) listening on (http://\S+)")
 
 @dataclass
 class Sim:
-    proc: subprocess.Popen[str]
+    proc: Process
     urls: list[str]
 
     def sdk(self, i: int) -> openai.OpenAI:
@@ -44,42 +40,20 @@ class Sim:
 @contextmanager
 def engine_sim(*args: str, count: int = 2) -> Iterator[Sim]:
     cmd = [FEDINFER, "engine-sim", "--count", str(count), "--port", "0", *args]
-    with tempfile.NamedTemporaryFile("w+", suffix=".stderr") as err:
-        proc = subprocess.Popen(
-            cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=dict(os.environ)
-        )
-        lines: queue.Queue[str] = queue.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        proc = start_process("engine-sim", cmd, log=Path(tmp) / "engine-sim.log")
 
-        def pump() -> None:
-            assert proc.stdout is not None
-            for line in proc.stdout:
-                lines.put(line)
+        def listening() -> dict[int, str]:
+            return {int(m[1]): m[2] for m in READY.finditer(proc.output())}
 
-        threading.Thread(target=pump, daemon=True).start()
         try:
-            urls: dict[int, str] = {}
-            deadline = time.monotonic() + 30
-            while len(urls) < count:
-                try:
-                    line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
-                except queue.Empty:
-                    raise AssertionError(
-                        f"engine-sim did not start: {Path(err.name).read_text()}"
-                    ) from None
-                match = READY.search(line)
-                if match:
-                    urls[int(match.group(1))] = match.group(2)
+            wait_until(lambda: len(listening()) >= count, what="engine-sim", watch=proc)
+            urls = listening()
             yield Sim(proc, [urls[i] for i in range(count)])
         finally:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-                try:
-                    proc.wait(timeout=10)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait(timeout=5)
+            proc.stop()
         # SIGTERM is a clean stop, and nothing went wrong inside (cut responses are silent).
-        log = Path(err.name).read_text()
+        log = proc.output()
         assert proc.returncode == 0, log
         assert "Traceback" not in log and "ERROR" not in log, log
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 import itertools
 import json
 import os
-import subprocess
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -37,15 +36,19 @@ from federation.inventory import services as inventory
 from federation.routing import services as routing
 from federation.routing.models import RoutingTableVersion
 from federation.tenancy import services as tenancy
+from regions.supervisor import Process, Supervisor, free_port, wait_http
 from tests.integration.control_plane_support import (
-    Procs,
+    FEDINFER,
     own_redis,
-    stop_process_group,
+    serve,
+    start_control_plane_edge,
     subprocess_env,
+    write_table_keys,
 )
 from tests.integration.inventory_factories import (
     LLAMA_8B,
     make_deployment,
+    make_instance,
     make_model,
     make_pool,
     make_region,
@@ -55,14 +58,10 @@ from tests.integration.test_edge_support import (
     route_of,
     spawn_engine,
     start_edge,
-    stop,
     table_doc,
-    wait_http,
 )
 from tests.integration.test_routing_distribution import (
-    FEDINFER,
     build_fleet,
-    free_port,
 )
 
 REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/12")
@@ -156,12 +155,12 @@ def test_a_returning_edge_forwards_above_its_ramp_and_serves_here_when_no_remote
 ) -> None:
     """File mode, two edges: ``r1`` at ramp 0 sends its traffic to ``r2`` (``spill=ramp``);
     with ``r2`` unreachable it serves the request itself rather than failing it."""
-    procs: list[subprocess.Popen[bytes]] = []
+    procs: list[Process] = []
     try:
         e1, e2 = spawn_engine(tmp_path, "e1"), spawn_engine(tmp_path, "e2")
         procs += [e1.proc, e2.proc]
         for engine in (e1, e2):
-            wait_http(engine.url + "/health", proc=engine.proc)
+            wait_http(engine.url + "/health", watch=engine.proc)
         (tmp_path / "r2").mkdir()
         r2 = start_edge(tmp_path / "r2", table_doc("r2", 1, [instance(e2)]))
         procs.append(r2.proc)
@@ -201,7 +200,7 @@ def test_a_returning_edge_forwards_above_its_ramp_and_serves_here_when_no_remote
         assert route_of(r.headers)["region"] == "r1" and route_of(r.headers)["instance"] == "e1"
     finally:
         for proc in reversed(procs):
-            stop(proc)
+            proc.stop()
 
 
 @pytest.mark.django_db
@@ -242,15 +241,15 @@ def latest_ramp(code: str) -> Any:
 
 @pytest.mark.django_db(transaction=True, serialized_rollback=True)
 def test_a_region_coming_back_gets_its_traffic_back_gradually(
-    procs: Procs, admin_client: APIClient
+    procs: Supervisor, admin_client: APIClient
 ) -> None:
     codes = ("eu-west", "us-west", "us-east")
     serves = {"eu-west": LLAMA, "us-west": LLAMA, "us-east": QWEN}
     engine_ports = {c: free_port() for c in codes}
 
-    def start_engine(code: str) -> subprocess.Popen[bytes]:
+    def start_engine(code: str) -> Process:
         cmd = [FEDINFER, "engine-sim", "--port", str(engine_ports[code]), "--model", serves[code]]
-        return procs.start(f"engine-{code}", [*cmd, "--log-level", "warning"], env())
+        return procs.start(f"engine-{code}", [*cmd, "--log-level", "warning"], env=env())
 
     engines = {code: start_engine(code) for code in codes}
     regions = {c: make_region(c, "EU" if c == "eu-west" else "US") for c in codes}
@@ -263,14 +262,9 @@ def test_a_region_coming_back_gets_its_traffic_back_gradually(
             )
     for code in codes:
         dep = make_deployment(models[serves[code]], make_pool(regions[code]))
-        inst = inventory.instance_create(
-            actor=None,
-            deployment=dep,
-            name=f"{code}-0",
-            endpoint_url=f"http://127.0.0.1:{engine_ports[code]}",
+        make_instance(
+            dep, f"{code}-0", "ready", endpoint_url=f"http://127.0.0.1:{engine_ports[code]}"
         )
-        for step in ("loading", "warming", "ready"):
-            inst = inventory.instance_transition(actor=None, instance=inst, state=step)
     edge_ports = {c: free_port() for c in codes}
     edges = {c: f"http://127.0.0.1:{edge_ports[c]}" for c in codes}
     ops_ports = {c: free_port() for c in codes}
@@ -284,11 +278,9 @@ def test_a_region_coming_back_gets_its_traffic_back_gradually(
     key = tenancy.api_key_create(actor=None, tenant=anyone, name="k").plaintext
     routing.routing_tables_publish()
 
-    serve_port = free_port()
-    cp = f"http://127.0.0.1:{serve_port}"
-    procs.start("serve", [FEDINFER, "serve", "--no-migrate", "--port", str(serve_port)], env())
+    cp, _ = serve(procs, env())
     worker_cmd = [FEDINFER, "worker", "--pool", "solo", "--without-gossip", "--without-mingle"]
-    procs.start("worker", worker_cmd, env())
+    procs.start("worker", worker_cmd, env=env())
 
     def up(url: str) -> bool:
         try:
@@ -296,22 +288,18 @@ def test_a_region_coming_back_gets_its_traffic_back_gradually(
         except httpx.TransportError:
             return False
 
-    wait_until(lambda: up(cp + "/api/v1/"), 30, "serve")
-    ring = procs.tmp / "table-keys"
-    ring.write_text(
-        f"{settings.FEDINFER_TABLE_SIGNING_KEY_ID}={settings.FEDINFER_TABLE_SIGNING_KEY}"
-    )
+    ring = write_table_keys(procs.log_dir / "table-keys")
     for code in codes:
-        cred = procs.tmp / f"cred-{code}"
-        cred.write_text(credentials[code])
-        cmd = [FEDINFER, "edge", "--region", code, "--control-plane", cp]
-        cmd += ["--credential-file", str(cred), "--table-keys-file", str(ring)]
-        cmd += ["--edge-name", f"edge-{code}"]
-        cmd += ["--state-dir", str(procs.tmp / f"state-{code}"), "--port", str(edge_ports[code])]
-        cmd += ["--operator-port", str(ops_ports[code])]
-        cmd += ["--heartbeat-interval", "0.5", "--probe-interval", "0.2"]
-        cmd += ["--scrape-interval", "0.2", "--initial-timeout", "10", "--log-level", "warning"]
-        procs.start(f"edge-{code}", cmd, env())
+        start_control_plane_edge(
+            procs,
+            region=code,
+            control_plane=cp,
+            credential=credentials[code],
+            table_keys=ring,
+            port=edge_ports[code],
+            ops_port=ops_ports[code],
+            env=env(),
+        )
     for code in codes:
         url = f"http://127.0.0.1:{ops_ports[code]}/healthz"
         wait_until(lambda url=url: up(url), 20, f"edge {code}")
@@ -354,7 +342,7 @@ def test_a_region_coming_back_gets_its_traffic_back_gradually(
 
         # 3. eu-west loses its only engine: reported down (ramp 0) through the heartbeats; when
         #    the engine is back, the health-driven ramp returns the traffic gradually.
-        stop_process_group(engines["eu-west"])
+        procs.stop(engines["eu-west"])
         wait_until(lambda: latest_ramp("eu-west") == 0.0, 15, "eu-west reported down")
         assert not served_in(client, edges["eu-west"], key)
         assert not served_in(client, edges["us-east"], key)

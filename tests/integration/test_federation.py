@@ -23,30 +23,29 @@ from typing import Any
 
 import httpx
 import pytest
-from django.conf import settings
 from rest_framework.test import APIClient
 
 from federation.inventory import services as inventory
 from federation.routing import services as routing
 from federation.tenancy import services as tenancy
+from regions.supervisor import Process, Supervisor, free_port
 from tests.integration.control_plane_support import (
-    Procs,
+    FEDINFER,
     own_redis,
-    stop_process_group,
+    serve,
+    start_control_plane_edge,
     subprocess_env,
+    write_table_keys,
 )
 from tests.integration.inventory_factories import (
     LLAMA_8B,
     make_deployment,
+    make_instance,
     make_model,
     make_pool,
     make_region,
 )
 from tests.integration.test_edge_support import route_of
-from tests.integration.test_routing_distribution import (
-    FEDINFER,
-    free_port,
-)
 
 REDIS_URL = "redis://127.0.0.1:6379/13"
 LLAMA = LLAMA_8B["name"]
@@ -102,7 +101,7 @@ def metric(edge: str, name: str) -> float:
 
 
 @pytest.mark.django_db(transaction=True, serialized_rollback=True)
-def test_three_regions_federated(procs: Procs, admin_client: APIClient) -> None:
+def test_three_regions_federated(procs: Supervisor, admin_client: APIClient) -> None:
     t_start = time.monotonic()
     codes = ("eu-west", "us-east", "us-west")
     # Engines first: their URLs go into the inventory.
@@ -113,7 +112,7 @@ def test_three_regions_federated(procs: Procs, admin_client: APIClient) -> None:
         cmd += ["--model", serves[code], "--log-level", "warning"]
         if code == "eu-west":
             cmd += ["--max-num-seqs", "1"]
-        procs.start(f"engine-{code}", cmd, env())
+        procs.start(f"engine-{code}", cmd, env=env())
 
     regions = {
         "eu-west": make_region("eu-west", "EU", latitude=53.3, longitude=-6.3),
@@ -130,14 +129,9 @@ def test_three_regions_federated(procs: Procs, admin_client: APIClient) -> None:
     for code in codes:
         args = {"max-num-seqs": 1} if code == "eu-west" else {}
         dep = make_deployment(models[serves[code]], make_pool(regions[code]), engine_args=args)
-        inst = inventory.instance_create(
-            actor=None,
-            deployment=dep,
-            name=f"{code}-0",
-            endpoint_url=f"http://127.0.0.1:{engine_ports[code]}",
+        make_instance(
+            dep, f"{code}-0", "ready", endpoint_url=f"http://127.0.0.1:{engine_ports[code]}"
         )
-        for step in ("loading", "warming", "ready"):
-            inst = inventory.instance_transition(actor=None, instance=inst, state=step)
     edge_ports = {c: free_port() for c in codes}
     credentials = {}
     for code in codes:
@@ -158,39 +152,24 @@ def test_three_regions_federated(procs: Procs, admin_client: APIClient) -> None:
     any_key = tenancy.api_key_create(actor=None, tenant=anyone, name="k").plaintext
     routing.routing_tables_publish()
 
-    serve_port = free_port()
-    cp = f"http://127.0.0.1:{serve_port}"
-    serve = procs.start(
-        "serve", [FEDINFER, "serve", "--no-migrate", "--port", str(serve_port)], env()
-    )
-    wait_until(lambda: httpx.get(cp + "/api/v1/", timeout=1).status_code < 500, 30, "serve")
-
-    ring = procs.tmp / "table-keys"
-    ring.write_text(
-        f"{settings.FEDINFER_TABLE_SIGNING_KEY_ID}={settings.FEDINFER_TABLE_SIGNING_KEY}"
-    )
+    cp, serve_proc = serve(procs, env())
+    ring = write_table_keys(procs.log_dir / "table-keys")
     edges = {c: f"http://127.0.0.1:{edge_ports[c]}" for c in codes}
     ops_ports = {c: free_port() for c in codes}
     ops = {c: f"http://127.0.0.1:{ops_ports[c]}" for c in codes}
 
-    def start_edge(code: str) -> subprocess.Popen[bytes]:
-        cred = procs.tmp / f"cred-{code}"
-        cred.write_text(credentials[code])
-        cmd = [FEDINFER, "edge", "--region", code, "--control-plane", cp]
-        cmd += ["--credential-file", str(cred), "--table-keys-file", str(ring)]
-        cmd += ["--edge-name", f"edge-{code}"]
-        cmd += ["--state-dir", str(procs.tmp / f"state-{code}"), "--port", str(edge_ports[code])]
-        cmd += ["--operator-port", str(ops_ports[code])]
-        cmd += [
-            "--heartbeat-interval",
-            "0.5",
-            "--probe-interval",
-            "0.2",
-            "--scrape-interval",
-            "0.2",
-        ]
-        cmd += ["--queue-size", "0", "--initial-timeout", "10", "--log-level", "warning"]
-        proc = procs.start(f"edge-{code}", cmd, env())
+    def start_edge(code: str) -> Process:
+        proc = start_control_plane_edge(
+            procs,
+            region=code,
+            control_plane=cp,
+            credential=credentials[code],
+            table_keys=ring,
+            port=edge_ports[code],
+            ops_port=ops_ports[code],
+            env=env(),
+            args=("--queue-size", "0"),
+        )
         wait_until(lambda: healthy(ops[code]) >= 1, 20, f"edge {code}")
         return proc
 
@@ -290,7 +269,7 @@ def test_three_regions_federated(procs: Procs, admin_client: APIClient) -> None:
 
     # 4. A tampered persisted table is rejected (us-west), and with the control plane stopped
     #    every other edge keeps serving — also after a restart, from its persisted table.
-    stop_process_group(serve)
+    procs.stop(serve_proc)
     for code in codes:
         # eu-west is still ramping back after its restore (the unrestricted tenant returns in
         # steps, test_failover_ramp.py); the EU-only tenant is served there at once.
@@ -302,7 +281,7 @@ def test_three_regions_federated(procs: Procs, admin_client: APIClient) -> None:
             5,
             f"{code} to notice the control plane is gone",
         )
-    stop_process_group(edge_procs["us-east"])
+    procs.stop(edge_procs["us-east"])
     edge_procs["us-east"] = start_edge("us-east")
     r = chat(edges["us-east"], any_key)
     assert r.status_code == 200 and route_of(r.headers)["region"] == "us-east"
@@ -310,12 +289,12 @@ def test_three_regions_federated(procs: Procs, admin_client: APIClient) -> None:
         json.loads(httpx.get(ops["us-east"] + "/healthz").text)["table_source"] == "control-plane"
     )
 
-    stop_process_group(edge_procs["us-west"])
-    persisted = procs.tmp / "state-us-west" / "routing-table.json"
+    procs.stop(edge_procs["us-west"])
+    persisted = procs.log_dir / "state-us-west" / "routing-table.json"
     doc = json.loads(persisted.read_text())
     doc["instances"][0]["url"] = "http://127.0.0.1:1"
     persisted.write_text(json.dumps(doc))
-    cred = procs.tmp / "cred-us-west"
+    cred = procs.log_dir / "cred-us-west"
     out = subprocess.run(
         [FEDINFER, "edge", "--region", "us-west", "--control-plane", cp, "--credential-file",
          str(cred), "--table-keys-file", str(ring), "--state-dir", str(persisted.parent),

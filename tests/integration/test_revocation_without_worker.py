@@ -25,7 +25,8 @@ from federation.inventory import services as inventory
 from federation.routing import services as routing
 from federation.tenancy import services as tenancy
 from federation.tenancy.models import Membership
-from tests.integration.control_plane_support import Procs, own_redis, serve, subprocess_env
+from regions.supervisor import Supervisor
+from tests.integration.control_plane_support import own_redis, serve, subprocess_env
 from tests.integration.inventory_factories import make_region
 
 #: Nothing listens there.
@@ -43,7 +44,7 @@ class World:
 
 
 @pytest.fixture
-def world(procs: Procs, settings: Any) -> Iterator[World]:
+def world(procs: Supervisor, settings: Any) -> Iterator[World]:
     # This process (building the fleet) queues its recompiles in our own Redis DB; the
     # server has no Redis at all.
     with own_redis(settings, django_settings.REDIS_URL):
@@ -103,7 +104,7 @@ def post(world: World, path: str, body: Any = None) -> httpx.Response:
 
 
 def test_revoke_rotate_and_deactivate_publish_without_worker_or_redis(
-    world: World, procs: Procs
+    world: World, procs: Supervisor
 ) -> None:
     k = world.keys
     v1 = key_hashes(table(world, 0))
@@ -122,10 +123,10 @@ def test_revoke_rotate_and_deactivate_publish_without_worker_or_redis(
     post(world, "/api/v1/tenants/globex/deactivate/")
     doc = table(world, doc["version"])
     assert "globex" not in key_hashes(doc)
-    assert "Traceback" not in procs.log("serve")
+    assert "Traceback" not in procs.output("serve")
 
 
-def test_login_works_with_redis_down_and_warns_once(world: World, procs: Procs) -> None:
+def test_login_works_with_redis_down_and_warns_once(world: World, procs: Supervisor) -> None:
     body = {"username": "alice-admin", "password": "pw-alice-admin"}
     for _ in range(3):
         r = httpx.post(f"{world.url}/api/v1/auth/token/", json=body, timeout=10)
@@ -133,7 +134,7 @@ def test_login_works_with_redis_down_and_warns_once(world: World, procs: Procs) 
     token = r.json()["token"]
     me = httpx.get(f"{world.url}/api/v1/me/", headers={"Authorization": f"Token {token}"})
     assert me.json()["role"] == "admin"
-    log = procs.log("serve")
+    log = procs.output("serve")
     assert log.count("login throttle: the 'default' cache failed") == 1, log
 
 

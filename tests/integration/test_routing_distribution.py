@@ -6,15 +6,11 @@ Runs on the real PostgreSQL and Redis; the long-poll latency is measured against
 
 from __future__ import annotations
 
-import socket
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -28,8 +24,9 @@ from federation.inventory import services as inventory
 from federation.inventory.models import Edge, Instance, Region
 from federation.routing import services
 from federation.routing.models import RoutingTableCounter, RoutingTableVersion
+from regions.supervisor import Supervisor
 from regions.tables import signing
-from tests.integration.control_plane_support import own_redis, stop_process_group, subprocess_env
+from tests.integration.control_plane_support import own_redis, serve, subprocess_env
 from tests.integration.inventory_factories import (
     make_deployment,
     make_instance,
@@ -38,7 +35,6 @@ from tests.integration.inventory_factories import (
     make_region,
 )
 
-FEDINFER = str(Path(sys.executable).with_name("fedinfer"))
 REDIS_TEST_URL = "redis://127.0.0.1:6379/14"
 
 
@@ -409,16 +405,9 @@ def test_overview_shows_each_regions_version_and_the_edges_running_it(
 # --- long-poll against a real ASGI server ---------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @dataclass
 class Server:
     url: str
-    proc: subprocess.Popen[bytes]
     redis: str
 
 
@@ -427,38 +416,14 @@ DEAD_REDIS_URL = "redis://127.0.0.1:1/0"
 
 
 @pytest.fixture
-def server(
-    transactional_db: None, tmp_path: Path, request: pytest.FixtureRequest
-) -> Iterator[Server]:
+def server(transactional_db: None, procs: Supervisor, request: pytest.FixtureRequest) -> Server:
     """``fedinfer serve`` (uvicorn) on this test's database; ``request.param`` picks its
     Redis: ``"redis"`` (DB 14, nudged by the publisher) or ``"redis-down"``."""
-    port = free_port()
-    log = (tmp_path / "serve.log").open("wb")
     env = subprocess_env(REDIS_TEST_URL)
     if getattr(request, "param", "redis") == "redis-down":
         env["REDIS_URL"] = DEAD_REDIS_URL
-    proc = subprocess.Popen(
-        [FEDINFER, "serve", "--no-migrate", "--port", str(port)],
-        env=env,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            assert proc.poll() is None, (tmp_path / "serve.log").read_text()
-            assert time.monotonic() < deadline, "fedinfer serve did not start"
-            try:
-                httpx.get(f"{url}/api/v1/", timeout=1)
-                break
-            except httpx.TransportError:
-                time.sleep(0.1)
-        yield Server(url, proc, getattr(request, "param", "redis"))
-    finally:
-        stop_process_group(proc)
-        log.close()
+    url, _ = serve(procs, env)
+    return Server(url, getattr(request, "param", "redis"))
 
 
 @pytest.mark.parametrize("server", ["redis", "redis-down"], indirect=True)

@@ -17,6 +17,7 @@ from federation.tenancy import services as tenancy
 from federation.tenancy.models import ApiKey, Tenant
 from regions.tables.schema import decode_table
 from regions.tables.signing import SignatureError, sign, verify
+from tests.integration.inventory_factories import make_instance
 
 KEY = "integration-signing-key"
 M8 = "meta-llama/Llama-3.1-8B-Instruct"
@@ -30,14 +31,9 @@ def _demo_fleet() -> None:
     for dep in Deployment.objects.select_related("pool__region", "model").order_by("pk"):
         for i in range(dep.desired_replicas):
             port += 1
-            inst = inventory.instance_create(
-                actor=None,
-                deployment=dep,
-                name=f"i{dep.pk}-{dep.role}-{i}",
-                endpoint_url=f"http://127.0.0.1:{port}",
+            make_instance(
+                dep, f"i{dep.pk}-{dep.role}-{i}", "ready", endpoint_url=f"http://127.0.0.1:{port}"
             )
-            for state in ("loading", "warming", "ready"):
-                inst = inventory.instance_transition(actor=None, instance=inst, state=state)
     for offset, region in enumerate(Region.objects.order_by("code"), start=1):
         inventory.edge_register(
             actor=None,

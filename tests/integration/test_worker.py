@@ -8,7 +8,7 @@ import sqlite3
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -19,9 +19,9 @@ from rest_framework.test import APIClient
 from federation.inventory.models import Instance, Region
 from federation.routing import services
 from federation.routing.models import RoutingTableVersion
-from tests.integration.control_plane_support import stop_process_group, subprocess_env
+from regions.supervisor import Supervisor
+from tests.integration.control_plane_support import FEDINFER, subprocess_env
 from tests.integration.test_routing_distribution import (  # noqa: F401  (fixture)
-    FEDINFER,
     REDIS_TEST_URL,
     build_fleet,
     test_redis,
@@ -90,23 +90,11 @@ def test_heartbeats_and_credential_rotation_queue_no_recompile(
 
 
 @pytest.fixture
-def worker(transactional_db: None, tmp_path: Path) -> Iterator[Path]:
-    """``fedinfer worker`` on Redis DB 14 and this test's database; beat every 2 s."""
-    log_path = tmp_path / "worker.log"
-    log = log_path.open("wb")
+def worker(transactional_db: None, procs: Supervisor) -> Path:
+    """``fedinfer worker`` on Redis DB 14 and this test's database; beat every 2 s. Its log."""
     env = {**subprocess_env(REDIS_TEST_URL), "FEDINFER_TABLES_REFRESH_SECONDS": "2"}
-    proc = subprocess.Popen(
-        [FEDINFER, "worker", "--pool", "solo", "--without-gossip", "--without-mingle"],
-        env=env,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-    try:
-        yield log_path
-    finally:
-        stop_process_group(proc)
-        log.close()
+    worker_argv = [FEDINFER, "worker", "--pool", "solo", "--without-gossip", "--without-mingle"]
+    return procs.start("worker", worker_argv, env=env).log
 
 
 def wait_for(predicate: Callable[[], Any], *, timeout: float, what: str, log: Path) -> float:
@@ -166,7 +154,9 @@ def test_the_worker_publishes_after_an_evacuation_and_periodically(
     )
 
 
-def test_embedded_mode_worker_uses_the_filesystem_broker_and_sqlite(tmp_path: Path) -> None:
+def test_embedded_mode_worker_uses_the_filesystem_broker_and_sqlite(
+    tmp_path: Path, procs: Supervisor
+) -> None:
     """``fedinfer demo``'s setting: no Redis, no PostgreSQL; a change made by one process is
     compiled by the worker through kombu's filesystem transport under ``var/broker/``."""
     env = {
@@ -177,30 +167,19 @@ def test_embedded_mode_worker_uses_the_filesystem_broker_and_sqlite(tmp_path: Pa
     env["FEDINFER_VAR_DIR"] = str(tmp_path)
     env["FEDINFER_TABLES_REFRESH_SECONDS"] = "3600"  # the change's own task, not beat
     subprocess.run([FEDINFER, "migrate", "-v0"], env=env, check=True, timeout=120)
-    log_path = tmp_path / "worker.log"
-    with log_path.open("wb") as log:
-        proc = subprocess.Popen(
-            [FEDINFER, "worker", "--pool", "solo"],
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        try:
-            code = (
-                "import django; django.setup()\n"
-                "from federation.inventory import services\n"
-                "services.region_create(actor=None, code='eu-west', name='EU', "
-                "provider='cloud', latitude=1, longitude=1, jurisdiction='EU')\n"
-            )
-            subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=60)
-            db = sqlite3.connect(tmp_path / "fedinfer.sqlite3")
+    log_path = procs.start("worker", [FEDINFER, "worker", "--pool", "solo"], env=env).log
+    code = (
+        "import django; django.setup()\n"
+        "from federation.inventory import services\n"
+        "services.region_create(actor=None, code='eu-west', name='EU', "
+        "provider='cloud', latitude=1, longitude=1, jurisdiction='EU')\n"
+    )
+    subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=60)
+    db = sqlite3.connect(tmp_path / "fedinfer.sqlite3")
 
-            def published() -> bool:
-                row = db.execute("SELECT count(*) FROM routing_routingtableversion").fetchone()
-                return bool(row[0])
+    def published() -> bool:
+        row = db.execute("SELECT count(*) FROM routing_routingtableversion").fetchone()
+        return bool(row[0])
 
-            wait_for(published, timeout=30, what="no table published", log=log_path)
-            db.close()
-        finally:
-            stop_process_group(proc)
+    wait_for(published, timeout=30, what="no table published", log=log_path)
+    db.close()

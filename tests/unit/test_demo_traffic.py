@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from federation.core.demo_traffic import Window, clients_from, route_region
+from federation.demo.traffic import Window, clients_from, route_region
 
 ENDPOINTS = {
     "edges": {"eu-west": "http://e", "us-east": "http://u"},

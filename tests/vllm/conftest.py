@@ -1,6 +1,7 @@
 """Fixtures of ``make test-vllm``: the tiny model, two real vLLM servers, the edge before them.
 
-Every process is started in its own process group and killed with it at teardown.
+Every process is started by :mod:`regions.supervisor` in its own process group and killed with
+it at teardown.
 """
 
 from __future__ import annotations
@@ -9,21 +10,18 @@ import json
 import os
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 
 from tests.vllm.servers import (
     EDGE_REGION,
-    LOG_DIR,
     ROOT,
     EdgeProcess,
     VllmServer,
-    free_port,
     routing_table,
+    start_edge,
     start_server,
     tiny_model_dir,
     vllm_python,
@@ -68,50 +66,16 @@ def edge(
     vllm_pair: tuple[VllmServer, VllmServer], tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[EdgeProcess]:
     """``fedinfer edge`` (the project venv's) in front of the two real servers."""
-    fedinfer = Path(sys.executable).with_name("fedinfer")
     table_path = tmp_path_factory.mktemp("edge") / "table.json"
     table_path.write_text(json.dumps(routing_table(vllm_pair), indent=2))
-    LOG_DIR.mkdir(parents=True, exist_ok=True)
-    log_path = LOG_DIR / "edge.log"
-    port, ops_port = free_port(), free_port()
-    argv = [str(fedinfer), "edge", "--region", EDGE_REGION, "--table", str(table_path)]
-    argv += ["--host", "127.0.0.1", "--port", str(port), "--read-timeout", "120"]
-    argv += ["--operator-port", str(ops_port)]
     # A busy CPU server on a shared core can take seconds to answer /metrics and /health: a late
     # reading that says "busy" is what the load-steering test needs, and a slow /health is not
     # a dead server (on GPUs both answer in milliseconds; the defaults are 2 s and 1 s).
-    argv += ["--scrape-timeout", "10", "--probe-timeout", "10"]
-    with log_path.open("wb") as log:
-        proc = subprocess.Popen(
-            argv,
-            cwd=ROOT,
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-    edge_proc = EdgeProcess(
-        port=port, table_path=table_path, log_path=log_path, proc=proc, ops_port=ops_port
+    timeouts = ("--scrape-timeout", "10", "--probe-timeout", "10")
+    edge_proc = start_edge(
+        "edge", table_path, "--region", EDGE_REGION, *timeouts, healthy_instances=2
     )
     try:
-        deadline = time.monotonic() + 30
-        with httpx.Client(timeout=2.0) as client:
-            while True:
-                if proc.poll() is not None:
-                    raise RuntimeError(
-                        f"fedinfer edge exited with {proc.returncode}:\n" + edge_proc.log_tail()
-                    )
-                try:
-                    resp = client.get(edge_proc.ops_url + "/healthz")
-                    if resp.status_code == 200 and resp.json()["healthy_instances"] == 2:
-                        break
-                except httpx.TransportError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise TimeoutError(
-                        "fedinfer edge not ready after 30 s:\n" + edge_proc.log_tail()
-                    )
-                time.sleep(0.2)
         yield edge_proc
     finally:
         edge_proc.stop()

@@ -3,21 +3,20 @@
 The tests run in the project venv; vLLM runs as a subprocess from its own venv
 (``FEDINFER_VLLM_PYTHON``, default ``.venv-vllm/bin/python``) on the tiny local model
 (``FEDINFER_TINY_MODEL``, default ``var/tiny-llama``, built by ``make vllm-env``). Every server is
-started in its own process group and killed with it at teardown.
+started by :mod:`regions.supervisor` in its own process group and killed with it at teardown.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
-import signal
-import socket
-import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+
+from regions.supervisor import Process, free_port, http_status, start_process, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 SERVED_MODEL = "tiny-llama"
@@ -34,12 +33,6 @@ def vllm_python() -> Path:
 
 def tiny_model_dir() -> Path:
     return Path(os.environ.get("FEDINFER_TINY_MODEL", ROOT / "var" / "tiny-llama")).resolve()
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def server_argv(model_dir: Path, port: int) -> list[str]:
@@ -85,8 +78,7 @@ def server_env(cpu: int) -> dict[str, str]:
 class VllmServer:
     name: str
     port: int
-    log_path: Path
-    proc: subprocess.Popen[bytes]
+    proc: Process
     started_at: float = field(default_factory=time.monotonic)
     healthy_after_s: float | None = None
 
@@ -94,75 +86,45 @@ class VllmServer:
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def log_tail(self, lines: int = 40) -> str:
-        text = self.log_path.read_text(errors="replace")
-        return "\n".join(text.splitlines()[-lines:])
-
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(timeout=30)
-        # vLLM's engine core and workers are children in the same group: make sure none is left.
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
+        """vLLM's engine core and workers are in its process group: they go with it."""
+        self.proc.stop(grace_s=30)
 
 
-def start_server(name: str, model_dir: Path, cpu: int) -> VllmServer:
-    LOG_DIR.mkdir(parents=True, exist_ok=True)
+def start_server(
+    name: str, model_dir: Path, cpu: int, extra_args: tuple[str, ...] = ()
+) -> VllmServer:
     port = free_port()
-    log_path = LOG_DIR / f"{name}.log"
-    with log_path.open("wb") as log:
-        proc = subprocess.Popen(
-            server_argv(model_dir, port),
-            cwd=ROOT,
-            env=server_env(cpu),
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-    return VllmServer(name=name, port=port, log_path=log_path, proc=proc)
+    argv = [*server_argv(model_dir, port), *extra_args]
+    proc = start_process(name, argv, log=LOG_DIR / f"{name}.log", env=server_env(cpu), cwd=ROOT)
+    return VllmServer(name=name, port=port, proc=proc)
 
 
 def wait_healthy(servers: list[VllmServer], timeout_s: float = HEALTH_TIMEOUT_S) -> None:
-    deadline = time.monotonic() + timeout_s
+    """Until every server's /health is 200, noting how long each took."""
     pending = list(servers)
-    with httpx.Client(timeout=2.0) as client:
-        while pending:
-            for server in list(pending):
-                code = server.proc.poll()
-                if code is not None:
-                    raise RuntimeError(
-                        f"vLLM server {server.name} exited with {code} before it was healthy:\n"
-                        + server.log_tail()
-                    )
-                try:
-                    ok = client.get(server.base_url + "/health").status_code == 200
-                except httpx.TransportError:
-                    ok = False
-                if ok:
-                    server.healthy_after_s = time.monotonic() - server.started_at
-                    pending.remove(server)
-            if pending and time.monotonic() > deadline:
-                names = [s.name for s in pending]
-                raise TimeoutError(
-                    f"vLLM servers {names} not healthy after {timeout_s:.0f} s:\n"
-                    + "\n".join(s.log_tail() for s in pending)
-                )
-            if pending:
-                time.sleep(1.0)
+
+    def all_healthy() -> bool:
+        for server in list(pending):
+            if http_status(server.base_url + "/health", timeout=2.0) == 200:
+                server.healthy_after_s = time.monotonic() - server.started_at
+                pending.remove(server)
+        return not pending
+
+    wait_until(
+        all_healthy,
+        what="vLLM servers' /health",
+        timeout=timeout_s,
+        watch=[s.proc for s in servers],
+        interval=1.0,
+    )
 
 
 @dataclass
 class EdgeProcess:
     port: int
     table_path: Path
-    log_path: Path
-    proc: subprocess.Popen[bytes]
+    proc: Process
     #: The operator listener (``--operator-port``: /healthz, /metrics).
     ops_port: int = 0
 
@@ -174,17 +136,33 @@ class EdgeProcess:
     def ops_url(self) -> str:
         return f"http://127.0.0.1:{self.ops_port}"
 
-    def log_tail(self, lines: int = 40) -> str:
-        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(timeout=15)
+        self.proc.stop(grace_s=15)
+
+
+def start_edge(name: str, table_path: Path, *args: str, healthy_instances: int) -> EdgeProcess:
+    """``fedinfer edge`` (the project venv's) on ``table_path``, waited for until its /healthz
+    counts ``healthy_instances``; its log is ``<LOG_DIR>/<name>.log``."""
+    port, ops_port = free_port(), free_port()
+    argv = [str(Path(sys.executable).with_name("fedinfer")), "edge", "--table", str(table_path)]
+    argv += ["--host", "127.0.0.1", "--port", str(port), "--read-timeout", "120"]
+    argv += ["--operator-port", str(ops_port), *args]
+    proc = start_process(name, argv, log=LOG_DIR / f"{name}.log", cwd=ROOT)
+    edge = EdgeProcess(port=port, table_path=table_path, proc=proc, ops_port=ops_port)
+
+    def ready() -> bool:
+        try:
+            health = httpx.get(edge.ops_url + "/healthz", timeout=2.0)
+        except httpx.TransportError:
+            return False
+        return health.status_code == 200 and health.json()["healthy_instances"] >= healthy_instances
+
+    try:
+        wait_until(ready, what=f"{name}'s /healthz", timeout=30, watch=proc, interval=0.2)
+    except Exception:
+        edge.stop()
+        raise
+    return edge
 
 
 EDGE_REGION = "cpu-lab"

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,17 +17,14 @@ import httpx
 import pytest
 
 from regions.edge.kv_events import CHECK_INTERVAL_S, SETTLE_S
+from regions.supervisor import free_port
 from tests.vllm.capture_fixtures import shared_prefix
 from tests.vllm.servers import (
     KV_BLOCK_SIZE,
-    LOG_DIR,
-    ROOT,
     SERVED_MODEL,
     EdgeProcess,
-    VllmServer,
-    free_port,
-    server_argv,
-    server_env,
+    start_edge,
+    start_server,
     wait_healthy,
 )
 
@@ -41,29 +36,17 @@ NUM_BLOCKS = 12
 @pytest.fixture(scope="module")
 def kv_edge(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[EdgeProcess]:
     """A vLLM server publishing KV events on a free port, and an edge subscribed to them."""
-    LOG_DIR.mkdir(parents=True, exist_ok=True)
-    events_port, port = free_port(), free_port()
+    events_port = free_port()
     config = {
         "enable_kv_cache_events": True,
         "publisher": "zmq",
         "endpoint": f"tcp://*:{events_port}",
         "topic": "kv-events",
     }
-    argv = server_argv(tiny_model, port)
-    argv += ["--kv-events-config", json.dumps(config)]
-    argv += ["--num-gpu-blocks-override", str(NUM_BLOCKS)]
-    log_path = LOG_DIR / "vllm-kv.log"
-    with log_path.open("wb") as log:
-        proc = subprocess.Popen(
-            argv,
-            cwd=ROOT,
-            env=server_env(sorted(os.sched_getaffinity(0))[0]),
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-    server = VllmServer(name="vllm-kv", port=port, log_path=log_path, proc=proc)
+    extra_args = ("--kv-events-config", json.dumps(config))
+    extra_args += ("--num-gpu-blocks-override", str(NUM_BLOCKS))
+    cpu = sorted(os.sched_getaffinity(0))[0]
+    server = start_server("vllm-kv", tiny_model, cpu, extra_args)
     edge: EdgeProcess | None = None
     try:
         wait_healthy([server])
@@ -85,27 +68,7 @@ def kv_edge(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
         }
         table_path = tmp_path_factory.mktemp("kv-edge") / "table.json"
         table_path.write_text(json.dumps(table))
-        edge_port, ops_port = free_port(), free_port()
-        edge_log = LOG_DIR / "edge-kv.log"
-        fedinfer = Path(sys.executable).with_name("fedinfer")
-        argv = [str(fedinfer), "edge", "--region", "cpu-lab", "--table", str(table_path)]
-        argv += ["--host", "127.0.0.1", "--port", str(edge_port), "--read-timeout", "120"]
-        argv += ["--operator-port", str(ops_port)]
-        with edge_log.open("wb") as log:
-            edge_proc = subprocess.Popen(
-                argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-            )
-        edge = EdgeProcess(edge_port, table_path, edge_log, edge_proc, ops_port)
-        deadline = time.monotonic() + 30
-        while True:
-            assert edge_proc.poll() is None, edge.log_tail()
-            try:
-                if httpx.get(edge.ops_url + "/healthz", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "edge did not come up"
-            time.sleep(0.1)
+        edge = start_edge("edge-kv", table_path, "--region", "cpu-lab", healthy_instances=1)
         time.sleep(1.0)  # the SUB socket joins before the first event (seq 0)
         yield edge
     finally:

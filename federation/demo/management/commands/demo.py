@@ -6,33 +6,30 @@ through the lifecycle services, and runs the federation the way production does:
 control-plane web server, the Celery worker (embedded broker under ``var/broker``) that
 recompiles tables after every change, and one edge router per region in control-plane mode
 (its own credential, signed tables by long-poll, heartbeats, last good table persisted).
-A small traffic generator (``federation.core.demo_traffic``) sends requests from tenants of
+A small traffic generator (``federation.demo.traffic``) sends requests from tenants of
 different jurisdictions. The demo prints where everything is and supervises the processes:
 if one dies the demo says which and stops the rest (no silent half-platform).
 """
 
 from __future__ import annotations
 
-import contextlib
+import functools
 import json
 import os
 import signal
-import socket
-import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
-import httpx
 from django.conf import settings
 from django.core.management import call_command
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.db import connection
 
-from federation.core.management.commands.loaddemo import DEMO_PASSWORD
+from federation.demo.fleet import DEMO_PASSWORD
 from federation.inventory import lifecycle
 from federation.inventory import services as inventory
 from federation.inventory.models import Deployment, Edge, GPUPool, Instance, Region
@@ -40,17 +37,19 @@ from federation.routing import services as routing
 from federation.tenancy import services as tenancy
 from federation.tenancy.models import ApiKey, Tenant
 from federation.tenancy.selectors import tenant_permitted_regions
+from regions.supervisor import (
+    StartupError,
+    Supervisor,
+    file_written,
+    free_port,
+    http_status,
+    wait_until,
+)
 from workers.celery import app as celery_app
 
 DEMO_PREFIX = "demo-"
 FEDINFER = [sys.executable, "-m", "federation.cli"]
 STARTUP_TIMEOUT_S = 60.0
-
-
-def _free_port(host: str) -> int:
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
 
 
 def _slug(text: str) -> str:
@@ -70,60 +69,19 @@ class Interrupted(Exception):
     """Ctrl-C or SIGTERM arrived: stop, this is not a failure."""
 
 
-def _tee(src: IO[bytes], log: IO[bytes], echo: Callable[[str], None]) -> None:
-    for line in src:
-        log.write(line)
-        log.flush()
-        echo(line.decode(errors="replace").rstrip("\n"))
+@dataclass
+class _Run:
+    """One run of the demo: its options, directory and processes; ``stopping`` is set by
+    Ctrl-C or SIGTERM and checked between steps (never acted on inside a signal handler)."""
 
+    opts: dict[str, Any]
+    demo_dir: Path
+    sup: Supervisor
+    stopping: bool = False
 
-class Supervisor:
-    """Child processes of the demo, each in its own process group, logs under var/demo/logs."""
-
-    def __init__(self, log_dir: Path) -> None:
-        self.log_dir = log_dir
-        self.children: list[tuple[str, subprocess.Popen[bytes]]] = []
-
-    def start(
-        self,
-        name: str,
-        argv: list[str],
-        env: dict[str, str] | None = None,
-        echo: Callable[[str], None] | None = None,
-    ) -> subprocess.Popen[bytes]:
-        """Start a child; with ``echo`` its output also goes there, line by line."""
-        log = (self.log_dir / f"{name}.log").open("wb")
-        proc = subprocess.Popen(
-            argv,
-            stdout=log if echo is None else subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            env={**os.environ, **(env or {})},
-        )
-        self.children.append((name, proc))
-        if echo is None:
-            log.close()  # the child has its own copy
-        else:
-            assert proc.stdout is not None
-            threading.Thread(target=_tee, args=(proc.stdout, log, echo), daemon=True).start()
-        return proc
-
-    def dead(self) -> list[tuple[str, int]]:
-        return [(n, p.returncode) for n, p in self.children if p.poll() is not None]
-
-    def stop(self) -> None:
-        for _, proc in self.children:
-            if proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGTERM)
-        deadline = time.monotonic() + 10
-        for _, proc in self.children:
-            try:
-                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+    @property
+    def host(self) -> str:
+        return str(self.opts["host"])
 
 
 class Command(BaseCommand):
@@ -160,7 +118,6 @@ class Command(BaseCommand):
         )
 
     def handle(self, *args: Any, **opts: Any) -> None:
-        host: str = opts["host"]
         demo_dir = Path(settings.VAR_DIR) / "demo"
         for sub in ("logs", "engines", "edges"):
             (demo_dir / sub).mkdir(parents=True, exist_ok=True)
@@ -174,25 +131,24 @@ class Command(BaseCommand):
         call_command("loaddemo", stdout=self.stdout)
         self._forget_previous_run()
         self._back_in_service()
-        sup = Supervisor(demo_dir / "logs")
-        stop = {"now": False}
+        run = _Run(opts, demo_dir, Supervisor(demo_dir / "logs"))
 
         def on_signal(signum: int, frame: Any) -> None:
-            stop["now"] = True
+            run.stopping = True
 
         signal.signal(signal.SIGINT, on_signal)
         signal.signal(signal.SIGTERM, on_signal)
         try:
-            summary = self._start(sup, demo_dir, host, opts, stop)
+            summary = self._start(run)
             # It holds this run's API keys: readable by the demo's user only.
             endpoints = demo_dir / "endpoints.json"
             _write_private(endpoints, json.dumps(summary, indent=2))
             self._print_summary(summary, demo_dir, traffic=not opts["no_traffic"])
             if not opts["no_traffic"]:
-                self._start_traffic(sup, endpoints, opts)
+                self._start_traffic(run, endpoints)
             started = time.monotonic()
-            while not stop["now"]:
-                self._check_children(sup, demo_dir)
+            while not run.stopping:
+                self._check_children(run)
                 if (
                     opts["exit_after"] is not None
                     and time.monotonic() - started > opts["exit_after"]
@@ -203,15 +159,15 @@ class Command(BaseCommand):
             pass
         finally:
             self.stdout.write("demo: stopping")
-            sup.stop()
+            run.sup.stop_all()
             self._forget_previous_run()
 
-    def _check_children(self, sup: Supervisor, demo_dir: Path) -> None:
-        if dead := sup.dead():
+    def _check_children(self, run: _Run) -> None:
+        if exited := run.sup.exited():
             raise CommandError(
                 "demo process(es) exited: "
-                + ", ".join(f"{n} (code {c})" for n, c in dead)
-                + f"; see {demo_dir / 'logs'}"
+                + ", ".join(f"{p.name} (code {p.returncode})" for p in exited)
+                + f"; see {run.demo_dir / 'logs'}"
             )
 
     def _forget_previous_run(self) -> None:
@@ -245,16 +201,9 @@ class Command(BaseCommand):
             ).plaintext
         return keys
 
-    def _start_engines(
-        self,
-        sup: Supervisor,
-        demo_dir: Path,
-        host: str,
-        opts: dict[str, Any],
-        stop: dict[str, bool],
-    ) -> None:
+    def _start_engines(self, run: _Run) -> None:
         """An engine-sim process per deployment, registered as ready instances."""
-        per_dep = max(1, opts["engines_per_deployment"])
+        per_dep = max(1, run.opts["engines_per_deployment"])
         pending: list[tuple[Deployment, int, Path]] = []
         deployments = Deployment.objects.select_related(
             "model", "pool__region", "pool__accelerator"
@@ -264,7 +213,7 @@ class Command(BaseCommand):
             name = (
                 f"engines-{dep.pool.region.code}-{dep.pool.name}-{_slug(dep.model.name)}-{dep.role}"
             )
-            ready_file = demo_dir / "engines" / f"{name}.json"
+            ready_file = run.demo_dir / "engines" / f"{name}.json"
             ready_file.unlink(missing_ok=True)
             argv = [
                 *FEDINFER,
@@ -272,7 +221,7 @@ class Command(BaseCommand):
                 "--count",
                 str(count),
                 "--host",
-                host,
+                run.host,
                 "--port",
                 "0",
                 "--model",
@@ -293,10 +242,15 @@ class Command(BaseCommand):
             adapters = [f"{a.name}={a.source}" for a in dep.adapters.all()]
             if adapters:
                 argv += ["--lora-modules", *adapters]
-            sup.start(name, argv)
+            run.sup.start(name, argv)
             pending.append((dep, count, ready_file))
         for dep, _count, ready_file in pending:
-            engines = self._wait_for_file(ready_file, sup, stop)["engines"]
+            self._wait(
+                run,
+                functools.partial(file_written, ready_file),
+                f"the engines' ready file {ready_file}",
+            )
+            engines = json.loads(ready_file.read_text())["engines"]
             for engine in engines:
                 name = (
                     f"{DEMO_PREFIX}{dep.pool.region.code}-{dep.pool.name}-"
@@ -308,15 +262,9 @@ class Command(BaseCommand):
                 for state in ("loading", "warming", "ready"):
                     inst = inventory.instance_transition(actor=None, instance=inst, state=state)
 
-    def _start(
-        self,
-        sup: Supervisor,
-        demo_dir: Path,
-        host: str,
-        opts: dict[str, Any],
-        stop: dict[str, bool],
-    ) -> dict[str, Any]:
-        self._start_engines(sup, demo_dir, host, opts, stop)
+    def _start(self, run: _Run) -> dict[str, Any]:
+        self._start_engines(run)
+        host, opts = run.host, run.opts
         keys = self._fresh_keys()
         edges: dict[str, str] = {}
         #: Each edge's operator listener (/healthz, /metrics), never its public port.
@@ -324,13 +272,13 @@ class Command(BaseCommand):
         credentials: dict[str, Path] = {}
         for offset, region in enumerate(Region.objects.order_by("code"), start=1):
             base = opts["edge_base_port"]
-            url = f"http://{host}:{base + offset if base else _free_port(host)}"
-            ops_port = base + 100 + offset if base else _free_port(host)
+            url = f"http://{host}:{base + offset if base else free_port(host)}"
+            ops_port = base + 100 + offset if base else free_port(host)
             operators[region.code] = f"http://127.0.0.1:{ops_port}"
             edge = inventory.edge_register(
                 actor=None, region=region, name=f"{DEMO_PREFIX}{region.code}", url=url
             )
-            credentials[region.code] = demo_dir / "credentials" / edge.name
+            credentials[region.code] = run.demo_dir / "credentials" / edge.name
             _write_private(
                 credentials[region.code],
                 routing.edge_credential_rotate(actor=None, edge=edge) + "\n",
@@ -341,11 +289,11 @@ class Command(BaseCommand):
         routing.routing_tables_publish()
         celery_app.control.purge()
         web = f"http://{host}:{opts['port']}"
-        sup.start(
+        run.sup.start(
             "web", [*FEDINFER, "serve", "--no-migrate", "--host", host, "--port", str(opts["port"])]
         )
-        sup.start("worker", [*FEDINFER, "worker", "--pool", "solo"])
-        self._wait_http(f"{web}/api/schema/", sup, stop)
+        run.sup.start("worker", [*FEDINFER, "worker", "--pool", "solo"])
+        self._wait_http(run, f"{web}/api/schema/")
         # The verification key ring goes through the environment, not argv (visible in ps).
         ring = {
             "FEDINFER_TABLE_KEYS": (
@@ -353,7 +301,7 @@ class Command(BaseCommand):
             )
         }
         for code, url in edges.items():
-            sup.start(
+            run.sup.start(
                 f"edge-{code}",
                 [
                     *FEDINFER,
@@ -367,7 +315,7 @@ class Command(BaseCommand):
                     "--edge-name",
                     f"{DEMO_PREFIX}{code}",
                     "--state-dir",
-                    str(demo_dir / "edges" / code),
+                    str(run.demo_dir / "edges" / code),
                     "--host",
                     host,
                     "--port",
@@ -375,10 +323,10 @@ class Command(BaseCommand):
                     "--operator-port",
                     operators[code].rsplit(":", 1)[1],
                 ],
-                env=ring,
+                env={**os.environ, **ring},
             )
         for url in operators.values():
-            self._wait_http(f"{url}/healthz", sup, stop)
+            self._wait_http(run, f"{url}/healthz")
         tenants = Tenant.objects.filter(is_active=True).prefetch_related("allowed_regions")
         return {
             "control_plane": web,
@@ -395,49 +343,48 @@ class Command(BaseCommand):
             },
         }
 
-    def _start_traffic(self, sup: Supervisor, endpoints: Path, opts: dict[str, Any]) -> None:
-        sup.start(
+    def _start_traffic(self, run: _Run, endpoints: Path) -> None:
+        run.sup.start(
             "traffic",
             [
                 sys.executable,
                 "-m",
-                "federation.core.demo_traffic",
+                "federation.demo.traffic",
                 "--endpoints",
                 str(endpoints),
                 "--rps",
-                str(opts["traffic_rps"]),
+                str(run.opts["traffic_rps"]),
                 "--summary-every",
-                str(opts["traffic_summary_every"]),
+                str(run.opts["traffic_summary_every"]),
             ],
             echo=self.stdout.write,
         )
 
-    def _wait_for_file(self, path: Path, sup: Supervisor, stop: dict[str, bool]) -> Any:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while time.monotonic() < deadline:
-            self._check_start(sup, stop)
-            if path.exists() and path.stat().st_size:
-                return json.loads(path.read_text())
-            time.sleep(0.1)
-        raise CommandError(f"engines did not report ready within {STARTUP_TIMEOUT_S:.0f}s ({path})")
+    def _wait(self, run: _Run, ready: Callable[[], bool], what: str) -> None:
+        """Wait for a start-up step: Ctrl-C interrupts it, a child that exits fails it."""
 
-    def _wait_http(self, url: str, sup: Supervisor, stop: dict[str, bool]) -> None:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while time.monotonic() < deadline:
-            self._check_start(sup, stop)
-            try:
-                if httpx.get(url, timeout=1.0).status_code < 500:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise CommandError(f"{url} did not answer within {STARTUP_TIMEOUT_S:.0f}s")
+        def ready_unless_interrupted() -> bool:
+            if run.stopping:
+                raise Interrupted
+            return ready()
 
-    def _check_start(self, sup: Supervisor, stop: dict[str, bool]) -> None:
-        if stop["now"]:
-            raise Interrupted
-        if dead := sup.dead():
-            raise CommandError(f"demo process exited during start-up: {dead}")
+        try:
+            wait_until(
+                ready_unless_interrupted,
+                what=what,
+                timeout=STARTUP_TIMEOUT_S,
+                watch=run.sup.processes,
+                interval=0.2,
+            )
+        except StartupError as exc:
+            raise CommandError(f"demo start-up failed: {exc}") from exc
+
+    def _wait_http(self, run: _Run, url: str) -> None:
+        def answers() -> bool:
+            status = http_status(url)
+            return status is not None and status < 500
+
+        self._wait(run, answers, url)
 
     def _print_summary(self, summary: dict[str, Any], demo_dir: Path, *, traffic: bool) -> None:
         web = summary["control_plane"]

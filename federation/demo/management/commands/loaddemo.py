@@ -12,7 +12,7 @@ from django.contrib.auth.models import User
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.db import transaction
 
-from federation.core import demo
+from federation.demo import fleet
 from federation.env import is_production
 from federation.inventory import services as inventory
 from federation.inventory.models import (
@@ -27,8 +27,6 @@ from federation.inventory.models import (
 from federation.tenancy import services as tenancy
 from federation.tenancy.models import ApiKey, Membership, Tenant
 
-DEMO_PASSWORD = "fedinfer-demo"
-
 
 class Command(BaseCommand):
     help = "Create the demo inventory, tenants, users and one API key per tenant (idempotent)."
@@ -37,7 +35,7 @@ class Command(BaseCommand):
         parser.add_argument(
             "--password",
             default=None,
-            help=f"password of the demo users (default in embedded mode: {DEMO_PASSWORD!r})",
+            help=f"password of the demo users (default in embedded mode: {fleet.DEMO_PASSWORD!r})",
         )
 
     def handle(self, *args: Any, **options: Any) -> None:
@@ -45,7 +43,7 @@ class Command(BaseCommand):
         if password is None:
             if is_production():
                 raise CommandError("In production, give the demo users a --password.")
-            password = DEMO_PASSWORD
+            password = fleet.DEMO_PASSWORD
         with transaction.atomic():
             created = self._load(password)
         for line in created:
@@ -56,13 +54,13 @@ class Command(BaseCommand):
         created: list[str] = []
         actor = None  # the system
         regions: dict[str, Region] = {}
-        for spec in demo.REGIONS:
+        for spec in fleet.REGIONS:
             region = Region.objects.filter(code=spec["code"]).first()
             if region is None:
                 region = inventory.region_create(actor=actor, **spec)
                 created.append(f"region {region.code}")
             regions[region.code] = region
-        for a, b, rtt in demo.RTT_MS:
+        for a, b, rtt in fleet.RTT_MS:
             for source, target in ((a, b), (b, a)):
                 if not RegionLink.objects.filter(
                     source=regions[source], target=regions[target]
@@ -72,7 +70,7 @@ class Command(BaseCommand):
                     )
                     created.append(f"rtt {source}->{target} {rtt} ms")
         pools: dict[tuple[str, str], GPUPool] = {}
-        for spec in demo.POOLS:
+        for spec in fleet.POOLS:
             fields = dict(spec)
             region = regions[fields.pop("region")]
             accelerator = AcceleratorType.objects.get(name=fields.pop("accelerator"))
@@ -84,14 +82,14 @@ class Command(BaseCommand):
                 created.append(f"pool {pool}")
             pools[(region.code, pool.name)] = pool
         models: dict[str, LanguageModel] = {}
-        for spec in demo.MODELS:
+        for spec in fleet.MODELS:
             model = LanguageModel.objects.filter(name=spec["name"]).first()
             if model is None:
                 model = inventory.model_create(actor=actor, **spec)
                 created.append(f"model {model.name}")
             models[model.name] = model
         adapters: dict[str, LoraAdapter] = {}
-        for spec in demo.ADAPTERS:
+        for spec in fleet.ADAPTERS:
             fields = dict(spec)
             base = models[fields.pop("base_model")]
             adapter = LoraAdapter.objects.filter(name=fields["name"]).first()
@@ -99,7 +97,7 @@ class Command(BaseCommand):
                 adapter = inventory.adapter_create(actor=actor, base_model=base, **fields)
                 created.append(f"adapter {adapter.name}")
             adapters[adapter.name] = adapter
-        for region_code, pool_name, model_name, role, tp, lo, want, hi, names in demo.DEPLOYMENTS:
+        for region_code, pool_name, model_name, role, tp, lo, want, hi, names in fleet.DEPLOYMENTS:
             pool, model = pools[(region_code, pool_name)], models[model_name]
             if Deployment.objects.filter(pool=pool, model=model, role=role).exists():
                 continue
@@ -116,7 +114,7 @@ class Command(BaseCommand):
                 adapters=[adapters[n] for n in names],
             )
             created.append(f"deployment {model_name} on {pool} ({role}, TP {tp} x {want})")
-        for spec in demo.TENANTS:
+        for spec in fleet.TENANTS:
             fields = dict(spec)
             region_codes = fields.pop("allowed_regions", [])
             tenant = Tenant.objects.filter(slug=fields["slug"]).first()

@@ -12,7 +12,7 @@ No Django: it reads ``var/demo/endpoints.json`` (edges, this run's API keys, eac
 permitted regions) that the demo writes, and talks to the edges over HTTP like any client.
 Seeded, so two runs send the same sequence of requests.
 
-    python -m federation.core.demo_traffic --endpoints var/demo/endpoints.json
+    python -m federation.demo.traffic --endpoints var/demo/endpoints.json
 """
 
 from __future__ import annotations

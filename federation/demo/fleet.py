@@ -11,6 +11,9 @@ from __future__ import annotations
 from decimal import Decimal
 from typing import Any
 
+#: Password of the demo users in embedded mode (``loaddemo --password`` sets another).
+DEMO_PASSWORD = "fedinfer-demo"
+
 REGIONS: list[dict[str, Any]] = [
     {
         "code": "us-east",
