@@ -127,7 +127,7 @@ def test_every_request_is_metered_with_the_tokens_the_client_saw(
     assert done and asked[-1]["choices"] == []
     unasked, done = stream_chat(edge, "stream without usage", max_tokens=30)
     assert done and all("usage" not in e or e["usage"] is None for e in unasked)
-    left, done = stream_chat(edge, "a long answer, abandoned", max_tokens=400, stop_after=5)
+    _, done = stream_chat(edge, "a long answer, abandoned", max_tokens=400, stop_after=5)
     assert not done
 
     all_records = records(stream, 5)
