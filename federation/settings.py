@@ -55,6 +55,8 @@ INSTALLED_APPS = [
     "federation.inventory",
     "federation.tenancy",
     "federation.routing",
+    # The Celery app, loaded wherever Django runs: domains queue tasks by name on it.
+    "workers.apps.WorkersConfig",
 ]
 
 MIDDLEWARE = [
@@ -165,7 +167,7 @@ FEDINFER_RAMP_SECONDS = env_int("FEDINFER_RAMP_SECONDS", 60)
 FEDINFER_RAMP_STEPS = env_int("FEDINFER_RAMP_STEPS", 4)
 CELERY_BEAT_SCHEDULE = {
     "routing-tables-refresh": {
-        "task": "fedinfer.routing_tables.publish",
+        "task": "fedinfer.routing_tables.publish",  # routing.services.PUBLISH_TASK
         "schedule": float(FEDINFER_TABLES_REFRESH_SECONDS),
     }
 }

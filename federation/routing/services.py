@@ -18,6 +18,7 @@ from typing import Any
 
 import orjson
 import redis
+from celery import current_app
 from django.conf import settings
 from django.core.exceptions import ValidationError
 from django.db import transaction
@@ -51,6 +52,9 @@ EDGE_CREDENTIAL_PREFIX = "fe_"
 RAMP_STEP_KEY = "fedinfer:tables:ramp-step:{at_ms}"
 #: Compile a little after the boundary, so that the level has moved.
 RAMP_STEP_SLACK_S = 0.05
+#: The Celery task that recompiles and publishes tables (``workers.tasks``), queued by name so
+#: this domain never imports the workers that import it.
+PUBLISH_TASK = "fedinfer.routing_tables.publish"
 #: Audit actions that change nothing a table contains.
 ACTIONS_WITHOUT_RECOMPILE = frozenset({"edge.rotate_credential"})
 #: Tenancy changes that can take access away (a key revoked, rotated, deleted, narrowed; a
@@ -194,8 +198,6 @@ def routing_tables_schedule_recompile() -> bool:
 def _publish_once(key: str, ttl_ms: int, countdown_s: float, what: str) -> bool:
     """Queue a publish in ``countdown_s`` unless ``key`` is already set (Redis ``SET NX PX``);
     without Redis, or when it fails, queue anyway (a duplicate compile publishes nothing)."""
-    from workers.tasks import routing_tables_publish_task
-
     client = redis_client()
     if client is not None:
         try:
@@ -207,7 +209,7 @@ def _publish_once(key: str, ttl_ms: int, countdown_s: float, what: str) -> bool:
             client.close()
         if not first:
             return False
-    routing_tables_publish_task.apply_async(countdown=countdown_s)
+    current_app.send_task(PUBLISH_TASK, countdown=countdown_s)
     return True
 
 
