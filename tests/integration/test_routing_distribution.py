@@ -216,9 +216,16 @@ def test_long_poll_without_a_newer_version_answers_304_after_the_wait(fleet: Fle
 
 
 @pytest.mark.django_db
-def test_first_fetch_compiles_a_missing_table_and_wait_is_bounded(fleet: Fleet) -> None:
+def test_a_fetch_never_compiles_and_wait_is_bounded(fleet: Fleet) -> None:
     client = edge_client(fleet.eu_credential)
     assert not RoutingTableVersion.objects.filter(region=fleet.eu).exists()
+    r = client.get("/api/v1/edges/eu-west/routing-table")
+    assert r.status_code == 503 and r["Retry-After"] == "1"
+    started = time.monotonic()
+    r = client.get("/api/v1/edges/eu-west/routing-table?wait=1")  # waits for the first one
+    assert r.status_code == 503 and 0.9 <= time.monotonic() - started < 3
+    assert not RoutingTableVersion.objects.exists()
+    services.routing_tables_publish()  # what the worker runs after the edge's registration
     r = client.get("/api/v1/edges/eu-west/routing-table")
     assert r.status_code == 200 and r.json()["region"] == "eu-west"
     assert r["ETag"] == f'"{r.json()["version"]}"'

@@ -91,6 +91,10 @@ class RoutingTableView(APIView):
                 "version.",
             ),
             304: OpenApiResponse(description="The client's version is still the latest."),
+            503: OpenApiResponse(
+                description="No table published for the region yet; see Retry-After (with "
+                "wait, the request is held for the first one)."
+            ),
             400: FIELD_ERRORS,
             401: UNAUTHENTICATED,
             403: FORBIDDEN,
@@ -109,12 +113,9 @@ class RoutingTableView(APIView):
                 f"table of {target.code}."
             )
         known = _known_version(request)
+        # A read never compiles: tables are published by the worker, after every change (an
+        # edge's registration included) and periodically.
         table = distribution.routing_table_latest(region=target)
-        if table is None:
-            # Nothing published yet (a new region, or no worker running): compile it now
-            # rather than turn the edge away until the next periodic compile.
-            services.routing_tables_publish(regions=[target.code])
-            table = distribution.routing_table_latest(region=target)
         # Versions only grow, so a client at or above the latest has nothing to fetch (one
         # above it, after a database restore, keeps its table instead of looping on ours).
         if table is not None and (known is None or table.version > known):
@@ -128,9 +129,16 @@ class RoutingTableView(APIView):
                 region_id=target.pk, region_code=target.code, known=known, seconds=wait
             )
             return response
+        if table is None:
+            # Nothing published yet (the worker's first publish is on its way): try again soon.
+            response = Response(
+                {"detail": f"No routing table published for {target.code} yet."},
+                status=status.HTTP_503_SERVICE_UNAVAILABLE,
+            )
+            response["Retry-After"] = "1"
+            return response
         response = Response(status=status.HTTP_304_NOT_MODIFIED)
-        if table is not None:
-            response["ETag"] = _etag(table.version)
+        response["ETag"] = _etag(table.version)
         return response
 
 
