@@ -658,15 +658,18 @@ def test_deployment_bad_input(
     assert counts() == before
 
 
-def test_duplicate_deployment_is_a_400(admin_client: APIClient, fleet: dict[str, Any]) -> None:
+def test_duplicate_deployment_is_a_409_duplicate(
+    admin_client: APIClient, fleet: dict[str, Any]
+) -> None:
     make_deployment(fleet["m8"], fleet["h100"])
     response = admin_client.post(
         f"{API}/deployments/",
         {"model": fleet["m8"].pk, "pool": fleet["h100"].pk, "tensor_parallel_size": 1},
         format="json",
     )
-    assert response.status_code == 400
-    assert "already exists" in str(response.json())
+    assert response.status_code == 409
+    assert response.json()["code"] == "duplicate"
+    assert "already exists" in str(response.json()["errors"]["non_field_errors"])
 
 
 def test_deployment_update_is_rechecked(admin_client: APIClient, fleet: dict[str, Any]) -> None:
