@@ -247,7 +247,7 @@ REST_FRAMEWORK = {
     ],
     "DEFAULT_PAGINATION_CLASS": "federation.api.pagination.Pagination",
     "PAGE_SIZE": 50,
-    "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
+    "DEFAULT_SCHEMA_CLASS": "federation.api.schema.AutoSchema",
     "EXCEPTION_HANDLER": "federation.api.errors.exception_handler",
     "DEFAULT_PARSER_CLASSES": ["federation.api.parsers.JSONParser"],
     "TEST_REQUEST_DEFAULT_FORMAT": "json",

@@ -1014,11 +1014,13 @@ def test_schema_documents_errors_and_strict_bodies(admin_client: APIClient) -> N
     assert {"201", "400", "401", "403", "409", "413"} <= set(create["responses"])
     transition = doc["paths"]["/api/v1/instances/{id}/transition/"]["post"]
     assert {"200", "400", "404", "409"} <= set(transition["responses"])
-    body = doc["components"]["schemas"]["DeploymentCreateInRequest"]
+    body = doc["components"]["schemas"]["DeploymentCreateInputRequest"]
     assert body["additionalProperties"] is False
     assert body["properties"]["engine_args"]["type"] == "object"
-    assert "description" not in doc["components"]["schemas"]["RegionCreateInRequest"]
-    price = doc["components"]["schemas"]["PoolCreateInRequest"]["properties"]["price_per_gpu_hour"]
+    assert "description" not in doc["components"]["schemas"]["RegionCreateInputRequest"]
+    price = doc["components"]["schemas"]["PoolCreateInputRequest"]["properties"][
+        "price_per_gpu_hour"
+    ]
     pattern = re.compile(price["pattern"])
     assert [bool(pattern.match(v)) for v in ("2.5", "2", ".25", "123456.1234")] == [True] * 4
     assert [bool(pattern.match(v)) for v in ("", "-1", ".", "1.23456", "1234567")] == [False] * 5

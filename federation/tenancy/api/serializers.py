@@ -1,5 +1,4 @@
-"""Input serializers (strict: unknown fields are a 400) and output serializers, kept apart so
-that what a client may send and what it gets back are separate, documented shapes."""
+"""Input and output shapes of the tenancy API (``federation.api.serializers``)."""
 
 from __future__ import annotations
 
@@ -9,13 +8,14 @@ from django.contrib.auth.models import User
 from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
-from federation.api.serializers import StrictFieldsMixin
-from federation.core.api.fields import (
+from federation.api.fields import (
     MoneyField,
+    SlugLookupField,
     StrictBooleanField,
     StrictIntegerField,
     UTCDateTimeField,
 )
+from federation.api.serializers import InputSerializer, OutputModelSerializer
 from federation.core.roles import role_of
 from federation.inventory.models import Jurisdiction, Region, slug_validator
 from federation.tenancy import selectors
@@ -25,18 +25,8 @@ from federation.tenancy.services import MAX_ROTATION_GRACE_SECONDS
 MAX_INT32 = 2**31 - 1
 
 
-class CodeRelatedField(serializers.SlugRelatedField[Any]):
-    """A slug reference that refuses NUL characters (PostgreSQL text cannot hold them) with a
-    400 instead of letting the lookup fail in the database."""
-
-    def to_internal_value(self, data: Any) -> Any:
-        if isinstance(data, str) and "\x00" in data:
-            self.fail("invalid")
-        return super().to_internal_value(data)
-
-
-def _region_field(**kwargs: Any) -> CodeRelatedField:
-    return CodeRelatedField(
+def _region_field(**kwargs: Any) -> SlugLookupField:
+    return SlugLookupField(
         many=True,
         slug_field="code",
         queryset=Region.objects.all(),
@@ -64,7 +54,7 @@ def _rate_field() -> serializers.IntegerField:
     )
 
 
-class TenantCreateInput(StrictFieldsMixin, serializers.Serializer):
+class TenantCreateInput(InputSerializer):
     slug = serializers.RegexField(
         regex=slug_validator.regex,
         max_length=63,
@@ -85,7 +75,7 @@ class TenantCreateInput(StrictFieldsMixin, serializers.Serializer):
     is_active = StrictBooleanField(required=False, default=True)
 
 
-class TenantUpdateInput(StrictFieldsMixin, serializers.Serializer):
+class TenantUpdateInput(InputSerializer):
     name = serializers.CharField(max_length=200, required=False)
     allowed_jurisdictions = _jurisdictions_field(required=False)
     allowed_regions = _region_field(required=False)
@@ -95,7 +85,7 @@ class TenantUpdateInput(StrictFieldsMixin, serializers.Serializer):
     isolate_kv_cache = StrictBooleanField(required=False)
 
 
-class TenantOutput(serializers.ModelSerializer):
+class TenantOutput(OutputModelSerializer):
     allowed_regions: serializers.SlugRelatedField[Region] = serializers.SlugRelatedField(
         many=True, read_only=True, slug_field="code"
     )
@@ -119,15 +109,14 @@ class TenantOutput(serializers.ModelSerializer):
             "created_at",
             "updated_at",
         ]
-        read_only_fields = fields
 
     @extend_schema_field(serializers.ListField(child=serializers.CharField()))
     def get_permitted_regions(self, tenant: Tenant) -> list[str]:
         return selectors.tenant_permitted_regions(tenant, self.context.get("region_refs"))
 
 
-class ApiKeyCreateInput(StrictFieldsMixin, serializers.Serializer):
-    tenant = CodeRelatedField(slug_field="slug", queryset=Tenant.objects.all())
+class ApiKeyCreateInput(InputSerializer):
+    tenant = SlugLookupField(slug_field="slug", queryset=Tenant.objects.all())
     name = serializers.CharField(max_length=100)
     scopes = serializers.ListField(
         child=serializers.ChoiceField(choices=ApiKey.Scope.choices),
@@ -141,7 +130,7 @@ class ApiKeyCreateInput(StrictFieldsMixin, serializers.Serializer):
     )
 
 
-class ApiKeyUpdateInput(StrictFieldsMixin, serializers.Serializer):
+class ApiKeyUpdateInput(InputSerializer):
     name = serializers.CharField(max_length=100, required=False)
     scopes = serializers.ListField(
         child=serializers.ChoiceField(choices=ApiKey.Scope.choices),
@@ -152,7 +141,7 @@ class ApiKeyUpdateInput(StrictFieldsMixin, serializers.Serializer):
     expires_at = UTCDateTimeField(required=False, allow_null=True)
 
 
-class ApiKeyRotateInput(StrictFieldsMixin, serializers.Serializer):
+class ApiKeyRotateInput(InputSerializer):
     grace_seconds = StrictIntegerField(
         min_value=0,
         max_value=MAX_ROTATION_GRACE_SECONDS,
@@ -162,7 +151,7 @@ class ApiKeyRotateInput(StrictFieldsMixin, serializers.Serializer):
     )
 
 
-class ApiKeyOutput(serializers.ModelSerializer):
+class ApiKeyOutput(OutputModelSerializer):
     tenant: serializers.SlugRelatedField[Tenant] = serializers.SlugRelatedField(
         read_only=True, slug_field="slug"
     )
@@ -194,7 +183,6 @@ class ApiKeyOutput(serializers.ModelSerializer):
             "created_at",
             "updated_at",
         ]
-        read_only_fields = fields
 
     @extend_schema_field(serializers.ChoiceField(choices=["active", "revoked", "expired"]))
     def get_status(self, api_key: ApiKey) -> str:
@@ -208,13 +196,12 @@ class ApiKeyIssuedOutput(ApiKeyOutput):
 
     class Meta(ApiKeyOutput.Meta):
         fields = [*ApiKeyOutput.Meta.fields, "key"]
-        read_only_fields = fields
 
     def get_key(self, api_key: ApiKey) -> str:
         return str(self.context["plaintext_key"])
 
 
-class UserCreateInput(StrictFieldsMixin, serializers.Serializer):
+class UserCreateInput(InputSerializer):
     username = serializers.RegexField(
         regex=r"^[\w.@+-]+\Z",
         max_length=150,
@@ -229,7 +216,7 @@ class UserCreateInput(StrictFieldsMixin, serializers.Serializer):
         style={"input_type": "password"},
     )
     role = serializers.ChoiceField(choices=Membership.Role.choices)
-    tenant = CodeRelatedField(
+    tenant = SlugLookupField(
         slug_field="slug",
         queryset=Tenant.objects.all(),
         required=False,
@@ -238,7 +225,7 @@ class UserCreateInput(StrictFieldsMixin, serializers.Serializer):
     )
 
 
-class UserUpdateInput(StrictFieldsMixin, serializers.Serializer):
+class UserUpdateInput(InputSerializer):
     email = serializers.EmailField(required=False, allow_blank=True)
     password = serializers.CharField(
         write_only=True,
@@ -249,7 +236,7 @@ class UserUpdateInput(StrictFieldsMixin, serializers.Serializer):
         style={"input_type": "password"},
     )
     role = serializers.ChoiceField(choices=Membership.Role.choices, required=False)
-    tenant = CodeRelatedField(
+    tenant = SlugLookupField(
         slug_field="slug", queryset=Tenant.objects.all(), required=False, allow_null=True
     )
     is_active = StrictBooleanField(required=False)
@@ -261,7 +248,7 @@ def _tenant_slug(user: User) -> str | None:
     return tenant.slug if tenant is not None else None
 
 
-class UserOutput(serializers.ModelSerializer):
+class UserOutput(OutputModelSerializer):
     email = serializers.CharField(help_text="May be empty.")
     role = serializers.SerializerMethodField()
     tenant = serializers.SerializerMethodField()
@@ -278,7 +265,6 @@ class UserOutput(serializers.ModelSerializer):
             "date_joined",
             "last_login",
         ]
-        read_only_fields = fields
 
     @extend_schema_field(serializers.ChoiceField(choices=Membership.Role.choices, allow_null=True))
     def get_role(self, user: User) -> str | None:
@@ -295,7 +281,7 @@ class MeOutput(serializers.Serializer):
     tenant = serializers.CharField(allow_null=True, help_text="Slug; set for tenant viewers.")
 
 
-class TokenCreateInput(StrictFieldsMixin, serializers.Serializer):
+class TokenCreateInput(InputSerializer):
     username = serializers.CharField(max_length=150)
     password = serializers.CharField(
         max_length=128, trim_whitespace=False, style={"input_type": "password"}

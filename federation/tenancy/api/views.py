@@ -5,17 +5,16 @@ Views only parse input, call one service or selector, and render output.
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 from django.contrib.auth import authenticate, logout
 from django.contrib.auth.models import User
 from django.db.models import QuerySet
 from django.utils import timezone
-from drf_spectacular.utils import OpenApiResponse, extend_schema, extend_schema_view
+from drf_spectacular.utils import OpenApiResponse, extend_schema
 from rest_framework import mixins, status, viewsets
 from rest_framework.decorators import action
-from rest_framework.exceptions import NotFound, ValidationError
+from rest_framework.exceptions import ValidationError
 from rest_framework.permissions import AllowAny, BasePermission, IsAuthenticated
 from rest_framework.request import Request
 from rest_framework.response import Response
@@ -23,37 +22,14 @@ from rest_framework.throttling import BaseThrottle
 from rest_framework.views import APIView
 
 from federation.api.permissions import IsAdmin
+from federation.api.schema import crud_schema
 from federation.api.throttles import LoginThrottle
+from federation.api.views import nul_free_or_404
 from federation.core.roles import role_of
-from federation.inventory.models import slug_validator
 from federation.tenancy import selectors, services
 from federation.tenancy.api import serializers as s
 from federation.tenancy.filters import ApiKeyFilter, TenantFilter, UserFilter
 from federation.tenancy.models import ApiKey, AuthToken, Tenant
-
-_SLUG = re.compile(slug_validator.regex)
-
-E400 = OpenApiResponse(description="Invalid input; the body names each field's problem.")
-E401 = OpenApiResponse(description="Not authenticated.")
-E403 = OpenApiResponse(description="Your role does not allow this.")
-E404 = OpenApiResponse(description="No such object, or not visible to you.")
-E409 = OpenApiResponse(description="Conflicts with the current state.")
-READ = {401: E401, 403: E403}
-LIST = {400: E400, **READ}
-DETAIL = {**READ, 404: E404}
-WRITE = {400: E400, **DETAIL, 409: E409}
-DELETED = {204: OpenApiResponse(description="Deleted."), **DETAIL, 409: E409}
-
-
-def crud_schema(*, out: Any, create: Any, update: Any, created: Any = None) -> Any:
-    """Document every operation: input and output serializers and the error statuses."""
-    return extend_schema_view(
-        list=extend_schema(responses={200: out, **LIST}),
-        retrieve=extend_schema(responses={200: out, **DETAIL}),
-        create=extend_schema(request=create, responses={201: created or out, **WRITE}),
-        partial_update=extend_schema(request=update, responses={200: out, **WRITE}),
-        destroy=extend_schema(responses=DELETED),
-    )
 
 
 @crud_schema(out=s.TenantOutput, create=s.TenantCreateInput, update=s.TenantUpdateInput)
@@ -74,10 +50,7 @@ class TenantViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.G
         return {**super().get_serializer_context(), "region_refs": selectors.region_refs()}
 
     def get_object(self) -> Tenant:
-        # A slug that cannot exist (e.g. one with a NUL character, which PostgreSQL cannot
-        # even compare) is a 404 like any other missing tenant.
-        if not _SLUG.fullmatch(self.kwargs["slug"]):
-            raise NotFound()
+        nul_free_or_404(self.kwargs["slug"])
         return super().get_object()
 
     def _render(self, tenant: Tenant, code: int = status.HTTP_200_OK) -> Response:
@@ -100,7 +73,7 @@ class TenantViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.G
         services.tenant_delete(actor=request.user, tenant=self.get_object())
         return Response(status=status.HTTP_204_NO_CONTENT)
 
-    @extend_schema(request=None, responses={200: s.TenantOutput, **DETAIL, 409: E409})
+    @extend_schema(request=None, responses={200: s.TenantOutput})
     @action(detail=True, methods=["post"])
     def deactivate(self, request: Request, slug: str) -> Response:
         """Stop serving the tenant; its keys, members and history stay."""
@@ -108,7 +81,7 @@ class TenantViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.G
             services.tenant_deactivate(actor=request.user, tenant=self.get_object())
         )
 
-    @extend_schema(request=None, responses={200: s.TenantOutput, **DETAIL, 409: E409})
+    @extend_schema(request=None, responses={200: s.TenantOutput})
     @action(detail=True, methods=["post"])
     def activate(self, request: Request, slug: str) -> Response:
         return self._render(services.tenant_activate(actor=request.user, tenant=self.get_object()))
@@ -158,14 +131,14 @@ class ApiKeyViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.G
         services.api_key_delete(actor=request.user, api_key=self.get_object())
         return Response(status=status.HTTP_204_NO_CONTENT)
 
-    @extend_schema(request=None, responses={200: s.ApiKeyOutput, **DETAIL, 409: E409})
+    @extend_schema(request=None, responses={200: s.ApiKeyOutput})
     @action(detail=True, methods=["post"])
     def revoke(self, request: Request, pk: str) -> Response:
         """Revoke the key for good, including a secret still in rotation grace."""
         api_key = services.api_key_revoke(actor=request.user, api_key=self.get_object())
         return Response(s.ApiKeyOutput(api_key, context=self.get_serializer_context()).data)
 
-    @extend_schema(request=s.ApiKeyRotateInput, responses={200: s.ApiKeyIssuedOutput, **WRITE})
+    @extend_schema(request=s.ApiKeyRotateInput, responses={200: s.ApiKeyIssuedOutput})
     @action(detail=True, methods=["post"])
     def rotate(self, request: Request, pk: str) -> Response:
         """Issue a new secret; the old one stops working now or after ``grace_seconds``."""
@@ -214,7 +187,7 @@ class MeView(APIView):
 
     permission_classes = [IsAuthenticated]
 
-    @extend_schema(responses={200: s.MeOutput, 401: E401})
+    @extend_schema(responses={200: s.MeOutput})
     def get(self, request: Request) -> Response:
         user = request.user
         membership = getattr(user, "membership", None)
@@ -247,7 +220,6 @@ class AuthTokenView(APIView):
         request=s.TokenCreateInput,
         responses={
             200: s.TokenOutput,
-            400: E400,
             401: OpenApiResponse(description="An Authorization header with an invalid token."),
             429: OpenApiResponse(description="Too many attempts; see Retry-After."),
         },
@@ -270,9 +242,7 @@ class AuthTokenView(APIView):
         out = {"token": issued.plaintext, "expires_at": issued.token.expires_at}
         return Response(s.TokenOutput(out).data)
 
-    @extend_schema(
-        request=None, responses={204: OpenApiResponse(description="Logged out."), 401: E401}
-    )
+    @extend_schema(request=None, responses={204: OpenApiResponse(description="Logged out.")})
     def delete(self, request: Request) -> Response:
         if isinstance(request.auth, AuthToken):
             services.auth_token_revoke(token=request.auth)
