@@ -26,7 +26,7 @@ from federation.inventory.models import (
     Region,
     RegionLink,
 )
-from federation.inventory.services import MODEL_UPDATABLE
+from federation.inventory.services import DEPLOYMENT_UPDATABLE, MODEL_UPDATABLE, POOL_UPDATABLE
 
 TIMESTAMPS = ("created_at", "updated_at")
 
@@ -115,17 +115,8 @@ class AcceleratorTypeOutput(OutputModelSerializer):
 
 # --- pools ---------------------------------------------------------------------------------
 
-POOL_FIELDS = (
-    "name",
-    "accelerator",
-    "gpus_per_node",
-    "node_count",
-    "interconnect",
-    "rdma",
-    "price_per_gpu_hour",
-    "capacity_type",
-    "gpu_memory_utilization",
-)
+# The fields a pool is created and updated with are the ones its service accepts.
+POOL_FIELDS = POOL_UPDATABLE
 
 
 class PoolOutput(OutputModelSerializer):
@@ -204,14 +195,7 @@ class AdapterInput(ModelInputSerializer):
 
 # --- deployments ---------------------------------------------------------------------------
 
-DEPLOYMENT_TUNABLE = (
-    "tensor_parallel_size",
-    "min_replicas",
-    "desired_replicas",
-    "max_replicas",
-    "engine_args",
-    "adapters",
-)
+DEPLOYMENT_TUNABLE = (*DEPLOYMENT_UPDATABLE, "adapters")
 
 
 class DeploymentOutput(OutputModelSerializer):

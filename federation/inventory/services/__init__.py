@@ -10,6 +10,7 @@ state conflict raises ``Conflict`` (409), deleting something still referenced ra
 """
 
 from federation.inventory.services.deployments import (
+    DEPLOYMENT_UPDATABLE,
     deployment_create,
     deployment_delete,
     deployment_update,
@@ -33,6 +34,7 @@ from federation.inventory.services.language_models import (
     model_update,
 )
 from federation.inventory.services.pools import (
+    POOL_UPDATABLE,
     pool_cordon,
     pool_create,
     pool_delete,
@@ -51,7 +53,9 @@ from federation.inventory.services.regions import (
 )
 
 __all__ = [
+    "DEPLOYMENT_UPDATABLE",
     "MODEL_UPDATABLE",
+    "POOL_UPDATABLE",
     "adapter_create",
     "adapter_delete",
     "adapter_update",
