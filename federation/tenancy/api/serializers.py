@@ -242,7 +242,8 @@ class UserUpdateInput(InputSerializer):
     is_active = StrictBooleanField(required=False)
 
 
-def _tenant_slug(user: User) -> str | None:
+def tenant_slug_of(user: Any) -> str | None:
+    """The slug of the tenant the user belongs to (tenant viewers), else None."""
     membership = getattr(user, "membership", None)
     tenant = membership.tenant if membership is not None else None
     return tenant.slug if tenant is not None else None
@@ -271,7 +272,7 @@ class UserOutput(OutputModelSerializer):
         return role_of(user)
 
     def get_tenant(self, user: User) -> str | None:
-        return _tenant_slug(user)
+        return tenant_slug_of(user)
 
 
 class MeOutput(serializers.Serializer):

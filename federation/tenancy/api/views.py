@@ -190,15 +190,13 @@ class MeView(APIView):
     @extend_schema(responses={200: s.MeOutput})
     def get(self, request: Request) -> Response:
         user = request.user
-        membership = getattr(user, "membership", None)
-        tenant = membership.tenant if membership is not None else None
         return Response(
             s.MeOutput(
                 {
                     "username": user.get_username(),
                     "email": getattr(user, "email", ""),
                     "role": role_of(user),
-                    "tenant": tenant.slug if tenant is not None else None,
+                    "tenant": s.tenant_slug_of(user),
                 }
             ).data
         )
