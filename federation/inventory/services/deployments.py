@@ -9,19 +9,9 @@ from django.core.exceptions import ValidationError
 from django.db import transaction
 
 from federation.core.audit import Actor, audit_record
-from federation.core.services import (
-    Errors,
-    model_apply,
-    model_save,
-    model_validate,
-)
+from federation.core.services import Errors, model_apply, model_save, model_validate
 from federation.inventory import fit
-from federation.inventory.models import (
-    Deployment,
-    GPUPool,
-    LanguageModel,
-    LoraAdapter,
-)
+from federation.inventory.models import Deployment, GPUPool, LanguageModel, LoraAdapter
 from federation.inventory.services.fit_checks import (
     deployment_spec,
     model_spec,

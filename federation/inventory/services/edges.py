@@ -8,16 +8,8 @@ from typing import Any
 from django.db import transaction
 
 from federation.core.audit import Actor, audit_record
-from federation.core.services import (
-    model_apply,
-    model_lock,
-    model_save,
-    model_validate,
-)
-from federation.inventory.models import (
-    Edge,
-    Region,
-)
+from federation.core.services import model_apply, model_lock, model_save, model_validate
+from federation.inventory.models import Edge, Region
 
 
 @transaction.atomic

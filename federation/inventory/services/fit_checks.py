@@ -7,16 +7,9 @@ from collections.abc import Iterable, Sequence
 
 from django.db import models
 
-from federation.core.services import (
-    Errors,
-)
+from federation.core.services import Errors
 from federation.inventory import fit
-from federation.inventory.models import (
-    Deployment,
-    GPUPool,
-    LanguageModel,
-    LoraAdapter,
-)
+from federation.inventory.models import Deployment, GPUPool, LanguageModel, LoraAdapter
 
 
 def pool_spec(pool: GPUPool) -> fit.PoolSpec:

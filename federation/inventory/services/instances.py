@@ -12,18 +12,9 @@ from django.utils import timezone
 
 from federation.core.audit import Actor, audit_record
 from federation.core.errors import Conflict
-from federation.core.services import (
-    model_apply,
-    model_lock,
-    model_save,
-    model_validate,
-)
+from federation.core.services import model_apply, model_lock, model_save, model_validate
 from federation.inventory import lifecycle
-from federation.inventory.models import (
-    Deployment,
-    Instance,
-    Region,
-)
+from federation.inventory.models import Deployment, Instance, Region
 from federation.inventory.services.pools import pool_accepts_placements_check
 
 

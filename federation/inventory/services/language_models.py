@@ -12,18 +12,8 @@ from django.db import transaction
 
 from federation.core.audit import Actor, audit_record
 from federation.core.errors import Conflict
-from federation.core.services import (
-    Errors,
-    model_apply,
-    model_lock,
-    model_save,
-    model_validate,
-)
-from federation.inventory.models import (
-    Deployment,
-    LanguageModel,
-    LoraAdapter,
-)
+from federation.core.services import Errors, model_apply, model_lock, model_save, model_validate
+from federation.inventory.models import Deployment, LanguageModel, LoraAdapter
 from federation.inventory.services.fit_checks import (
     deployments_with_context,
     model_spec,

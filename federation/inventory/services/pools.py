@@ -11,19 +11,8 @@ from django.db import transaction
 
 from federation.core.audit import Actor, audit_record
 from federation.core.errors import Conflict
-from federation.core.services import (
-    Errors,
-    model_apply,
-    model_lock,
-    model_save,
-    model_validate,
-)
-from federation.inventory.models import (
-    AcceleratorType,
-    Deployment,
-    GPUPool,
-    Region,
-)
+from federation.core.services import Errors, model_apply, model_lock, model_save, model_validate
+from federation.inventory.models import AcceleratorType, Deployment, GPUPool, Region
 from federation.inventory.services.fit_checks import (
     deployments_with_context,
     pool_spec,
@@ -146,6 +135,7 @@ def locked_pool(pool: GPUPool) -> GPUPool:
 
 
 def pool_accepts_placements_check(pool: GPUPool) -> None:
+    """New deployments and replicas go only to an active pool in an active region."""
     if pool.status != GPUPool.Status.ACTIVE:
         raise Conflict(
             f"Pool {pool.region.code}/{pool.name} is {pool.status}: it takes no new replicas; "

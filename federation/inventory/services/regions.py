@@ -12,18 +12,9 @@ from django.utils import timezone
 
 from federation.core.audit import Actor, audit_record
 from federation.core.errors import Conflict
-from federation.core.services import (
-    model_apply,
-    model_lock,
-    model_save,
-    model_validate,
-)
+from federation.core.services import model_apply, model_lock, model_save, model_validate
 from federation.inventory import lifecycle
-from federation.inventory.models import (
-    Instance,
-    Region,
-    RegionLink,
-)
+from federation.inventory.models import Instance, Region, RegionLink
 from federation.inventory.services.instances import locked_instance_transition
 
 REGION_UPDATABLE = ("name", "provider", "latitude", "longitude", "jurisdiction", "status")
