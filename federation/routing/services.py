@@ -28,6 +28,7 @@ from django.utils import timezone
 from federation.core.audit import Actor, audit_record
 from federation.core.errors import Conflict
 from federation.core.models import AuditEvent
+from federation.core.services import model_lock
 from federation.inventory import lifecycle
 from federation.inventory.models import Edge, Instance, Region
 from federation.routing.compiler import compile_region_table, fleet_plan, region_down
@@ -274,7 +275,7 @@ def credential_hash(plaintext: str) -> str:
 def edge_credential_rotate(*, actor: Actor, edge: Edge) -> str:
     """Give the edge a new credential and return its plaintext (shown this once; only the
     hash is stored). The old credential stops working at once."""
-    edge = Edge.objects.select_for_update().get(pk=edge.pk)
+    edge = model_lock(edge)
     plaintext = EDGE_CREDENTIAL_PREFIX + secrets.token_urlsafe(32)
     edge.credential_hash = credential_hash(plaintext)
     edge.save(update_fields=["credential_hash", "updated_at"])
