@@ -45,7 +45,8 @@ class ReadViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.Gen
     def respond(self, obj: Model, code: int = status.HTTP_200_OK) -> Response:
         """Render ``obj`` re-read through the selector (fresh annotations and relations)."""
         fresh = self.get_queryset().get(pk=obj.pk)
-        return Response(self.output_serializer(fresh).data, status=code)
+        context = self.get_serializer_context()
+        return Response(self.output_serializer(fresh, context=context).data, status=code)
 
 
 class ServiceViewSet(mixins.DestroyModelMixin, ReadViewSet):

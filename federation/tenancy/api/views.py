@@ -5,14 +5,15 @@ Views only parse input, call one service or selector, and render output.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from django.contrib.auth import authenticate, logout
 from django.contrib.auth.models import User
-from django.db.models import QuerySet
+from django.db.models import Model, QuerySet
 from django.utils import timezone
 from drf_spectacular.utils import OpenApiResponse, extend_schema
-from rest_framework import mixins, status, viewsets
+from rest_framework import status
 from rest_framework.decorators import action
 from rest_framework.exceptions import ValidationError
 from rest_framework.permissions import AllowAny, BasePermission, IsAuthenticated
@@ -24,24 +25,30 @@ from rest_framework.views import APIView
 from federation.api.permissions import IsAdmin
 from federation.api.schema import crud_schema
 from federation.api.throttles import LoginThrottle
-from federation.api.views import nul_free_or_404
+from federation.api.views import ServiceViewSet
 from federation.core.roles import role_of
 from federation.tenancy import selectors, services
 from federation.tenancy.api import serializers as s
 from federation.tenancy.filters import ApiKeyFilter, TenantFilter, UserFilter
 from federation.tenancy.models import ApiKey, AuthToken, Tenant
 
+#: Tenancy resources are changed with PATCH; they take no PUT.
+_PATCH_ONLY = ["get", "post", "patch", "delete", "head", "options"]
+
 
 @crud_schema(out=s.TenantOutput, create=s.TenantCreateInput, update=s.TenantUpdateInput)
-class TenantViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet):
+class TenantViewSet(ServiceViewSet):
     """Tenants and their residency policy, rate limits and budget."""
 
-    serializer_class = s.TenantOutput
+    tenant_viewer_readable = True
     lookup_field = "slug"
+    http_method_names = _PATCH_ONLY
+    queryset = Tenant.objects.none()
+    output_serializer = s.TenantOutput
+    create_input = s.TenantCreateInput
+    update_input = s.TenantUpdateInput
     filterset_class = TenantFilter
     ordering_fields = ["slug", "name", "created_at"]
-    http_method_names = ["get", "post", "patch", "delete", "head", "options"]
-    tenant_viewer_readable = True
 
     def get_queryset(self) -> QuerySet[Tenant]:
         return selectors.tenant_list(user=self.request.user)
@@ -49,42 +56,27 @@ class TenantViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.G
     def get_serializer_context(self) -> dict[str, Any]:
         return {**super().get_serializer_context(), "region_refs": selectors.region_refs()}
 
-    def get_object(self) -> Tenant:
-        nul_free_or_404(self.kwargs["slug"])
-        return super().get_object()
+    def create_object(self, data: dict[str, Any]) -> Model:
+        return services.tenant_create(actor=self.request.user, **data)
 
-    def _render(self, tenant: Tenant, code: int = status.HTTP_200_OK) -> Response:
-        return Response(s.TenantOutput(tenant, context=self.get_serializer_context()).data, code)
+    def update_object(self, obj: Tenant, data: Mapping[str, Any]) -> Model:
+        return services.tenant_update(actor=self.request.user, tenant=obj, data=data)
 
-    def create(self, request: Request) -> Response:
-        data = s.TenantCreateInput(data=request.data)
-        data.is_valid(raise_exception=True)
-        tenant = services.tenant_create(actor=request.user, **data.validated_data)
-        return self._render(tenant, status.HTTP_201_CREATED)
-
-    def partial_update(self, request: Request, slug: str) -> Response:
-        tenant = self.get_object()
-        data = s.TenantUpdateInput(data=request.data)
-        data.is_valid(raise_exception=True)
-        tenant = services.tenant_update(actor=request.user, tenant=tenant, data=data.validated_data)
-        return self._render(tenant)
-
-    def destroy(self, request: Request, slug: str) -> Response:
-        services.tenant_delete(actor=request.user, tenant=self.get_object())
-        return Response(status=status.HTTP_204_NO_CONTENT)
+    def delete_object(self, obj: Tenant) -> None:
+        services.tenant_delete(actor=self.request.user, tenant=obj)
 
     @extend_schema(request=None, responses={200: s.TenantOutput})
     @action(detail=True, methods=["post"])
     def deactivate(self, request: Request, slug: str) -> Response:
         """Stop serving the tenant; its keys, members and history stay."""
-        return self._render(
+        return self.respond(
             services.tenant_deactivate(actor=request.user, tenant=self.get_object())
         )
 
     @extend_schema(request=None, responses={200: s.TenantOutput})
     @action(detail=True, methods=["post"])
     def activate(self, request: Request, slug: str) -> Response:
-        return self._render(services.tenant_activate(actor=request.user, tenant=self.get_object()))
+        return self.respond(services.tenant_activate(actor=request.user, tenant=self.get_object()))
 
 
 @crud_schema(
@@ -93,14 +85,17 @@ class TenantViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.G
     update=s.ApiKeyUpdateInput,
     created=s.ApiKeyIssuedOutput,
 )
-class ApiKeyViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet):
+class ApiKeyViewSet(ServiceViewSet):
     """Inference API keys. The plaintext key appears only in the create and rotate responses."""
 
-    serializer_class = s.ApiKeyOutput
+    tenant_viewer_readable = True
+    http_method_names = _PATCH_ONLY
+    queryset = ApiKey.objects.none()
+    output_serializer = s.ApiKeyOutput
+    create_input = s.ApiKeyCreateInput
+    update_input = s.ApiKeyUpdateInput
     filterset_class = ApiKeyFilter
     ordering_fields = ["id", "name", "prefix", "created_at", "expires_at"]
-    http_method_names = ["get", "post", "patch", "delete", "head", "options"]
-    tenant_viewer_readable = True
 
     def get_queryset(self) -> QuerySet[ApiKey]:
         return selectors.api_key_list(user=self.request.user)
@@ -112,31 +107,23 @@ class ApiKeyViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.G
         context = {**self.get_serializer_context(), "plaintext_key": issued.plaintext}
         return Response(s.ApiKeyIssuedOutput(issued.api_key, context=context).data, code)
 
-    def create(self, request: Request) -> Response:
+    def create(self, request: Request, *args: Any, **kwargs: Any) -> Response:
         data = s.ApiKeyCreateInput(data=request.data)
         data.is_valid(raise_exception=True)
         issued = services.api_key_create(actor=request.user, **data.validated_data)
         return self._issued(issued, status.HTTP_201_CREATED)
 
-    def partial_update(self, request: Request, pk: str) -> Response:
-        api_key = self.get_object()
-        data = s.ApiKeyUpdateInput(data=request.data)
-        data.is_valid(raise_exception=True)
-        api_key = services.api_key_update(
-            actor=request.user, api_key=api_key, data=data.validated_data
-        )
-        return Response(s.ApiKeyOutput(api_key, context=self.get_serializer_context()).data)
+    def update_object(self, obj: ApiKey, data: Mapping[str, Any]) -> Model:
+        return services.api_key_update(actor=self.request.user, api_key=obj, data=data)
 
-    def destroy(self, request: Request, pk: str) -> Response:
-        services.api_key_delete(actor=request.user, api_key=self.get_object())
-        return Response(status=status.HTTP_204_NO_CONTENT)
+    def delete_object(self, obj: ApiKey) -> None:
+        services.api_key_delete(actor=self.request.user, api_key=obj)
 
     @extend_schema(request=None, responses={200: s.ApiKeyOutput})
     @action(detail=True, methods=["post"])
     def revoke(self, request: Request, pk: str) -> Response:
         """Revoke the key for good, including a secret still in rotation grace."""
-        api_key = services.api_key_revoke(actor=request.user, api_key=self.get_object())
-        return Response(s.ApiKeyOutput(api_key, context=self.get_serializer_context()).data)
+        return self.respond(services.api_key_revoke(actor=request.user, api_key=self.get_object()))
 
     @extend_schema(request=s.ApiKeyRotateInput, responses={200: s.ApiKeyIssuedOutput})
     @action(detail=True, methods=["post"])
@@ -152,34 +139,27 @@ class ApiKeyViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.G
 
 
 @crud_schema(out=s.UserOutput, create=s.UserCreateInput, update=s.UserUpdateInput)
-class UserViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet):
+class UserViewSet(ServiceViewSet):
     """People who use the console and the API, with their role (admins only)."""
 
-    serializer_class = s.UserOutput
     permission_classes = [IsAdmin]
+    http_method_names = _PATCH_ONLY
+    queryset = User.objects.none()
+    selector = staticmethod(selectors.user_list)
+    output_serializer = s.UserOutput
+    create_input = s.UserCreateInput
+    update_input = s.UserUpdateInput
     filterset_class = UserFilter
     ordering_fields = ["id", "username", "date_joined"]
-    http_method_names = ["get", "post", "patch", "delete", "head", "options"]
 
-    def get_queryset(self) -> QuerySet[User]:
-        return selectors.user_list()
+    def create_object(self, data: dict[str, Any]) -> Model:
+        return services.user_create(actor=self.request.user, **data)
 
-    def create(self, request: Request) -> Response:
-        data = s.UserCreateInput(data=request.data)
-        data.is_valid(raise_exception=True)
-        user = services.user_create(actor=request.user, **data.validated_data)
-        return Response(s.UserOutput(user).data, status=status.HTTP_201_CREATED)
+    def update_object(self, obj: User, data: Mapping[str, Any]) -> Model:
+        return services.user_update(actor=self.request.user, user=obj, data=data)
 
-    def partial_update(self, request: Request, pk: str) -> Response:
-        user = self.get_object()
-        data = s.UserUpdateInput(data=request.data)
-        data.is_valid(raise_exception=True)
-        user = services.user_update(actor=request.user, user=user, data=data.validated_data)
-        return Response(s.UserOutput(selectors.user_list().get(pk=user.pk)).data)
-
-    def destroy(self, request: Request, pk: str) -> Response:
-        services.user_delete(actor=request.user, user=self.get_object())
-        return Response(status=status.HTTP_204_NO_CONTENT)
+    def delete_object(self, obj: User) -> None:
+        services.user_delete(actor=self.request.user, user=obj)
 
 
 class MeView(APIView):
