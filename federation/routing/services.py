@@ -32,8 +32,10 @@ from federation.core.services import model_lock
 from federation.inventory import lifecycle
 from federation.inventory.models import Edge, Instance, Region
 from federation.routing.compiler import compile_region_table, fleet_plan, region_down
+from federation.routing.distribution import EDGE_CREDENTIAL_PREFIX, routing_table_latest_version
 from federation.routing.models import RoutingTableCounter, RoutingTableVersion
 from federation.routing.selectors import LOAD_REPORT_MAX_AGE_S, fleet_snapshot, reported_health
+from federation.tenancy.keys import hash_key
 
 logger = logging.getLogger(__name__)
 
@@ -47,8 +49,6 @@ RECOMPILE_PENDING_KEY = "fedinfer:tables:recompile-pending"
 RECOMPILE_DELAY_S = 0.2
 #: The pending mark expires on its own, so a lost task cannot block recompiles for good.
 RECOMPILE_PENDING_TTL_MS = 10_000
-#: Edge credentials read ``fe_<secret>``: the prefix tells them apart from staff tokens.
-EDGE_CREDENTIAL_PREFIX = "fe_"
 #: One queued recompile per ramp step boundary (key + its epoch milliseconds).
 RAMP_STEP_KEY = "fedinfer:tables:ramp-step:{at_ms}"
 #: Compile a little after the boundary, so that the level has moved.
@@ -267,17 +267,13 @@ def recompile_on_audit_event(
 # --- edge credentials ----------------------------------------------------------------------
 
 
-def credential_hash(plaintext: str) -> str:
-    return hashlib.sha256(plaintext.encode("utf-8")).hexdigest()
-
-
 @transaction.atomic
 def edge_credential_rotate(*, actor: Actor, edge: Edge) -> str:
     """Give the edge a new credential and return its plaintext (shown this once; only the
     hash is stored). The old credential stops working at once."""
     edge = model_lock(edge)
     plaintext = EDGE_CREDENTIAL_PREFIX + secrets.token_urlsafe(32)
-    edge.credential_hash = credential_hash(plaintext)
+    edge.credential_hash = hash_key(plaintext)
     edge.save(update_fields=["credential_hash", "updated_at"])
     audit_record(actor=actor, action="edge.rotate_credential", obj=edge)
     return plaintext
@@ -349,12 +345,7 @@ def edge_heartbeat_record(
 def _check_published(edge: Edge, version: int | None) -> None:
     if version is None:
         return
-    latest = (
-        RoutingTableVersion.objects.filter(region_id=edge.region_id)
-        .order_by("-version")
-        .values_list("version", flat=True)
-        .first()
-    )
+    latest = routing_table_latest_version(region_id=edge.region_id)
     if latest is None or version > latest:
         raise ValidationError(
             {

@@ -28,6 +28,7 @@ from federation.inventory import services as inventory
 from federation.inventory.models import Edge, Instance, Region
 from federation.routing import services
 from federation.routing.models import RoutingTableCounter, RoutingTableVersion
+from federation.tenancy.keys import hash_key
 from regions.tables import signing
 from tests.integration.control_plane_support import own_redis, stop_process_group, subprocess_env
 from tests.integration.inventory_factories import (
@@ -265,7 +266,7 @@ def test_rotating_a_credential_revokes_the_old_one_and_stores_only_a_hash(
     assert r.status_code == 200
     new = r.json()["credential"]
     stored = Edge.objects.get(pk=fleet.eu_edge.pk).credential_hash
-    assert new not in stored and stored == services.credential_hash(new)
+    assert new not in stored and stored == hash_key(new)
     url = "/api/v1/edges/eu-west/routing-table"
     assert edge_client(fleet.eu_credential).get(url).status_code == 401
     assert edge_client(new).get(url).status_code == 200
