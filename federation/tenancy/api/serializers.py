@@ -115,16 +115,20 @@ class TenantOutput(OutputModelSerializer):
         return selectors.tenant_permitted_regions(tenant, self.context.get("region_refs"))
 
 
-class ApiKeyCreateInput(InputSerializer):
-    tenant = SlugLookupField(slug_field="slug", queryset=Tenant.objects.all())
-    name = serializers.CharField(max_length=100)
-    scopes = serializers.ListField(
+def _scopes_field(**kwargs: Any) -> serializers.ListField:
+    return serializers.ListField(
         child=serializers.ChoiceField(choices=ApiKey.Scope.choices),
         min_length=1,
         max_length=len(ApiKey.Scope.values),
         required=False,
-        help_text="Default: ['inference'].",
+        **kwargs,
     )
+
+
+class ApiKeyCreateInput(InputSerializer):
+    tenant = SlugLookupField(slug_field="slug", queryset=Tenant.objects.all())
+    name = serializers.CharField(max_length=100)
+    scopes = _scopes_field(help_text="Default: ['inference'].")
     expires_at = UTCDateTimeField(
         required=False, allow_null=True, help_text="Must be in the future; null = never."
     )
@@ -132,12 +136,7 @@ class ApiKeyCreateInput(InputSerializer):
 
 class ApiKeyUpdateInput(InputSerializer):
     name = serializers.CharField(max_length=100, required=False)
-    scopes = serializers.ListField(
-        child=serializers.ChoiceField(choices=ApiKey.Scope.choices),
-        min_length=1,
-        max_length=len(ApiKey.Scope.values),
-        required=False,
-    )
+    scopes = _scopes_field()
     expires_at = UTCDateTimeField(required=False, allow_null=True)
 
 
@@ -201,6 +200,17 @@ class ApiKeyIssuedOutput(ApiKeyOutput):
         return str(self.context["plaintext_key"])
 
 
+def _password_field(**kwargs: Any) -> serializers.CharField:
+    return serializers.CharField(
+        write_only=True,
+        min_length=8,
+        max_length=128,
+        trim_whitespace=False,
+        style={"input_type": "password"},
+        **kwargs,
+    )
+
+
 class UserCreateInput(InputSerializer):
     username = serializers.RegexField(
         regex=r"^[\w.@+-]+\Z",
@@ -208,13 +218,7 @@ class UserCreateInput(InputSerializer):
         error_messages={"invalid": "Use letters, digits and @ . + - _ only."},
     )
     email = serializers.EmailField(required=False, allow_blank=True, default="")
-    password = serializers.CharField(
-        write_only=True,
-        min_length=8,
-        max_length=128,
-        trim_whitespace=False,
-        style={"input_type": "password"},
-    )
+    password = _password_field()
     role = serializers.ChoiceField(choices=Membership.Role.choices)
     tenant = SlugLookupField(
         slug_field="slug",
@@ -227,14 +231,7 @@ class UserCreateInput(InputSerializer):
 
 class UserUpdateInput(InputSerializer):
     email = serializers.EmailField(required=False, allow_blank=True)
-    password = serializers.CharField(
-        write_only=True,
-        min_length=8,
-        max_length=128,
-        required=False,
-        trim_whitespace=False,
-        style={"input_type": "password"},
-    )
+    password = _password_field(required=False)
     role = serializers.ChoiceField(choices=Membership.Role.choices, required=False)
     tenant = SlugLookupField(
         slug_field="slug", queryset=Tenant.objects.all(), required=False, allow_null=True
