@@ -57,6 +57,8 @@ INSTALLED_APPS = [
     "federation.routing",
     "federation.metering",
     "federation.demo",
+    # The Celery app, loaded wherever Django runs: domains queue tasks by name on it.
+    "workers.apps.WorkersConfig",
 ]
 
 MIDDLEWARE = [
@@ -168,7 +170,7 @@ FEDINFER_RAMP_SECONDS = env_int("FEDINFER_RAMP_SECONDS", 60)
 FEDINFER_RAMP_STEPS = env_int("FEDINFER_RAMP_STEPS", 4)
 CELERY_BEAT_SCHEDULE = {
     "routing-tables-refresh": {
-        "task": "fedinfer.routing_tables.publish",
+        "task": "fedinfer.routing_tables.publish",  # routing.services.PUBLISH_TASK
         "schedule": float(FEDINFER_TABLES_REFRESH_SECONDS),
     }
 }
@@ -248,7 +250,7 @@ REST_FRAMEWORK = {
     ],
     "DEFAULT_PAGINATION_CLASS": "federation.api.pagination.Pagination",
     "PAGE_SIZE": 50,
-    "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
+    "DEFAULT_SCHEMA_CLASS": "federation.api.schema.AutoSchema",
     "EXCEPTION_HANDLER": "federation.api.errors.exception_handler",
     "DEFAULT_PARSER_CLASSES": ["federation.api.parsers.JSONParser"],
     "TEST_REQUEST_DEFAULT_FORMAT": "json",

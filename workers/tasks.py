@@ -9,7 +9,7 @@ from workers.celery import app
 
 
 @app.task(
-    name="fedinfer.routing_tables.publish",
+    name=routing.PUBLISH_TASK,
     autoretry_for=(DatabaseError,),
     retry_backoff=1,
     retry_backoff_max=30,

@@ -3,19 +3,24 @@
 django-filter is lenient by default: ``?rdma=null`` is read as "no filter" and
 ``?pool=0`` (an id that does not exist) is a 400. A client (or schemathesis) reading the schema
 expects the opposite: a boolean parameter takes ``true``/``false`` only, and an integer id that
-matches nothing simply matches nothing.
+matches nothing simply matches nothing. Date-times are read in UTC, or refused when that falls
+outside what PostgreSQL stores (``federation.api.fields.to_utc``).
 """
 
 from __future__ import annotations
 
+from datetime import datetime
 from typing import Any
 
 import django_filters as df
 from django import forms
 from django.core.exceptions import ValidationError
 from django.db import models
+from django_filters.fields import IsoDateTimeField
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import extend_schema_field
+
+from federation.api.fields import to_utc
 
 _TRUE = frozenset({"true", "True", "1"})
 _FALSE = frozenset({"false", "False", "0"})
@@ -52,3 +57,18 @@ class StrictFilterSet(df.FilterSet):
         models.ForeignKey: {"filter_class": IntegerFilter},
         models.OneToOneField: {"filter_class": IntegerFilter},
     }
+
+
+class UTCIsoDateTimeFormField(IsoDateTimeField):
+    def to_python(self, value: Any) -> datetime | None:
+        parsed = super().to_python(value)
+        if parsed is None:
+            return None
+        try:
+            return to_utc(parsed)
+        except OverflowError as exc:
+            raise forms.ValidationError("Date-time out of range.", code="invalid") from exc
+
+
+class UTCIsoDateTimeFilter(df.IsoDateTimeFilter):
+    field_class = UTCIsoDateTimeFormField

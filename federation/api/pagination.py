@@ -7,7 +7,9 @@ from rest_framework.pagination import LimitOffsetPagination
 from rest_framework.request import Request
 
 
-def _whole_number(request: Request, name: str, minimum: int) -> int | None:
+def query_whole_number(request: Request, name: str, minimum: int) -> int | None:
+    """Query parameter ``name`` as a whole number of at least ``minimum`` (None when absent);
+    given twice, not a number or too small is a 400 naming it."""
     raw = request.query_params.getlist(name)
     if not raw:
         return None
@@ -30,11 +32,11 @@ class Pagination(LimitOffsetPagination):
     max_limit = 1000
 
     def get_limit(self, request: Request) -> int:
-        limit = _whole_number(request, self.limit_query_param, 1)
+        limit = query_whole_number(request, self.limit_query_param, 1)
         return self.default_limit if limit is None else min(limit, self.max_limit)
 
     def get_offset(self, request: Request) -> int:
-        offset = _whole_number(request, self.offset_query_param, 0)
+        offset = query_whole_number(request, self.offset_query_param, 0)
         return 0 if offset is None else offset
 
     def get_schema_operation_parameters(self, view: Any) -> list[dict[str, Any]]:

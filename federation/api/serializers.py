@@ -1,10 +1,18 @@
-"""Building blocks shared by every API serializer."""
+"""The base classes of every API serializer.
+
+Naming: a body a client sends is an ``<Entity>[<Action>]Input``, a body it gets back an
+``<Entity>Output``; kept apart, so what a client may send and what it gets back are separate,
+documented shapes (OpenAPI components of the same names, ``…InputRequest`` for the request
+side).
+"""
 
 from __future__ import annotations
 
 from typing import Any
 
 from rest_framework import serializers
+
+from federation.api.fields import StrictBooleanField, StrictCharField
 
 _NUMBER_FIELDS = (serializers.IntegerField, serializers.FloatField)
 
@@ -37,3 +45,34 @@ class StrictFieldsMixin:
             if errors:
                 raise serializers.ValidationError(errors)
         return super().to_internal_value(data)  # type: ignore[misc]
+
+
+class InputSerializer(StrictFieldsMixin, serializers.Serializer):
+    """Base of input bodies declared field by field."""
+
+
+# Numbers are already held to JSON numbers by StrictFieldsMixin.
+_STRICT_MODEL_FIELDS = {
+    serializers.CharField: StrictCharField,
+    serializers.BooleanField: StrictBooleanField,
+}
+
+
+class ModelInputSerializer(StrictFieldsMixin, serializers.ModelSerializer):
+    """Base of input bodies taken from a model's fields: unknown fields and loosely typed JSON
+    values are refused."""
+
+    serializer_field_mapping = {
+        model_field: _STRICT_MODEL_FIELDS.get(field, field)
+        for model_field, field in serializers.ModelSerializer.serializer_field_mapping.items()
+    }
+
+
+class OutputModelSerializer(serializers.ModelSerializer):
+    """Base of output bodies taken from a model: every field is read-only."""
+
+    def get_fields(self) -> dict[str, serializers.Field]:
+        fields = super().get_fields()
+        for field in fields.values():
+            field.read_only = True
+        return fields

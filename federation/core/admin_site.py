@@ -1,6 +1,6 @@
 """The Django admin site of fedinfer: Django's, with its login form behind the login throttle
 the API uses (``federation.api.throttles``), so the admin is no side door for password
-guessing."""
+guessing; and the read-only base of the admins that only browse."""
 
 from __future__ import annotations
 
@@ -10,6 +10,20 @@ from django.contrib import admin
 from django.http import HttpRequest, HttpResponse
 
 from federation.api.throttles import login_throttle_refusal
+
+
+class ReadOnlyAdmin(admin.ModelAdmin):
+    """Browse, search and filter only: writes go through the services (validated, audited),
+    which the admin's plain ``save()`` would bypass."""
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False
+
+    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
 
 
 class FedinferAdminSite(admin.AdminSite):

@@ -7,10 +7,6 @@ class CoreConfig(AppConfig):
     label = "core"
     verbose_name = "fedinfer core"
 
-    def ready(self) -> None:
-        # Registers the OpenAPI extensions (drf-spectacular finds them by import).
-        from federation.core.api import schema  # noqa: F401
-
 
 class FedinferAdminConfig(admin_apps.AdminConfig):
     """Installed instead of ``django.contrib.admin``: makes ``admin.site`` ours (its login

@@ -7,12 +7,11 @@ the fleet through the REST API or the console.
 
 from __future__ import annotations
 
-from typing import Any
-
 from django.contrib import admin
 from django.db.models import QuerySet
 from django.http import HttpRequest
 
+from federation.core.admin_site import ReadOnlyAdmin
 from federation.inventory import selectors
 from federation.inventory.models import (
     AcceleratorType,
@@ -25,17 +24,6 @@ from federation.inventory.models import (
     Region,
     RegionLink,
 )
-
-
-class ReadOnlyAdmin(admin.ModelAdmin):
-    def has_add_permission(self, request: HttpRequest) -> bool:
-        return False
-
-    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False
-
-    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False
 
 
 @admin.register(Region)

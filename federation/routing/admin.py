@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from django.contrib import admin
 
-from federation.inventory.admin import ReadOnlyAdmin
+from federation.core.admin_site import ReadOnlyAdmin
 from federation.routing.models import RoutingTableVersion
 
 

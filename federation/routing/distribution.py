@@ -14,15 +14,19 @@ from django.db.models import OuterRef, Prefetch, QuerySet, Subquery
 
 from federation.inventory.models import Edge, Region
 from federation.routing.models import RoutingTableVersion
-from federation.routing.services import EDGE_CREDENTIAL_PREFIX, credential_hash
+from federation.tenancy.keys import hash_key
 from regions.tables.signing import sign
+
+#: Edge credentials read ``fe_<secret>``: the prefix tells them apart from staff tokens. Only
+#: their hash is stored (``hash_key``, as for API keys).
+EDGE_CREDENTIAL_PREFIX = "fe_"
 
 
 def edge_by_credential(plaintext: str) -> Edge | None:
     """The edge whose credential this is, or None. Only hashes are stored and compared."""
     if not plaintext.startswith(EDGE_CREDENTIAL_PREFIX) or "\x00" in plaintext:
         return None
-    digest = credential_hash(plaintext)
+    digest = hash_key(plaintext)
     edge = Edge.objects.select_related("region").filter(credential_hash=digest).first()
     if edge is None or not hmac.compare_digest(edge.credential_hash, digest):
         return None

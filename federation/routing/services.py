@@ -18,6 +18,7 @@ from typing import Any
 
 import orjson
 import redis
+from celery import current_app
 from django.conf import settings
 from django.core.exceptions import ValidationError
 from django.db import transaction
@@ -27,11 +28,14 @@ from django.utils import timezone
 from federation.core.audit import Actor, audit_record
 from federation.core.errors import Conflict
 from federation.core.models import AuditEvent
+from federation.core.services import model_lock
 from federation.inventory import lifecycle
 from federation.inventory.models import Edge, Instance, Region
 from federation.routing.compiler import compile_region_table, fleet_plan, region_down
+from federation.routing.distribution import EDGE_CREDENTIAL_PREFIX, routing_table_latest_version
 from federation.routing.models import RoutingTableCounter, RoutingTableVersion
 from federation.routing.selectors import LOAD_REPORT_MAX_AGE_S, fleet_snapshot, reported_health
+from federation.tenancy.keys import hash_key
 
 logger = logging.getLogger(__name__)
 
@@ -45,12 +49,13 @@ RECOMPILE_PENDING_KEY = "fedinfer:tables:recompile-pending"
 RECOMPILE_DELAY_S = 0.2
 #: The pending mark expires on its own, so a lost task cannot block recompiles for good.
 RECOMPILE_PENDING_TTL_MS = 10_000
-#: Edge credentials read ``fe_<secret>``: the prefix tells them apart from staff tokens.
-EDGE_CREDENTIAL_PREFIX = "fe_"
 #: One queued recompile per ramp step boundary (key + its epoch milliseconds).
 RAMP_STEP_KEY = "fedinfer:tables:ramp-step:{at_ms}"
 #: Compile a little after the boundary, so that the level has moved.
 RAMP_STEP_SLACK_S = 0.05
+#: The Celery task that recompiles and publishes tables (``workers.tasks``), queued by name so
+#: this domain never imports the workers that import it.
+PUBLISH_TASK = "fedinfer.routing_tables.publish"
 #: Audit actions that change nothing a table contains.
 ACTIONS_WITHOUT_RECOMPILE = frozenset({"edge.rotate_credential"})
 #: Tenancy changes that can take access away (a key revoked, rotated, deleted, narrowed; a
@@ -194,8 +199,6 @@ def routing_tables_schedule_recompile() -> bool:
 def _publish_once(key: str, ttl_ms: int, countdown_s: float, what: str) -> bool:
     """Queue a publish in ``countdown_s`` unless ``key`` is already set (Redis ``SET NX PX``);
     without Redis, or when it fails, queue anyway (a duplicate compile publishes nothing)."""
-    from workers.tasks import routing_tables_publish_task
-
     client = redis_client()
     if client is not None:
         try:
@@ -207,7 +210,7 @@ def _publish_once(key: str, ttl_ms: int, countdown_s: float, what: str) -> bool:
             client.close()
         if not first:
             return False
-    routing_tables_publish_task.apply_async(countdown=countdown_s)
+    current_app.send_task(PUBLISH_TASK, countdown=countdown_s)
     return True
 
 
@@ -264,17 +267,13 @@ def recompile_on_audit_event(
 # --- edge credentials ----------------------------------------------------------------------
 
 
-def credential_hash(plaintext: str) -> str:
-    return hashlib.sha256(plaintext.encode("utf-8")).hexdigest()
-
-
 @transaction.atomic
 def edge_credential_rotate(*, actor: Actor, edge: Edge) -> str:
     """Give the edge a new credential and return its plaintext (shown this once; only the
     hash is stored). The old credential stops working at once."""
-    edge = Edge.objects.select_for_update().get(pk=edge.pk)
+    edge = model_lock(edge)
     plaintext = EDGE_CREDENTIAL_PREFIX + secrets.token_urlsafe(32)
-    edge.credential_hash = credential_hash(plaintext)
+    edge.credential_hash = hash_key(plaintext)
     edge.save(update_fields=["credential_hash", "updated_at"])
     audit_record(actor=actor, action="edge.rotate_credential", obj=edge)
     return plaintext
@@ -346,12 +345,7 @@ def edge_heartbeat_record(
 def _check_published(edge: Edge, version: int | None) -> None:
     if version is None:
         return
-    latest = (
-        RoutingTableVersion.objects.filter(region_id=edge.region_id)
-        .order_by("-version")
-        .values_list("version", flat=True)
-        .first()
-    )
+    latest = routing_table_latest_version(region_id=edge.region_id)
     if latest is None or version > latest:
         raise ValidationError(
             {

@@ -14,6 +14,7 @@ from django.contrib import admin
 from django.db.models import Model, QuerySet
 from django.http import HttpRequest
 
+from federation.core.admin_site import ReadOnlyAdmin
 from federation.core.audit import audit_record
 from federation.tenancy.models import ApiKey, AuthToken, Membership, Tenant
 from federation.tenancy.services import tenant_residency_errors
@@ -88,7 +89,9 @@ class TenantAdmin(AuditedAdmin):
 
 
 @admin.register(ApiKey)
-class ApiKeyAdmin(admin.ModelAdmin):
+class ApiKeyAdmin(ReadOnlyAdmin):
+    """Browsing only. Revoke through the API instead: that is audited and keeps the history."""
+
     list_display = ["prefix", "name", "tenant", "expires_at", "revoked_at", "last_used_at"]
     list_filter = ["tenant"]
     search_fields = ["prefix", "name", "tenant__slug"]
@@ -105,16 +108,6 @@ class ApiKeyAdmin(admin.ModelAdmin):
         "created_at",
     )
     readonly_fields = fields
-
-    def has_add_permission(self, request: HttpRequest) -> bool:
-        return False
-
-    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False
-
-    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        # Revoke through the API instead: that is audited and keeps the history.
-        return False
 
 
 @admin.register(AuthToken)

@@ -2,7 +2,8 @@
 
 Every function validates before it saves (``ValidationError`` → 400), refuses changes that
 conflict with the current state (``Conflict`` → 409), runs in one transaction and records an
-audit event, so a failed call leaves nothing half-written.
+audit event, so a failed call leaves nothing half-written. The helpers they share, and how a
+duplicate or an unknown field is answered, are ``federation.core.services``.
 """
 
 from __future__ import annotations
@@ -17,12 +18,19 @@ from django.conf import settings
 from django.contrib.auth.models import User
 from django.contrib.auth.password_validation import validate_password
 from django.core.exceptions import ValidationError
-from django.db import IntegrityError, transaction
+from django.db import transaction
 from django.utils import timezone
 
-from federation.core.audit import Actor, audit_record, model_diff
+from federation.core.audit import Actor, audit_record
 from federation.core.errors import Conflict
 from federation.core.roles import ADMIN, TENANT_VIEWER, role_of
+from federation.core.services import (
+    model_apply,
+    model_lock,
+    model_save,
+    model_update_check,
+    model_validate,
+)
 from federation.inventory.models import Jurisdiction, Region
 from federation.tenancy import keys, residency
 from federation.tenancy.models import ApiKey, AuthToken, Membership, Tenant
@@ -44,35 +52,6 @@ def tenant_residency_errors(
         known_jurisdictions=Jurisdiction.values,
         region_jurisdictions={r.code: r.jurisdiction for r in region_list},
     )
-
-
-def _clean(obj: Any, extra_errors: Mapping[str, list[str]] | None = None, **kwargs: Any) -> None:
-    """``full_clean`` merged with errors found elsewhere, raised as one 400 (error codes kept,
-    so a duplicate alone becomes a 409)."""
-    errors: dict[str, list[ValidationError]] = {}
-    try:
-        obj.full_clean(**kwargs)
-    except ValidationError as exc:
-        for field, found in exc.error_dict.items():
-            errors.setdefault(field, []).extend(found)
-    for field, messages in (extra_errors or {}).items():
-        errors.setdefault(field, []).extend(ValidationError(m) for m in messages)
-    if errors:
-        raise ValidationError(errors)
-
-
-def _save_new(obj: Any, unique_field: str) -> None:
-    """Insert ``obj``; losing a race on its unique field is the same conflict as the
-    ``full_clean`` check that the winner slipped past, not a database error."""
-    try:
-        with transaction.atomic():
-            obj.save()
-    except IntegrityError as exc:
-        if type(obj).objects.filter(**{unique_field: getattr(obj, unique_field)}).exists():
-            raise ValidationError(
-                {unique_field: [ValidationError("This value is already taken.", code="unique")]}
-            ) from exc
-        raise
 
 
 def _region_codes(regions: Iterable[Region]) -> list[str]:
@@ -105,8 +84,8 @@ def tenant_create(
         isolate_kv_cache=isolate_kv_cache,
         is_active=is_active,
     )
-    _clean(tenant, tenant_residency_errors(jurisdictions, regions))
-    _save_new(tenant, "slug")
+    model_validate(tenant, extra=tenant_residency_errors(jurisdictions, regions))
+    model_save(tenant)
     tenant.allowed_regions.set(regions)
     audit_record(
         actor=actor,
@@ -144,22 +123,18 @@ TENANT_UPDATABLE = frozenset(
 def tenant_update(*, actor: Actor, tenant: Tenant, data: Mapping[str, Any]) -> Tenant:
     """Change the fields in ``data`` (a subset of ``TENANT_UPDATABLE``); the slug is fixed
     because keys, tables and usage records refer to it."""
-    unknown = set(data) - TENANT_UPDATABLE
-    if unknown:
-        raise ValueError(f"tenant_update cannot change {sorted(unknown)}")
-    tenant = Tenant.objects.select_for_update().get(pk=tenant.pk)
+    model_update_check(tenant, data, updatable=TENANT_UPDATABLE)
+    tenant = model_lock(tenant)
     fields = {k: v for k, v in data.items() if k != "allowed_regions"}
     if "allowed_jurisdictions" in fields:
         fields["allowed_jurisdictions"] = sorted(set(fields["allowed_jurisdictions"]))
     old_regions = list(tenant.allowed_regions.all())
     new_regions = list(data["allowed_regions"]) if "allowed_regions" in data else old_regions
 
-    changes: dict[str, Any] = model_diff(tenant, fields)
+    changes: dict[str, Any] = model_apply(tenant, fields, updatable=TENANT_UPDATABLE)
     if _region_codes(old_regions) != _region_codes(new_regions):
         changes["allowed_regions"] = [_region_codes(old_regions), _region_codes(new_regions)]
-    for field, value in fields.items():
-        setattr(tenant, field, value)
-    _clean(tenant, tenant_residency_errors(tenant.allowed_jurisdictions, new_regions))
+    model_validate(tenant, extra=tenant_residency_errors(tenant.allowed_jurisdictions, new_regions))
     if not changes:
         return tenant
     tenant.save()
@@ -170,7 +145,7 @@ def tenant_update(*, actor: Actor, tenant: Tenant, data: Mapping[str, Any]) -> T
 
 
 def _tenant_set_active(*, actor: Actor, tenant: Tenant, active: bool) -> Tenant:
-    tenant = Tenant.objects.select_for_update().get(pk=tenant.pk)
+    tenant = model_lock(tenant)
     if tenant.is_active == active:
         state = "active" if active else "inactive"
         raise Conflict(f"Tenant {tenant.slug} is already {state}.", code="no_change")
@@ -202,7 +177,7 @@ def tenant_activate(*, actor: Actor, tenant: Tenant) -> Tenant:
 def tenant_delete(*, actor: Actor, tenant: Tenant) -> None:
     """Delete a tenant with its keys and viewer memberships. Refused while it has usable keys,
     so a live customer is not cut off by one click; revoke them or deactivate instead."""
-    tenant = Tenant.objects.select_for_update().get(pk=tenant.pk)
+    tenant = model_lock(tenant)
     now = timezone.now()
     live = [k.prefix for k in tenant.api_keys.all() if k.status_at(now) == "active"]
     if live:
@@ -281,10 +256,10 @@ def api_key_create(
         expires_at=expires_at,
         created_by=actor if isinstance(actor, User) else None,
     )
-    _clean(api_key, errors)
+    model_validate(api_key, extra=errors)
     if not tenant.is_active:
         raise Conflict(f"Tenant {tenant.slug} is inactive; activate it first.", code="inactive")
-    api_key.save()
+    model_save(api_key)
     audit_record(
         actor=actor,
         action="api_key.create",
@@ -313,9 +288,7 @@ API_KEY_UPDATABLE = frozenset({"name", "scopes", "expires_at"})
 
 @transaction.atomic
 def api_key_update(*, actor: Actor, api_key: ApiKey, data: Mapping[str, Any]) -> ApiKey:
-    unknown = set(data) - API_KEY_UPDATABLE
-    if unknown:
-        raise ValueError(f"api_key_update cannot change {sorted(unknown)}")
+    model_update_check(api_key, data, updatable=API_KEY_UPDATABLE)
     api_key = _locked_usable_key(api_key, "change")
     fields = dict(data)
     errors: dict[str, list[str]] = {}
@@ -327,10 +300,8 @@ def api_key_update(*, actor: Actor, api_key: ApiKey, data: Mapping[str, Any]) ->
         expiry_errors := _expiry_errors(fields["expires_at"], timezone.now())
     ):
         errors["expires_at"] = expiry_errors
-    changes = model_diff(api_key, fields)
-    for field, value in fields.items():
-        setattr(api_key, field, value)
-    _clean(api_key, errors)
+    changes = model_apply(api_key, fields, updatable=API_KEY_UPDATABLE)
+    model_validate(api_key, extra=errors)
     if changes:
         api_key.save()
         audit_record(actor=actor, action="api_key.update", obj=api_key, changes=changes)
@@ -341,7 +312,7 @@ def api_key_update(*, actor: Actor, api_key: ApiKey, data: Mapping[str, Any]) ->
 def api_key_revoke(*, actor: Actor, api_key: ApiKey) -> ApiKey:
     """Revoke for good: the current secret and any secret still in rotation grace stop working.
     The tables without it are published on commit by this request, not the worker."""
-    api_key = ApiKey.objects.select_for_update().get(pk=api_key.pk)
+    api_key = model_lock(api_key)
     if api_key.revoked_at is not None:
         raise Conflict(f"API key {api_key.prefix} is already revoked.", code="revoked")
     api_key.revoked_at = timezone.now()
@@ -499,10 +470,10 @@ def user_create(
 ) -> User:
     user = User(username=username, email=email)
     errors = _membership_errors(role, tenant) | _password_errors(password, user)
-    _clean(user, errors, exclude=["password"])
+    model_validate(user, extra=errors, exclude=["password"])
     user.set_password(password)
     _apply_role(user, role)
-    _save_new(user, "username")
+    model_save(user)
     Membership.objects.create(user=user, role=role, tenant=tenant)
     audit_record(
         actor=actor,
@@ -525,10 +496,8 @@ USER_UPDATABLE = frozenset({"email", "password", "role", "tenant", "is_active"})
 def user_update(*, actor: Actor, user: User, data: Mapping[str, Any]) -> User:
     """Change email, password, role/tenant or is_active. A new password or deactivation
     revokes the user's API token. Admins cannot demote or deactivate themselves."""
-    unknown = set(data) - USER_UPDATABLE
-    if unknown:
-        raise ValueError(f"user_update cannot change {sorted(unknown)}")
-    user = User.objects.select_for_update().get(pk=user.pk)
+    model_update_check(user, data, updatable=USER_UPDATABLE)
+    user = model_lock(user)
     membership = Membership.objects.filter(user=user).first()
     old_role = role_of(user)
     old_tenant = membership.tenant if membership else None
@@ -544,13 +513,11 @@ def user_update(*, actor: Actor, user: User, data: Mapping[str, Any]) -> User:
     else:
         errors |= _membership_errors(role, tenant)
     plain = {k: data[k] for k in ("email", "is_active") if k in data}
-    changes: dict[str, Any] = model_diff(user, plain)
-    for field, value in plain.items():
-        setattr(user, field, value)
+    changes: dict[str, Any] = model_apply(user, plain, updatable=USER_UPDATABLE)
     if "password" in data:
         errors |= _password_errors(data["password"], user)
         changes["password"] = "changed"
-    _clean(user, errors, exclude=["password"])
+    model_validate(user, extra=errors, exclude=["password"])
     if role != old_role:
         changes["role"] = [old_role, role]
     if tenant != old_tenant:

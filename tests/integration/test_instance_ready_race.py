@@ -20,6 +20,7 @@ from federation.core.errors import Conflict
 from federation.inventory import lifecycle
 from federation.inventory import services as inventory
 from federation.inventory.models import Instance, Region
+from federation.inventory.services import instances, regions
 from tests.integration.control_plane_support import own_redis
 from tests.integration.inventory_factories import (
     make_deployment,
@@ -77,14 +78,14 @@ def assert_no_ready_instance_in_an_evacuated_region() -> None:
 
 def test_evacuation_during_a_transition_to_ready_drains_the_instance(monkeypatch) -> None:
     instance = warming_instance()
-    write = inventory._transition
+    write = instances.locked_instance_transition
 
     def slow_ready(**kwargs: Any) -> Instance:
         if kwargs["state"] == lifecycle.READY:
             time.sleep(PAUSE_S)  # checked, not yet written: the window an evacuation hits
         return write(**kwargs)
 
-    monkeypatch.setattr(inventory, "_transition", slow_ready)
+    monkeypatch.setattr(instances, "locked_instance_transition", slow_ready)
     ready, ready_outcome = in_thread(
         lambda: inventory.instance_transition(actor=None, instance=instance, state="ready")
     )
@@ -104,14 +105,14 @@ def test_evacuation_during_a_transition_to_ready_drains_the_instance(monkeypatch
 
 def test_a_transition_to_ready_during_an_evacuation_is_refused(monkeypatch) -> None:
     instance = warming_instance()
-    record = inventory.audit_record
+    record = regions.audit_record
 
     def slow_evacuation_record(**kwargs: Any) -> Any:
         if kwargs["action"] == "region.evacuate":
             time.sleep(PAUSE_S)  # evacuated and drained, not yet committed
         return record(**kwargs)
 
-    monkeypatch.setattr(inventory, "audit_record", slow_evacuation_record)
+    monkeypatch.setattr(regions, "audit_record", slow_evacuation_record)
     region = Region.objects.get(code="eu-west")
     evacuate, evacuate_outcome = in_thread(
         lambda: inventory.region_evacuate(actor=None, region=region)
@@ -135,14 +136,14 @@ def test_undrain_races_evacuation_the_same_way(monkeypatch) -> None:
     instance = warming_instance()
     instance = inventory.instance_transition(actor=None, instance=instance, state="ready")
     instance = inventory.instance_drain(actor=None, instance=instance)
-    write = inventory._transition
+    write = instances.locked_instance_transition
 
     def slow_ready(**kwargs: Any) -> Instance:
         if kwargs["state"] == lifecycle.READY:
             time.sleep(PAUSE_S)
         return write(**kwargs)
 
-    monkeypatch.setattr(inventory, "_transition", slow_ready)
+    monkeypatch.setattr(instances, "locked_instance_transition", slow_ready)
     undrain, undrain_outcome = in_thread(
         lambda: inventory.instance_undrain(actor=None, instance=instance)
     )

@@ -658,15 +658,18 @@ def test_deployment_bad_input(
     assert counts() == before
 
 
-def test_duplicate_deployment_is_a_400(admin_client: APIClient, fleet: dict[str, Any]) -> None:
+def test_duplicate_deployment_is_a_409_duplicate(
+    admin_client: APIClient, fleet: dict[str, Any]
+) -> None:
     make_deployment(fleet["m8"], fleet["h100"])
     response = admin_client.post(
         f"{API}/deployments/",
         {"model": fleet["m8"].pk, "pool": fleet["h100"].pk, "tensor_parallel_size": 1},
         format="json",
     )
-    assert response.status_code == 400
-    assert "already exists" in str(response.json())
+    assert response.status_code == 409
+    assert response.json()["code"] == "duplicate"
+    assert "already exists" in str(response.json()["errors"]["non_field_errors"])
 
 
 def test_deployment_update_is_rechecked(admin_client: APIClient, fleet: dict[str, Any]) -> None:
@@ -1011,11 +1014,13 @@ def test_schema_documents_errors_and_strict_bodies(admin_client: APIClient) -> N
     assert {"201", "400", "401", "403", "409", "413"} <= set(create["responses"])
     transition = doc["paths"]["/api/v1/instances/{id}/transition/"]["post"]
     assert {"200", "400", "404", "409"} <= set(transition["responses"])
-    body = doc["components"]["schemas"]["DeploymentCreateInRequest"]
+    body = doc["components"]["schemas"]["DeploymentCreateInputRequest"]
     assert body["additionalProperties"] is False
     assert body["properties"]["engine_args"]["type"] == "object"
-    assert "description" not in doc["components"]["schemas"]["RegionCreateInRequest"]
-    price = doc["components"]["schemas"]["PoolCreateInRequest"]["properties"]["price_per_gpu_hour"]
+    assert "description" not in doc["components"]["schemas"]["RegionCreateInputRequest"]
+    price = doc["components"]["schemas"]["PoolCreateInputRequest"]["properties"][
+        "price_per_gpu_hour"
+    ]
     pattern = re.compile(price["pattern"])
     assert [bool(pattern.match(v)) for v in ("2.5", "2", ".25", "123456.1234")] == [True] * 4
     assert [bool(pattern.match(v)) for v in ("", "-1", ".", "1.23456", "1234567")] == [False] * 5

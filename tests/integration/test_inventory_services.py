@@ -223,14 +223,27 @@ def test_renaming_a_model_keeps_its_adapters_valid(fleet: dict[str, Any]) -> Non
     assert event.changes == {"name": [LLAMA_8B["name"], "llama-8b-v2"]}
 
 
-def test_a_lost_race_for_a_unique_value_is_a_conflict(
+def test_a_lost_race_for_a_unique_value_is_the_duplicate_full_clean_reports(
     fleet: dict[str, Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """full_clean passed, then the insert hit the unique index: 409, not a 500."""
+    """full_clean passed (the winner had not committed yet), then the insert hit the unique
+    index: the same duplicate (409 ``duplicate`` through the API), not a 500."""
+    monkeypatch.setattr(Region, "full_clean", lambda self, **kwargs: None)
+    with pytest.raises(ValidationError) as err:
+        make_region("us-east")
+    assert [e.code for e in err.value.error_dict["code"]] == ["unique"]
+    assert Region.objects.filter(code="us-east").count() == 1
+
+
+def test_an_integrity_failure_that_is_no_duplicate_is_a_concurrent_change(
+    fleet: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The database refused what no check can explain: 409 ``concurrent_change``, not a 500."""
     monkeypatch.setattr(Region, "validate_constraints", lambda self, exclude=None: None)
     monkeypatch.setattr(Region, "validate_unique", lambda self, exclude=None: None)
-    with pytest.raises(Conflict, match="concurrent change"):
+    with pytest.raises(Conflict, match="concurrent change") as err:
         make_region("us-east")
+    assert err.value.code == "concurrent_change"
     assert Region.objects.filter(code="us-east").count() == 1
 
 

@@ -24,6 +24,7 @@ from federation.inventory import services as inventory
 from federation.inventory.models import Edge, Instance, Region
 from federation.routing import services
 from federation.routing.models import RoutingTableCounter, RoutingTableVersion
+from federation.tenancy.keys import hash_key
 from regions.supervisor import Supervisor
 from regions.tables import signing
 from tests.integration.control_plane_support import own_redis, serve, subprocess_env
@@ -212,9 +213,16 @@ def test_long_poll_without_a_newer_version_answers_304_after_the_wait(fleet: Fle
 
 
 @pytest.mark.django_db
-def test_first_fetch_compiles_a_missing_table_and_wait_is_bounded(fleet: Fleet) -> None:
+def test_a_fetch_never_compiles_and_wait_is_bounded(fleet: Fleet) -> None:
     client = edge_client(fleet.eu_credential)
     assert not RoutingTableVersion.objects.filter(region=fleet.eu).exists()
+    r = client.get("/api/v1/edges/eu-west/routing-table")
+    assert r.status_code == 503 and r["Retry-After"] == "1"
+    started = time.monotonic()
+    r = client.get("/api/v1/edges/eu-west/routing-table?wait=1")  # waits for the first one
+    assert r.status_code == 503 and 0.9 <= time.monotonic() - started < 3
+    assert not RoutingTableVersion.objects.exists()
+    services.routing_tables_publish()  # what the worker runs after the edge's registration
     r = client.get("/api/v1/edges/eu-west/routing-table")
     assert r.status_code == 200 and r.json()["region"] == "eu-west"
     assert r["ETag"] == f'"{r.json()["version"]}"'
@@ -254,7 +262,7 @@ def test_rotating_a_credential_revokes_the_old_one_and_stores_only_a_hash(
     assert r.status_code == 200
     new = r.json()["credential"]
     stored = Edge.objects.get(pk=fleet.eu_edge.pk).credential_hash
-    assert new not in stored and stored == services.credential_hash(new)
+    assert new not in stored and stored == hash_key(new)
     url = "/api/v1/edges/eu-west/routing-table"
     assert edge_client(fleet.eu_credential).get(url).status_code == 401
     assert edge_client(new).get(url).status_code == 200

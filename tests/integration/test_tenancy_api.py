@@ -742,15 +742,17 @@ def test_admin_tenant_edits_are_validated_and_audited(
     assert event.changes["allowed_regions"] == ["eu-west"]
 
 
-def test_losing_a_race_on_the_slug_is_a_400_not_a_500(
+def test_losing_a_race_on_the_slug_is_the_duplicate_not_a_500(
     admin_user: User, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Another request inserts the same slug between our check and our insert."""
+    """Another request inserts the same slug between our check and our insert: the answer is
+    the duplicate the check reports (409 ``duplicate`` through the API)."""
     Tenant.objects.create(slug="acme", name="The winner")
-    monkeypatch.setattr(Tenant, "validate_unique", lambda self, exclude=None: None)
+    monkeypatch.setattr(Tenant, "full_clean", lambda self, **kwargs: None)
     with pytest.raises(ValidationError) as raised:
         services.tenant_create(actor=admin_user, slug="acme", name="The loser")
-    assert raised.value.message_dict == {"slug": ["This value is already taken."]}
+    assert raised.value.message_dict == {"slug": ["Tenant with this Slug already exists."]}
+    assert [e.code for e in raised.value.error_dict["slug"]] == ["unique"]
     assert Tenant.objects.get().name == "The winner"
     assert not AuditEvent.objects.exists()
 

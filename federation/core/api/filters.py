@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import django_filters
 
-from federation.api.filters import StrictFilterSet
-from federation.core.api.fields import UTCIsoDateTimeFilter
+from federation.api.filters import StrictFilterSet, UTCIsoDateTimeFilter
 from federation.core.models import AuditEvent
 
 

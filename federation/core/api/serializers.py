@@ -2,10 +2,11 @@ from __future__ import annotations
 
 from rest_framework import serializers
 
+from federation.api.serializers import OutputModelSerializer
 from federation.core.models import AuditEvent
 
 
-class AuditEventOutput(serializers.ModelSerializer):
+class AuditEventOutput(OutputModelSerializer):
     actor = serializers.CharField(source="actor_repr", help_text="Username, or 'system'.")
 
     class Meta:
@@ -20,4 +21,3 @@ class AuditEventOutput(serializers.ModelSerializer):
             "object_repr",
             "changes",
         ]
-        read_only_fields = fields

@@ -1,8 +1,9 @@
 """Input and output shapes of the inventory API.
 
-Inputs refuse unknown fields (``StrictFieldsMixin``) and only check shapes and single-field
-rules; cross-row rules live in the services. Outputs are read-only and name related objects
-the way clients refer to them (region codes, accelerator names) next to their ids.
+Inputs refuse unknown fields (``federation.api.serializers``) and only check shapes and
+single-field rules; cross-row rules live in the services. Outputs are read-only and name
+related objects the way clients refer to them (region codes, accelerator names) next to their
+ids.
 """
 
 from __future__ import annotations
@@ -11,7 +12,8 @@ from typing import Any
 
 from rest_framework import serializers
 
-from federation.api.serializers import StrictFieldsMixin
+from federation.api.fields import SlugLookupField
+from federation.api.serializers import InputSerializer, ModelInputSerializer, OutputModelSerializer
 from federation.inventory import fit
 from federation.inventory.models import (
     AcceleratorType,
@@ -24,61 +26,9 @@ from federation.inventory.models import (
     Region,
     RegionLink,
 )
-from federation.inventory.services import MODEL_UPDATABLE
+from federation.inventory.services import DEPLOYMENT_UPDATABLE, MODEL_UPDATABLE, POOL_UPDATABLE
 
 TIMESTAMPS = ("created_at", "updated_at")
-
-
-class ReadOnlyModelSerializer(serializers.ModelSerializer):
-    def get_fields(self) -> dict[str, serializers.Field]:
-        fields = super().get_fields()
-        for field in fields.values():
-            field.read_only = True
-        return fields
-
-
-class StrictCharField(serializers.CharField):
-    """JSON strings only: DRF would store ``{"name": 0}`` as "0"."""
-
-    def to_internal_value(self, data: Any) -> Any:
-        if not isinstance(data, str):
-            self.fail("invalid")
-        return super().to_internal_value(data)
-
-
-class StrictBooleanField(serializers.BooleanField):
-    """JSON true and false only: DRF would take "yes", "on" and 1."""
-
-    def to_internal_value(self, data: Any) -> Any:
-        if not isinstance(data, bool):
-            self.fail("invalid", input=data)
-        return data
-
-
-# Numbers are already held to JSON numbers by StrictFieldsMixin.
-_STRICT = {
-    serializers.CharField: StrictCharField,
-    serializers.BooleanField: StrictBooleanField,
-}
-
-
-class InputSerializer(StrictFieldsMixin, serializers.ModelSerializer):
-    """Base of input bodies: unknown fields and loosely typed JSON values are refused."""
-
-    serializer_field_mapping = {
-        model_field: _STRICT.get(field, field)
-        for model_field, field in serializers.ModelSerializer.serializer_field_mapping.items()
-    }
-
-
-class SlugLookupField(serializers.SlugRelatedField):
-    """A SlugRelatedField that refuses NUL characters itself: PostgreSQL cannot even compare
-    text containing them, so the lookup would fail with a server error."""
-
-    def to_internal_value(self, data: Any) -> Any:
-        if isinstance(data, str) and "\x00" in data:
-            raise serializers.ValidationError("Null characters are not allowed.")
-        return super().to_internal_value(data)
 
 
 def _region_field(help_text: str = "Region code.") -> SlugLookupField:
@@ -88,7 +38,7 @@ def _region_field(help_text: str = "Region code.") -> SlugLookupField:
 # --- regions -------------------------------------------------------------------------------
 
 
-class RegionOut(ReadOnlyModelSerializer):
+class RegionOutput(OutputModelSerializer):
     class Meta:
         model = Region
         fields = (
@@ -104,13 +54,13 @@ class RegionOut(ReadOnlyModelSerializer):
         )
 
 
-class RegionCreateIn(InputSerializer):
+class RegionCreateInput(ModelInputSerializer):
     class Meta:
         model = Region
         fields = ("code", "name", "provider", "latitude", "longitude", "jurisdiction")
 
 
-class RegionUpdateIn(InputSerializer):
+class RegionUpdateInput(ModelInputSerializer):
     class Meta:
         model = Region
         fields = ("name", "provider", "latitude", "longitude", "jurisdiction", "status")
@@ -122,7 +72,7 @@ class RegionUpdateIn(InputSerializer):
         }
 
 
-class RegionLinkOut(ReadOnlyModelSerializer):
+class RegionLinkOutput(OutputModelSerializer):
     # A field named 'source' shadows Field.source only in the stubs; DRF's metaclass moves
     # declared fields off the class.
     source = serializers.CharField(source="source.code", read_only=True)  # type: ignore[assignment]
@@ -133,7 +83,7 @@ class RegionLinkOut(ReadOnlyModelSerializer):
         fields = ("id", "source", "target", "rtt_ms", "measured_rtt_ms", *TIMESTAMPS)
 
 
-class RegionLinkSetIn(InputSerializer):
+class RegionLinkSetInput(ModelInputSerializer):
     source = _region_field("Source region code.")  # type: ignore[assignment]
     target = _region_field("Target region code.")
 
@@ -143,13 +93,13 @@ class RegionLinkSetIn(InputSerializer):
         validators: list[Any] = []  # posting an existing pair updates it (upsert)
 
 
-class RegionLinkUpdateIn(InputSerializer):
+class RegionLinkUpdateInput(ModelInputSerializer):
     class Meta:
         model = RegionLink
         fields = ("rtt_ms", "measured_rtt_ms")
 
 
-class AcceleratorTypeOut(ReadOnlyModelSerializer):
+class AcceleratorTypeOutput(OutputModelSerializer):
     class Meta:
         model = AcceleratorType
         fields = (
@@ -165,20 +115,11 @@ class AcceleratorTypeOut(ReadOnlyModelSerializer):
 
 # --- pools ---------------------------------------------------------------------------------
 
-POOL_FIELDS = (
-    "name",
-    "accelerator",
-    "gpus_per_node",
-    "node_count",
-    "interconnect",
-    "rdma",
-    "price_per_gpu_hour",
-    "capacity_type",
-    "gpu_memory_utilization",
-)
+# The fields a pool is created and updated with are the ones its service accepts.
+POOL_FIELDS = POOL_UPDATABLE
 
 
-class PoolOut(ReadOnlyModelSerializer):
+class PoolOutput(OutputModelSerializer):
     region = serializers.CharField(source="region.code", read_only=True)
     accelerator = serializers.CharField(source="accelerator.name", read_only=True)
     total_gpus = serializers.IntegerField(read_only=True)
@@ -201,7 +142,7 @@ class PoolOut(ReadOnlyModelSerializer):
         )
 
 
-class PoolCreateIn(InputSerializer):
+class PoolCreateInput(ModelInputSerializer):
     region = _region_field()
     accelerator = SlugLookupField(
         slug_field="name",
@@ -214,7 +155,7 @@ class PoolCreateIn(InputSerializer):
         fields = ("region", *POOL_FIELDS)
 
 
-class PoolUpdateIn(PoolCreateIn):
+class PoolUpdateInput(PoolCreateInput):
     class Meta:
         model = GPUPool
         fields = POOL_FIELDS
@@ -226,19 +167,19 @@ class PoolUpdateIn(PoolCreateIn):
 MODEL_FIELDS = MODEL_UPDATABLE
 
 
-class LanguageModelOut(ReadOnlyModelSerializer):
+class LanguageModelOutput(OutputModelSerializer):
     class Meta:
         model = LanguageModel
         fields = ("id", *MODEL_FIELDS, *TIMESTAMPS)
 
 
-class LanguageModelIn(InputSerializer):
+class LanguageModelInput(ModelInputSerializer):
     class Meta:
         model = LanguageModel
         fields = MODEL_FIELDS
 
 
-class AdapterOut(ReadOnlyModelSerializer):
+class AdapterOutput(OutputModelSerializer):
     base_model_name = serializers.CharField(source="base_model.name", read_only=True)
 
     class Meta:
@@ -246,7 +187,7 @@ class AdapterOut(ReadOnlyModelSerializer):
         fields = ("id", "base_model", "base_model_name", "name", "rank", "source", *TIMESTAMPS)
 
 
-class AdapterIn(InputSerializer):
+class AdapterInput(ModelInputSerializer):
     class Meta:
         model = LoraAdapter
         fields = ("base_model", "name", "rank", "source")
@@ -254,17 +195,10 @@ class AdapterIn(InputSerializer):
 
 # --- deployments ---------------------------------------------------------------------------
 
-DEPLOYMENT_TUNABLE = (
-    "tensor_parallel_size",
-    "min_replicas",
-    "desired_replicas",
-    "max_replicas",
-    "engine_args",
-    "adapters",
-)
+DEPLOYMENT_TUNABLE = (*DEPLOYMENT_UPDATABLE, "adapters")
 
 
-class DeploymentOut(ReadOnlyModelSerializer):
+class DeploymentOutput(OutputModelSerializer):
     model_name = serializers.CharField(source="model.name", read_only=True)
     pool_name = serializers.CharField(source="pool.name", read_only=True)
     region = serializers.CharField(source="pool.region.code", read_only=True)
@@ -291,7 +225,7 @@ class DeploymentOut(ReadOnlyModelSerializer):
         )
 
 
-class DeploymentUpdateIn(InputSerializer):
+class DeploymentUpdateInput(ModelInputSerializer):
     engine_args = serializers.DictField(
         required=False,
         help_text="Extra vLLM flags without leading dashes, e.g. {'max-num-seqs': 256}.",
@@ -308,7 +242,7 @@ class DeploymentUpdateIn(InputSerializer):
         fields = DEPLOYMENT_TUNABLE
 
 
-class DeploymentCreateIn(DeploymentUpdateIn):
+class DeploymentCreateInput(DeploymentUpdateInput):
     class Meta:
         model = Deployment
         fields = ("model", "pool", "role", *DEPLOYMENT_TUNABLE)
@@ -318,7 +252,7 @@ class DeploymentCreateIn(DeploymentUpdateIn):
 # --- instances and edges -------------------------------------------------------------------
 
 
-class InstanceOut(ReadOnlyModelSerializer):
+class InstanceOutput(OutputModelSerializer):
     model_name = serializers.CharField(source="deployment.model.name", read_only=True)
     region = serializers.CharField(source="deployment.pool.region.code", read_only=True)
 
@@ -340,13 +274,13 @@ class InstanceOut(ReadOnlyModelSerializer):
         )
 
 
-class InstanceCreateIn(InputSerializer):
+class InstanceCreateInput(ModelInputSerializer):
     class Meta:
         model = Instance
         fields = ("deployment", "name", "endpoint_url")
 
 
-class InstanceUpdateIn(InputSerializer):
+class InstanceUpdateInput(ModelInputSerializer):
     load = serializers.DictField(required=False, help_text="Last load snapshot.")
 
     class Meta:
@@ -354,11 +288,11 @@ class InstanceUpdateIn(InputSerializer):
         fields = ("endpoint_url", "last_heartbeat_at", "load")
 
 
-class InstanceTransitionIn(StrictFieldsMixin, serializers.Serializer):
+class InstanceTransitionInput(InputSerializer):
     state = serializers.ChoiceField(choices=Instance.State.choices)
 
 
-class EdgeOut(ReadOnlyModelSerializer):
+class EdgeOutput(OutputModelSerializer):
     region = serializers.CharField(source="region.code", read_only=True)
 
     class Meta:
@@ -374,7 +308,7 @@ class EdgeOut(ReadOnlyModelSerializer):
         )
 
 
-class EdgeCreateIn(InputSerializer):
+class EdgeCreateInput(ModelInputSerializer):
     region = _region_field()
 
     class Meta:
@@ -382,7 +316,7 @@ class EdgeCreateIn(InputSerializer):
         fields = ("region", "name", "url")
 
 
-class EdgeUpdateIn(InputSerializer):
+class EdgeUpdateInput(ModelInputSerializer):
     class Meta:
         model = Edge
         fields = ("url", "last_heartbeat_at", "applied_table_version")

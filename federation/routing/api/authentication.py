@@ -10,8 +10,7 @@ from rest_framework.exceptions import AuthenticationFailed
 from rest_framework.request import Request
 
 from federation.inventory.models import Edge
-from federation.routing.distribution import edge_by_credential
-from federation.routing.services import EDGE_CREDENTIAL_PREFIX
+from federation.routing.distribution import EDGE_CREDENTIAL_PREFIX, edge_by_credential
 from federation.tenancy.api.authentication import TokenAuthentication
 
 

@@ -7,15 +7,15 @@ from typing import Any
 from django.utils import timezone
 from rest_framework import serializers
 
-from federation.api.serializers import StrictFieldsMixin
-from federation.inventory.api.serializers import StrictBooleanField, StrictCharField
+from federation.api.fields import StrictBooleanField, StrictCharField
+from federation.api.serializers import InputSerializer, OutputModelSerializer
 from federation.inventory.models import Edge, Region
 
 #: More reports than this in one heartbeat is not an edge talking.
 MAX_INSTANCE_REPORTS = 10_000
 
 
-class InstanceReportIn(StrictFieldsMixin, serializers.Serializer):
+class InstanceReportInput(InputSerializer):
     id = StrictCharField(max_length=63, help_text="Instance id as in the routing table.")
     healthy = StrictBooleanField(help_text="Admitted by the edge's health checks.")
     in_flight = serializers.IntegerField(min_value=0, max_value=1_000_000, required=False)
@@ -30,7 +30,7 @@ class InstanceReportIn(StrictFieldsMixin, serializers.Serializer):
     )
 
 
-class HeartbeatIn(StrictFieldsMixin, serializers.Serializer):
+class HeartbeatInput(InputSerializer):
     applied_table_version = serializers.IntegerField(
         min_value=1,
         allow_null=True,
@@ -38,7 +38,7 @@ class HeartbeatIn(StrictFieldsMixin, serializers.Serializer):
         help_text="Version of the routing table the edge serves from (null: none yet).",
     )
     instances = serializers.ListField(
-        child=InstanceReportIn(), max_length=MAX_INSTANCE_REPORTS, required=False, default=list
+        child=InstanceReportInput(), max_length=MAX_INSTANCE_REPORTS, required=False, default=list
     )
 
     def validate_instances(self, value: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -50,7 +50,7 @@ class HeartbeatIn(StrictFieldsMixin, serializers.Serializer):
         return value
 
 
-class HeartbeatOut(serializers.Serializer):
+class HeartbeatOutput(serializers.Serializer):
     edge = serializers.CharField()
     applied_table_version = serializers.IntegerField(allow_null=True)
     latest_table_version = serializers.IntegerField(
@@ -63,7 +63,7 @@ class HeartbeatOut(serializers.Serializer):
     )
 
 
-class EdgeCredentialOut(serializers.Serializer):
+class EdgeCredentialOutput(serializers.Serializer):
     id = serializers.IntegerField()
     name = serializers.CharField()
     region = serializers.CharField()
@@ -72,7 +72,7 @@ class EdgeCredentialOut(serializers.Serializer):
     )
 
 
-class EdgeVersionOut(serializers.ModelSerializer):
+class EdgeVersionOutput(OutputModelSerializer):
     heartbeat_age_s = serializers.SerializerMethodField(
         help_text="Seconds since the last heartbeat (null: never)."
     )
@@ -80,7 +80,6 @@ class EdgeVersionOut(serializers.ModelSerializer):
     class Meta:
         model = Edge
         fields = ("id", "name", "applied_table_version", "last_heartbeat_at", "heartbeat_age_s")
-        read_only_fields = fields
 
     def get_heartbeat_age_s(self, edge: Edge) -> float | None:
         if edge.last_heartbeat_at is None:
@@ -88,15 +87,14 @@ class EdgeVersionOut(serializers.ModelSerializer):
         return round((timezone.now() - edge.last_heartbeat_at).total_seconds(), 3)
 
 
-class RegionTableOut(serializers.ModelSerializer):
+class RegionTableOutput(OutputModelSerializer):
     region = serializers.CharField(source="code", read_only=True)
     latest_version = serializers.IntegerField(read_only=True, allow_null=True)
     created_at = serializers.DateTimeField(
         source="latest_created_at", read_only=True, allow_null=True
     )
-    edges = EdgeVersionOut(many=True, read_only=True)
+    edges = EdgeVersionOutput(many=True, read_only=True)
 
     class Meta:
         model = Region
         fields = ("region", "status", "latest_version", "created_at", "edges")
-        read_only_fields = fields

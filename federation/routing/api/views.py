@@ -13,15 +13,9 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from federation.api.pagination import _whole_number
-from federation.inventory.api.schema import (
-    CONFLICT,
-    FIELD_ERRORS,
-    FORBIDDEN,
-    NOT_FOUND,
-    UNAUTHENTICATED,
-)
-from federation.inventory.api.views import ReadViewSet
+from federation.api.pagination import query_whole_number
+from federation.api.schema import CONFLICT, FIELD_ERRORS, FORBIDDEN, NOT_FOUND, UNAUTHENTICATED
+from federation.api.views import ReadViewSet, nul_free_or_404
 from federation.inventory.models import Edge, Region
 from federation.routing import distribution, services
 from federation.routing.api import serializers as s
@@ -52,8 +46,7 @@ def _known_version(request: Request) -> int | None:
 
 
 def _lookup(model: type[Region] | type[Edge], **filters: str) -> Any:
-    if any("\x00" in v for v in filters.values()):
-        raise NotFound()
+    nul_free_or_404(*filters.values())
     obj = model.objects.select_related(*(["region"] if model is Edge else [])).filter(**filters)
     found = obj.first()
     if found is None:
@@ -91,6 +84,10 @@ class RoutingTableView(APIView):
                 "version.",
             ),
             304: OpenApiResponse(description="The client's version is still the latest."),
+            503: OpenApiResponse(
+                description="No table published for the region yet; see Retry-After (with "
+                "wait, the request is held for the first one)."
+            ),
             400: FIELD_ERRORS,
             401: UNAUTHENTICATED,
             403: FORBIDDEN,
@@ -98,7 +95,7 @@ class RoutingTableView(APIView):
         },
     )
     def get(self, request: Request, region: str, **kwargs: Any) -> Response:
-        wait = _whole_number(request, "wait", 0) or 0
+        wait = query_whole_number(request, "wait", 0) or 0
         if wait > MAX_WAIT_S:
             raise ValidationError({"wait": [f"Must be at most {MAX_WAIT_S}."]})
         target: Region = _lookup(Region, code=region)
@@ -109,12 +106,9 @@ class RoutingTableView(APIView):
                 f"table of {target.code}."
             )
         known = _known_version(request)
+        # A read never compiles: tables are published by the worker, after every change (an
+        # edge's registration included) and periodically.
         table = distribution.routing_table_latest(region=target)
-        if table is None:
-            # Nothing published yet (a new region, or no worker running): compile it now
-            # rather than turn the edge away until the next periodic compile.
-            services.routing_tables_publish(regions=[target.code])
-            table = distribution.routing_table_latest(region=target)
         # Versions only grow, so a client at or above the latest has nothing to fetch (one
         # above it, after a database restore, keeps its table instead of looping on ours).
         if table is not None and (known is None or table.version > known):
@@ -128,9 +122,16 @@ class RoutingTableView(APIView):
                 region_id=target.pk, region_code=target.code, known=known, seconds=wait
             )
             return response
+        if table is None:
+            # Nothing published yet (the worker's first publish is on its way): try again soon.
+            response = Response(
+                {"detail": f"No routing table published for {target.code} yet."},
+                status=status.HTTP_503_SERVICE_UNAVAILABLE,
+            )
+            response["Retry-After"] = "1"
+            return response
         response = Response(status=status.HTTP_304_NOT_MODIFIED)
-        if table is not None:
-            response["ETag"] = _etag(table.version)
+        response["ETag"] = _etag(table.version)
         return response
 
 
@@ -142,9 +143,9 @@ class EdgeHeartbeatView(APIView):
 
     @extend_schema(
         operation_id="edge_heartbeat",
-        request=s.HeartbeatIn,
+        request=s.HeartbeatInput,
         responses={
-            200: s.HeartbeatOut,
+            200: s.HeartbeatOutput,
             400: FIELD_ERRORS,
             401: UNAUTHENTICATED,
             403: FORBIDDEN,
@@ -157,7 +158,7 @@ class EdgeHeartbeatView(APIView):
         edge = authenticated_edge(request)
         if edge is None or edge.pk != target.pk:
             raise PermissionDenied("An edge may send heartbeats only for itself.")
-        ser = s.HeartbeatIn(data=request.data)
+        ser = s.HeartbeatInput(data=request.data)
         ser.is_valid(raise_exception=True)
         data = ser.validated_data
         reports = [
@@ -182,7 +183,7 @@ class EdgeHeartbeatView(APIView):
             "updated_instances": result.updated_instances,
             "unknown_instances": result.unknown_instances,
         }
-        return Response(s.HeartbeatOut(out).data)
+        return Response(s.HeartbeatOutput(out).data)
 
 
 class EdgeCredentialRotateView(APIView):
@@ -191,13 +192,18 @@ class EdgeCredentialRotateView(APIView):
     @extend_schema(
         operation_id="edge_rotate_credential",
         request=None,
-        responses={200: s.EdgeCredentialOut, 401: UNAUTHENTICATED, 403: FORBIDDEN, 404: NOT_FOUND},
+        responses={
+            200: s.EdgeCredentialOutput,
+            401: UNAUTHENTICATED,
+            403: FORBIDDEN,
+            404: NOT_FOUND,
+        },
     )
     def post(self, request: Request, pk: int) -> Response:
         edge: Edge = _lookup(Edge, pk=str(pk))
         credential = services.edge_credential_rotate(actor=request.user, edge=edge)
         out = {"id": edge.pk, "name": edge.name, "region": edge.region.code}
-        return Response(s.EdgeCredentialOut({**out, "credential": credential}).data)
+        return Response(s.EdgeCredentialOutput({**out, "credential": credential}).data)
 
 
 class RoutingTableOverviewViewSet(ReadViewSet):
@@ -206,5 +212,5 @@ class RoutingTableOverviewViewSet(ReadViewSet):
     lookup_field = "code"
     queryset = Region.objects.none()
     selector = staticmethod(distribution.routing_table_overview)
-    output_serializer = s.RegionTableOut
+    output_serializer = s.RegionTableOutput
     ordering_fields = ("code", "latest_version")

@@ -1,5 +1,4 @@
-"""Input serializers (strict: unknown fields are a 400) and output serializers, kept apart so
-that what a client may send and what it gets back are separate, documented shapes."""
+"""Input and output shapes of the tenancy API (``federation.api.serializers``)."""
 
 from __future__ import annotations
 
@@ -9,13 +8,14 @@ from django.contrib.auth.models import User
 from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
-from federation.api.serializers import StrictFieldsMixin
-from federation.core.api.fields import (
+from federation.api.fields import (
     MoneyField,
+    SlugLookupField,
     StrictBooleanField,
     StrictIntegerField,
     UTCDateTimeField,
 )
+from federation.api.serializers import InputSerializer, OutputModelSerializer
 from federation.core.roles import role_of
 from federation.inventory.models import Jurisdiction, Region, slug_validator
 from federation.tenancy import selectors
@@ -25,18 +25,8 @@ from federation.tenancy.services import MAX_ROTATION_GRACE_SECONDS
 MAX_INT32 = 2**31 - 1
 
 
-class CodeRelatedField(serializers.SlugRelatedField[Any]):
-    """A slug reference that refuses NUL characters (PostgreSQL text cannot hold them) with a
-    400 instead of letting the lookup fail in the database."""
-
-    def to_internal_value(self, data: Any) -> Any:
-        if isinstance(data, str) and "\x00" in data:
-            self.fail("invalid")
-        return super().to_internal_value(data)
-
-
-def _region_field(**kwargs: Any) -> CodeRelatedField:
-    return CodeRelatedField(
+def _region_field(**kwargs: Any) -> SlugLookupField:
+    return SlugLookupField(
         many=True,
         slug_field="code",
         queryset=Region.objects.all(),
@@ -64,7 +54,7 @@ def _rate_field() -> serializers.IntegerField:
     )
 
 
-class TenantCreateInput(StrictFieldsMixin, serializers.Serializer):
+class TenantCreateInput(InputSerializer):
     slug = serializers.RegexField(
         regex=slug_validator.regex,
         max_length=63,
@@ -85,7 +75,7 @@ class TenantCreateInput(StrictFieldsMixin, serializers.Serializer):
     is_active = StrictBooleanField(required=False, default=True)
 
 
-class TenantUpdateInput(StrictFieldsMixin, serializers.Serializer):
+class TenantUpdateInput(InputSerializer):
     name = serializers.CharField(max_length=200, required=False)
     allowed_jurisdictions = _jurisdictions_field(required=False)
     allowed_regions = _region_field(required=False)
@@ -95,7 +85,7 @@ class TenantUpdateInput(StrictFieldsMixin, serializers.Serializer):
     isolate_kv_cache = StrictBooleanField(required=False)
 
 
-class TenantOutput(serializers.ModelSerializer):
+class TenantOutput(OutputModelSerializer):
     allowed_regions: serializers.SlugRelatedField[Region] = serializers.SlugRelatedField(
         many=True, read_only=True, slug_field="code"
     )
@@ -119,40 +109,38 @@ class TenantOutput(serializers.ModelSerializer):
             "created_at",
             "updated_at",
         ]
-        read_only_fields = fields
 
     @extend_schema_field(serializers.ListField(child=serializers.CharField()))
     def get_permitted_regions(self, tenant: Tenant) -> list[str]:
         return selectors.tenant_permitted_regions(tenant, self.context.get("region_refs"))
 
 
-class ApiKeyCreateInput(StrictFieldsMixin, serializers.Serializer):
-    tenant = CodeRelatedField(slug_field="slug", queryset=Tenant.objects.all())
-    name = serializers.CharField(max_length=100)
-    scopes = serializers.ListField(
+def _scopes_field(**kwargs: Any) -> serializers.ListField:
+    return serializers.ListField(
         child=serializers.ChoiceField(choices=ApiKey.Scope.choices),
         min_length=1,
         max_length=len(ApiKey.Scope.values),
         required=False,
-        help_text="Default: ['inference'].",
+        **kwargs,
     )
+
+
+class ApiKeyCreateInput(InputSerializer):
+    tenant = SlugLookupField(slug_field="slug", queryset=Tenant.objects.all())
+    name = serializers.CharField(max_length=100)
+    scopes = _scopes_field(help_text="Default: ['inference'].")
     expires_at = UTCDateTimeField(
         required=False, allow_null=True, help_text="Must be in the future; null = never."
     )
 
 
-class ApiKeyUpdateInput(StrictFieldsMixin, serializers.Serializer):
+class ApiKeyUpdateInput(InputSerializer):
     name = serializers.CharField(max_length=100, required=False)
-    scopes = serializers.ListField(
-        child=serializers.ChoiceField(choices=ApiKey.Scope.choices),
-        min_length=1,
-        max_length=len(ApiKey.Scope.values),
-        required=False,
-    )
+    scopes = _scopes_field()
     expires_at = UTCDateTimeField(required=False, allow_null=True)
 
 
-class ApiKeyRotateInput(StrictFieldsMixin, serializers.Serializer):
+class ApiKeyRotateInput(InputSerializer):
     grace_seconds = StrictIntegerField(
         min_value=0,
         max_value=MAX_ROTATION_GRACE_SECONDS,
@@ -162,7 +150,7 @@ class ApiKeyRotateInput(StrictFieldsMixin, serializers.Serializer):
     )
 
 
-class ApiKeyOutput(serializers.ModelSerializer):
+class ApiKeyOutput(OutputModelSerializer):
     tenant: serializers.SlugRelatedField[Tenant] = serializers.SlugRelatedField(
         read_only=True, slug_field="slug"
     )
@@ -194,7 +182,6 @@ class ApiKeyOutput(serializers.ModelSerializer):
             "created_at",
             "updated_at",
         ]
-        read_only_fields = fields
 
     @extend_schema_field(serializers.ChoiceField(choices=["active", "revoked", "expired"]))
     def get_status(self, api_key: ApiKey) -> str:
@@ -208,28 +195,32 @@ class ApiKeyIssuedOutput(ApiKeyOutput):
 
     class Meta(ApiKeyOutput.Meta):
         fields = [*ApiKeyOutput.Meta.fields, "key"]
-        read_only_fields = fields
 
     def get_key(self, api_key: ApiKey) -> str:
         return str(self.context["plaintext_key"])
 
 
-class UserCreateInput(StrictFieldsMixin, serializers.Serializer):
+def _password_field(**kwargs: Any) -> serializers.CharField:
+    return serializers.CharField(
+        write_only=True,
+        min_length=8,
+        max_length=128,
+        trim_whitespace=False,
+        style={"input_type": "password"},
+        **kwargs,
+    )
+
+
+class UserCreateInput(InputSerializer):
     username = serializers.RegexField(
         regex=r"^[\w.@+-]+\Z",
         max_length=150,
         error_messages={"invalid": "Use letters, digits and @ . + - _ only."},
     )
     email = serializers.EmailField(required=False, allow_blank=True, default="")
-    password = serializers.CharField(
-        write_only=True,
-        min_length=8,
-        max_length=128,
-        trim_whitespace=False,
-        style={"input_type": "password"},
-    )
+    password = _password_field()
     role = serializers.ChoiceField(choices=Membership.Role.choices)
-    tenant = CodeRelatedField(
+    tenant = SlugLookupField(
         slug_field="slug",
         queryset=Tenant.objects.all(),
         required=False,
@@ -238,30 +229,24 @@ class UserCreateInput(StrictFieldsMixin, serializers.Serializer):
     )
 
 
-class UserUpdateInput(StrictFieldsMixin, serializers.Serializer):
+class UserUpdateInput(InputSerializer):
     email = serializers.EmailField(required=False, allow_blank=True)
-    password = serializers.CharField(
-        write_only=True,
-        min_length=8,
-        max_length=128,
-        required=False,
-        trim_whitespace=False,
-        style={"input_type": "password"},
-    )
+    password = _password_field(required=False)
     role = serializers.ChoiceField(choices=Membership.Role.choices, required=False)
-    tenant = CodeRelatedField(
+    tenant = SlugLookupField(
         slug_field="slug", queryset=Tenant.objects.all(), required=False, allow_null=True
     )
     is_active = StrictBooleanField(required=False)
 
 
-def _tenant_slug(user: User) -> str | None:
+def tenant_slug_of(user: Any) -> str | None:
+    """The slug of the tenant the user belongs to (tenant viewers), else None."""
     membership = getattr(user, "membership", None)
     tenant = membership.tenant if membership is not None else None
     return tenant.slug if tenant is not None else None
 
 
-class UserOutput(serializers.ModelSerializer):
+class UserOutput(OutputModelSerializer):
     email = serializers.CharField(help_text="May be empty.")
     role = serializers.SerializerMethodField()
     tenant = serializers.SerializerMethodField()
@@ -278,14 +263,13 @@ class UserOutput(serializers.ModelSerializer):
             "date_joined",
             "last_login",
         ]
-        read_only_fields = fields
 
     @extend_schema_field(serializers.ChoiceField(choices=Membership.Role.choices, allow_null=True))
     def get_role(self, user: User) -> str | None:
         return role_of(user)
 
     def get_tenant(self, user: User) -> str | None:
-        return _tenant_slug(user)
+        return tenant_slug_of(user)
 
 
 class MeOutput(serializers.Serializer):
@@ -295,7 +279,7 @@ class MeOutput(serializers.Serializer):
     tenant = serializers.CharField(allow_null=True, help_text="Slug; set for tenant viewers.")
 
 
-class TokenCreateInput(StrictFieldsMixin, serializers.Serializer):
+class TokenCreateInput(InputSerializer):
     username = serializers.CharField(max_length=150)
     password = serializers.CharField(
         max_length=128, trim_whitespace=False, style={"input_type": "password"}

@@ -5,17 +5,17 @@ Views only parse input, call one service or selector, and render output.
 
 from __future__ import annotations
 
-import re
+from collections.abc import Mapping
 from typing import Any
 
 from django.contrib.auth import authenticate, logout
 from django.contrib.auth.models import User
-from django.db.models import QuerySet
+from django.db.models import Model, QuerySet
 from django.utils import timezone
-from drf_spectacular.utils import OpenApiResponse, extend_schema, extend_schema_view
-from rest_framework import mixins, status, viewsets
+from drf_spectacular.utils import OpenApiResponse, extend_schema
+from rest_framework import status
 from rest_framework.decorators import action
-from rest_framework.exceptions import NotFound, ValidationError
+from rest_framework.exceptions import ValidationError
 from rest_framework.permissions import AllowAny, BasePermission, IsAuthenticated
 from rest_framework.request import Request
 from rest_framework.response import Response
@@ -23,49 +23,32 @@ from rest_framework.throttling import BaseThrottle
 from rest_framework.views import APIView
 
 from federation.api.permissions import IsAdmin
+from federation.api.schema import crud_schema
 from federation.api.throttles import LoginThrottle
+from federation.api.views import ServiceViewSet
 from federation.core.roles import role_of
-from federation.inventory.models import slug_validator
 from federation.tenancy import selectors, services
 from federation.tenancy.api import serializers as s
 from federation.tenancy.filters import ApiKeyFilter, TenantFilter, UserFilter
 from federation.tenancy.models import ApiKey, AuthToken, Tenant
 
-_SLUG = re.compile(slug_validator.regex)
-
-E400 = OpenApiResponse(description="Invalid input; the body names each field's problem.")
-E401 = OpenApiResponse(description="Not authenticated.")
-E403 = OpenApiResponse(description="Your role does not allow this.")
-E404 = OpenApiResponse(description="No such object, or not visible to you.")
-E409 = OpenApiResponse(description="Conflicts with the current state.")
-READ = {401: E401, 403: E403}
-LIST = {400: E400, **READ}
-DETAIL = {**READ, 404: E404}
-WRITE = {400: E400, **DETAIL, 409: E409}
-DELETED = {204: OpenApiResponse(description="Deleted."), **DETAIL, 409: E409}
-
-
-def crud_schema(*, out: Any, create: Any, update: Any, created: Any = None) -> Any:
-    """Document every operation: input and output serializers and the error statuses."""
-    return extend_schema_view(
-        list=extend_schema(responses={200: out, **LIST}),
-        retrieve=extend_schema(responses={200: out, **DETAIL}),
-        create=extend_schema(request=create, responses={201: created or out, **WRITE}),
-        partial_update=extend_schema(request=update, responses={200: out, **WRITE}),
-        destroy=extend_schema(responses=DELETED),
-    )
+#: Tenancy resources are changed with PATCH; they take no PUT.
+_PATCH_ONLY = ["get", "post", "patch", "delete", "head", "options"]
 
 
 @crud_schema(out=s.TenantOutput, create=s.TenantCreateInput, update=s.TenantUpdateInput)
-class TenantViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet):
+class TenantViewSet(ServiceViewSet):
     """Tenants and their residency policy, rate limits and budget."""
 
-    serializer_class = s.TenantOutput
+    tenant_viewer_readable = True
     lookup_field = "slug"
+    http_method_names = _PATCH_ONLY
+    queryset = Tenant.objects.none()
+    output_serializer = s.TenantOutput
+    create_input = s.TenantCreateInput
+    update_input = s.TenantUpdateInput
     filterset_class = TenantFilter
     ordering_fields = ["slug", "name", "created_at"]
-    http_method_names = ["get", "post", "patch", "delete", "head", "options"]
-    tenant_viewer_readable = True
 
     def get_queryset(self) -> QuerySet[Tenant]:
         return selectors.tenant_list(user=self.request.user)
@@ -73,45 +56,27 @@ class TenantViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.G
     def get_serializer_context(self) -> dict[str, Any]:
         return {**super().get_serializer_context(), "region_refs": selectors.region_refs()}
 
-    def get_object(self) -> Tenant:
-        # A slug that cannot exist (e.g. one with a NUL character, which PostgreSQL cannot
-        # even compare) is a 404 like any other missing tenant.
-        if not _SLUG.fullmatch(self.kwargs["slug"]):
-            raise NotFound()
-        return super().get_object()
+    def create_object(self, data: dict[str, Any]) -> Model:
+        return services.tenant_create(actor=self.request.user, **data)
 
-    def _render(self, tenant: Tenant, code: int = status.HTTP_200_OK) -> Response:
-        return Response(s.TenantOutput(tenant, context=self.get_serializer_context()).data, code)
+    def update_object(self, obj: Tenant, data: Mapping[str, Any]) -> Model:
+        return services.tenant_update(actor=self.request.user, tenant=obj, data=data)
 
-    def create(self, request: Request) -> Response:
-        data = s.TenantCreateInput(data=request.data)
-        data.is_valid(raise_exception=True)
-        tenant = services.tenant_create(actor=request.user, **data.validated_data)
-        return self._render(tenant, status.HTTP_201_CREATED)
+    def delete_object(self, obj: Tenant) -> None:
+        services.tenant_delete(actor=self.request.user, tenant=obj)
 
-    def partial_update(self, request: Request, slug: str) -> Response:
-        tenant = self.get_object()
-        data = s.TenantUpdateInput(data=request.data)
-        data.is_valid(raise_exception=True)
-        tenant = services.tenant_update(actor=request.user, tenant=tenant, data=data.validated_data)
-        return self._render(tenant)
-
-    def destroy(self, request: Request, slug: str) -> Response:
-        services.tenant_delete(actor=request.user, tenant=self.get_object())
-        return Response(status=status.HTTP_204_NO_CONTENT)
-
-    @extend_schema(request=None, responses={200: s.TenantOutput, **DETAIL, 409: E409})
+    @extend_schema(request=None, responses={200: s.TenantOutput})
     @action(detail=True, methods=["post"])
     def deactivate(self, request: Request, slug: str) -> Response:
         """Stop serving the tenant; its keys, members and history stay."""
-        return self._render(
+        return self.respond(
             services.tenant_deactivate(actor=request.user, tenant=self.get_object())
         )
 
-    @extend_schema(request=None, responses={200: s.TenantOutput, **DETAIL, 409: E409})
+    @extend_schema(request=None, responses={200: s.TenantOutput})
     @action(detail=True, methods=["post"])
     def activate(self, request: Request, slug: str) -> Response:
-        return self._render(services.tenant_activate(actor=request.user, tenant=self.get_object()))
+        return self.respond(services.tenant_activate(actor=request.user, tenant=self.get_object()))
 
 
 @crud_schema(
@@ -120,14 +85,17 @@ class TenantViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.G
     update=s.ApiKeyUpdateInput,
     created=s.ApiKeyIssuedOutput,
 )
-class ApiKeyViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet):
+class ApiKeyViewSet(ServiceViewSet):
     """Inference API keys. The plaintext key appears only in the create and rotate responses."""
 
-    serializer_class = s.ApiKeyOutput
+    tenant_viewer_readable = True
+    http_method_names = _PATCH_ONLY
+    queryset = ApiKey.objects.none()
+    output_serializer = s.ApiKeyOutput
+    create_input = s.ApiKeyCreateInput
+    update_input = s.ApiKeyUpdateInput
     filterset_class = ApiKeyFilter
     ordering_fields = ["id", "name", "prefix", "created_at", "expires_at"]
-    http_method_names = ["get", "post", "patch", "delete", "head", "options"]
-    tenant_viewer_readable = True
 
     def get_queryset(self) -> QuerySet[ApiKey]:
         return selectors.api_key_list(user=self.request.user)
@@ -139,33 +107,25 @@ class ApiKeyViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.G
         context = {**self.get_serializer_context(), "plaintext_key": issued.plaintext}
         return Response(s.ApiKeyIssuedOutput(issued.api_key, context=context).data, code)
 
-    def create(self, request: Request) -> Response:
+    def create(self, request: Request, *args: Any, **kwargs: Any) -> Response:
         data = s.ApiKeyCreateInput(data=request.data)
         data.is_valid(raise_exception=True)
         issued = services.api_key_create(actor=request.user, **data.validated_data)
         return self._issued(issued, status.HTTP_201_CREATED)
 
-    def partial_update(self, request: Request, pk: str) -> Response:
-        api_key = self.get_object()
-        data = s.ApiKeyUpdateInput(data=request.data)
-        data.is_valid(raise_exception=True)
-        api_key = services.api_key_update(
-            actor=request.user, api_key=api_key, data=data.validated_data
-        )
-        return Response(s.ApiKeyOutput(api_key, context=self.get_serializer_context()).data)
+    def update_object(self, obj: ApiKey, data: Mapping[str, Any]) -> Model:
+        return services.api_key_update(actor=self.request.user, api_key=obj, data=data)
 
-    def destroy(self, request: Request, pk: str) -> Response:
-        services.api_key_delete(actor=request.user, api_key=self.get_object())
-        return Response(status=status.HTTP_204_NO_CONTENT)
+    def delete_object(self, obj: ApiKey) -> None:
+        services.api_key_delete(actor=self.request.user, api_key=obj)
 
-    @extend_schema(request=None, responses={200: s.ApiKeyOutput, **DETAIL, 409: E409})
+    @extend_schema(request=None, responses={200: s.ApiKeyOutput})
     @action(detail=True, methods=["post"])
     def revoke(self, request: Request, pk: str) -> Response:
         """Revoke the key for good, including a secret still in rotation grace."""
-        api_key = services.api_key_revoke(actor=request.user, api_key=self.get_object())
-        return Response(s.ApiKeyOutput(api_key, context=self.get_serializer_context()).data)
+        return self.respond(services.api_key_revoke(actor=request.user, api_key=self.get_object()))
 
-    @extend_schema(request=s.ApiKeyRotateInput, responses={200: s.ApiKeyIssuedOutput, **WRITE})
+    @extend_schema(request=s.ApiKeyRotateInput, responses={200: s.ApiKeyIssuedOutput})
     @action(detail=True, methods=["post"])
     def rotate(self, request: Request, pk: str) -> Response:
         """Issue a new secret; the old one stops working now or after ``grace_seconds``."""
@@ -179,34 +139,27 @@ class ApiKeyViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.G
 
 
 @crud_schema(out=s.UserOutput, create=s.UserCreateInput, update=s.UserUpdateInput)
-class UserViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet):
+class UserViewSet(ServiceViewSet):
     """People who use the console and the API, with their role (admins only)."""
 
-    serializer_class = s.UserOutput
     permission_classes = [IsAdmin]
+    http_method_names = _PATCH_ONLY
+    queryset = User.objects.none()
+    selector = staticmethod(selectors.user_list)
+    output_serializer = s.UserOutput
+    create_input = s.UserCreateInput
+    update_input = s.UserUpdateInput
     filterset_class = UserFilter
     ordering_fields = ["id", "username", "date_joined"]
-    http_method_names = ["get", "post", "patch", "delete", "head", "options"]
 
-    def get_queryset(self) -> QuerySet[User]:
-        return selectors.user_list()
+    def create_object(self, data: dict[str, Any]) -> Model:
+        return services.user_create(actor=self.request.user, **data)
 
-    def create(self, request: Request) -> Response:
-        data = s.UserCreateInput(data=request.data)
-        data.is_valid(raise_exception=True)
-        user = services.user_create(actor=request.user, **data.validated_data)
-        return Response(s.UserOutput(user).data, status=status.HTTP_201_CREATED)
+    def update_object(self, obj: User, data: Mapping[str, Any]) -> Model:
+        return services.user_update(actor=self.request.user, user=obj, data=data)
 
-    def partial_update(self, request: Request, pk: str) -> Response:
-        user = self.get_object()
-        data = s.UserUpdateInput(data=request.data)
-        data.is_valid(raise_exception=True)
-        user = services.user_update(actor=request.user, user=user, data=data.validated_data)
-        return Response(s.UserOutput(selectors.user_list().get(pk=user.pk)).data)
-
-    def destroy(self, request: Request, pk: str) -> Response:
-        services.user_delete(actor=request.user, user=self.get_object())
-        return Response(status=status.HTTP_204_NO_CONTENT)
+    def delete_object(self, obj: User) -> None:
+        services.user_delete(actor=self.request.user, user=obj)
 
 
 class MeView(APIView):
@@ -214,18 +167,16 @@ class MeView(APIView):
 
     permission_classes = [IsAuthenticated]
 
-    @extend_schema(responses={200: s.MeOutput, 401: E401})
+    @extend_schema(responses={200: s.MeOutput})
     def get(self, request: Request) -> Response:
         user = request.user
-        membership = getattr(user, "membership", None)
-        tenant = membership.tenant if membership is not None else None
         return Response(
             s.MeOutput(
                 {
                     "username": user.get_username(),
                     "email": getattr(user, "email", ""),
                     "role": role_of(user),
-                    "tenant": tenant.slug if tenant is not None else None,
+                    "tenant": s.tenant_slug_of(user),
                 }
             ).data
         )
@@ -247,7 +198,6 @@ class AuthTokenView(APIView):
         request=s.TokenCreateInput,
         responses={
             200: s.TokenOutput,
-            400: E400,
             401: OpenApiResponse(description="An Authorization header with an invalid token."),
             429: OpenApiResponse(description="Too many attempts; see Retry-After."),
         },
@@ -270,9 +220,7 @@ class AuthTokenView(APIView):
         out = {"token": issued.plaintext, "expires_at": issued.token.expires_at}
         return Response(s.TokenOutput(out).data)
 
-    @extend_schema(
-        request=None, responses={204: OpenApiResponse(description="Logged out."), 401: E401}
-    )
+    @extend_schema(request=None, responses={204: OpenApiResponse(description="Logged out.")})
     def delete(self, request: Request) -> Response:
         if isinstance(request.auth, AuthToken):
             services.auth_token_revoke(token=request.auth)

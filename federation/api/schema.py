@@ -1,26 +1,27 @@
-"""OpenAPI details drf-spectacular cannot infer for the inventory views.
+"""OpenAPI details drf-spectacular cannot infer, for every view (``DEFAULT_SCHEMA_CLASS``).
 
 * Error responses: every operation documents the 4xx it can answer (with their bodies), so a
   client generator or schemathesis sees the real contract, not just the happy path.
 * Strict request bodies: input serializers refuse unknown fields (``StrictFieldsMixin``), so
   their schemas say ``additionalProperties: false``.
-
-Nothing here is inventory-specific; it could serve every app's views from ``federation.api``.
+* Decimal strings: a pattern that needs a digit and has a sign only where one is allowed.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
-from drf_spectacular.openapi import AutoSchema
+from drf_spectacular import openapi
 from drf_spectacular.types import OpenApiTypes
-from drf_spectacular.utils import OpenApiResponse
+from drf_spectacular.utils import OpenApiResponse, extend_schema, extend_schema_view
 from rest_framework import serializers
+from rest_framework.serializers import BaseSerializer
 
 from federation.api.serializers import StrictFieldsMixin
 
 
-class ErrorOut(serializers.Serializer):
+class ErrorOutput(serializers.Serializer):
     detail = serializers.CharField()
     code = serializers.CharField(required=False)
 
@@ -29,13 +30,13 @@ FIELD_ERRORS = OpenApiResponse(
     response=OpenApiTypes.OBJECT,
     description="Invalid input: an object of field name (or non_field_errors) to messages.",
 )
-UNAUTHENTICATED = OpenApiResponse(ErrorOut, description="No or invalid credentials.")
-FORBIDDEN = OpenApiResponse(ErrorOut, description="Your role does not allow this.")
-NOT_FOUND = OpenApiResponse(ErrorOut, description="No such object.")
+UNAUTHENTICATED = OpenApiResponse(ErrorOutput, description="No or invalid credentials.")
+FORBIDDEN = OpenApiResponse(ErrorOutput, description="Your role does not allow this.")
+NOT_FOUND = OpenApiResponse(ErrorOutput, description="No such object, or not visible to you.")
 CONFLICT = OpenApiResponse(
-    ErrorOut, description="Conflicts with the current state, or the object is still in use."
+    ErrorOutput, description="Conflicts with the current state, or the object is still in use."
 )
-TOO_LARGE = OpenApiResponse(ErrorOut, description="The request body exceeds the size limit.")
+TOO_LARGE = OpenApiResponse(ErrorOutput, description="The request body exceeds the size limit.")
 
 
 def _decimal_pattern(field: serializers.DecimalField) -> str:
@@ -51,7 +52,7 @@ def _decimal_pattern(field: serializers.DecimalField) -> str:
     return rf"^{sign}(?:{'|'.join(alternatives)})$"
 
 
-class InventoryAutoSchema(AutoSchema):
+class AutoSchema(openapi.AutoSchema):
     def _error_responses(self) -> dict[str, OpenApiResponse]:
         errors = {"401": UNAUTHENTICATED, "403": FORBIDDEN, "400": FIELD_ERRORS}
         if "{" in self.path:
@@ -90,3 +91,25 @@ class InventoryAutoSchema(AutoSchema):
             # (e.g. StrictFieldsMixin), not this body.
             schema.pop("description", None)
         return schema
+
+
+def crud_schema(
+    *,
+    out: type[BaseSerializer],
+    create: type[BaseSerializer],
+    update: type[BaseSerializer],
+    created: type[BaseSerializer] | None = None,
+) -> Callable[[type], type]:
+    """Document that the view's writes take the input serializer and answer with the output
+    one (or ``created`` for a create whose answer differs, such as a key shown once)."""
+    operations = {
+        "create": extend_schema(request=create, responses={201: created or out}),
+        "update": extend_schema(request=update, responses={200: out}),
+        "partial_update": extend_schema(request=update, responses={200: out}),
+    }
+
+    def decorate(view: type) -> type:
+        present = {name: doc for name, doc in operations.items() if hasattr(view, name)}
+        return extend_schema_view(**present)(view)
+
+    return decorate

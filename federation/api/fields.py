@@ -1,8 +1,12 @@
-"""Datetime input that PostgreSQL can always store.
+"""Serializer fields that take what the OpenAPI schema says and nothing looser.
 
-Python accepts UTC offsets up to ±23:59 and years 1-9999; PostgreSQL refuses offsets beyond
-±15:59 and Python cannot shift 0001-01-01 or 9999-12-31 across midnight. Converting every
-input to UTC here turns those corners into a clear 400 instead of a database error (500).
+* Strict scalars: JSON strings, booleans and integers only (DRF would coerce ``0`` to
+  ``"0"``, ``"yes"`` to True and ``"12"`` to 12).
+* Datetimes PostgreSQL can always store: Python accepts UTC offsets up to ±23:59 and years
+  1-9999; PostgreSQL refuses offsets beyond ±15:59 and Python cannot shift 0001-01-01 or
+  9999-12-31 across midnight. Converting every input to UTC here turns those corners into a
+  clear 400 instead of a database error (500).
+* References by slug that refuse NUL characters, which PostgreSQL text cannot hold.
 """
 
 from __future__ import annotations
@@ -11,9 +15,6 @@ from datetime import UTC, datetime
 from decimal import Decimal
 from typing import Any
 
-import django_filters
-from django import forms
-from django_filters.fields import IsoDateTimeField
 from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
@@ -33,19 +34,13 @@ class UTCDateTimeField(serializers.DateTimeField):
             raise  # unreachable: fail() raises
 
 
-class UTCIsoDateTimeFormField(IsoDateTimeField):
-    def to_python(self, value: Any) -> datetime | None:
-        parsed = super().to_python(value)
-        if parsed is None:
-            return None
-        try:
-            return to_utc(parsed)
-        except OverflowError as exc:
-            raise forms.ValidationError("Date-time out of range.", code="invalid") from exc
+class StrictCharField(serializers.CharField):
+    """JSON strings only: DRF would store ``{"name": 0}`` as "0"."""
 
-
-class UTCIsoDateTimeFilter(django_filters.IsoDateTimeFilter):
-    field_class = UTCIsoDateTimeFormField
+    def to_internal_value(self, data: Any) -> str:
+        if not isinstance(data, str):
+            self.fail("invalid")
+        return str(super().to_internal_value(data))
 
 
 class StrictBooleanField(serializers.BooleanField):
@@ -85,3 +80,14 @@ class MoneyField(serializers.DecimalField):
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(max_digits=14, decimal_places=2, min_value=Decimal(0), **kwargs)
+
+
+class SlugLookupField(serializers.SlugRelatedField[Any]):
+    """A reference by slug (a region code, a tenant slug) that refuses NUL characters itself:
+    PostgreSQL cannot even compare text containing them, so the lookup would fail with a
+    server error."""
+
+    def to_internal_value(self, data: Any) -> Any:
+        if isinstance(data, str) and "\x00" in data:
+            raise serializers.ValidationError("Null characters are not allowed.")
+        return super().to_internal_value(data)

@@ -1,0 +1,123 @@
+"""Writes to deployments (models placed on pools), each refused with every violated fit rule."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from django.core.exceptions import ValidationError
+from django.db import transaction
+
+from federation.core.audit import Actor, audit_record
+from federation.core.services import Errors, model_apply, model_save, model_validate
+from federation.inventory import fit
+from federation.inventory.models import Deployment, GPUPool, LanguageModel, LoraAdapter
+from federation.inventory.services.fit_checks import (
+    deployment_spec,
+    model_spec,
+    other_demands,
+    pool_spec,
+    problems_as_errors,
+)
+from federation.inventory.services.pools import locked_pool, pool_accepts_placements_check
+
+DEPLOYMENT_UPDATABLE = (
+    "tensor_parallel_size",
+    "min_replicas",
+    "desired_replicas",
+    "max_replicas",
+    "engine_args",
+)
+
+
+def _check_fit(dep: Deployment, adapters: Sequence[LoraAdapter]) -> Errors:
+    return problems_as_errors(
+        fit.check_deployment_fit(
+            deployment_spec(dep, adapters),
+            model=model_spec(dep.model),
+            pool=pool_spec(dep.pool),
+            other_demands=other_demands(dep.pool, exclude=dep),
+        )
+    )
+
+
+@transaction.atomic
+def deployment_create(
+    *,
+    actor: Actor,
+    model: LanguageModel,
+    pool: GPUPool,
+    tensor_parallel_size: int,
+    role: str = Deployment.Role.MIXED,
+    min_replicas: int = 1,
+    desired_replicas: int = 1,
+    max_replicas: int = 1,
+    engine_args: dict[str, Any] | None = None,
+    adapters: Sequence[LoraAdapter] = (),
+) -> Deployment:
+    """Place a model on a pool; refused with every violated fit constraint."""
+    pool = locked_pool(pool)
+    pool_accepts_placements_check(pool)
+    dep = Deployment(
+        model=model,
+        pool=pool,
+        role=role,
+        tensor_parallel_size=tensor_parallel_size,
+        min_replicas=min_replicas,
+        desired_replicas=desired_replicas,
+        max_replicas=max_replicas,
+        engine_args={} if engine_args is None else engine_args,
+    )
+    adapters = list(adapters)
+    model_validate(dep, extra=_check_fit(dep, adapters))
+    model_save(dep)
+    dep.adapters.set(adapters)
+    audit_record(
+        actor=actor,
+        action="deployment.create",
+        obj=dep,
+        changes={"adapters": [a.pk for a in adapters]},
+    )
+    return dep
+
+
+@transaction.atomic
+def deployment_update(
+    *, actor: Actor, deployment: Deployment, data: Mapping[str, Any]
+) -> Deployment:
+    """Change TP, replicas, engine flags or adapters; model, pool and role are fixed (create
+    another deployment to move a model)."""
+    fields = dict(data)
+    if "engine_args" in fields:
+        # Refuse malformed flags before anything walks them (the audit diff recurses).
+        problems = fit.check_engine_args(fields["engine_args"], model=model_spec(deployment.model))
+        if problems:
+            raise ValidationError(problems_as_errors(problems))
+    new_adapters: list[LoraAdapter] | None = (
+        list(fields.pop("adapters")) if "adapters" in fields else None
+    )
+    pool = locked_pool(deployment.pool)
+    dep = Deployment.objects.select_related("model").select_for_update().get(pk=deployment.pk)
+    dep.pool = pool
+    old_desired = dep.desired_replicas
+    diff = model_apply(dep, fields, updatable=DEPLOYMENT_UPDATABLE)
+    if dep.desired_replicas > old_desired:
+        pool_accepts_placements_check(pool)
+    current = list(dep.adapters.select_related("base_model"))
+    adapters = current if new_adapters is None else new_adapters
+    model_validate(dep, extra=_check_fit(dep, adapters))
+    model_save(dep)
+    if new_adapters is not None:
+        old_ids, new_ids = sorted(a.pk for a in current), sorted(a.pk for a in new_adapters)
+        if old_ids != new_ids:
+            dep.adapters.set(new_adapters)
+            diff["adapters"] = [old_ids, new_ids]
+    if diff:
+        audit_record(actor=actor, action="deployment.update", obj=dep, changes=diff)
+    return dep
+
+
+@transaction.atomic
+def deployment_delete(*, actor: Actor, deployment: Deployment) -> None:
+    audit_record(actor=actor, action="deployment.delete", obj=deployment)
+    deployment.delete()
