@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 import shutil
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -91,11 +92,12 @@ def start_edge(
     region: str = "bench",
     name: str = "edge",
     model: str | None = None,
+    extra: Sequence[str] = (),
 ) -> tuple[Process, str, str]:
     """(process, public URL, operator URL: /healthz and /metrics)."""
     port, ops_port = free_port(), free_port()
     argv = fedinfer_argv("edge", "--region", region, "--table", str(table), "--port", str(port))
-    argv += ["--operator-port", str(ops_port)]
+    argv += ["--operator-port", str(ops_port), *extra]
     if policy:
         argv += ["--policy", policy]
     proc = pg.start(name, argv, cpus=cpus)

@@ -11,6 +11,10 @@ Measured per (path, stream, concurrency): requests/s and latency percentiles fro
 resolution), plus the CPU share of engine and router. Added latency = router - direct in the
 same repetition; the median over repetitions is reported, with min..max as the noise.
 
+A fourth path, ``edge-metered``, is the same edge with usage metering on (a record per request,
+spooled and shipped to the Redis usage stream of ``--usage-redis-url``, whose stream it deletes
+after): metering's price is its CPU per request minus the plain edge's, in the same repetition.
+
     .venv/bin/python -m bench.overhead [--reps 3] [--duration 4]
 """
 
@@ -28,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import orjson
+import redis
 
 from bench.fleet import (
     SGLANG_INSTALL,
@@ -41,6 +46,7 @@ from bench.fleet import (
 from bench.procs import VAR, bench_processes, git_rev, machine_info
 from bench.report import fmt, markdown_table, spread, utc_now, write_result
 from regions.supervisor import Process
+from regions.tables.usage import USAGE_STREAM
 
 LUA = Path(__file__).with_name("wrk_post.lua")
 MODEL = "bench-zero"
@@ -53,6 +59,7 @@ TARGETS = {
     "added_p50_ms_c1": 1.0,  # edge p50 - direct p50, one request at a time
     "added_p99_ms_c64": 5.0,  # edge p99 - direct p99, 64 concurrent
     "rps_ratio_vs_rust_c64": 0.8,  # edge requests/s ÷ Rust router requests/s, 64 concurrent
+    "metering_cpu_us_per_req_c64": 5.0,  # metered edge - edge, µs of CPU per request
 }
 
 
@@ -146,7 +153,9 @@ def check_path(url: str, stream: bool, expect_route_header: bool) -> None:
         raise RuntimeError(f"{url}: no choices in {data[:200]!r}")
 
 
-def run(reps: int = 3, duration: float = 4.0, warmup: float = 2.0) -> dict[str, Any]:
+def run(
+    reps: int = 3, duration: float = 4.0, warmup: float = 2.0, usage_redis_url: str = ""
+) -> dict[str, Any]:
     wrk = which_wrk()
     if wrk is None:
         raise SystemExit("wrk not found: apt-get install wrk")
@@ -173,12 +182,19 @@ def run(reps: int = 3, duration: float = 4.0, warmup: float = 2.0) -> dict[str, 
             "direct": (engines.urls[0], None),
             "edge": (edge_url, edge_proc),
         }
+        if usage_redis_url:
+            metered = ["--usage-spool-dir", str(tmp / "spool"), "--usage-redis-url"]
+            metered.append(usage_redis_url)
+            proc, url, _ = start_edge(
+                pg, table, cpus=ROUTER_CPUS, name="edge-metered", extra=metered
+            )
+            paths["edge-metered"] = (url, proc)
         if sglang_reason is None:
             rust_proc, rust_url = start_sglang(pg, engines.urls, cpus=ROUTER_CPUS)
             paths["rust"] = (rust_url, rust_proc)
         for name, (url, _) in paths.items():
             for stream in (False, True):
-                check_path(url, stream, expect_route_header=name == "edge")
+                check_path(url, stream, expect_route_header=name.startswith("edge"))
         for url, proc in paths.values():  # warm-up, discarded
             watch = {"engine": engines.proc, **({"router": proc} if proc else {})}
             run_wrk(url, bodies[False], 64, warmup, watch)
@@ -204,6 +220,8 @@ def run(reps: int = 3, duration: float = 4.0, warmup: float = 2.0) -> dict[str, 
                         flush=True,
                     )
 
+    if usage_redis_url:
+        redis.Redis.from_url(usage_redis_url).delete(USAGE_STREAM)
     summary = summarise(runs, list(paths))
     result = {
         "benchmark": "overhead",
@@ -226,6 +244,7 @@ def run(reps: int = 3, duration: float = 4.0, warmup: float = 2.0) -> dict[str, 
             "max_tokens": 16,
         },
         "rust_router": "sglang-router (round_robin)" if sglang_reason is None else sglang_reason,
+        "metering": f"edge-metered ships to {usage_redis_url}" if usage_redis_url else "off",
         "runs": runs,
         "summary": summary,
     }
@@ -304,6 +323,18 @@ def summarise(runs: list[dict[str, Any]], paths: list[str]) -> dict[str, Any]:
         }
     else:
         out["targets"]["rps_ratio_vs_rust_c64"] = {"value": None, "target": ">= 0.8", "met": None}
+    if "edge-metered" in paths:
+        extra = []
+        for k in reps:
+            a, b = get("edge-metered", False, 64, k), get("edge", False, 64, k)
+            if a and b:
+                extra.append(a["cpu_us_per_req"]["router"] - b["cpu_us_per_req"]["router"])
+        v4 = spread(extra)["median"]
+        out["targets"]["metering_cpu_us_per_req_c64"] = {
+            "value": v4,
+            "target": "<= 5.0",
+            "met": v4 <= 5.0,
+        }
     paced = out["cases"].get("chat-c64-paced", {}).get("edge", {}).get("added_p99_ms")
     if paced:
         # Informative: the same 64 connections below saturation (~1000 req/s offered).
@@ -378,10 +409,21 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--reps", type=int, default=3, help="repetitions of every case (default 3)")
     ap.add_argument("--duration", type=float, default=4.0, help="seconds per wrk run (default 4)")
     ap.add_argument("--warmup", type=float, default=2.0, help="warm-up seconds per path")
+    ap.add_argument(
+        "--usage-redis-url",
+        default=os.environ.get("FEDINFER_BENCH_REDIS_URL", "redis://127.0.0.1:6379/9"),
+        help="Redis the metered edge ships usage to ('' skips the metered path; its usage "
+        "stream is deleted after the run)",
+    )
     args = ap.parse_args(argv)
     if not 1 <= args.reps <= 20 or not 0.5 <= args.duration <= 60:
         ap.error("--reps must be 1..20 and --duration 0.5..60 s")
-    run(reps=args.reps, duration=args.duration, warmup=args.warmup)
+    run(
+        reps=args.reps,
+        duration=args.duration,
+        warmup=args.warmup,
+        usage_redis_url=args.usage_redis_url,
+    )
 
 
 if __name__ == "__main__":

@@ -168,12 +168,21 @@ FEDINFER_TABLES_REFRESH_SECONDS = env_int("FEDINFER_TABLES_REFRESH_SECONDS", 30)
 #: FEDINFER_RAMP_STEPS steps over FEDINFER_RAMP_SECONDS (docs/edge-federation.md).
 FEDINFER_RAMP_SECONDS = env_int("FEDINFER_RAMP_SECONDS", 60)
 FEDINFER_RAMP_STEPS = env_int("FEDINFER_RAMP_STEPS", 4)
-CELERY_BEAT_SCHEDULE = {
+#: Seconds between usage rollups (hourly and daily sums, pool costs: docs/metering.md).
+FEDINFER_USAGE_ROLLUP_SECONDS = env_int("FEDINFER_USAGE_ROLLUP_SECONDS", 15)
+CELERY_BEAT_SCHEDULE: dict[str, dict[str, object]] = {
     "routing-tables-refresh": {
         "task": "fedinfer.routing_tables.publish",  # routing.services.PUBLISH_TASK
         "schedule": float(FEDINFER_TABLES_REFRESH_SECONDS),
-    }
+    },
+    "usage-rollup": {
+        "task": "fedinfer.usage.rollup",
+        "schedule": float(FEDINFER_USAGE_ROLLUP_SECONDS),
+    },
 }
+if REDIS_URL:
+    # Edges ship usage to the Redis stream; without Redis they POST it to the control plane.
+    CELERY_BEAT_SCHEDULE["usage-ingest"] = {"task": "fedinfer.usage.ingest", "schedule": 2.0}
 #: HMAC key of routing tables. Production requires it (edges hold the same key); embedded
 #: mode derives one from SECRET_KEY so the demo's edges and control plane agree.
 FEDINFER_TABLE_SIGNING_KEY = env_str(

@@ -2,8 +2,16 @@
 
 from __future__ import annotations
 
-from django.db import DatabaseError
+import os
+import socket
 
+import redis
+from django.conf import settings
+from django.db import DatabaseError
+from django.utils import timezone
+
+from federation.metering import services as metering
+from federation.metering.stream import usage_stream_consume
 from federation.routing import services as routing
 from workers.celery import app
 
@@ -19,3 +27,33 @@ def routing_tables_publish_task(regions: list[str] | None = None) -> list[str]:
     """Compile and publish the tables whose content changed; ``region@version`` of each."""
     versions = routing.routing_tables_recompile(regions=regions)
     return [f"{v.region.code}@{v.version}" for v in versions]
+
+
+@app.task(
+    name="fedinfer.usage.ingest",
+    autoretry_for=(DatabaseError, redis.ConnectionError, redis.TimeoutError),
+    retry_backoff=1,
+    retry_backoff_max=30,
+    max_retries=10,
+)
+def usage_ingest_task() -> int:
+    """Ingest what the edges put on the usage stream (acknowledged after each commit)."""
+    client = redis.Redis.from_url(settings.REDIS_URL)
+    try:
+        consumer = f"{socket.gethostname()}-{os.getpid()}"
+        return usage_stream_consume(client, consumer=consumer).records
+    finally:
+        client.close()
+
+
+@app.task(
+    name="fedinfer.usage.rollup",
+    autoretry_for=(DatabaseError,),
+    retry_backoff=1,
+    retry_backoff_max=30,
+    max_retries=10,
+)
+def usage_rollup_task() -> int:
+    """Give every closed hour its rollup, then recompute the stale hours; how many."""
+    metering.usage_hours_close(now=timezone.now())
+    return len(metering.usage_hours_refresh(limit=200))

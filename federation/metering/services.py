@@ -111,19 +111,25 @@ def model_price_set(
     return row
 
 
-def usage_ingest(*, documents: Sequence[bytes]) -> IngestResult:
+def usage_ingest(*, documents: Sequence[bytes], region: str | None = None) -> IngestResult:
     """Store, priced, every record in ``documents`` not stored yet; mark their hours stale.
 
     One transaction: all of the batch or none of it. A document that is not a valid record
-    is returned in ``rejected`` rather than raised, so it cannot hold the stream up.
+    (or, with ``region``, a record of another region: an edge reports only its own) is
+    returned in ``rejected`` rather than raised, so it cannot hold the stream up.
     """
     result = IngestResult()
     records: list[UsageDocument] = []
     for document in documents:
         try:
-            records.append(decode_record(document))
+            record = decode_record(document)
         except UsageRecordError as exc:
             result.rejected.append((document, str(exc)))
+            continue
+        if region is not None and record.region != region:
+            result.rejected.append((document, f"a record of region {record.region!r}"))
+            continue
+        records.append(record)
     if not records:
         return result
     started = [datetime.fromtimestamp(r.started_at, tz=UTC) for r in records]
@@ -250,11 +256,36 @@ def usage_hours_refresh(*, limit: int = 100) -> list[datetime]:
         by_day.setdefault(mark.hour.astimezone(UTC).date(), []).append(mark)
     for day, marks in by_day.items():
         with transaction.atomic():
+            _serialise_rollups()
             for mark in marks:
                 _recompute_hour(mark.hour)
                 StaleUsageHour.objects.filter(hour=mark.hour, mark=mark.mark).delete()
             _recompute_day(day)
     return [mark.hour for mark in stale]
+
+
+def _serialise_rollups() -> None:
+    """One rollup transaction at a time across workers (a PostgreSQL advisory lock, released
+    at commit); SQLite, the demo's database, allows one writer anyway."""
+    if connection.vendor == "postgresql":
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT pg_advisory_xact_lock(hashtext('fedinfer.usage.rollup'))")
+
+
+def usage_hours_close(*, now: datetime, lookback_hours: int = 24) -> list[datetime]:
+    """Mark stale the closed hours of the last ``lookback_hours`` that have no pool costs yet:
+    a pool costs money in an hour nobody used it, so every hour gets its rollup."""
+    last = now.astimezone(UTC).replace(minute=0, second=0, microsecond=0)
+    hours = {last - timedelta(hours=h) for h in range(1, lookback_hours + 1)}
+    done = set(PoolHour.objects.filter(hour__in=hours).values_list("hour", flat=True))
+    missing = (
+        hours
+        - done
+        - set(StaleUsageHour.objects.filter(hour__in=hours).values_list("hour", flat=True))
+    )
+    if missing:
+        _mark_stale(missing)
+    return sorted(missing)
 
 
 def _recompute_day(day: date) -> None:

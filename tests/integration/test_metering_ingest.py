@@ -7,17 +7,24 @@ from __future__ import annotations
 import os
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
+from typing import Any
 
 import pytest
 import redis
 from django.db import connection
+from rest_framework.test import APIClient
 
 from federation.inventory.models import Region
 from federation.metering.models import PoolHour, StaleUsageHour, UsageHour, UsageRecord
 from federation.metering.partitions import partition_name
 from federation.metering.pricing import Price
 from federation.metering.selectors import UsageQuery, pool_cost_report, usage_report
-from federation.metering.services import model_price_set, usage_hours_refresh, usage_ingest
+from federation.metering.services import (
+    model_price_set,
+    usage_hours_close,
+    usage_hours_refresh,
+    usage_ingest,
+)
 from federation.metering.stream import GROUP, REJECTED_STREAM, usage_stream_consume
 from federation.tenancy.models import Tenant
 from regions.tables.usage import USAGE_FIELD, USAGE_STREAM, encode_record
@@ -215,3 +222,60 @@ def test_the_stream_is_acknowledged_after_the_commit_and_a_dead_consumers_batch_
     assert stream.xlen(USAGE_STREAM) == 0
     [(_, rejected)] = stream.xrange(REJECTED_STREAM)
     assert b"has no record" in rejected[b"reason"]
+
+
+def test_an_edge_posts_its_own_regions_usage_and_a_2xx_means_it_is_stored(fleet: str) -> None:
+    from federation.inventory import services as inventory
+    from federation.routing import services as routing
+
+    region = Region.objects.get(code="us-east")
+    eu = make_region("eu-west", "EU")
+    edge = inventory.edge_register(actor=None, region=region, name="edge-us", url="http://e:1")
+    other = inventory.edge_register(actor=None, region=eu, name="edge-eu", url="http://f:1")
+    credential = routing.edge_credential_rotate(actor=None, edge=edge)
+    client = APIClient()
+    client.credentials(HTTP_AUTHORIZATION=f"Bearer {credential}")
+    lines = [encode_record(doc(i, fleet, "acme")) for i in range(3)]
+    foreign = encode_record(doc(9, fleet, "acme", region="eu-west"))
+    body = b"\n".join([*lines, foreign, b"{broken"]) + b"\n"
+
+    def post(name: str) -> Any:
+        return client.generic(
+            "POST", f"/api/v1/edges/{name}/usage", body, content_type="application/x-ndjson"
+        )
+
+    r = post("edge-us")
+    assert r.status_code == 200, r.content
+    assert r.json()["accepted"] == 3
+    assert [why.split(" ")[0] for why in r.json()["rejected"]] == ["a", "usage"]
+    assert post("edge-us").json()["accepted"] == 3  # sent again: stored once
+    assert UsageRecord.objects.count() == 3
+    assert post(other.name).status_code == 403  # not its own name
+    anonymous = APIClient().generic(
+        "POST", "/api/v1/edges/edge-us/usage", body, content_type="application/x-ndjson"
+    )
+    assert anonymous.status_code == 401
+
+
+def test_every_closed_hour_gets_its_pool_costs_even_with_no_usage(fleet: str) -> None:
+    now = HOUR + timedelta(minutes=20)
+    marked = usage_hours_close(now=now, lookback_hours=3)
+    assert marked == [HOUR - timedelta(hours=h) for h in (3, 2, 1)]
+    usage_hours_refresh()
+    assert PoolHour.objects.filter(pool="us-east/h100").count() == 3
+    assert usage_hours_close(now=now, lookback_hours=3) == []
+    idle = PoolHour.objects.get(hour=HOUR - timedelta(hours=1), pool="us-east/h100")
+    assert idle.warm_idle_usd == Decimal("2.50") and idle.allocated_usd == 0
+
+
+def test_the_workers_tasks_ingest_the_stream_and_roll_up(
+    fleet: str, stream: redis.Redis, settings: Any
+) -> None:
+    from workers.tasks import usage_ingest_task, usage_rollup_task
+
+    settings.REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/15")
+    for i in range(5):
+        stream.xadd(USAGE_STREAM, {USAGE_FIELD: encode_record(doc(i, fleet, "acme"))})
+    assert usage_ingest_task() == 5
+    assert usage_rollup_task() >= 1
+    assert UsageHour.objects.get(hour=HOUR, tenant="acme").requests == 5
