@@ -156,6 +156,15 @@ MODELS: list[dict[str, Any]] = [
     },
 ]
 
+#: List prices, USD per million tokens (input, cached input, output), in the range of public
+#: per-token prices of hosted open models in 2025-26; Initech has negotiated its own for 8B.
+PRICES: list[tuple[str, str | None, str, str, str]] = [
+    ("meta-llama/Llama-3.1-8B-Instruct", None, "0.10", "0.05", "0.30"),
+    ("Qwen/Qwen2.5-32B-Instruct", None, "0.40", "0.20", "1.20"),
+    ("meta-llama/Llama-3.3-70B-Instruct", None, "0.60", "0.30", "1.80"),
+    ("meta-llama/Llama-3.1-8B-Instruct", "initech", "0.08", "0.02", "0.24"),
+]
+
 ADAPTERS: list[dict[str, Any]] = [
     {
         "base_model": "meta-llama/Llama-3.1-8B-Instruct",

@@ -7,7 +7,7 @@ Amounts are exact decimals: a report's total is the sum of its rows to the last 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, time
 from typing import Any, Literal
@@ -38,7 +38,7 @@ class UsageQuery:
     group_by: Sequence[Dimension] = ()
     bucket: Bucket | None = None
     #: Dimension -> the values to keep (e.g. ``{"tenant": ["acme"]}``: a tenant's own view).
-    filters: dict[Dimension, Sequence[str]] = field(default_factory=dict)
+    filters: Mapping[Dimension, Sequence[str]] = field(default_factory=dict)
     #: Add the operator's cost and the margin (price - cost): for operators only.
     with_cost: bool = False
 

@@ -145,6 +145,19 @@ def test_demo_federates_three_regions_with_traffic_and_an_evacuation(
         assert set(served.get("acme-us", {})) <= {"us-east"}, served
     assert sum(sum(s.get("globex-eu", {}).values()) for _, s in before) > 0
 
+    # Every edge meters what it serves and the control plane (no Redis here) accepts it.
+    def metric(ops: str, name: str) -> float:
+        text = httpx.get(f"{ops}/metrics", timeout=5).text
+        return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name))
+
+    for ops in endpoints["operators"].values():
+        wait_until(
+            lambda ops=ops: metric(ops, "fedinfer_edge_usage_shipped_total") > 0,
+            timeout=15,
+            what="usage records accepted by the control plane",
+        )
+        assert metric(ops, "fedinfer_edge_usage_ship_failures_total") == 0
+
     # Evacuating eu-west through the API: the worker recompiles, the edge long-polls the new
     # table, the unrestricted tenant's eu-west traffic is served elsewhere within seconds.
     r = httpx.post(f"{api}/regions/eu-west/evacuate/", headers=auth, timeout=10)

@@ -322,6 +322,9 @@ class Command(BaseCommand):
                     url.rsplit(":", 1)[1],
                     "--operator-port",
                     operators[code].rsplit(":", 1)[1],
+                    # Usage goes to the control plane (no Redis in embedded mode).
+                    "--usage-spool-dir",
+                    str(run.demo_dir / "edges" / code / "usage"),
                 ],
                 env={**os.environ, **ring},
             )

@@ -6,6 +6,8 @@ deployment fit its pool?) and leaves the same audit trail as an operator would.
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
+from decimal import Decimal
 from typing import Any
 
 from django.contrib.auth.models import User
@@ -24,8 +26,14 @@ from federation.inventory.models import (
     Region,
     RegionLink,
 )
+from federation.metering import services as metering
+from federation.metering.models import ModelPrice
+from federation.metering.pricing import Price
 from federation.tenancy import services as tenancy
 from federation.tenancy.models import ApiKey, Membership, Tenant
+
+#: The demo's prices apply to everything it will ever meter.
+PRICES_FROM = datetime(2026, 1, 1, tzinfo=UTC)
 
 
 class Command(BaseCommand):
@@ -129,8 +137,26 @@ class Command(BaseCommand):
             created += self._user(
                 f"{tenant.slug}-viewer", Membership.Role.TENANT_VIEWER, password, tenant
             )
+        created += self._prices(actor, models)
         created += self._user("admin", Membership.Role.ADMIN, password, None)
         created += self._user("operator", Membership.Role.OPERATOR, password, None)
+        return created
+
+    def _prices(self, actor: Any, models: dict[str, LanguageModel]) -> list[str]:
+        created = []
+        for model_name, slug, fresh, cached, output in fleet.PRICES:
+            model = models[model_name]
+            tenant = Tenant.objects.get(slug=slug) if slug else None
+            if ModelPrice.objects.filter(model=model, tenant=tenant).exists():
+                continue
+            metering.model_price_set(
+                actor=actor,
+                model=model,
+                tenant=tenant,
+                price=Price(Decimal(fresh), Decimal(cached), Decimal(output)),
+                effective_from=PRICES_FROM,
+            )
+            created.append(f"price of {model_name} for {slug or 'everyone'}")
         return created
 
     def _user(self, username: str, role: str, password: str, tenant: Tenant | None) -> list[str]:

@@ -1,0 +1,225 @@
+"""Usage and cost reports: ``GET /api/v1/usage/`` and ``GET /api/v1/costs/``, JSON or CSV.
+
+Who reads what: admins and operators see every tenant, with the operator's cost and the margin;
+a tenant viewer, or an API key with the ``usage:read`` scope (``Authorization: Bearer fi_…``),
+sees its own tenant's usage and price only — the filter is forced, not asked for. Pool costs
+are for admins and operators.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+from datetime import UTC, date, datetime, time, timedelta
+from typing import Any
+
+from django.contrib.auth.models import AnonymousUser
+from django.http import HttpResponse
+from drf_spectacular.types import OpenApiTypes
+from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema
+from rest_framework import serializers
+from rest_framework.authentication import BaseAuthentication, SessionAuthentication
+from rest_framework.exceptions import AuthenticationFailed, PermissionDenied
+from rest_framework.permissions import BasePermission
+from rest_framework.request import Request
+from rest_framework.response import Response
+from rest_framework.views import APIView
+
+from federation.api.schema import FIELD_ERRORS, FORBIDDEN, UNAUTHENTICATED
+from federation.core.roles import TENANT_VIEWER, is_staff_role, role_of
+from federation.metering.selectors import (
+    DIMENSIONS,
+    UsageQuery,
+    pool_cost_report,
+    usage_report,
+)
+from federation.tenancy.api.authentication import TokenAuthentication
+from federation.tenancy.api.serializers import tenant_slug_of
+from federation.tenancy.models import ApiKey
+from federation.tenancy.selectors import api_key_authenticate
+
+USAGE_READ = ApiKey.Scope.USAGE_READ.value
+#: The longest range a report covers: hours for a month, days for a year and a bit.
+MAX_RANGE = {"hour": timedelta(days=31), "day": timedelta(days=400), None: timedelta(days=400)}
+
+
+class UsageKeyAuthentication(BaseAuthentication):
+    """``Authorization: Bearer fi_…`` with the ``usage:read`` scope: its tenant's usage."""
+
+    def authenticate(self, request: Request) -> tuple[Any, Any] | None:
+        header = request.META.get("HTTP_AUTHORIZATION", "")
+        if not header.startswith("Bearer fi_"):
+            return None
+        key = api_key_authenticate(key=header.removeprefix("Bearer ").strip())
+        if key is None:
+            raise AuthenticationFailed("Invalid, expired or revoked API key.")
+        if USAGE_READ not in key.scopes:
+            raise PermissionDenied("This API key has no 'usage:read' scope.")
+        return AnonymousUser(), key
+
+    def authenticate_header(self, request: Request) -> str:
+        return "Bearer"
+
+
+def reader_tenant(request: Request) -> str | None:
+    """The tenant whose usage alone the caller may read (None: any tenant, with cost)."""
+    if isinstance(request.auth, ApiKey):
+        return request.auth.tenant.slug
+    if is_staff_role(request.user):
+        return None
+    slug = tenant_slug_of(request.user) if role_of(request.user) == TENANT_VIEWER else None
+    if slug is None:
+        raise PermissionDenied("Your role does not allow this.")
+    return slug
+
+
+class CanReadUsage(BasePermission):
+    message = "Log in, or use an API key with the 'usage:read' scope."
+
+    def has_permission(self, request: Any, view: Any) -> bool:
+        return isinstance(request.auth, ApiKey) or role_of(request.user) is not None
+
+
+class IsStaff(BasePermission):
+    message = "Only admins and operators read pool costs."
+
+    def has_permission(self, request: Any, view: Any) -> bool:
+        return is_staff_role(request.user)
+
+
+def _moment(value: datetime | date) -> datetime:
+    if isinstance(value, datetime):
+        return value.astimezone(UTC) if value.tzinfo else value.replace(tzinfo=UTC)
+    return datetime.combine(value, time(0), tzinfo=UTC)
+
+
+class RangeInput(serializers.Serializer):
+    """A time range (dates are UTC midnight; the end is excluded) and a time bucket."""
+
+    start = serializers.DateTimeField(
+        input_formats=["iso-8601", "%Y-%m-%d"], help_text="Start, included (date or time)."
+    )
+    end = serializers.DateTimeField(
+        input_formats=["iso-8601", "%Y-%m-%d"], help_text="End, excluded (date or time)."
+    )
+    bucket = serializers.ChoiceField(choices=["hour", "day"], required=False, allow_null=True)
+    #: Not ``format``: DRF reads that one itself, to pick a renderer.
+    output = serializers.ChoiceField(choices=["json", "csv"], default="json")
+
+    def validate(self, attrs: dict[str, Any]) -> dict[str, Any]:
+        start, end = _moment(attrs["start"]), _moment(attrs["end"])
+        if end <= start:
+            raise serializers.ValidationError({"end": ["must be after start"]})
+        bucket = attrs.get("bucket")
+        if end - start > MAX_RANGE[bucket]:
+            raise serializers.ValidationError(
+                {"end": [f"a report by {bucket or 'range'} covers at most {MAX_RANGE[bucket]}"]}
+            )
+        return {**attrs, "start": start, "end": end}
+
+
+def _csv_list(value: str) -> list[str]:
+    return [v for v in (x.strip() for x in value.split(",")) if v]
+
+
+class UsageQueryInput(RangeInput):
+    group_by = serializers.CharField(
+        required=False, default="", help_text=f"Comma-separated, of {', '.join(DIMENSIONS)}."
+    )
+    tenant = serializers.CharField(required=False, help_text="Comma-separated slugs.")
+    model = serializers.CharField(required=False)
+    region = serializers.CharField(required=False)
+    pool = serializers.CharField(required=False, help_text="Comma-separated '<region>/<pool>'.")
+
+    def validate_group_by(self, value: str) -> list[str]:
+        names = _csv_list(value)
+        unknown = [n for n in names if n not in DIMENSIONS]
+        if unknown or len(set(names)) != len(names):
+            raise serializers.ValidationError(f"group_by takes distinct names of {DIMENSIONS}")
+        return names
+
+
+def _render(rows: list[dict[str, Any]], fmt: str, name: str) -> HttpResponse | Response:
+    if fmt == "json":
+        return Response({"results": rows})
+    out = io.StringIO()
+    if rows:
+        writer = csv.DictWriter(out, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    response = HttpResponse(out.getvalue(), content_type="text/csv; charset=utf-8")
+    response["Content-Disposition"] = f'attachment; filename="{name}.csv"'
+    return response
+
+
+def _text(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Exact decimals as strings, days and hours in ISO 8601 (JSON and CSV alike)."""
+    return [
+        {k: (v.isoformat() if isinstance(v, date) else str(v) if k.endswith("_usd") else v)
+         for k, v in row.items()}
+        for row in rows
+    ]  # fmt: skip
+
+
+_QUERY = [
+    OpenApiParameter("start", OpenApiTypes.DATETIME, required=True),
+    OpenApiParameter("end", OpenApiTypes.DATETIME, required=True),
+    OpenApiParameter("bucket", OpenApiTypes.STR, enum=["hour", "day"]),
+    OpenApiParameter("output", OpenApiTypes.STR, enum=["json", "csv"]),
+]
+_REPORT = OpenApiResponse(description="{results: [rows]} (JSON), or text/csv.")
+
+
+class UsageReportView(APIView):
+    """Requests, tokens and price summed by tenant, model, region and pool, by hour or day."""
+
+    authentication_classes = [UsageKeyAuthentication, TokenAuthentication, SessionAuthentication]
+    permission_classes = [CanReadUsage]
+
+    @extend_schema(
+        operation_id="usage_report",
+        parameters=[
+            *_QUERY,
+            *(OpenApiParameter(d, OpenApiTypes.STR) for d in ("group_by", *DIMENSIONS)),
+        ],
+        responses={200: _REPORT, 400: FIELD_ERRORS, 401: UNAUTHENTICATED, 403: FORBIDDEN},
+    )
+    def get(self, request: Request) -> HttpResponse | Response:
+        own = reader_tenant(request)
+        ser = UsageQueryInput(data=request.query_params)
+        ser.is_valid(raise_exception=True)
+        q = ser.validated_data
+        filters = {d: _csv_list(q[d]) for d in DIMENSIONS if q.get(d)}
+        if own is not None:
+            filters["tenant"] = [own]
+        rows = usage_report(
+            UsageQuery(
+                q["start"],
+                q["end"],
+                group_by=q["group_by"],
+                bucket=q.get("bucket"),
+                filters=filters,
+                with_cost=own is None,
+            )
+        )
+        return _render(_text(rows), q["output"], "usage")
+
+
+class PoolCostReportView(APIView):
+    """Each GPU pool's cost and where it went: allocated to usage, idle GPUs, warm idle."""
+
+    authentication_classes = [TokenAuthentication, SessionAuthentication]
+    permission_classes = [IsStaff]
+
+    @extend_schema(
+        operation_id="pool_cost_report",
+        parameters=[*_QUERY, OpenApiParameter("pool", OpenApiTypes.STR)],
+        responses={200: _REPORT, 400: FIELD_ERRORS, 401: UNAUTHENTICATED, 403: FORBIDDEN},
+    )
+    def get(self, request: Request) -> HttpResponse | Response:
+        ser = RangeInput(data=request.query_params)
+        ser.is_valid(raise_exception=True)
+        q = ser.validated_data
+        pools = _csv_list(request.query_params.get("pool", ""))
+        rows = pool_cost_report(start=q["start"], end=q["end"], bucket=q.get("bucket"), pools=pools)
+        return _render(_text(rows), q["output"], "pool-costs")

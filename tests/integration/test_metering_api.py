@@ -1,0 +1,113 @@
+"""The usage and cost reports over the REST API: operators see every tenant with cost and
+margin; a tenant viewer or a ``usage:read`` key sees its own tenant's usage and price, however
+it asks; CSV as well as JSON; bad ranges are a 400, pool costs are for staff."""
+
+from __future__ import annotations
+
+import csv
+import io
+from collections.abc import Callable
+from datetime import timedelta
+from decimal import Decimal
+from typing import Any
+
+import pytest
+from django.contrib.auth.models import User
+from rest_framework.test import APIClient
+
+from federation.metering.services import usage_hours_refresh, usage_ingest
+from federation.tenancy import services as tenancy
+from federation.tenancy.models import ApiKey, Tenant
+from regions.tables.usage import encode_record
+from tests.integration.test_metering_ingest import HOUR, doc, fleet  # noqa: F401  (fixture)
+
+pytestmark = pytest.mark.django_db
+DAY = {"start": HOUR.date().isoformat(), "end": (HOUR + timedelta(days=1)).date().isoformat()}
+
+
+@pytest.fixture
+def usage(fleet: str) -> str:  # noqa: F811  (the fixture above)
+    docs = [doc(i, fleet, ("acme", "globex")[i % 2]) for i in range(20)]
+    usage_ingest(documents=[encode_record(d) for d in docs])
+    usage_hours_refresh()
+    return fleet
+
+
+def get(client: APIClient, path: str, **params: Any) -> Any:
+    return client.get(f"/api/v1/{path}/", params)
+
+
+def test_operators_see_every_tenant_with_cost_and_margin(
+    usage: str, operator_client: APIClient
+) -> None:
+    r = get(operator_client, "usage", group_by="tenant", bucket="day", **DAY)
+    assert r.status_code == 200, r.content
+    rows = r.json()["results"]
+    assert [(row["tenant"], row["requests"]) for row in rows] == [("acme", 10), ("globex", 10)]
+    for row in rows:
+        assert row["day"] == HOUR.date().isoformat()
+        price, cost = Decimal(row["price_usd"]), Decimal(row["cost_usd"])
+        assert Decimal(row["margin_usd"]) == price - cost and price > 0
+
+
+def test_a_tenant_sees_only_its_own_usage_without_cost(
+    usage: str,
+    make_viewer: Callable[[Tenant], User],
+    client_for: Callable[[User | None], APIClient],
+) -> None:
+    viewer = client_for(make_viewer(Tenant.objects.get(slug="acme")))
+    # Asking for the other tenant, or for everyone grouped by tenant: still only its own.
+    for params in ({"tenant": "globex"}, {"group_by": "tenant"}):
+        rows = get(viewer, "usage", **DAY, **params).json()["results"]
+        assert all(row.get("tenant", "acme") == "acme" for row in rows)
+        assert all("cost_usd" not in row and "margin_usd" not in row for row in rows)
+    [total] = get(viewer, "usage", **DAY).json()["results"]
+    assert total["requests"] == 10
+    assert get(viewer, "costs", **DAY).status_code == 403
+
+
+def test_a_usage_read_key_reads_its_tenants_usage_and_an_inference_key_does_not(
+    usage: str,
+) -> None:
+    acme = Tenant.objects.get(slug="acme")
+    reader = tenancy.api_key_create(
+        actor=None, tenant=acme, name="reports", scopes=[ApiKey.Scope.USAGE_READ]
+    )
+    inference = tenancy.api_key_create(actor=None, tenant=acme, name="app")
+    client = APIClient()
+    client.credentials(HTTP_AUTHORIZATION=f"Bearer {reader.plaintext}")
+    r = get(client, "usage", group_by="tenant", output="csv", **DAY)
+    assert r.status_code == 200 and r["Content-Type"].startswith("text/csv")
+    rows = list(csv.DictReader(io.StringIO(r.content.decode())))
+    assert [(row["tenant"], row["requests"]) for row in rows] == [("acme", "10")]
+    client.credentials(HTTP_AUTHORIZATION=f"Bearer {inference.plaintext}")
+    assert get(client, "usage", **DAY).status_code == 403
+    client.credentials(HTTP_AUTHORIZATION="Bearer fi_nonsense")
+    assert get(client, "usage", **DAY).status_code == 401
+    assert get(APIClient(), "usage", **DAY).status_code in (401, 403)
+
+
+def test_pool_costs_for_staff(usage: str, operator_client: APIClient) -> None:
+    rows = get(operator_client, "costs", bucket="hour", pool="us-east/h100", **DAY).json()
+    [row] = rows["results"]
+    total = Decimal(row["allocated_usd"]) + Decimal(row["idle_usd"]) + Decimal(row["warm_idle_usd"])
+    assert total == Decimal(row["cost_usd"]) == 16 * Decimal("2.5")
+
+
+@pytest.mark.parametrize(
+    ("params", "field"),
+    [
+        ({"start": "2026-11-30", "end": "2026-11-29"}, "end"),
+        ({"start": "2026-01-01", "end": "2026-03-01", "bucket": "hour"}, "end"),
+        ({"start": "yesterday", "end": "2026-11-29"}, "start"),
+        ({**DAY, "group_by": "tenant,colour"}, "group_by"),
+        ({**DAY, "group_by": "tenant,tenant"}, "group_by"),
+        ({**DAY, "output": "xml"}, "output"),
+    ],
+)
+def test_bad_queries_are_a_clear_400(
+    usage: str, operator_client: APIClient, params: dict[str, str], field: str
+) -> None:
+    r = get(operator_client, "usage", **params)
+    assert r.status_code == 400, r.content
+    assert field in r.content.decode()
