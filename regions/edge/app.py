@@ -96,7 +96,7 @@ class Edge:
         if self.meter is not None:
             self.metrics.registry.register(UsageCollector(self.meter))
         # The stages, in a request's order.
-        self.recorder = Recorder(self.metrics, self.admission, cfg.region, self.meter)
+        self.recorder = Recorder(self.metrics, self.admission, self.loads, cfg.region, self.meter)
         self.relay = Relay(cfg.region, cfg.retry_after_s, self.health, self.metrics, self.recorder)
         self.admit = Admit(cfg, self, self.admission, self.hops, self.relay, self.meter)
         self.placement = Placement(cfg, self, self.health, self.loads, self.prefix, self.lines)

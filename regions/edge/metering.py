@@ -27,6 +27,8 @@ from regions.edge.usage_spool import UsageSpool
 from regions.tables.usage import UsageRecord, encode_record
 
 FullPolicy = Literal["refuse", "serve"]
+#: Spool segment files roll over at this size (or at the spool's bound, if smaller).
+SEGMENT_BYTES = 8 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,7 +58,9 @@ class RequestIds:
 class Meter:
     def __init__(self, cfg: MeteringConfig, sink: UsageSink) -> None:
         self.cfg = cfg
-        self.spool = UsageSpool(cfg.spool_dir, max_bytes=cfg.max_bytes)
+        self.spool = UsageSpool(
+            cfg.spool_dir, max_bytes=cfg.max_bytes, segment_bytes=min(SEGMENT_BYTES, cfg.max_bytes)
+        )
         self.shipper = UsageShipper(self.spool, sink)
         self.ids = RequestIds()
         self.recorded = 0

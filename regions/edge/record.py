@@ -9,12 +9,15 @@ served it — answered, cut, or abandoned by its client.
 from __future__ import annotations
 
 import time
+from typing import NamedTuple
 
 from regions.edge.admission import Admission
 from regions.edge.context import RequestContext
+from regions.edge.load import LoadBoard
 from regions.edge.metering import Meter
 from regions.edge.observability import EdgeMetrics
 from regions.edge.scheduler import Decision
+from regions.tables.schema import Instance
 from regions.tables.usage import UsageRecord
 
 #: The status of a request whose client left before its answer ended (nginx's convention).
@@ -22,13 +25,19 @@ CLIENT_GONE = 499
 
 
 class Recorder:
-    __slots__ = ("admission", "meter", "metrics", "region")
+    __slots__ = ("admission", "loads", "meter", "metrics", "region")
 
     def __init__(
-        self, metrics: EdgeMetrics, admission: Admission, region: str, meter: Meter | None
+        self,
+        metrics: EdgeMetrics,
+        admission: Admission,
+        loads: LoadBoard,
+        region: str,
+        meter: Meter | None,
     ) -> None:
         self.metrics = metrics
         self.admission = admission
+        self.loads = loads
         self.region = region
         self.meter = meter
 
@@ -65,34 +74,36 @@ class Recorder:
             series.prompt_tokens += prompt
 
     def finished(self, ctx: RequestContext) -> None:
-        """The request is over (answered, failed or abandoned): settle the tenant's charge,
-        and meter it when an instance here answered it or was running it."""
+        """The request is over (answered, failed or abandoned): settle the tenant's charge;
+        when an instance here answered it, or was running it when the client left, count its
+        generated tokens in the instance's load (the heartbeat's tokens/s: prompt + output)
+        and meter it."""
         tenant = ctx.tenant
         if ctx.charged and tenant is not None and ctx.used_tokens is not None:
             self.admission.settle(tenant, ctx.charged, ctx.used_tokens)
-        meter = self.meter
         cancelled = ctx.disconnected and not ctx.complete
-        if meter is not None and ctx.served_by is not None and (ctx.status or cancelled):
-            meter.record(self.usage(ctx, meter.ids.new(), cancelled))
-
-    def usage(self, ctx: RequestContext, request_id: str, cancelled: bool) -> UsageRecord:
-        """The request's usage record. Without the engine's usage report (a cut or abandoned
-        stream), the prompt is the edge's count and the completion the events relayed."""
         inst = ctx.served_by
-        assert inst is not None
+        # An engine's refusal (4xx) is not usage; a stream cut after tokens reached the client
+        # is, for what was relayed.
+        relayed = ctx.tap is not None and ctx.tap.events > 1
+        delivered = 0 < ctx.status < 400 or (ctx.status >= 500 and relayed)
+        if inst is None or not (delivered or cancelled):
+            return
+        tokens = _tokens(ctx)
+        self.loads.get(inst.id).tokens += tokens.completion
+        if self.meter is not None:
+            self.meter.record(self.usage(ctx, inst, tokens, cancelled))
+
+    def usage(
+        self, ctx: RequestContext, inst: Instance, tokens: Tokens, cancelled: bool
+    ) -> UsageRecord:
+        """The request's usage record (``regions/tables/usage.py``)."""
+        assert self.meter is not None
         req = ctx.req
         duration = time.perf_counter() - ctx.arrived
-        prompt, cached = ctx.prompt_tokens, ctx.cached_tokens or 0
-        reported = prompt is not None and ctx.used_tokens is not None
-        if prompt is not None and ctx.used_tokens is not None:
-            completion = ctx.used_tokens - prompt
-        else:
-            prompt, cached = req.prompt_tokens, 0
-            # The role chunk that opens a chat stream carries no token.
-            completion = max(ctx.tap.events - 1, 0) if ctx.tap is not None else 0
         tenant = ctx.tenant
         return UsageRecord(
-            request_id=request_id,
+            request_id=self.meter.ids.new(),
             started_at=time.time() - duration,
             region=self.region,
             entry_region=ctx.entry_region or self.region,
@@ -101,13 +112,32 @@ class Recorder:
             adapter=req.model if req.model != inst.model else None,
             tenant=tenant.slug if tenant is not None else None,
             key_prefix=ctx.key_prefix,
-            prompt_tokens=prompt,
-            cached_tokens=min(cached, prompt),
-            completion_tokens=completion,
+            prompt_tokens=tokens.prompt,
+            cached_tokens=tokens.cached,
+            completion_tokens=tokens.completion,
             ttft_ms=ctx.ttft_s * 1000.0 if ctx.ttft_s is not None else None,
             duration_ms=duration * 1000.0,
             status=CLIENT_GONE if cancelled else ctx.status,
             streamed=req.stream,
             cancelled=cancelled,
-            usage_reported=reported,
+            usage_reported=tokens.reported,
         )
+
+
+class Tokens(NamedTuple):
+    prompt: int
+    cached: int
+    completion: int
+    #: The engine reported them (else: the edge's own count).
+    reported: bool
+
+
+def _tokens(ctx: RequestContext) -> Tokens:
+    """What the engine reported; without its usage report (a cut or abandoned stream), the
+    prompt is the edge's count and the completion the events relayed."""
+    prompt, used = ctx.prompt_tokens, ctx.used_tokens
+    if prompt is not None and used is not None:
+        return Tokens(prompt, min(ctx.cached_tokens or 0, prompt), used - prompt, True)
+    # The role chunk that opens a chat stream carries no token.
+    relayed = max(ctx.tap.events - 1, 0) if ctx.tap is not None else 0
+    return Tokens(ctx.req.prompt_tokens, 0, relayed, False)
