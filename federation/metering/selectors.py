@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, time
+from decimal import Decimal
 from typing import Any, Literal
 
 from django.db.models import QuerySet, Sum
@@ -74,6 +75,18 @@ def usage_report(query: UsageQuery) -> list[dict[str, Any]]:
         for row in report:
             row["margin_usd"] = row["price_usd"] - row["cost_usd"]
     return report
+
+
+def tenant_month_spend(*, now: datetime) -> dict[str, Decimal]:
+    """Tenant slug -> price of its usage this calendar month (UTC) so far, as rolled up."""
+    first = now.astimezone(UTC).date().replace(day=1)
+    rows = (
+        UsageDay.objects.filter(day__gte=first)
+        .values("tenant")
+        .annotate(spent=Sum("price_usd"))
+        .values_list("tenant", "spent")
+    )
+    return {tenant: spent for tenant, spent in rows if tenant}
 
 
 def pool_cost_report(

@@ -23,6 +23,7 @@ from django.utils import timezone
 
 from federation.core.audit import Actor, audit_record
 from federation.inventory.models import GPUPool, Instance, LanguageModel
+from federation.inventory.speed import decode_tokens_per_s, prefill_tokens_per_s
 from federation.metering import partitions
 from federation.metering.cost import ZERO, InstanceHour, PoolHourCost, pool_hour_cost
 from federation.metering.models import (
@@ -34,7 +35,6 @@ from federation.metering.models import (
     UsageRecord,
 )
 from federation.metering.pricing import FREE, PRICE_DECIMALS, Price, request_price
-from federation.routing.compiler import decode_tokens_per_s, prefill_tokens_per_s
 from federation.tenancy.models import Tenant
 from regions.tables.usage import UsageRecord as UsageDocument
 from regions.tables.usage import UsageRecordError, decode_record

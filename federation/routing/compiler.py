@@ -24,6 +24,10 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
+from federation.inventory.speed import (
+    prefill_tokens_per_s,
+    replica_tokens_per_s,
+)
 from federation.routing.demand import (
     DEFAULT_LATENCY_PENALTY_USD_PER_MTOK_PER_MS,
     DemandSplit,
@@ -33,19 +37,6 @@ from federation.routing.demand import (
 from federation.tenancy.residency import ResidencyPolicy, region_allowed
 from regions.tables import schema
 
-#: Prefill throughput of an 8B model on one H100-80G, tokens/s. Prefill is compute bound, so
-#: it scales with the accelerator's relative speed and inversely with the parameter count;
-#: tensor parallelism pays all-reduces, so N GPUs give N^0.85 (the simulator's model too,
-#: docs/engine-simulator.md).
-REFERENCE_PREFILL_TOKENS_PER_S = 15_000.0
-REFERENCE_PARAMS_B = 8.0
-TP_EXPONENT = 0.85
-#: Generated tokens/s of the same replica with a full batch (~64 sequences at 2k context: one
-#: 15 ms step per 64 tokens in the simulator's model). Decode is memory-bandwidth bound.
-REFERENCE_DECODE_TOKENS_PER_S = 4_000.0
-#: Share of prompt tokens in the traffic (chat and RAG: about three prompt tokens per
-#: generated one); blends the two rates into one token throughput.
-PROMPT_TOKEN_SHARE = 0.75
 #: Utilisation capacity is planned at. The mean queueing wait is rho/(1-rho) service times:
 #: about two at 65 %, nine at 90 %, unbounded towards 100 % (docs/demand-split.md).
 TARGET_UTILISATION = 0.65
@@ -148,46 +139,6 @@ class FleetSnapshot:
     #: Memo of :func:`fleet_plan` by latency penalty, so that compiling region after region
     #: of one snapshot solves the demand split once (a snapshot is not changed once built).
     plans: dict[float, FleetPlan] = field(default_factory=dict, compare=False, repr=False)
-
-
-def prefill_tokens_per_s(
-    *, relative_speed: float, tensor_parallel_size: int, params_b: float
-) -> float:
-    """Expected prefill throughput of one replica, tokens per second."""
-    return (
-        REFERENCE_PREFILL_TOKENS_PER_S
-        * relative_speed
-        * tensor_parallel_size**TP_EXPONENT
-        * REFERENCE_PARAMS_B
-        / params_b
-    )
-
-
-def decode_tokens_per_s(
-    *, relative_speed: float, tensor_parallel_size: int, params_b: float
-) -> float:
-    """Expected generated tokens per second of one replica with a full batch."""
-    return (
-        REFERENCE_DECODE_TOKENS_PER_S
-        * relative_speed
-        * tensor_parallel_size**TP_EXPONENT
-        * REFERENCE_PARAMS_B
-        / params_b
-    )
-
-
-def replica_tokens_per_s(
-    *, relative_speed: float, tensor_parallel_size: int, params_b: float
-) -> float:
-    """Prompt plus generated tokens per second one replica sustains at full load: the
-    harmonic blend of its prefill and decode rates at :data:`PROMPT_TOKEN_SHARE`."""
-    prefill = prefill_tokens_per_s(
-        relative_speed=relative_speed, tensor_parallel_size=tensor_parallel_size, params_b=params_b
-    )
-    decode = decode_tokens_per_s(
-        relative_speed=relative_speed, tensor_parallel_size=tensor_parallel_size, params_b=params_b
-    )
-    return 1.0 / (PROMPT_TOKEN_SHARE / prefill + (1.0 - PROMPT_TOKEN_SHARE) / decode)
 
 
 def cost_per_mtok(*, price_per_gpu_hour: float, gpus: int, tokens_per_s: float) -> float:

@@ -12,6 +12,7 @@ from django.utils import timezone
 from django.utils.crypto import salted_hmac
 
 from federation.inventory.models import Edge, Instance, Region, RegionLink
+from federation.metering.selectors import tenant_month_spend
 from federation.routing.compiler import (
     FleetSnapshot,
     InstanceRow,
@@ -73,8 +74,7 @@ def tenant_rows(
 ) -> tuple[TenantRow, ...]:
     """Active tenants with their residency policy, limits, budget and usable key hashes.
 
-    ``spend_usd`` (tenant slug -> spend this month) defaults to nothing spent: there is no
-    metering yet, so no budget is exhausted until a caller passes real figures.
+    ``spend_usd``: tenant slug -> spend this month (metered: ``fleet_snapshot`` reads it).
     """
     keys: dict[int, list[KeyRow]] = {}
     for entry in api_key_table_entries(now=now):
@@ -106,8 +106,11 @@ def tenant_rows(
 def fleet_snapshot(
     *, now: datetime | None = None, spend_usd: Mapping[str, float] | None = None
 ) -> FleetSnapshot:
-    """Everything the compiler reads, at ``now`` (default: the current time)."""
+    """Everything the compiler reads, at ``now`` (default: the current time). A tenant's
+    spend this month is what metering rolled up, unless ``spend_usd`` says otherwise."""
     now = now or timezone.now()
+    if spend_usd is None:
+        spend_usd = {slug: float(usd) for slug, usd in tenant_month_spend(now=now).items()}
     # The first registered edge of a region receives its spill-over (no health or load yet).
     edge_urls: dict[str, str] = {}
     for code, url in Edge.objects.order_by("name").values_list("region__code", "url"):

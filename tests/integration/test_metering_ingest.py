@@ -279,3 +279,28 @@ def test_the_workers_tasks_ingest_the_stream_and_roll_up(
     assert usage_ingest_task() == 5
     assert usage_rollup_task() >= 1
     assert UsageHour.objects.get(hour=HOUR, tenant="acme").requests == 5
+
+
+def test_metered_spend_exhausts_a_budget_in_the_next_tables(fleet: str) -> None:
+    from federation.routing.compiler import compile_fleet_tables
+    from federation.routing.selectors import fleet_snapshot
+
+    Tenant.objects.filter(slug="globex").update(monthly_budget_usd=Decimal("0.02"))
+    Tenant.objects.filter(slug="acme").update(monthly_budget_usd=Decimal("1000"))
+    now = datetime.now(UTC)
+
+    def budgets() -> dict[str, str]:
+        snapshot = fleet_snapshot(now=now)
+        [table] = compile_fleet_tables(snapshot, versions={"us-east": 1}, generated_at="x").values()
+        return {t["tenant"]: t["budget_state"] for t in table["tenants"]}
+
+    assert budgets() == {"acme": "ok", "globex": "ok"}
+    this_hour = now.replace(minute=0, second=0, microsecond=0)
+    big = {"prompt_tokens": 20_000, "cached_tokens": 0, "completion_tokens": 10_000}
+    docs = [
+        doc(i, fleet, tenant, started_at=(this_hour + timedelta(seconds=i)).timestamp(), **big)
+        for i, tenant in enumerate(["globex"] * 4 + ["acme"])
+    ]
+    usage_ingest(documents=[encode_record(d) for d in docs])
+    usage_hours_refresh()
+    assert budgets() == {"acme": "ok", "globex": "exhausted"}  # 4 x $0.009 > $0.02

@@ -3,6 +3,7 @@ from rest_framework.routers import SimpleRouter
 
 from federation.routing.api import views
 from federation.routing.api.longpoll import long_poll
+from federation.routing.api.usage import EdgeUsageView
 
 router = SimpleRouter()
 router.register("routing-tables", views.RoutingTableOverviewViewSet, basename="routing-table")
@@ -18,6 +19,7 @@ urlpatterns = [
         views.EdgeHeartbeatView.as_view(),
         name="edge-heartbeat",
     ),
+    path("edges/<str:name>/usage", EdgeUsageView.as_view(), name="edge-usage"),
     path(
         "edges/<int:pk>/rotate-credential",
         views.EdgeCredentialRotateView.as_view(),
