@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from decimal import Decimal
 from io import StringIO
 
 import pytest
@@ -9,6 +10,7 @@ from django.core.management import call_command
 
 from federation.core.models import AuditEvent
 from federation.inventory.models import Deployment, GPUPool, LanguageModel, LoraAdapter, Region
+from federation.metering.models import ModelPrice
 from federation.tenancy.models import ApiKey, Tenant
 
 
@@ -21,7 +23,7 @@ def _load() -> str:
 @pytest.mark.django_db
 def test_loaddemo_builds_a_heterogeneous_fleet_and_is_idempotent() -> None:
     first = _load()
-    assert "demo loaded: 44 new objects" in first
+    assert "demo loaded: 48 new objects" in first
     assert set(Region.objects.values_list("jurisdiction", flat=True)) == {"US", "EU", "APAC"}
     accelerators = set(GPUPool.objects.values_list("accelerator__name", flat=True))
     assert {"H100-80G", "A100-80G", "L4-24G"} <= accelerators
@@ -37,6 +39,9 @@ def test_loaddemo_builds_a_heterogeneous_fleet_and_is_idempotent() -> None:
     policies = {t.slug: t.allowed_jurisdictions for t in Tenant.objects.all()}
     assert policies["globex-eu"] == ["EU"] and policies["initech"] == []
     assert ApiKey.objects.filter(name="demo").count() == Tenant.objects.count()
+    # List prices for every model, and Initech's own for the 8B one.
+    assert ModelPrice.objects.filter(tenant=None).count() == LanguageModel.objects.count()
+    assert ModelPrice.objects.get(tenant__slug="initech").output_per_mtok == Decimal("0.24")
     assert "(shown once): fi_" in first
     events = AuditEvent.objects.count()
 
