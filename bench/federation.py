@@ -37,6 +37,19 @@ from bench.report import fmt, markdown_table, percentile, utc_now, write_result
 from regions.supervisor import free_port, free_ports, wait_http
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
+#: The model every benchmark on the real control plane registers.
+MODEL_SPEC: dict[str, Any] = {
+    "name": MODEL,
+    "family": "llama-3.1",
+    "parameter_count_b": Decimal("8.03"),
+    "dtype": "bf16",
+    "weight_size_gib": 15.0,
+    "max_context_tokens": 8192,
+    "num_layers": 32,
+    "num_attention_heads": 32,
+    "num_kv_heads": 8,
+    "head_dim": 128,
+}
 RAMP_SECONDS = 6
 RAMP_STEPS = 3
 
@@ -74,19 +87,7 @@ def build_fleet(codes: list[str], engine_ports: list[int], edge_ports: list[int]
     from federation.tenancy.models import Membership
 
     h100 = AcceleratorType.objects.get(name="H100-80G")
-    model = inv.model_create(
-        actor=None,
-        name=MODEL,
-        family="llama-3.1",
-        parameter_count_b=Decimal("8.03"),
-        dtype="bf16",
-        weight_size_gib=15.0,
-        max_context_tokens=8192,
-        num_layers=32,
-        num_attention_heads=32,
-        num_kv_heads=8,
-        head_dim=128,
-    )
+    model = inv.model_create(actor=None, **MODEL_SPEC)
     regions = {}
     for i, code in enumerate(codes):
         regions[code] = inv.region_create(

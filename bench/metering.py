@@ -10,7 +10,7 @@
     and day with cost and margin, and the pool cost report — median of 5 — against the same
     usage report computed from the raw records. Target: ≤ 300 ms.
 
-The bench uses its own database ``<name of --database-url>_meterbench`` (dropped and created).
+The bench uses its own database ``<name of --database-url>_fedbench`` (dropped and created).
 JSON under ``var/bench/``.
 """
 
@@ -24,29 +24,15 @@ import uuid
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
 
+from bench.federation import MODEL, MODEL_SPEC, bench_database
 from bench.procs import git_rev, machine_info
 from bench.report import fmt, markdown_table, utc_now, write_result
 
 MONTH = datetime(2026, 10, 1, tzinfo=UTC)
-MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 REGIONS = ("us-east", "us-west", "eu-west", "eu-north", "ap-south")
 POOLS = ("h100", "a100", "l40s")
 MODELS = (MODEL, "llama-70b", "qwen-7b", "mistral-7b")
-
-
-def bench_database(url: str) -> str:
-    """Drop and create ``<db>_meterbench`` on the server of ``url``; its URL."""
-    import psycopg
-
-    parts = urlsplit(url)
-    name = parts.path.lstrip("/") + "_meterbench"
-    admin = urlunsplit(parts._replace(path="/postgres", scheme="postgresql"))
-    with psycopg.connect(admin, autocommit=True) as conn:
-        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-        conn.execute(f'CREATE DATABASE "{name}"')
-    return urlunsplit(parts._replace(path="/" + name))
 
 
 def setup_django(database_url: str) -> None:
@@ -67,19 +53,7 @@ def build_fleet() -> None:
     from federation.metering.services import model_price_set
 
     accelerators = dict(zip(POOLS, ("H100-80G", "A100-80G", "L40S-48G"), strict=True))
-    model = inv.model_create(
-        actor=None,
-        name=MODEL,
-        family="llama-3.1",
-        parameter_count_b=Decimal("8.03"),
-        dtype="bf16",
-        weight_size_gib=15.0,
-        max_context_tokens=8192,
-        num_layers=32,
-        num_attention_heads=32,
-        num_kv_heads=8,
-        head_dim=128,
-    )
+    model = inv.model_create(actor=None, **MODEL_SPEC)
     model_price_set(
         actor=None,
         model=model,

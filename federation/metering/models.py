@@ -10,6 +10,8 @@ month of records is one partition to scan, detach or drop.
 
 from __future__ import annotations
 
+from typing import Literal
+
 from django.db import models
 
 from federation.core.models import TimeStampedModel
@@ -82,10 +84,24 @@ class UsageRecord(models.Model):
         return f"{self.request_id} ({self.tenant or '-'}, {self.model})"
 
 
-class UsageHour(models.Model):
-    """Usage summed per hour x tenant x model x region x pool (what reports read)."""
+#: What a rollup sums over its records (``UsageHour``, ``UsageDay``), in its fields' names.
+USAGE_SUMS = (
+    "requests",
+    "cancelled",
+    "errors",
+    "prompt_tokens",
+    "cached_tokens",
+    "completion_tokens",
+    "price_usd",
+    "cost_usd",
+)
+Dimension = Literal["tenant", "model", "region", "pool"]
+DIMENSIONS: tuple[Dimension, ...] = ("tenant", "model", "region", "pool")
 
-    hour = models.DateTimeField()
+
+class UsageSums(models.Model):
+    """The dimensions and sums a rollup row shares with the others."""
+
     tenant = models.CharField(max_length=63, blank=True)
     model = models.CharField(max_length=128)
     region = models.CharField(max_length=63)
@@ -98,8 +114,17 @@ class UsageHour(models.Model):
     completion_tokens = models.PositiveBigIntegerField()
     #: Exact: per-token prices have 6 decimals, so a price has at most 12.
     price_usd = models.DecimalField(max_digits=24, decimal_places=12)
-    #: Its share of its pool's cost in the hour (``federation/metering/cost.py``).
+    #: Its share of its pool's cost (``federation/metering/cost.py``).
     cost_usd = models.DecimalField(max_digits=24, decimal_places=12)
+
+    class Meta:
+        abstract = True
+
+
+class UsageHour(UsageSums):
+    """Usage summed per hour x tenant x model x region x pool (what reports read)."""
+
+    hour = models.DateTimeField()
 
     class Meta:
         constraints = [
@@ -113,23 +138,11 @@ class UsageHour(models.Model):
         return f"{self.hour:%Y-%m-%d %H}h {self.tenant or '-'} {self.model}"
 
 
-class UsageDay(models.Model):
+class UsageDay(UsageSums):
     """``UsageHour`` summed per UTC day, kept with its hours: month reports read 30 rows per
     group instead of 720."""
 
     day = models.DateField()
-    tenant = models.CharField(max_length=63, blank=True)
-    model = models.CharField(max_length=128)
-    region = models.CharField(max_length=63)
-    pool = models.CharField(max_length=130, blank=True)
-    requests = models.PositiveIntegerField()
-    cancelled = models.PositiveIntegerField()
-    errors = models.PositiveIntegerField()
-    prompt_tokens = models.PositiveBigIntegerField()
-    cached_tokens = models.PositiveBigIntegerField()
-    completion_tokens = models.PositiveBigIntegerField()
-    price_usd = models.DecimalField(max_digits=24, decimal_places=12)
-    cost_usd = models.DecimalField(max_digits=24, decimal_places=12)
 
     class Meta:
         constraints = [

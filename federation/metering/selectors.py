@@ -16,20 +16,15 @@ from typing import Any, Literal
 from django.db.models import QuerySet, Sum
 from django.db.models.functions import TruncDate
 
-from federation.metering.models import PoolHour, UsageDay, UsageHour
-
-Dimension = Literal["tenant", "model", "region", "pool"]
-DIMENSIONS: tuple[Dimension, ...] = ("tenant", "model", "region", "pool")
-Bucket = Literal["hour", "day"]
-USAGE_SUMS = (
-    "requests",
-    "cancelled",
-    "errors",
-    "prompt_tokens",
-    "cached_tokens",
-    "completion_tokens",
-    "price_usd",
+from federation.metering.models import (
+    USAGE_SUMS,
+    Dimension,
+    PoolHour,
+    UsageDay,
+    UsageHour,
 )
+
+Bucket = Literal["hour", "day"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,9 +59,9 @@ def usage_report(query: UsageQuery) -> list[dict[str, Any]]:
     for dimension, values in query.filters.items():
         rows = rows.filter(**{f"{dimension}__in": list(values)})
     keys = [*time_keys, *query.group_by]
-    sums: dict[str, Any] = {name: Sum(name, default=0) for name in USAGE_SUMS}
-    if query.with_cost:
-        sums["cost_usd"] = Sum("cost_usd", default=0)
+    sums: dict[str, Any] = {
+        name: Sum(name, default=0) for name in USAGE_SUMS if query.with_cost or name != "cost_usd"
+    }
     if keys:
         report = list(rows.values(*keys).annotate(**sums).order_by(*keys))
     else:

@@ -27,6 +27,8 @@ from federation.inventory.speed import decode_tokens_per_s, prefill_tokens_per_s
 from federation.metering import partitions
 from federation.metering.cost import ZERO, InstanceHour, PoolHourCost, pool_hour_cost
 from federation.metering.models import (
+    DIMENSIONS,
+    USAGE_SUMS,
     ModelPrice,
     PoolHour,
     StaleUsageHour,
@@ -290,7 +292,7 @@ def usage_hours_close(*, now: datetime, lookback_hours: int = 24) -> list[dateti
 
 def _recompute_day(day: date) -> None:
     start = datetime(day.year, day.month, day.day, tzinfo=UTC)
-    sums = {f"sum_{name}": Sum(name) for name in DAY_SUMS}
+    sums = {f"sum_{name}": Sum(name) for name in USAGE_SUMS}
     groups = (
         UsageHour.objects.filter(hour__gte=start, hour__lt=start + timedelta(days=1))
         .values(*DIMENSIONS)
@@ -301,23 +303,10 @@ def _recompute_day(day: date) -> None:
         UsageDay(
             day=day,
             **{d: g[d] for d in DIMENSIONS},
-            **{name: g[f"sum_{name}"] for name in DAY_SUMS},
+            **{name: g[f"sum_{name}"] for name in USAGE_SUMS},
         )
         for g in groups
     )
-
-
-DIMENSIONS = ("tenant", "model", "region", "pool")
-DAY_SUMS = (
-    "requests",
-    "cancelled",
-    "errors",
-    "prompt_tokens",
-    "cached_tokens",
-    "completion_tokens",
-    "price_usd",
-    "cost_usd",
-)
 
 
 #: Instance states that hold their GPUs (a stopped or failed instance has released them).

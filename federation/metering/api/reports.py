@@ -27,8 +27,8 @@ from rest_framework.views import APIView
 
 from federation.api.schema import FIELD_ERRORS, FORBIDDEN, UNAUTHENTICATED
 from federation.core.roles import TENANT_VIEWER, is_staff_role, role_of
+from federation.metering.models import DIMENSIONS
 from federation.metering.selectors import (
-    DIMENSIONS,
     UsageQuery,
     pool_cost_report,
     usage_report,
