@@ -1,7 +1,8 @@
 """Read the edges' usage stream into the database (the worker's ingestion loop).
 
-A Redis consumer group: each batch is read, ingested in one transaction, and acknowledged (and
-deleted from the stream) only after the commit. A worker killed in between leaves its batch
+A Redis consumer group: each batch of entries (an entry is one edge's shipment of records) is
+read, ingested in one transaction, and acknowledged (and deleted from the stream) only after the
+commit. A worker killed in between leaves its batch
 pending; the next run claims batches pending longer than ``claim_idle_ms`` and ingests them
 again, which ingestion's idempotency makes harmless. Documents that are not usage records go to
 :data:`REJECTED_STREAM` with the reason, for an operator to look at: never silently dropped.
@@ -37,12 +38,13 @@ def usage_stream_consume(
     client: redis.Redis,
     *,
     consumer: str,
-    batch: int = 2000,
+    batch: int = 8,
     max_batches: int = 50,
     claim_idle_ms: int = 60_000,
 ) -> ConsumeResult:
-    """Ingest up to ``max_batches`` batches: first those a dead consumer left pending, then
-    new ones; stop when the stream has nothing more for this group."""
+    """Ingest up to ``max_batches`` batches of ``batch`` entries (an edge ships at most 500
+    records an entry): first those a dead consumer left pending, then new ones; stop when the
+    stream has nothing more for this group."""
     _ensure_group(client)
     result = ConsumeResult()
     while result.batches < max_batches:
@@ -79,13 +81,14 @@ def _read_new(client: redis.Redis, consumer: str, batch: int) -> list[Entry]:
 
 def _ingest(client: redis.Redis, entries: list[Entry], result: ConsumeResult) -> None:
     ids = [entry_id for entry_id, _ in entries]
-    documents, malformed = [], []
+    documents: list[bytes] = []
+    malformed: list[tuple[bytes, str]] = []
     for entry_id, fields in entries:
-        document = fields.get(USAGE_FIELD)
-        if document is None:
+        batch = fields.get(USAGE_FIELD)
+        if batch is None:
             malformed.append((repr(fields).encode(), f"stream entry {entry_id!r} has no record"))
         else:
-            documents.append(document)
+            documents += [line for line in batch.split(b"\n") if line]
     ingested = usage_ingest(documents=documents)  # committed when it returns
     rejected = malformed + ingested.rejected
     if rejected:

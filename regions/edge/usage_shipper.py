@@ -32,7 +32,9 @@ class UsageSink(Protocol):
 
 
 class RedisStreamSink:
-    """Appends records to :data:`USAGE_STREAM` in one MULTI/EXEC per batch (all or none)."""
+    """Appends each batch to :data:`USAGE_STREAM` as one entry (newline-delimited records): all
+    or none of it, and one command per batch rather than per record, which is what keeps
+    metering's cost per request in microseconds."""
 
     def __init__(self, url: str, *, stream: str = USAGE_STREAM, timeout_s: float = 5.0) -> None:
         self.stream = stream
@@ -41,10 +43,7 @@ class RedisStreamSink:
         )
 
     async def send(self, records: list[bytes]) -> None:
-        async with self._redis.pipeline(transaction=True) as pipe:
-            for record in records:
-                pipe.xadd(self.stream, {USAGE_FIELD: record})
-            await pipe.execute()
+        await self._redis.xadd(self.stream, {USAGE_FIELD: b"\n".join(records)})
 
     async def close(self) -> None:
         await self._redis.aclose()

@@ -11,8 +11,9 @@ from __future__ import annotations
 import msgspec
 
 USAGE_SCHEMA_VERSION = 1
-#: The Redis stream edges append records to (one entry per record, the document in field ``r``)
-#: and the control plane's ingestion reads with a consumer group.
+#: The Redis stream edges append records to — one entry per shipped batch, its records as
+#: newline-delimited documents in field ``r`` — and the control plane's ingestion reads with a
+#: consumer group.
 USAGE_STREAM = "fedinfer:usage"
 USAGE_FIELD = b"r"
 

@@ -111,8 +111,12 @@ def stream_chat(
 
 
 def records(client: redis.Redis, n: int) -> list[Any]:
-    wait_until(lambda: client.xlen(USAGE_STREAM) >= n, what=f"{n} usage records", timeout=20)
-    return [decode_record(fields[USAGE_FIELD]) for _, fields in client.xrange(USAGE_STREAM)]
+    def stored() -> list[Any]:
+        entries = client.xrange(USAGE_STREAM)
+        return [decode_record(r) for _, f in entries for r in f[USAGE_FIELD].split(b"\n")]
+
+    wait_until(lambda: len(stored()) >= n, what=f"{n} usage records", timeout=20)
+    return stored()
 
 
 def test_every_request_is_metered_with_the_tokens_the_client_saw(

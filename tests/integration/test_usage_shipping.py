@@ -25,8 +25,9 @@ def _closed_port_url() -> str:
 
 
 def _stream(name: str) -> list[bytes]:
+    """The records in the stream: each entry is one shipment, its records a line each."""
     client = redis.Redis.from_url(REDIS_URL)
-    return [fields[b"r"] for _, fields in client.xrange(name)]
+    return [r for _, fields in client.xrange(name) for r in fields[b"r"].split(b"\n")]
 
 
 def test_records_wait_on_disk_while_redis_is_away_then_arrive_once_each(
