@@ -2,9 +2,10 @@
 stream, or (without Redis) to the control plane's usage endpoint.
 
 One background task: every ``interval_s`` it writes what the requests buffered (one fsync per
-batch, in a worker thread), then sends what is on disk in batches and acknowledges each batch in
-the spool only after the sink accepted it. While the sink is down the spool grows (bounded) and
-the task retries with backoff; nothing is dropped here.
+batch, in a worker thread), then sends it — from memory when nothing older waits, else what is
+on disk, in batches — and acknowledges each batch in the spool only after the sink accepted it.
+While the sink is down the spool grows (bounded) and the task retries with backoff; nothing is
+dropped here.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Protocol
 import httpx
 import redis.asyncio as aioredis
 
-from regions.edge.usage_spool import UsageSpool
+from regions.edge.usage_spool import Batch, UsageSpool
 from regions.tables.usage import USAGE_FIELD, USAGE_STREAM
 
 log = logging.getLogger("fedinfer.edge.usage")
@@ -102,36 +103,52 @@ class UsageShipper:
         """Flush and ship until cancelled."""
         while True:
             await asyncio.sleep(self._delay())
-            await self.flush()
+            await self.cycle()
+
+    async def cycle(self) -> None:
+        """Write what the requests buffered, then ship it: straight from memory when the spool
+        was caught up (the common case: no read back from disk), else what waits on disk."""
+        direct = self.spool.caught_up and not self.stats.failing_for
+        written = await self.flush()
+        if written is not None and direct and len(written.records) <= self.batch:
+            await self._send(written)
+        else:
             await self.ship()
 
-    async def flush(self) -> None:
+    async def flush(self) -> Batch | None:
+        """Write what the requests buffered (one fsync); what was written, or None."""
         records = self.spool.take_buffer()
-        if records:
-            await asyncio.to_thread(self.spool.write, records)
+        if not records:
+            return None
+        end = await asyncio.to_thread(self.spool.write, records)
+        return Batch(records, end)
 
     async def ship(self) -> None:
         """Send what is on disk, batch after batch, until it is all sent or a send fails."""
         while True:
             batch = await asyncio.to_thread(self.spool.read, self.batch)
-            if not batch.records:
+            if not batch.records or not await self._send(batch):
                 return
-            try:
-                await self.sink.send(batch.records)
-            except Exception as exc:  # the sink is away: keep the records, retry later
-                self.stats.failures += 1
-                self.stats.failing_for += 1
-                if self.stats.failing_for == 1:
-                    log.warning("usage shipping failed, spooling: %s", exc)
-                return
-            if self.stats.failing_for:
-                log.info("usage shipping resumed after %d failures", self.stats.failing_for)
-            self.stats.failing_for = 0
-            await asyncio.to_thread(self.spool.ack, batch.end)
-            self.stats.shipped += len(batch.records)
+
+    async def _send(self, batch: Batch) -> bool:
+        """Send one batch; acknowledge it in the spool once the sink has accepted it."""
+        try:
+            await self.sink.send(batch.records)
+        except Exception as exc:  # the sink is away: keep the records, retry later
+            self.stats.failures += 1
+            self.stats.failing_for += 1
+            if self.stats.failing_for == 1:
+                log.warning("usage shipping failed, spooling: %s", exc)
+            return False
+        if self.stats.failing_for:
+            log.info("usage shipping resumed after %d failures", self.stats.failing_for)
+        self.stats.failing_for = 0
+        await asyncio.to_thread(self.spool.ack, batch.end)
+        self.stats.shipped += len(batch.records)
+        return True
 
     async def stop(self) -> None:
-        """On shutdown: write what is buffered, try one last shipment, close the sink."""
+        """On shutdown: write what is buffered, try to ship everything once, close the sink."""
         await self.flush()
         await self.ship()
         await self.sink.close()

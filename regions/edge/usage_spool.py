@@ -56,6 +56,8 @@ class UsageSpool:
         self._segments = self._recover()
         #: Bytes on disk from the acknowledged cursor on (what the bound counts, with the buffer).
         self._disk_bytes = sum(self._size(s) for s in self._segments) - self.acked.offset
+        #: Where the next write goes.
+        self.end = Cursor(self._segments[-1], self._size(self._segments[-1]))
         self.written_records = 0
 
     # --- the request path ----------------------------------------------------------------
@@ -73,6 +75,11 @@ class UsageSpool:
     def unshipped_bytes(self) -> int:
         return self._disk_bytes + self._buffered_bytes
 
+    @property
+    def caught_up(self) -> bool:
+        """Everything written is acknowledged: what is written next can be shipped from memory."""
+        return self.acked == self.end
+
     # --- the background task -------------------------------------------------------------
 
     def take_buffer(self) -> list[bytes]:
@@ -81,10 +88,11 @@ class UsageSpool:
         self._buffered_bytes -= sum(len(r) + 1 for r in records)
         return records
 
-    def write(self, records: list[bytes]) -> None:
-        """Append ``records`` to the current segment and fsync (may run in a worker thread)."""
+    def write(self, records: list[bytes]) -> Cursor:
+        """Append ``records`` to the current segment and fsync (may run in a worker thread);
+        the cursor after them."""
         if not records:
-            return
+            return self.end
         data = b"".join(r + b"\n" for r in records)
         current = self._segments[-1]
         if self._size(current) >= self.segment_bytes:
@@ -98,6 +106,8 @@ class UsageSpool:
             self._fsync_directory()
         self._disk_bytes += len(data)
         self.written_records += len(records)
+        self.end = Cursor(current, self._size(current))
+        return self.end
 
     def flush(self) -> int:
         """:meth:`take_buffer` then :meth:`write`, on one thread; the number written."""

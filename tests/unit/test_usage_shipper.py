@@ -1,0 +1,65 @@
+"""The shipper: in the common case a batch goes out from memory as soon as it is on disk; after
+a failure everything waits on disk and goes out oldest first, nothing lost or reordered."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+from regions.edge.usage_shipper import UsageShipper
+from regions.edge.usage_spool import UsageSpool
+
+
+class Sink:
+    def __init__(self) -> None:
+        self.up = True
+        self.batches: list[list[bytes]] = []
+
+    async def send(self, records: list[bytes]) -> None:
+        if not self.up:
+            raise ConnectionError("sink away")
+        self.batches.append(list(records))
+
+    async def close(self) -> None:
+        pass
+
+
+def rec(i: int) -> bytes:
+    return b'{"n":%d}' % i
+
+
+def test_caught_up_batches_go_from_memory_and_a_backlog_goes_oldest_first(tmp_path: Path) -> None:
+    spool = UsageSpool(tmp_path)
+    sink = Sink()
+    shipper = UsageShipper(spool, sink, batch=3)
+
+    async def run() -> None:
+        spool.append(rec(1))
+        spool.append(rec(2))
+        await shipper.cycle()
+        assert sink.batches == [[rec(1), rec(2)]] and spool.caught_up
+        sink.up = False
+        spool.append(rec(3))
+        await shipper.cycle()
+        assert shipper.stats.failing_for == 1 and not spool.caught_up
+        sink.up = True
+        for i in (4, 5, 6, 7):
+            spool.append(rec(i))
+        await shipper.cycle()  # the backlog first, from disk, in batches of 3
+
+    asyncio.run(run())
+    assert sink.batches[1:] == [[rec(3), rec(4), rec(5)], [rec(6), rec(7)]]
+    assert spool.caught_up and spool.unshipped_bytes == 0
+    assert shipper.stats.shipped == 7 and shipper.stats.failing_for == 0
+    assert UsageSpool(tmp_path).read(10).records == []  # acknowledged on disk too
+
+
+def test_a_batch_larger_than_the_sinks_goes_from_disk_in_pieces(tmp_path: Path) -> None:
+    spool = UsageSpool(tmp_path)
+    sink = Sink()
+    shipper = UsageShipper(spool, sink, batch=2)
+    for i in range(5):
+        spool.append(rec(i))
+    asyncio.run(shipper.cycle())
+    assert sink.batches == [[rec(0), rec(1)], [rec(2), rec(3)], [rec(4)]]
+    assert spool.caught_up
