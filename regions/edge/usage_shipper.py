@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -91,12 +92,17 @@ class UsageShipper:
         interval_s: float = 0.05,
         batch: int = 500,
         max_backoff_s: float = 5.0,
+        persist_s: float = 1.0,
     ) -> None:
         self.spool = spool
         self.sink = sink
         self.interval_s = interval_s
         self.batch = batch
         self.max_backoff_s = max_backoff_s
+        #: How often, at most, the acknowledged cursor is written to disk (a restart re-ships
+        #: at most this much; ingestion is idempotent).
+        self.persist_s = persist_s
+        self._persisted_at = 0.0
         self.stats = ShipperStats()
 
     async def run(self) -> None:
@@ -143,14 +149,19 @@ class UsageShipper:
         if self.stats.failing_for:
             log.info("usage shipping resumed after %d failures", self.stats.failing_for)
         self.stats.failing_for = 0
-        await asyncio.to_thread(self.spool.ack, batch.end)
+        self.spool.ack(batch.end)
         self.stats.shipped += len(batch.records)
+        now = time.monotonic()
+        if now - self._persisted_at >= self.persist_s:
+            self._persisted_at = now
+            await asyncio.to_thread(self.spool.persist)
         return True
 
     async def stop(self) -> None:
         """On shutdown: write what is buffered, try to ship everything once, close the sink."""
         await self.flush()
         await self.ship()
+        await asyncio.to_thread(self.spool.persist)
         await self.sink.close()
 
     def _delay(self) -> float:

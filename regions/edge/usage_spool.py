@@ -53,6 +53,7 @@ class UsageSpool:
         self._buffer: list[bytes] = []
         self._buffered_bytes = 0
         self.acked = self._read_acked()
+        self._persisted = self.acked
         self._segments = self._recover()
         #: Bytes on disk from the acknowledged cursor on (what the bound counts, with the buffer).
         self._disk_bytes = sum(self._size(s) for s in self._segments) - self.acked.offset
@@ -139,10 +140,18 @@ class UsageSpool:
         return Batch(records, cursor)
 
     def ack(self, cursor: Cursor) -> None:
-        """Everything before ``cursor`` was accepted: persist it, delete finished segments."""
+        """Everything before ``cursor`` was accepted (in memory: :meth:`persist` writes it)."""
         if cursor <= self.acked:
             return
-        freed = self._bytes_between(self.acked, cursor)
+        self._disk_bytes -= self._bytes_between(self.acked, cursor)
+        self.acked = cursor
+
+    def persist(self) -> None:
+        """Write the acknowledged cursor (atomically) and delete the segments before it. Until
+        it is written, a restart ships those records again: ingestion counts them once."""
+        cursor = self.acked
+        if cursor == self._persisted:
+            return
         tmp = self.directory / (ACKED_FILE + ".tmp")
         with open(tmp, "w") as f:
             f.write(f"{cursor.segment} {cursor.offset}\n")
@@ -150,8 +159,7 @@ class UsageSpool:
             os.fsync(f.fileno())
         os.replace(tmp, self.directory / ACKED_FILE)
         self._fsync_directory()
-        self.acked = cursor
-        self._disk_bytes -= freed
+        self._persisted = cursor
         while len(self._segments) > 1 and self._segments[0] < cursor.segment:
             self._path(self._segments.pop(0)).unlink(missing_ok=True)
 

@@ -46,12 +46,15 @@ def test_caught_up_batches_go_from_memory_and_a_backlog_goes_oldest_first(tmp_pa
         for i in (4, 5, 6, 7):
             spool.append(rec(i))
         await shipper.cycle()  # the backlog first, from disk, in batches of 3
+        # Within a second of the last write of the cursor, a restart would ship them again.
+        assert UsageSpool(tmp_path).read(10).records != []
+        await shipper.stop()  # writes the cursor
 
     asyncio.run(run())
     assert sink.batches[1:] == [[rec(3), rec(4), rec(5)], [rec(6), rec(7)]]
     assert spool.caught_up and spool.unshipped_bytes == 0
     assert shipper.stats.shipped == 7 and shipper.stats.failing_for == 0
-    assert UsageSpool(tmp_path).read(10).records == []  # acknowledged on disk too
+    assert UsageSpool(tmp_path).read(10).records == []  # acknowledged on disk now
 
 
 def test_a_batch_larger_than_the_sinks_goes_from_disk_in_pieces(tmp_path: Path) -> None:

@@ -35,9 +35,13 @@ def test_a_record_leaves_only_once_acknowledged_and_that_survives_a_restart(
     assert spool.read(10).records[:2] == first.records  # unacknowledged: read again
     spool.ack(first.end)
     assert spool.read(10).records == [rec(2), rec(3), rec(4)]
+    # Acknowledged but not yet persisted: a restart ships those two again (at least once).
+    assert UsageSpool(tmp_path).read(10).records == [rec(i) for i in range(5)]
+    spool.persist()
     reopened = UsageSpool(tmp_path)
     assert reopened.read(10).records == [rec(2), rec(3), rec(4)]
     reopened.ack(reopened.read(10).end)
+    reopened.persist()
     assert UsageSpool(tmp_path).read(10).records == []
 
 
@@ -71,6 +75,7 @@ def test_segments_roll_over_and_finished_ones_are_deleted(tmp_path: Path) -> Non
     batch = spool.read(100)
     assert batch.records == [rec(i) for i in range(10)]
     spool.ack(batch.end)
+    spool.persist()
     assert len(list(tmp_path.glob("usage-*.jsonl"))) == 1
     assert spool.unshipped_bytes == 0
     spool.append(rec(10))
@@ -89,6 +94,7 @@ def test_the_bound_counts_unacknowledged_bytes_buffered_or_on_disk(tmp_path: Pat
     spool.flush()
     assert not spool.has_room()
     spool.ack(spool.read(2).end)
+    spool.persist()
     assert spool.has_room()
     assert spool.unshipped_bytes == 40
     assert UsageSpool(tmp_path, max_bytes=70, segment_bytes=70).unshipped_bytes == 40
