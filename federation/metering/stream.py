@@ -42,7 +42,7 @@ def usage_stream_consume(
     max_batches: int = 50,
     claim_idle_ms: int = 60_000,
 ) -> ConsumeResult:
-    """Ingest up to ``max_batches`` batches of ``batch`` entries (an edge ships at most 500
+    """Ingest up to ``max_batches`` batches of ``batch`` entries (an edge ships at most 1,000
     records an entry): first those a dead consumer left pending, then new ones; stop when the
     stream has nothing more for this group."""
     _ensure_group(client)

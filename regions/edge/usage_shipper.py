@@ -90,7 +90,7 @@ class UsageShipper:
         sink: UsageSink,
         *,
         interval_s: float = 0.05,
-        batch: int = 500,
+        batch: int = 1000,
         max_backoff_s: float = 5.0,
         persist_s: float = 1.0,
     ) -> None:
@@ -116,7 +116,10 @@ class UsageShipper:
         was caught up (the common case: no read back from disk), else what waits on disk."""
         direct = self.spool.caught_up and not self.stats.failing_for
         written = await self.flush()
-        if written is not None and direct and len(written.records) <= self.batch:
+        if written is None:
+            if not direct:
+                await self.ship()  # a backlog, or a sink to try again
+        elif direct and len(written.records) <= self.batch:
             await self._send(written)
         else:
             await self.ship()
