@@ -94,7 +94,7 @@ class UsageSpool:
         the cursor after them."""
         if not records:
             return self.end
-        data = b"".join(r + b"\n" for r in records)
+        data = b"\n".join(records) + b"\n"
         current = self._segments[-1]
         if self._size(current) >= self.segment_bytes:
             current = current + 1

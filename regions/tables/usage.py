@@ -18,8 +18,9 @@ USAGE_STREAM = "fedinfer:usage"
 USAGE_FIELD = b"r"
 
 
-class UsageRecord(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """One request the edge forwarded to an engine, once its response has ended."""
+class UsageRecord(msgspec.Struct, frozen=True, forbid_unknown_fields=True, gc=False):
+    """One request the edge forwarded to an engine, once its response has ended. (Scalars
+    only, so the garbage collector need not track one per request: ``gc=False``.)"""
 
     request_id: str
     #: Wall-clock Unix time the edge received the request, seconds (the record's time: rollups
