@@ -123,8 +123,7 @@ def build_fleet(codes: list[str], engine_ports: list[int], edge_ports: list[int]
             name=f"{code}-0",
             endpoint_url=f"http://127.0.0.1:{engine_port}",
         )
-        for step in ("loading", "warming", "ready"):
-            inst = inv.instance_transition(actor=None, instance=inst, state=step)
+        inst = inv.instance_bring_up(actor=None, instance=inst)
         instance_ids[code] = inst.pk
         edge = inv.edge_register(
             actor=None,

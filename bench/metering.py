@@ -90,8 +90,7 @@ def build_fleet() -> None:
                 name=f"{code}-{pool_name}-1",
                 endpoint_url=f"http://{code}-{pool_name}-1.local:8000",
             )
-            for state in ("loading", "warming", "ready"):
-                inst = inv.instance_transition(actor=None, instance=inst, state=state)
+            inv.instance_bring_up(actor=None, instance=inst)
 
 
 def documents(n: int, start: datetime) -> list[bytes]:

@@ -101,6 +101,19 @@ def test_restarting_an_instance_needs_room_under_max_replicas(fleet: dict[str, A
     assert old.state == "pending"
 
 
+def test_a_running_engine_is_brought_up_to_ready_step_by_step(fleet: dict[str, Any]) -> None:
+    dep = make_deployment(fleet["m8"], fleet["pool"], max_replicas=2)
+    inst = services.instance_bring_up(actor=None, instance=make_instance(dep, "i-1"))
+    assert inst.state == "ready"
+    steps = AuditEvent.objects.filter(object_type="inventory.instance", object_id=str(inst.pk))
+    assert steps.filter(action="instance.transition").count() == 3
+    second = make_instance(dep, "i-2")
+    services.region_evacuate(actor=None, region=fleet["region"])
+    with pytest.raises(Conflict, match="evacuated"):  # no ready instance there, whichever way
+        services.instance_bring_up(actor=None, instance=second)
+    assert Instance.objects.get(name="i-2").state == "pending"  # all or nothing
+
+
 def test_region_link_set_keeps_the_measured_rtt_unless_given(fleet: dict[str, Any]) -> None:
     eu = make_region("eu-west", "EU")
     link, created = services.region_link_set(

@@ -17,6 +17,7 @@ from federation.inventory.services.deployments import (
 )
 from federation.inventory.services.edges import edge_delete, edge_register, edge_update
 from federation.inventory.services.instances import (
+    instance_bring_up,
     instance_create,
     instance_delete,
     instance_drain,
@@ -65,6 +66,7 @@ __all__ = [
     "edge_delete",
     "edge_register",
     "edge_update",
+    "instance_bring_up",
     "instance_create",
     "instance_delete",
     "instance_drain",

@@ -157,6 +157,16 @@ def instance_transition(*, actor: Actor, instance: Instance, state: str) -> Inst
 
 
 @transaction.atomic
+def instance_bring_up(*, actor: Actor, instance: Instance) -> Instance:
+    """An engine that is already running (a static instance, the demo's, a benchmark's):
+    walked pending → loading → warming → ready in one transaction, each step checked as if
+    its provisioner had reported it."""
+    for state in (lifecycle.LOADING, lifecycle.WARMING, lifecycle.READY):
+        instance = instance_transition(actor=actor, instance=instance, state=state)
+    return instance
+
+
+@transaction.atomic
 def instance_drain(*, actor: Actor, instance: Instance) -> Instance:
     """Stop routing new requests to a ready instance; in-flight ones finish. Idempotent."""
     instance = model_lock(instance)

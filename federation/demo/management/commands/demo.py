@@ -259,8 +259,7 @@ class Command(BaseCommand):
                 inst = inventory.instance_create(
                     actor=None, deployment=dep, name=name, endpoint_url=engine["url"]
                 )
-                for state in ("loading", "warming", "ready"):
-                    inst = inventory.instance_transition(actor=None, instance=inst, state=state)
+                inventory.instance_bring_up(actor=None, instance=inst)
 
     def _start(self, run: _Run) -> dict[str, Any]:
         self._start_engines(run)
