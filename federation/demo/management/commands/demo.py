@@ -28,11 +28,14 @@ from django.conf import settings
 from django.core.management import call_command
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.db import connection
+from django.utils import timezone
 
 from federation.demo.fleet import DEMO_PASSWORD
+from federation.demo.usage import usage_history
 from federation.inventory import lifecycle
 from federation.inventory import services as inventory
 from federation.inventory.models import Deployment, Edge, GPUPool, Instance, Region
+from federation.metering import services as metering
 from federation.routing import services as routing
 from federation.tenancy import services as tenancy
 from federation.tenancy.models import ApiKey, Tenant
@@ -46,6 +49,9 @@ from regions.supervisor import (
     wait_until,
 )
 from workers.celery import app as celery_app
+
+#: Usage records ingested per transaction when the demo fills its history.
+HISTORY_BATCH = 2000
 
 DEMO_PREFIX = "demo-"
 FEDINFER = [sys.executable, "-m", "federation.cli"]
@@ -109,6 +115,12 @@ class Command(BaseCommand):
             type=int,
             default=20,
             help="the traffic generator prints a summary line every this many answers",
+        )
+        parser.add_argument(
+            "--usage-days",
+            type=int,
+            default=0,
+            help="fill this many days of usage history before serving (reports, costs, budgets)",
         )
         parser.add_argument(
             "--exit-after",
@@ -261,8 +273,19 @@ class Command(BaseCommand):
                 )
                 inventory.instance_bring_up(actor=None, instance=inst)
 
+    def _usage_history(self, days: int) -> None:
+        """Ingest ``days`` of generated usage and roll it up, as the worker would."""
+        records = list(usage_history(days=days, now=timezone.now()))
+        for i in range(0, len(records), HISTORY_BATCH):
+            metering.usage_ingest(documents=records[i : i + HISTORY_BATCH])
+        while metering.usage_hours_refresh(limit=200):
+            pass
+        self.stdout.write(f"usage history: {len(records)} requests over {days} days\n")
+
     def _start(self, run: _Run) -> dict[str, Any]:
         self._start_engines(run)
+        if run.opts["usage_days"] > 0:
+            self._usage_history(run.opts["usage_days"])
         host, opts = run.host, run.opts
         keys = self._fresh_keys()
         edges: dict[str, str] = {}
