@@ -1,7 +1,7 @@
 """The edge's usage spool: every usage record on local disk until the control plane has it.
 
 Records are appended to memory on the request path (no I/O there) and written to the current
-segment file with one ``fsync`` per small batch (:meth:`UsageSpool.flush`, from a background
+segment file with one ``fsync`` per small batch (``UsageShipper.flush``, from a background
 task). A shipper sends what is on disk and only then moves the *acknowledged* cursor, which is
 itself written atomically; segments wholly before it are deleted. So a record leaves the spool
 only once accepted, and a crash loses at most the batch not yet flushed; a batch shipped but not
@@ -59,7 +59,6 @@ class UsageSpool:
         self._disk_bytes = sum(self._size(s) for s in self._segments) - self.acked.offset
         #: Where the next write goes.
         self.end = Cursor(self._segments[-1], self._size(self._segments[-1]))
-        self.written_records = 0
 
     # --- the request path ----------------------------------------------------------------
 
@@ -95,26 +94,19 @@ class UsageSpool:
         if not records:
             return self.end
         data = b"\n".join(records) + b"\n"
-        current = self._segments[-1]
-        if self._size(current) >= self.segment_bytes:
-            current = current + 1
-            self._segments.append(current)
-        with open(self._path(current), "ab") as f:
+        end = self.end
+        if end.offset >= self.segment_bytes:
+            end = Cursor(end.segment + 1, 0)
+            self._segments.append(end.segment)
+        with open(self._path(end.segment), "ab") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
-        if self._size(current) == len(data):  # a new file: make its name durable too
+        if end.offset == 0:  # a new file: make its name durable too
             self._fsync_directory()
         self._disk_bytes += len(data)
-        self.written_records += len(records)
-        self.end = Cursor(current, self._size(current))
+        self.end = Cursor(end.segment, end.offset + len(data))
         return self.end
-
-    def flush(self) -> int:
-        """:meth:`take_buffer` then :meth:`write`, on one thread; the number written."""
-        records = self.take_buffer()
-        self.write(records)
-        return len(records)
 
     def read(self, limit: int, start: Cursor | None = None) -> Batch:
         """Up to ``limit`` records on disk from ``start`` (default: the acknowledged cursor)."""

@@ -19,7 +19,9 @@ def test_records_are_read_back_in_order_and_only_after_a_flush(tmp_path: Path) -
     for i in range(3):
         spool.append(rec(i))
     assert spool.read(10).records == []  # buffered, not on disk
-    assert spool.flush() == 3
+    buffered = spool.take_buffer()
+    assert len(buffered) == 3
+    spool.write(buffered)
     assert spool.read(10).records == [rec(0), rec(1), rec(2)]
     assert spool.read(2).records == [rec(0), rec(1)]
 
@@ -30,7 +32,7 @@ def test_a_record_leaves_only_once_acknowledged_and_that_survives_a_restart(
     spool = UsageSpool(tmp_path)
     for i in range(5):
         spool.append(rec(i))
-    spool.flush()
+    spool.write(spool.take_buffer())
     first = spool.read(2)
     assert spool.read(10).records[:2] == first.records  # unacknowledged: read again
     spool.ack(first.end)
@@ -48,7 +50,7 @@ def test_a_record_leaves_only_once_acknowledged_and_that_survives_a_restart(
 def test_an_unacknowledged_batch_is_shipped_again_after_a_restart(tmp_path: Path) -> None:
     spool = UsageSpool(tmp_path)
     spool.append(rec(1))
-    spool.flush()
+    spool.write(spool.take_buffer())
     spool.read(10)  # sent, but the edge stopped before the acknowledgement
     assert UsageSpool(tmp_path).read(10).records == [rec(1)]
 
@@ -56,13 +58,13 @@ def test_an_unacknowledged_batch_is_shipped_again_after_a_restart(tmp_path: Path
 def test_a_line_torn_by_a_crash_is_cut_off_and_writing_goes_on(tmp_path: Path) -> None:
     spool = UsageSpool(tmp_path)
     spool.append(rec(1))
-    spool.flush()
+    spool.write(spool.take_buffer())
     segment = next(tmp_path.glob("usage-*.jsonl"))
     with open(segment, "ab") as f:
         f.write(b'{"request_id":"r2"')  # the crash came mid-write
     reopened = UsageSpool(tmp_path)
     reopened.append(rec(3))
-    reopened.flush()
+    reopened.write(reopened.take_buffer())
     assert reopened.read(10).records == [rec(1), rec(3)]
 
 
@@ -70,7 +72,7 @@ def test_segments_roll_over_and_finished_ones_are_deleted(tmp_path: Path) -> Non
     spool = UsageSpool(tmp_path, max_bytes=1000, segment_bytes=40)
     for i in range(10):
         spool.append(rec(i))
-        spool.flush()
+        spool.write(spool.take_buffer())
     assert len(list(tmp_path.glob("usage-*.jsonl"))) >= 4
     batch = spool.read(100)
     assert batch.records == [rec(i) for i in range(10)]
@@ -79,7 +81,7 @@ def test_segments_roll_over_and_finished_ones_are_deleted(tmp_path: Path) -> Non
     assert len(list(tmp_path.glob("usage-*.jsonl"))) == 1
     assert spool.unshipped_bytes == 0
     spool.append(rec(10))
-    spool.flush()
+    spool.write(spool.take_buffer())
     assert UsageSpool(tmp_path, max_bytes=1000, segment_bytes=40).read(10).records == [rec(10)]
 
 
@@ -91,7 +93,7 @@ def test_the_bound_counts_unacknowledged_bytes_buffered_or_on_disk(tmp_path: Pat
     assert spool.has_room()
     spool.append(rec(4))
     assert not spool.has_room()
-    spool.flush()
+    spool.write(spool.take_buffer())
     assert not spool.has_room()
     spool.ack(spool.read(2).end)
     spool.persist()
@@ -104,7 +106,7 @@ def test_acknowledging_an_older_cursor_changes_nothing(tmp_path: Path) -> None:
     spool = UsageSpool(tmp_path)
     spool.append(rec(1))
     spool.append(rec(2))
-    spool.flush()
+    spool.write(spool.take_buffer())
     spool.ack(spool.read(2).end)
     spool.ack(Cursor(0, 0))
     assert spool.read(10).records == []
