@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import logging
 import secrets
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -25,6 +26,8 @@ from prometheus_client.registry import Collector
 from regions.edge.usage_shipper import UsageShipper, UsageSink
 from regions.edge.usage_spool import UsageSpool
 from regions.tables.usage import UsageRecord, encode_record
+
+log = logging.getLogger("fedinfer.edge.usage")
 
 FullPolicy = Literal["refuse", "serve"]
 #: Spool segment files roll over at this size (or at the spool's bound, if smaller).
@@ -82,6 +85,7 @@ class Meter:
 
     async def start(self) -> None:
         self._task = asyncio.create_task(self.shipper.run(), name="usage-shipper")
+        self._task.add_done_callback(_report_failure)
 
     async def stop(self) -> None:
         """Stop shipping in the background, then flush and ship what is left once."""
@@ -90,6 +94,12 @@ class Meter:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
         await self.shipper.stop()
+
+
+def _report_failure(task: asyncio.Task[None]) -> None:
+    """A shipper that stopped on a defect says so at once (its records stay spooled)."""
+    if not task.cancelled() and task.exception() is not None:
+        log.error("usage shipping stopped", exc_info=task.exception())
 
 
 class UsageCollector(Collector):

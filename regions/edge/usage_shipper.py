@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import httpx
+import redis
 import redis.asyncio as aioredis
 
 from regions.edge.usage_spool import Batch, UsageSpool
@@ -25,8 +26,18 @@ from regions.tables.usage import USAGE_FIELD, USAGE_STREAM
 log = logging.getLogger("fedinfer.edge.usage")
 
 
+class SinkRefused(Exception):
+    """The sink answered, but did not take the batch."""
+
+
+#: What a sink raises when it is away or refuses: the records stay spooled and are retried.
+#: Anything else is a defect and stops the shipper loudly.
+SINK_AWAY = (OSError, redis.RedisError, httpx.HTTPError, SinkRefused)
+
+
 class UsageSink(Protocol):
-    """Where records go; ``send`` returns only once all of them are accepted, else raises."""
+    """Where records go; ``send`` returns only once all of them are accepted, else raises one
+    of :data:`SINK_AWAY`."""
 
     async def send(self, records: list[bytes]) -> None: ...
 
@@ -69,7 +80,7 @@ class ControlPlaneSink:
     async def send(self, records: list[bytes]) -> None:
         resp = await self._client.post(self.url, content=b"\n".join(records))
         if resp.status_code >= 300:
-            raise RuntimeError(f"usage refused ({resp.status_code}): {resp.text[:200]}")
+            raise SinkRefused(f"usage refused ({resp.status_code}): {resp.text[:200]}")
 
     async def close(self) -> None:
         await self._client.aclose()
@@ -143,7 +154,7 @@ class UsageShipper:
         """Send one batch; acknowledge it in the spool once the sink has accepted it."""
         try:
             await self.sink.send(batch.records)
-        except Exception as exc:  # the sink is away: keep the records, retry later
+        except SINK_AWAY as exc:  # keep the records, retry later
             self.stats.failures += 1
             self.stats.failing_for += 1
             if self.stats.failing_for == 1:
