@@ -165,7 +165,9 @@ class Admit:
             salt=root_seed(tenant.slug) if tenant is not None else None,
             spill=spill,
             entry_region=origin,
-            key_prefix=public_prefix(authorization) if tenant is not None else None,
+            key_prefix=(
+                public_prefix(authorization) if tenant is not None and self.meter else None
+            ),
         )
 
     def _spill(
