@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import base64
 from collections.abc import Mapping
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
 from django.conf import settings
@@ -12,7 +12,13 @@ from django.utils import timezone
 from django.utils.crypto import salted_hmac
 
 from federation.inventory.models import Edge, Instance, Region, RegionLink
-from federation.metering.selectors import tenant_month_spend
+from federation.metering.pricing import Price
+from federation.metering.selectors import (
+    counted_spend,
+    month_of,
+    prices_in_effect,
+    tenant_month_spend,
+)
 from federation.routing.compiler import (
     FleetSnapshot,
     InstanceRow,
@@ -21,9 +27,12 @@ from federation.routing.compiler import (
     RegionRow,
     TenantRow,
 )
+from federation.routing.leases import BudgetRow
 from federation.tenancy.models import Tenant
 from federation.tenancy.residency import ResidencyPolicy
 from federation.tenancy.selectors import api_key_table_entries
+from regions.tables.money import micro_usd, pico_usd
+from regions.tables.schema import ModelPrice
 
 #: vLLM's default ``--max-num-seqs`` when a deployment does not set it.
 VLLM_DEFAULT_MAX_NUM_SEQS = 256
@@ -82,8 +91,10 @@ def tenant_rows(
             KeyRow(entry.key_hash, entry.valid_until, entry.scopes)
         )
     spend = spend_usd or {}
+    tenants = list(Tenant.objects.filter(is_active=True).prefetch_related("allowed_regions"))
+    budgets = budget_rows(tenants, now=now or timezone.now())
     rows = []
-    for tenant in Tenant.objects.filter(is_active=True).prefetch_related("allowed_regions"):
+    for tenant in tenants:
         rows.append(
             TenantRow(
                 slug=tenant.slug,
@@ -98,9 +109,40 @@ def tenant_rows(
                 spend_usd=float(spend.get(tenant.slug, 0.0)),
                 keys=tuple(keys.get(tenant.pk, ())),
                 cache_salt=tenant_cache_salt(tenant.slug) if tenant.isolate_kv_cache else None,
+                budget=budgets.get(tenant.slug),
             )
         )
     return tuple(rows)
+
+
+def budget_rows(tenants: list[Tenant], *, now: datetime) -> dict[str, BudgetRow]:
+    """Tenant slug -> its budget and this month's spend counted against it, in pico-USD, for
+    the ``tenants`` with a budget (three queries however many there are)."""
+    slugs = [t.slug for t in tenants if t.monthly_budget_usd is not None]
+    if not slugs:
+        return {}
+    month = month_of(now)
+    counted = counted_spend(month=month, tenants=slugs)
+    own_prices = prices_in_effect(now=now, tenants=slugs).tenant_prices
+    return {
+        tenant.slug: BudgetRow(
+            month=f"{month:%Y-%m}",
+            budget=pico_usd(tenant.monthly_budget_usd),
+            counted={k: pico_usd(v) for k, v in counted.get(tenant.slug, {}).items()},
+            prices={m: table_price(p) for m, p in own_prices.get(tenant.slug, {}).items()},
+        )
+        for tenant in tenants
+        if tenant.monthly_budget_usd is not None
+    }
+
+
+def table_price(price: Price) -> ModelPrice:
+    """A price as the tables carry it: micro-USD per million tokens."""
+    return ModelPrice(
+        micro_usd(price.input_per_mtok),
+        micro_usd(price.cached_input_per_mtok),
+        micro_usd(price.output_per_mtok),
+    )
 
 
 def fleet_snapshot(
@@ -111,10 +153,18 @@ def fleet_snapshot(
     now = now or timezone.now()
     if spend_usd is None:
         spend_usd = {slug: float(usd) for slug, usd in tenant_month_spend(now=now).items()}
-    # The first registered edge of a region receives its spill-over (no health or load yet).
+    # The first registered edge of a region receives its spill-over (no health or load yet);
+    # budgets are leased to the edges with a fresh heartbeat.
     edge_urls: dict[str, str] = {}
-    for code, url in Edge.objects.order_by("name").values_list("region__code", "url"):
+    live_edges: dict[str, list[str]] = {}
+    fresh = now - timedelta(seconds=LOAD_REPORT_MAX_AGE_S)
+    edges = Edge.objects.order_by("name").values_list(
+        "region__code", "url", "name", "last_heartbeat_at"
+    )
+    for code, url, name, heard in edges:
         edge_urls.setdefault(code, url)
+        if heard is not None and heard >= fresh:
+            live_edges.setdefault(code, []).append(name)
     regions = tuple(
         RegionRow(
             code=r.code,
@@ -123,6 +173,7 @@ def fleet_snapshot(
             edge_url=edge_urls.get(r.code),
             restored_at=r.restored_at,
             recovered_at=r.recovered_at,
+            edges=tuple(live_edges.get(r.code, ())),
         )
         for r in Region.objects.all()
     )
@@ -157,11 +208,18 @@ def fleet_snapshot(
         )
         for link in RegionLink.objects.select_related("source", "target")
     }
+    tenants = tenant_rows(now=now, spend_usd=spend_usd)
+    list_prices = (
+        prices_in_effect(now=now, tenants=()).list_prices
+        if any(t.budget is not None for t in tenants)
+        else {}
+    )
     return FleetSnapshot(
         regions=regions,
         instances=tuple(instances),
         rtt_ms=rtt,
-        tenants=tenant_rows(now=now, spend_usd=spend_usd),
+        tenants=tenants,
         now=now,
         ramp=ramp_policy(),
+        prices={m: table_price(p) for m, p in list_prices.items()},
     )
