@@ -1,12 +1,17 @@
-"""Budget leases: each edge's slice of what remains of a monthly budget. Pure.
+"""Budget leases: each edge's share of a monthly budget, granted and never taken back. Pure.
 
 An edge cannot ask the control plane before every request, and the control plane hears of
-spend only once records are ingested; so every budget's remaining amount is split among the
-edges that may serve it, and each edge spends only its slice (``regions/edge/budget.py``).
-The slices add up to at most what remained when the table was compiled, which bounds the
-overshoot by what requests in flight spend beyond their worst case
-(``docs/adr/0008-budget-leases.md``). Amounts are integers of pico-USD
-(``regions/tables/money.py``).
+spend only once records are ingested; so each edge is granted a *ceiling* on what it may commit
+of a budget this month — spend it settled plus the worst case of requests in flight — and
+spends only within it (``regions/edge/budget.py``). The table carries a ceiling as the spend
+counted of that edge plus a lease on top.
+
+A ceiling, once published, is never lowered: the edge may already have committed all of it,
+and nothing it reports says otherwise. So each compile grants only what no edge holds yet —
+the budget minus every edge's claim (its last ceiling, or its counted spend if more) — and the
+ceilings add up to at most the budget. The overshoot is then bounded by what requests in
+flight spend beyond the worst case their edge held (``docs/adr/0008-budget-leases.md``).
+Amounts are integers of pico-USD (``regions/tables/money.py``).
 """
 
 from __future__ import annotations
@@ -30,6 +35,8 @@ class BudgetRow:
     budget: int | None
     #: Spend counted this month, pico-USD, by (key prefix, edge that served it).
     counted: Mapping[tuple[str, str], int] = field(default_factory=dict)
+    #: Ceilings the last published table granted this month, by (key prefix or "", edge).
+    granted: Mapping[tuple[str, str], int] = field(default_factory=dict)
     #: Key prefix -> that key's own monthly budget, pico-USD.
     key_budgets: Mapping[str, int] = field(default_factory=dict)
     #: The tenant's own prices where they differ from the list prices.
@@ -43,36 +50,51 @@ def budget_state(budget: int, spent: int) -> schema.BudgetState:
     return "warn" if spent >= BUDGET_WARN_SHARE * budget else "ok"
 
 
-def split_remaining(remaining: int, counted: Mapping[str, int], edges: Sequence[str]) -> list[int]:
-    """``remaining`` split over ``edges``: half evenly, half by each one's share of the spend
-    counted so far (evenly while nothing is), rounded down so the slices never add up to more.
+def split_grant(grant: int, counted: Mapping[str, int], edges: Sequence[str]) -> list[int]:
+    """``grant`` split over ``edges`` by their share of the spend counted this month (evenly
+    while none of them has any), rounded down so the slices never add up to more.
 
-    Half by spend, so an edge that serves most of a tenant's traffic gets most of its budget;
-    half evenly, so an edge that has served none yet is not starved when traffic moves to it.
+    By spend, because a grant is never taken back: what an edge that serves none of the
+    tenant's traffic is granted stays unused until the month ends.
     """
-    if not edges or remaining <= 0:
+    if not edges or grant <= 0:
         return [0] * len(edges)
-    n = len(edges)
     spent = [max(counted.get(e, 0), 0) for e in edges]
     total = sum(spent)
     if total == 0:
-        return [remaining // n] * n
-    # remaining x (1/2n + s/2total) = remaining x (total + n s) / (2 n total), in integers.
-    return [remaining * (total + n * s) // (2 * n * total) for s in spent]
+        return [grant // len(edges)] * len(edges)
+    return [grant * s // total for s in spent]
+
+
+#: Share of the ungranted budget a compile grants: the rest stays for the edges where demand
+#: shows up next (a grant is never taken back).
+GRANT_SHARE = (1, 2)
 
 
 def budget_leases(
-    month: str, budget: int, counted: Mapping[str, int], edges: Sequence[str]
+    month: str,
+    budget: int,
+    counted: Mapping[str, int],
+    edges: Sequence[str],
+    granted: Mapping[str, int] | None = None,
 ) -> schema.Budget:
-    """One budget's leases: ``counted`` is this month's counted spend by edge (every edge that
-    served it, live or not), ``edges`` the live edges that may serve it."""
+    """One budget's leases. ``counted``: this month's counted spend by edge (every edge that
+    served it, live or not); ``granted``: the ceilings already published this month; ``edges``:
+    the live edges that may serve it, which share half of what nobody holds yet."""
+    granted = granted or {}
+    claims = {e: max(granted.get(e, 0), counted.get(e, 0)) for e in {*granted, *counted}}
+    free = budget - sum(claims.values())
+    num, den = GRANT_SHARE
+    slices = split_grant(free * num // den, counted, edges)
     spent = sum(counted.values())
-    slices = split_remaining(budget - spent, counted, edges)
     return schema.Budget(
         month=month,
         state=budget_state(budget, spent),
         leases={
-            edge: schema.Lease(counted=counted.get(edge, 0), lease=share)
+            edge: schema.Lease(
+                counted=counted.get(edge, 0),
+                lease=claims.get(edge, 0) + share - counted.get(edge, 0),
+            )
             for edge, share in zip(edges, slices, strict=True)
         },
     )
@@ -80,17 +102,43 @@ def budget_leases(
 
 def tenant_budget(row: BudgetRow, edges: Sequence[str]) -> schema.TenantBudget:
     """The table entry of a tenant's budgets, leased to ``edges``."""
-    by_edge: dict[str, int] = {}
-    by_key: dict[str, dict[str, int]] = {}
+    counted: dict[str, dict[str, int]] = {}
     for (key, edge), amount in row.counted.items():
+        by_edge = counted.setdefault("", {})
         by_edge[edge] = by_edge.get(edge, 0) + amount
-        by_key.setdefault(key, {})[edge] = amount
+        if key:
+            counted.setdefault(key, {})[edge] = amount
+    granted: dict[str, dict[str, int]] = {}
+    for (key, edge), ceiling in row.granted.items():
+        granted.setdefault(key, {})[edge] = ceiling
     edges = sorted(edges)
+
+    def leases(key: str, budget: int) -> schema.Budget:
+        return budget_leases(row.month, budget, counted.get(key, {}), edges, granted.get(key, {}))
+
     return schema.TenantBudget(
-        tenant=None if row.budget is None else budget_leases(row.month, row.budget, by_edge, edges),
+        tenant=None if row.budget is None else leases("", row.budget),
         prices=dict(sorted(row.prices.items())),
-        keys={
-            key: budget_leases(row.month, budget, by_key.get(key, {}), edges)
-            for key, budget in sorted(row.key_budgets.items())
-        },
+        keys={key: leases(key, budget) for key, budget in sorted(row.key_budgets.items())},
     )
+
+
+def granted_ceilings(
+    tenants: Sequence[schema.TenantPolicy], month: str
+) -> dict[str, dict[tuple[str, str], int]]:
+    """Tenant -> (key prefix or "", edge) -> the ceiling a published table granted in
+    ``month`` (what :func:`budget_leases` reads back as ``granted``)."""
+    ceilings: dict[str, dict[tuple[str, str], int]] = {}
+    for policy in tenants:
+        budget = policy.budget
+        if budget is None:
+            continue
+        scopes = [(k, b) for k, b in budget.keys.items()]
+        if budget.tenant is not None:
+            scopes.append(("", budget.tenant))
+        for key, scope in scopes:
+            if scope.month != month:
+                continue
+            for edge, lease in scope.leases.items():
+                ceilings.setdefault(policy.tenant, {})[(key, edge)] = lease.counted + lease.lease
+    return ceilings

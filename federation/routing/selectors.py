@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from datetime import datetime, timedelta
 from typing import Any
 
+import msgspec
 from django.conf import settings
 from django.utils import timezone
 from django.utils.crypto import salted_hmac
@@ -27,12 +28,13 @@ from federation.routing.compiler import (
     RegionRow,
     TenantRow,
 )
-from federation.routing.leases import BudgetRow
+from federation.routing.leases import BudgetRow, granted_ceilings
+from federation.routing.models import RoutingTableVersion
 from federation.tenancy.models import Tenant
 from federation.tenancy.residency import ResidencyPolicy
 from federation.tenancy.selectors import api_key_table_entries
 from regions.tables.money import micro_usd, pico_usd
-from regions.tables.schema import ModelPrice
+from regions.tables.schema import ModelPrice, TenantPolicy
 
 #: vLLM's default ``--max-num-seqs`` when a deployment does not set it.
 VLLM_DEFAULT_MAX_NUM_SEQS = 256
@@ -122,18 +124,32 @@ def budget_rows(tenants: list[Tenant], *, now: datetime) -> dict[str, BudgetRow]
     if not slugs:
         return {}
     month = month_of(now)
+    label = f"{month:%Y-%m}"
     counted = counted_spend(month=month, tenants=slugs)
     own_prices = prices_in_effect(now=now, tenants=slugs).tenant_prices
+    granted = published_ceilings(label)
     return {
         tenant.slug: BudgetRow(
-            month=f"{month:%Y-%m}",
+            month=label,
             budget=pico_usd(tenant.monthly_budget_usd),
             counted={k: pico_usd(v) for k, v in counted.get(tenant.slug, {}).items()},
+            granted=granted.get(tenant.slug, {}),
             prices={m: table_price(p) for m, p in own_prices.get(tenant.slug, {}).items()},
         )
         for tenant in tenants
         if tenant.monthly_budget_usd is not None
     }
+
+
+def published_ceilings(month: str) -> dict[str, dict[tuple[str, str], int]]:
+    """The budget ceilings of the last published table (every region's carries the same
+    tenants): what the edges may already have committed, which no compile takes back."""
+    latest = RoutingTableVersion.objects.order_by("-created_at", "-pk").first()
+    if latest is None:
+        return {}
+    budgeted = [t for t in latest.document.get("tenants") or () if t.get("budget")]
+    policies = msgspec.convert(budgeted, tuple[TenantPolicy, ...])
+    return granted_ceilings(policies, month)
 
 
 def table_price(price: Price) -> ModelPrice:

@@ -97,7 +97,7 @@ class Edge:
         if self.meter is not None:
             self.metrics.registry.register(UsageCollector(self.meter))
         # The stages, in a request's order.
-        self.budgets = Budgets(cfg.sync.edge_name if cfg.sync is not None else None)
+        self.budgets = Budgets(cfg.name)
         self.recorder = Recorder(
             self.metrics, self.admission, self.loads, cfg.region, self.meter, self.budgets
         )
