@@ -80,22 +80,22 @@ def budget_leases(
 ) -> schema.Budget:
     """One budget's leases. ``counted``: this month's counted spend by edge (every edge that
     served it, live or not); ``granted``: the ceilings already published this month; ``edges``:
-    the live edges that may serve it, which share half of what nobody holds yet."""
+    the live edges that may serve it, which share half of what nobody holds yet. An edge with
+    a ceiling that is not live keeps it (it may only have lost touch), without a new share."""
     granted = granted or {}
     claims = {e: max(granted.get(e, 0), counted.get(e, 0)) for e in {*granted, *counted}}
     free = budget - sum(claims.values())
     num, den = GRANT_SHARE
-    slices = split_grant(free * num // den, counted, edges)
-    spent = sum(counted.values())
+    ceilings = dict(claims)
+    for edge, share in zip(edges, split_grant(free * num // den, counted, edges), strict=True):
+        ceilings[edge] = claims.get(edge, 0) + share
     return schema.Budget(
         month=month,
-        state=budget_state(budget, spent),
+        state=budget_state(budget, sum(counted.values())),
         leases={
-            edge: schema.Lease(
-                counted=counted.get(edge, 0),
-                lease=claims.get(edge, 0) + share - counted.get(edge, 0),
-            )
-            for edge, share in zip(edges, slices, strict=True)
+            edge: schema.Lease(counted=counted.get(edge, 0), lease=ceiling - counted.get(edge, 0))
+            for edge, ceiling in sorted(ceilings.items())
+            if edge  # records without an edge name count, but nobody leases under ""
         },
     )
 

@@ -170,7 +170,7 @@ def fleet_snapshot(
     if spend_usd is None:
         spend_usd = {slug: float(usd) for slug, usd in tenant_month_spend(now=now).items()}
     # The first registered edge of a region receives its spill-over (no health or load yet);
-    # budgets are leased to the edges with a fresh heartbeat.
+    # budgets are granted to its live edges: a fresh heartbeat, or none yet (just registered).
     edge_urls: dict[str, str] = {}
     live_edges: dict[str, list[str]] = {}
     fresh = now - timedelta(seconds=LOAD_REPORT_MAX_AGE_S)
@@ -179,7 +179,7 @@ def fleet_snapshot(
     )
     for code, url, name, heard in edges:
         edge_urls.setdefault(code, url)
-        if heard is not None and heard >= fresh:
+        if heard is None or heard >= fresh:
             live_edges.setdefault(code, []).append(name)
     regions = tuple(
         RegionRow(

@@ -340,16 +340,11 @@ def edge_heartbeat_record(
     A version lower than the one the edge reported before is refused (``Conflict``), yet the
     edge's liveness is still recorded: it is alive, only confused. Instances the edge names
     that are not in its region are listed back, not refused: its table may predate a delete.
-    An edge heard from again after a silence gets budget leases: a recompile is queued.
     """
     now = at or timezone.now()
     refusal: Conflict | None = None
     with transaction.atomic():
         edge = Edge.objects.select_related("region").select_for_update().get(pk=edge.pk)
-        heard = edge.last_heartbeat_at
-        back = heard is None or (now - heard).total_seconds() > LOAD_REPORT_MAX_AGE_S
-        if back:
-            transaction.on_commit(routing_tables_schedule_recompile, robust=True)
         edge.last_heartbeat_at = now
         previous = edge.applied_table_version
         if (
