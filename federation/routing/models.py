@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from django.db import models
 
-from federation.inventory.models import Region
+from federation.inventory.models import Edge, Region
 
 
 class RoutingTableCounter(models.Model):
@@ -42,3 +42,18 @@ class RoutingTableVersion(models.Model):
 
     def __str__(self) -> str:
         return f"{self.region.code}@{self.version}"
+
+
+class BudgetReport(models.Model):
+    """What an edge last reported having committed of the budgets it holds leases of, and
+    under which table version: the control plane lowers an unused ceiling only from a report
+    taken on the table that granted it (``docs/adr/0008-budget-leases.md``)."""
+
+    edge = models.OneToOneField(Edge, on_delete=models.CASCADE, primary_key=True)
+    table_version = models.PositiveBigIntegerField()
+    #: ``{tenant: {key prefix or "": pico-USD}}``; a budget left out committed its count.
+    committed = models.JSONField(default=dict)
+    reported_at = models.DateTimeField()
+
+    def __str__(self) -> str:
+        return f"{self.edge_id}@{self.table_version}"

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import base64
+import operator
 from collections.abc import Mapping
 from datetime import datetime, timedelta
+from functools import reduce
 from typing import Any
 
 import msgspec
 from django.conf import settings
+from django.db.models import Max, Q
 from django.utils import timezone
 from django.utils.crypto import salted_hmac
 
@@ -28,14 +31,16 @@ from federation.routing.compiler import (
     RegionRow,
     TenantRow,
 )
-from federation.routing.leases import BudgetRow, granted_ceilings
-from federation.routing.models import RoutingTableVersion
+from federation.routing.leases import BudgetRow, Published, published_leases
+from federation.routing.models import BudgetReport, RoutingTableVersion
 from federation.tenancy.models import Tenant
 from federation.tenancy.residency import ResidencyPolicy
 from federation.tenancy.selectors import api_key_table_entries
 from regions.tables.money import micro_usd, pico_usd
 from regions.tables.schema import ModelPrice, TenantPolicy
 
+#: A budget's scope at one edge: (key prefix or "" for the tenant's own, edge name).
+Scope = tuple[str, str]
 #: vLLM's default ``--max-num-seqs`` when a deployment does not set it.
 VLLM_DEFAULT_MAX_NUM_SEQS = 256
 #: Key of the instance load snapshot (edge heartbeat) the compiler reads demand from.
@@ -127,13 +132,14 @@ def budget_rows(tenants: list[Tenant], *, now: datetime) -> dict[str, BudgetRow]
     label = f"{month:%Y-%m}"
     counted = counted_spend(month=month, tenants=slugs)
     own_prices = prices_in_effect(now=now, tenants=slugs).tenant_prices
-    granted = published_ceilings(label)
+    published, committed = budget_history(label)
     return {
         tenant.slug: BudgetRow(
             month=label,
             budget=pico_usd(tenant.monthly_budget_usd),
             counted={k: pico_usd(v) for k, v in counted.get(tenant.slug, {}).items()},
-            granted=granted.get(tenant.slug, {}),
+            published=published.get(tenant.slug, {}),
+            committed=committed.get(tenant.slug, {}),
             prices={m: table_price(p) for m, p in own_prices.get(tenant.slug, {}).items()},
         )
         for tenant in tenants
@@ -141,15 +147,45 @@ def budget_rows(tenants: list[Tenant], *, now: datetime) -> dict[str, BudgetRow]
     }
 
 
-def published_ceilings(month: str) -> dict[str, dict[tuple[str, str], int]]:
-    """The budget ceilings of the last published table (every region's carries the same
-    tenants): what the edges may already have committed, which no compile takes back."""
-    latest = RoutingTableVersion.objects.order_by("-created_at", "-pk").first()
-    if latest is None:
-        return {}
-    budgeted = [t for t in latest.document.get("tenants") or () if t.get("budget")]
-    policies = msgspec.convert(budgeted, tuple[TenantPolicy, ...])
-    return granted_ceilings(policies, month)
+def budget_history(
+    month: str,
+) -> tuple[dict[str, dict[Scope, Published]], dict[str, dict[Scope, int]]]:
+    """What each edge was leased by the last table of its own region (the one it has or will
+    apply), and, for the edges that reported while on that table, what they committed (a
+    budget an edge left out of its report is at its counted spend). Tenant -> (key, edge)."""
+    latest = dict(
+        RoutingTableVersion.objects.values("region_id")
+        .annotate(last=Max("version"))
+        .values_list("region_id", "last")
+    )
+    if not latest:
+        return {}, {}
+    edges: dict[int, set[str]] = {}
+    for name, region_id in Edge.objects.values_list("name", "region_id"):
+        edges.setdefault(region_id, set()).add(name)
+    rows = RoutingTableVersion.objects.filter(
+        reduce(operator.or_, (Q(region_id=r, version=v) for r, v in latest.items()))
+    )
+    published: dict[str, dict[Scope, Published]] = {}
+    for row in rows:
+        budgeted = [t for t in row.document.get("tenants") or () if t.get("budget")]
+        ours = edges.get(row.region_id, set())
+        policies = msgspec.convert(budgeted, tuple[TenantPolicy, ...])
+        for tenant, scopes in published_leases(policies, month).items():
+            mine = {scope: lease for scope, lease in scopes.items() if scope[1] in ours}
+            published.setdefault(tenant, {}).update(mine)
+    reports = {
+        report.edge.name: report.committed
+        for report in BudgetReport.objects.select_related("edge")
+        if report.table_version >= latest.get(report.edge.region_id, report.table_version + 1)
+    }
+    committed: dict[str, dict[Scope, int]] = {}
+    for tenant, scopes in published.items():
+        for (key, edge), lease in scopes.items():
+            if edge in reports:
+                amount = reports[edge].get(tenant, {}).get(key, lease.counted)
+                committed.setdefault(tenant, {})[(key, edge)] = int(amount)
+    return published, committed
 
 
 def table_price(price: Price) -> ModelPrice:

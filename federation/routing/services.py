@@ -12,7 +12,7 @@ import hashlib
 import logging
 import secrets
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -34,7 +34,7 @@ from federation.inventory import lifecycle
 from federation.inventory.models import Edge, Instance, Region
 from federation.routing.compiler import compile_region_table, fleet_plan, region_down
 from federation.routing.distribution import EDGE_CREDENTIAL_PREFIX, routing_table_latest_version
-from federation.routing.models import RoutingTableCounter, RoutingTableVersion
+from federation.routing.models import BudgetReport, RoutingTableCounter, RoutingTableVersion
 from federation.routing.selectors import LOAD_REPORT_MAX_AGE_S, fleet_snapshot, reported_health
 from federation.tenancy.keys import hash_key
 
@@ -332,10 +332,12 @@ def edge_heartbeat_record(
     edge: Edge,
     applied_table_version: int | None,
     instances: Sequence[InstanceReport],
+    budgets: Mapping[tuple[str, str], int] | None = None,
     at: datetime | None = None,
 ) -> HeartbeatResult:
-    """Store an edge's heartbeat: its liveness, the table version it applied and what it sees
-    of its region's instances, in one transaction.
+    """Store an edge's heartbeat: its liveness, the table version it applied, what it sees
+    of its region's instances and what it committed of the budgets it holds leases of
+    (``budgets``: (tenant, key prefix or "") -> pico-USD), in one transaction.
 
     A version lower than the one the edge reported before is refused (``Conflict``), yet the
     edge's liveness is still recorded: it is alive, only confused. Instances the edge names
@@ -366,9 +368,23 @@ def edge_heartbeat_record(
             )
             edge.save(update_fields=["last_heartbeat_at", "applied_table_version"])
             updated, unknown = _store_instance_reports(edge, instances, now)
+            if applied_table_version is not None:
+                _store_budget_report(edge, applied_table_version, budgets or {}, now)
     if refusal is not None:
         raise refusal
     return HeartbeatResult(edge=edge, updated_instances=updated, unknown_instances=unknown)
+
+
+def _store_budget_report(
+    edge: Edge, version: int, budgets: Mapping[tuple[str, str], int], now: datetime
+) -> None:
+    committed: dict[str, dict[str, int]] = {}
+    for (tenant, key), amount in budgets.items():
+        committed.setdefault(tenant, {})[key] = amount
+    BudgetReport.objects.update_or_create(
+        edge=edge,
+        defaults={"table_version": version, "committed": committed, "reported_at": now},
+    )
 
 
 def _check_published(edge: Edge, version: int | None) -> None:

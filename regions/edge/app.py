@@ -178,7 +178,8 @@ class Edge:
         self.metrics.table_rejections.inc()
 
     def heartbeat_document(self) -> dict[str, Any]:
-        """Heartbeat v1 (``docs/distribution.md``): applied version, health and load."""
+        """Heartbeat v1 (``docs/distribution.md``): applied version, health and load, and what
+        this edge has committed of the budgets it holds leases of."""
         now = time.monotonic()
         elapsed = max(now - self._beat_at, 1e-3)
         self._beat_at = now
@@ -202,7 +203,11 @@ class Edge:
                 }
             )
         self._beat_tokens = tokens
-        return {"applied_table_version": self.table.version, "instances": instances}
+        return {
+            "applied_table_version": self.table.version,
+            "instances": instances,
+            "budgets": self.budgets.report(),
+        }
 
     def reload_table(self, force: bool = False) -> bool:
         """Re-read the table file; a bad or non-advancing table is refused, the old one kept."""

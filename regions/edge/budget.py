@@ -19,6 +19,7 @@ can) and the spend of an edge lost since its records were last counted.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 from regions.edge.errors import EdgeError
 from regions.tables.money import request_pusd
@@ -161,6 +162,17 @@ class Budgets:
     def release(self, hold: Hold) -> None:
         """Release ``hold`` of a request this edge did not serve."""
         self.settle(hold, None, 0, 0, 0)
+
+    def report(self) -> list[dict[str, Any]]:
+        """What this edge has committed of each budget (settled + held) where that is more
+        than the control plane counted: the heartbeat's ``budgets``, from which the control
+        plane may take back what an edge was granted and does not use (ADR 0008). A budget
+        left out has nothing committed beyond its count."""
+        return [
+            {"tenant": tenant, "key": key, "committed": account.spent + account.held}
+            for (tenant, key), account in self._accounts.items()
+            if account.lease is not None and account.spent + account.held > account.counted
+        ]
 
     def account(self, tenant: str, key_prefix: str = "") -> Account | None:
         """The account of a budget (for the operator's view and for tests)."""

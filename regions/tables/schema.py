@@ -125,14 +125,17 @@ class ModelPrice(msgspec.Struct, frozen=True, forbid_unknown_fields=True, array_
 
 
 class Lease(msgspec.Struct, frozen=True, forbid_unknown_fields=True, array_like=True):
-    """One edge's slice of a budget, pico-USD (``docs/adr/0008-budget-leases.md``).
+    """One edge's share of a budget, pico-USD (``docs/adr/0008-budget-leases.md``).
 
     ``counted``: what the control plane has counted of this month's spend served by that edge;
-    ``lease``: what the edge may spend beyond it — settled requests not yet counted, plus the
-    worst case of those in flight — until the next table."""
+    ``lease``: what the edge may commit beyond it — settled requests not yet counted, plus the
+    worst case of those in flight — until the next table (its ceiling is the sum).
+    ``prior``: the control plane's own record of the highest ceiling the edge may still be
+    spending under from an earlier table (the edge does not read it)."""
 
     counted: int
     lease: int
+    prior: int = 0
 
 
 class Budget(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -340,7 +343,7 @@ def _validate_budget(table: RoutingTable, tenant: str, budget: TenantBudget) -> 
         if not _MONTH.fullmatch(leases.month):
             raise TableError(f"{where}{scope}: month {leases.month!r} is not YYYY-MM")
         for edge, lease in leases.leases.items():
-            if lease.counted < 0 or lease.lease < 0:
+            if min(lease.counted, lease.lease, lease.prior) < 0:
                 raise TableError(f"{where}{scope}: the lease of edge {edge!r} is negative")
 
 

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
+from decimal import Decimal
 from typing import Any
 
 import httpx
@@ -23,8 +24,9 @@ from rest_framework.test import APIClient
 from federation.inventory import services as inventory
 from federation.inventory.models import Edge, Instance, Region
 from federation.routing import services
-from federation.routing.models import RoutingTableCounter, RoutingTableVersion
+from federation.routing.models import BudgetReport, RoutingTableCounter, RoutingTableVersion
 from federation.tenancy.keys import hash_key
+from federation.tenancy.models import Tenant
 from regions.supervisor import Supervisor
 from regions.tables import signing
 from tests.integration.control_plane_support import own_redis, serve, subprocess_env
@@ -486,3 +488,66 @@ def test_admin_lists_published_versions_read_only(fleet: Fleet, client: Any) -> 
     assert r.status_code == 200 and b"eu-west" in r.content
     table = latest(fleet.eu)
     assert client.post(f"/admin/routing/routingtableversion/{table.pk}/delete/").status_code == 403
+
+
+# --- budget leases -------------------------------------------------------------------------
+
+
+def budget_leases_of(region: Region) -> dict[str, list[int]]:
+    """edge -> [counted, lease, prior] of tenant acme's budget in the region's latest table."""
+    doc = latest(region).document
+    (acme,) = [t for t in doc["tenants"] if t["tenant"] == "acme"]
+    return acme["budget"]["tenant"]["leases"]
+
+
+@pytest.mark.django_db
+def test_an_edge_that_reports_it_uses_none_of_its_lease_gives_it_back(
+    fleet: Fleet, make_tenant: Callable[..., Tenant]
+) -> None:
+    """The eu edge reports, on the table that granted it a quarter of the budget, that it has
+    committed nothing: the next table lowers its ceiling (keeping what it may still spend
+    under as ``prior``), and the one after grants what it gave back to the others."""
+    tenant = make_tenant("acme", monthly_budget_usd=Decimal("100.00"))
+    tenant.allowed_regions.add(fleet.eu, fleet.us)
+    services.routing_tables_publish()
+    quarter = 25 * 10**12
+    first = budget_leases_of(fleet.eu)
+    assert first == {"edge-eu-1": [0, quarter, 0], "edge-us-1": [0, quarter, 0]}
+    assert budget_leases_of(fleet.us) == first  # every region's table carries every tenant
+
+    r = heartbeat(fleet, {"applied_table_version": latest(fleet.eu).version, "budgets": []})
+    assert r.status_code == 200, r.content
+    services.routing_tables_publish()
+    second = budget_leases_of(fleet.eu)
+    # Lowered to a fresh even share of what nobody holds: (100 - 25 - 25) / 2 / 2.
+    assert second["edge-eu-1"] == [0, quarter // 2, quarter]
+    assert second["edge-us-1"] == [0, quarter + quarter // 2, quarter]
+
+    # A report on an older table takes nothing back.
+    heartbeat(fleet, {"applied_table_version": latest(fleet.eu).version - 1, "budgets": []})
+    services.routing_tables_publish()
+    assert budget_leases_of(fleet.eu)["edge-eu-1"][2] == quarter
+
+    r = heartbeat(
+        fleet,
+        {
+            "applied_table_version": latest(fleet.eu).version,
+            "budgets": [{"tenant": "acme", "key": "", "committed": 3 * 10**12}],
+        },
+    )
+    assert r.status_code == 200, r.content
+    services.routing_tables_publish()
+    third = budget_leases_of(fleet.eu)
+    holds = {edge: max(counted + lease, prior) for edge, (counted, lease, prior) in third.items()}
+    assert third["edge-eu-1"][1] >= 3 * 10**12  # never below what it committed
+    assert sum(holds.values()) <= 100 * 10**12
+
+
+@pytest.mark.django_db
+def test_a_heartbeat_with_a_malformed_budget_report_is_refused_whole(fleet: Fleet) -> None:
+    services.routing_tables_publish()
+    bad = {"tenant": "acme", "key": "", "committed": -1}
+    r = heartbeat(fleet, {"applied_table_version": 1, "budgets": [bad]})
+    assert r.status_code == 400
+    assert "budgets" in r.text
+    assert not BudgetReport.objects.exists()

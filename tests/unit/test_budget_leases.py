@@ -11,8 +11,9 @@ from hypothesis import strategies as st
 
 from federation.routing.leases import (
     BudgetRow,
+    Published,
     budget_leases,
-    granted_ceilings,
+    published_leases,
     split_grant,
     tenant_budget,
 )
@@ -48,15 +49,23 @@ def leased(
     budget: int,
     counted: dict[tuple[str, str], int],
     edges: list[str],
-    granted: dict[tuple[str, str], int] | None = None,
+    published: dict[tuple[str, str], Published] | None = None,
+    committed: dict[tuple[str, str], int] | None = None,
 ) -> TenantBudget:
-    row = BudgetRow(month="2026-12", budget=budget, counted=counted, granted=granted or {})
+    row = BudgetRow(
+        month="2026-12",
+        budget=budget,
+        counted=counted,
+        published=published or {},
+        committed=committed or {},
+    )
     return tenant_budget(row, edges)
 
 
-def test_a_grant_is_split_by_spend_and_evenly_while_there_is_none() -> None:
+def test_a_grant_is_split_half_evenly_half_by_spend() -> None:
     assert split_grant(1000, {}, ["a", "b"]) == [500, 500]
-    assert split_grant(1000, {"a": 300, "b": 100}, ["a", "b"]) == [750, 250]
+    # a served three quarters of the spend: 1/4 + 3/8 of the grant.
+    assert split_grant(1000, {"a": 300, "b": 100}, ["a", "b"]) == [625, 375]
     assert split_grant(0, {"a": 1}, ["a"]) == [0]
     assert split_grant(-5, {}, ["a"]) == [0]
     assert split_grant(10, {}, []) == []
@@ -73,21 +82,51 @@ def test_slices_never_add_up_to_more_than_the_grant(grant: int, spent: list[int]
     assert grant - len(edges) <= sum(slices) <= grant
 
 
-def test_a_compile_grants_half_of_what_nobody_holds_and_never_takes_a_ceiling_back() -> None:
+def ceilings(budget: object) -> dict[str, tuple[int, int]]:
+    """edge -> (ceiling, prior)."""
+    return {e: (x.counted + x.lease, x.prior) for e, x in budget.leases.items()}  # type: ignore[attr-defined]
+
+
+def test_a_ceiling_is_lowered_only_after_its_edge_reported_on_it_and_freed_a_compile_later() -> (
+    None
+):
     first = budget_leases("2026-12", 1000, {}, ["a", "b"])
-    assert {e: (x.counted, x.lease) for e, x in first.leases.items()} == {
-        "a": (0, 250),
-        "b": (0, 250),
-    }
-    # a served 200 (counted); b nothing. Claims: a 250 (its ceiling), b 250; 500 free: 250
-    # granted, all to a, which has the spend. b keeps its ceiling.
-    second = budget_leases("2026-12", 1000, {"a": 200}, ["a", "b"], {"a": 250, "b": 250})
-    assert second.leases["a"] == second.leases["a"].__class__(counted=200, lease=300)
-    assert second.leases["b"].lease == 250
-    # An edge gone quiet keeps its claim; the state follows the counted spend.
-    third = budget_leases("2026-12", 1000, {"a": 600, "gone": 250}, ["a"], {"gone": 300})
+    assert ceilings(first) == {"a": (250, 0), "b": (250, 0)}  # half of it, evenly
+    published = {e: Published(0, 250, 0) for e in "ab"}
+    # a served 200 (counted); neither has reported on the table yet: nobody's ceiling drops.
+    second = budget_leases("2026-12", 1000, {"a": 200}, ["a", "b"], published)
+    assert ceilings(second) == {"a": (250 + 187, 250), "b": (250 + 62, 250)}
+    # b reports on that table, having committed nothing: its ceiling drops to its share, yet
+    # what it may hold until it applies the next table (312) is still kept from the others.
+    published = {"a": Published(200, 437, 250), "b": Published(0, 312, 250)}
+    third = budget_leases("2026-12", 1000, {"a": 200}, ["a", "b"], published, {"b": 0})
+    a3, b3 = ceilings(third)["a"], ceilings(third)["b"]
+    assert b3[0] < 312 and b3[1] == 312
+    assert a3[0] + max(b3) <= 1000
+    # Another compile before b applied that table: b may still spend under 312, so nobody
+    # else is granted any of it yet.
+    published = {"a": Published(200, a3[0], a3[1]), "b": Published(0, b3[0], b3[1])}
+    again = budget_leases("2026-12", 1000, {"a": 200}, ["a", "b"], published)
+    assert ceilings(again)["b"][1] == 312 <= ceilings(again)["b"][0]
+    assert sum(max(c) for c in ceilings(again).values()) <= 1000
+    # b applied it and reports again: what it gave back is free; most of it goes to a, which
+    # has the spend (a reported too: its ceiling is now what it committed plus its share).
+    published = {"a": Published(200, a3[0], a3[1]), "b": Published(0, b3[0], b3[1])}
+    fourth = budget_leases("2026-12", 1000, {"a": 200}, ["a", "b"], published, {"a": 200, "b": 0})
+    a4, b4 = ceilings(fourth)["a"], ceilings(fourth)["b"]
+    assert b4[1] == b3[0]  # b holds only its lowered ceiling now
+    free = 1000 - a3[0] - b3[0]
+    assert a4[0] == 200 + free // 2 * (200 + 2 * 200) // (2 * 2 * 200)
+    assert max(a4) + max(b4) <= 1000
+
+
+def test_an_edge_gone_quiet_keeps_its_ceiling_and_the_state_follows_counted_spend() -> None:
+    third = budget_leases(
+        "2026-12", 1000, {"a": 600, "gone": 250}, ["a"], {"gone": Published(250, 300, 0)}
+    )
     assert third.state == "warn"  # 850 of 1000
-    assert third.leases["a"] == third.leases["a"].__class__(counted=600, lease=50)
+    assert ceilings(third)["gone"] == (300, 300)
+    assert ceilings(third)["a"][0] == 600 + 50  # half of the 100 nobody holds
     assert budget_leases("2026-12", 1000, {"a": 1000}, ["a"]).state == "exhausted"
 
 
@@ -156,7 +195,8 @@ def test_counted_spend_moves_from_uncounted_to_counted_and_a_new_month_starts_af
     # the ceiling (counted + lease) never goes down.
     ceiling = account.counted + (account.lease or 0)
     counted = {("", "a"): 50_000_000}
-    budgets.load(table(leased(10**12, counted, ["a"], {("", "a"): ceiling}), version=2))
+    published = {("", "a"): Published(0, ceiling)}
+    budgets.load(table(leased(10**12, counted, ["a"], published), version=2))
     assert account.spent - account.counted == 0
     assert account.counted + (account.lease or 0) >= ceiling
     row = BudgetRow(month="2027-01", budget=10**12)
@@ -189,6 +229,8 @@ step = st.one_of(
     st.tuples(st.just("request"), request),
     st.tuples(st.just("finish"), st.integers(0, 50)),
     st.tuples(st.just("ingest"), st.integers(0, 50)),
+    st.tuples(st.just("apply"), st.integers(0, 2)),
+    st.tuples(st.just("report"), st.integers(0, 2)),
     st.just(("release", None)),
 )
 
@@ -198,26 +240,35 @@ step = st.one_of(
 def test_spend_never_exceeds_the_budget_whatever_the_interleaving(
     budget: int, steps: list[tuple[str, object]]
 ) -> None:
-    """Edges admit and finish requests, the control plane counts some finished ones and
-    re-leases, in any order: the money spent (finished and still running, at its real price)
-    never exceeds the budget."""
+    """Edges admit and finish requests, apply new tables late and report what they committed;
+    the control plane counts some finished requests and re-leases — in any order: the money
+    spent (finished, and running at its real price) never exceeds the budget."""
     edges = ["a", "b", "c"]
     live = {e: Budgets(e) for e in edges}
     counted: dict[tuple[str, str], int] = {}
-    version = 1
-
-    granted: dict[tuple[str, str], int] = {}
+    tables: list[RoutingTable] = []
+    applied = dict.fromkeys(edges, 0)  # index into tables
+    reports: dict[str, tuple[int, int]] = {}  # edge -> (table index, committed)
 
     def release() -> None:
-        nonlocal version, granted
-        doc = table(leased(budget, counted, edges, granted), version)
-        granted = granted_ceilings(doc.tenants or (), "2026-12").get("acme", {})
-        version += 1
-        for b in live.values():
-            b.load(doc)
+        published: dict[tuple[str, str], Published] = {}
+        committed: dict[tuple[str, str], int] = {}
+        if tables:
+            published = published_leases(tables[-1].tenants or (), "2026-12").get("acme", {})
+            for edge, (at, amount) in reports.items():
+                if at == len(tables) - 1:
+                    committed[("", edge)] = amount
+        doc = table(leased(budget, counted, edges, published, committed), len(tables) + 1)
+        tables.append(doc)
+
+    def apply(edge: str) -> None:
+        applied[edge] = len(tables) - 1
+        live[edge].load(tables[-1])
 
     release()
-    running: list[tuple[str, object, int, int, int]] = []
+    for edge in edges:
+        apply(edge)
+    running: list[tuple[str, object, int, int]] = []
     finished: list[tuple[str, int]] = []  # (edge, price) not counted yet
     spent = 0
     for kind, arg in steps:
@@ -228,19 +279,27 @@ def test_spend_never_exceeds_the_budget_whatever_the_interleaving(
                 hold = live[edge].reserve("acme", None, "m", prompt, max_tokens)
             except EdgeError:
                 continue
-            running.append((edge, hold, prompt, int(max_tokens * share), 0))
+            running.append((edge, hold, prompt, int(max_tokens * share)))
         elif kind == "finish" and running:
-            edge, hold, prompt, completion, _ = running.pop(int(arg) % len(running))  # type: ignore[call-overload]
+            edge, hold, prompt, completion = running.pop(int(arg) % len(running))  # type: ignore[call-overload]
             price = live[edge].settle(hold, "m", prompt, 0, completion)  # type: ignore[arg-type]
             spent += price
             finished.append((edge, price))
         elif kind == "ingest" and finished:
             edge, price = finished.pop(int(arg) % len(finished))  # type: ignore[call-overload]
             counted[("", edge)] = counted.get(("", edge), 0) + price
+        elif kind == "apply":
+            apply(edges[int(arg)])  # type: ignore[call-overload]
+        elif kind == "report":
+            edge = edges[int(arg)]  # type: ignore[call-overload]
+            account = live[edge].account("acme")
+            assert account is not None
+            reported = {(r["tenant"], r["key"]): r["committed"] for r in live[edge].report()}
+            reports[edge] = (applied[edge], reported.get(("acme", ""), account.counted))
         elif kind == "release":
             release()
         in_flight = sum(
             request_pusd(PRICE, prompt_tokens=p, cached_tokens=0, completion_tokens=c)
-            for _, _, p, c, _ in running
+            for _, _, p, c in running
         )
         assert spent + in_flight <= budget

@@ -13,6 +13,7 @@ from federation.inventory.models import Edge, Region
 
 #: More reports than this in one heartbeat is not an edge talking.
 MAX_INSTANCE_REPORTS = 10_000
+MAX_BUDGET_REPORTS = 100_000
 
 
 class InstanceReportInput(InputSerializer):
@@ -30,6 +31,19 @@ class InstanceReportInput(InputSerializer):
     )
 
 
+class BudgetReportInput(InputSerializer):
+    tenant = StrictCharField(max_length=63)
+    key = StrictCharField(
+        max_length=32, allow_blank=True, help_text="A key's public prefix; '' = the tenant's."
+    )
+    committed = serializers.IntegerField(
+        min_value=0,
+        max_value=10**24,
+        help_text="pico-USD of the budget this edge has committed this month (settled + "
+        "the worst case of requests in flight), when more than the table counted.",
+    )
+
+
 class HeartbeatInput(InputSerializer):
     applied_table_version = serializers.IntegerField(
         min_value=1,
@@ -39,6 +53,9 @@ class HeartbeatInput(InputSerializer):
     )
     instances = serializers.ListField(
         child=InstanceReportInput(), max_length=MAX_INSTANCE_REPORTS, required=False, default=list
+    )
+    budgets = serializers.ListField(
+        child=BudgetReportInput(), max_length=MAX_BUDGET_REPORTS, required=False, default=list
     )
 
     def validate_instances(self, value: list[dict[str, Any]]) -> list[dict[str, Any]]:

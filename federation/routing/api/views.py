@@ -173,6 +173,7 @@ class EdgeHeartbeatView(APIView):
             edge=target,
             applied_table_version=data.get("applied_table_version"),
             instances=reports,
+            budgets={(b["tenant"], b["key"]): b["committed"] for b in data["budgets"]},
         )
         out = {
             "edge": result.edge.name,
