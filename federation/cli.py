@@ -69,9 +69,21 @@ def _serve(args: list[str]) -> None:
 def _worker(args: list[str]) -> None:
     """Celery worker with beat embedded; extra arguments go to ``celery worker``."""
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "federation.settings")
+    import shutil
+    import tempfile
+
+    # The metric samples of the pool and beat processes (workers/metrics.py), set before
+    # prometheus_client is imported; a directory of this run's unless the operator chose one.
+    samples = None
+    if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        samples = os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="fedinfer-")
     from workers.celery import app
 
-    app.worker_main(["worker", "--beat", "--loglevel", "INFO", *args])
+    try:
+        app.worker_main(["worker", "--beat", "--loglevel", "INFO", *args])
+    finally:
+        if samples is not None:
+            shutil.rmtree(samples, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -62,6 +62,7 @@ INSTALLED_APPS = [
 ]
 
 MIDDLEWARE = [
+    "federation.core.metrics.RequestMetricsMiddleware",
     "django.middleware.security.SecurityMiddleware",
     "federation.api.middleware.RequestBodyLimitMiddleware",
     "whitenoise.middleware.WhiteNoiseMiddleware",
@@ -191,6 +192,13 @@ FEDINFER_TABLE_SIGNING_KEY = env_str(
     required_in_production=True,
 )
 FEDINFER_TABLE_SIGNING_KEY_ID = env_str("FEDINFER_TABLE_SIGNING_KEY_ID", "k1")
+
+#: Bearer token that may read /metrics; empty: loopback clients may (federation.core.metrics).
+FEDINFER_METRICS_TOKEN = env_str("FEDINFER_METRICS_TOKEN", "")
+
+#: Port of the worker's /metrics (workers.metrics; 0: not served) and the address it binds.
+FEDINFER_WORKER_METRICS_PORT = env_int("FEDINFER_WORKER_METRICS_PORT", 0)
+FEDINFER_WORKER_METRICS_ADDR = env_str("FEDINFER_WORKER_METRICS_ADDR", "127.0.0.1")
 
 AUTH_PASSWORD_VALIDATORS = [
     {"NAME": "django.contrib.auth.password_validation.UserAttributeSimilarityValidator"},

@@ -10,6 +10,7 @@ from django.conf import settings
 from django.db import DatabaseError
 from django.utils import timezone
 
+from federation.core.metrics import USAGE_REJECTED
 from federation.metering import services as metering
 from federation.metering.stream import usage_stream_consume
 from federation.routing import services as routing
@@ -41,7 +42,9 @@ def usage_ingest_task() -> int:
     client = redis.Redis.from_url(settings.REDIS_URL)
     try:
         consumer = f"{socket.gethostname()}-{os.getpid()}"
-        return usage_stream_consume(client, consumer=consumer).records
+        result = usage_stream_consume(client, consumer=consumer)
+        USAGE_REJECTED.inc(result.rejected)
+        return result.records
     finally:
         client.close()
 

@@ -15,6 +15,7 @@ from rest_framework.views import APIView
 
 from federation.api.schema import FORBIDDEN, NOT_FOUND, UNAUTHENTICATED
 from federation.api.views import nul_free_or_404
+from federation.core.metrics import USAGE_REJECTED
 from federation.inventory.models import Edge
 from federation.metering.services import usage_ingest
 from federation.routing.api.authentication import (
@@ -65,6 +66,7 @@ class EdgeUsageView(APIView):
         documents = [d for d in data if isinstance(d, bytes)] if isinstance(data, list) else []
         result = usage_ingest(documents=documents, region=target.region.code)
         rejected = [why for _, why in result.rejected]
+        USAGE_REJECTED.inc(len(rejected))
         if rejected:
             log.error("edge %s: %d usage records rejected: %s", name, len(rejected), rejected[:5])
         return Response({"accepted": result.accepted, "rejected": rejected})
