@@ -273,3 +273,23 @@ def test_a_real_worker_serves_task_metrics_from_its_pool_processes(
     assert "fedinfer_cp_edge_heartbeat_age_seconds" not in text  # the web's gauges only
     log = Path(worker.log).read_text()
     assert f"worker metrics on http://127.0.0.1:{port}/metrics" in log
+
+
+# --- health endpoints ------------------------------------------------------------------------
+
+
+@pytest.mark.django_db
+def test_liveness_reads_nothing_and_readiness_needs_the_database(monkeypatch: Any) -> None:
+    from django.db import OperationalError, connection
+
+    remote = Client(REMOTE_ADDR="203.0.113.9")  # probes come from anywhere
+    assert remote.get("/healthz").json() == {"status": "ok"}
+    assert remote.get("/readyz").json() == {"status": "ok"}
+
+    def unreachable(*args: Any, **kwargs: Any) -> Any:
+        raise OperationalError("connection refused")
+
+    monkeypatch.setattr(connection, "cursor", unreachable)
+    down = remote.get("/readyz")
+    assert down.status_code == 503 and down.json()["database"] == "OperationalError"
+    assert remote.get("/healthz").status_code == 200
