@@ -65,6 +65,14 @@ def _slug(text: str) -> str:
     return "-".join(part for part in out.split("-") if part)
 
 
+def demo_instance_name(dep: Deployment, index: int) -> str:
+    """The name of a deployment's ``index``-th engine in the demo (also ``registerdemo``)."""
+    return (
+        f"{DEMO_PREFIX}{dep.pool.region.code}-{dep.pool.name}-"
+        f"{_slug(dep.model.name.split('/')[-1])}-{dep.role}-{index}"
+    )[:63].rstrip("-")
+
+
 def _write_private(path: Path, text: str) -> None:
     """Write a secret readable by the demo's user only (created 0600, never widened)."""
     path.unlink(missing_ok=True)
@@ -277,10 +285,7 @@ class Command(BaseCommand):
             )
             engines = json.loads(ready_file.read_text())["engines"]
             for engine in engines:
-                name = (
-                    f"{DEMO_PREFIX}{dep.pool.region.code}-{dep.pool.name}-"
-                    f"{_slug(dep.model.name.split('/')[-1])}-{dep.role}-{engine['index']}"
-                )[:63].rstrip("-")
+                name = demo_instance_name(dep, engine["index"])
                 inst = inventory.instance_create(
                     actor=None, deployment=dep, name=name, endpoint_url=engine["url"]
                 )
