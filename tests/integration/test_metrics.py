@@ -293,3 +293,40 @@ def test_liveness_reads_nothing_and_readiness_needs_the_database(monkeypatch: An
     down = remote.get("/readyz")
     assert down.status_code == 503 and down.json()["database"] == "OperationalError"
     assert remote.get("/healthz").status_code == 200
+
+
+@pytest.mark.django_db(transaction=True, serialized_rollback=True)
+def test_workers_without_beat_and_one_beat_run_the_schedule_once(
+    procs: Supervisor, own_redis_db: redis.Redis, admin_client: APIClient
+) -> None:
+    """The Kubernetes layout: workers ``--no-beat`` run nothing periodic by themselves; one
+    ``fedinfer beat`` queues the periodic publish, which the workers run."""
+    build_fleet(admin_client)
+    port = free_port()
+    env = {
+        **subprocess_env(settings.REDIS_URL),
+        "FEDINFER_WORKER_METRICS_PORT": str(port),
+        "FEDINFER_TABLES_REFRESH_SECONDS": "1",
+    }
+    argv = [FEDINFER, "worker", "--no-beat", "--pool", "solo", "--without-gossip"]
+    worker = procs.start("worker", [*argv, "--without-mingle"], env=env)
+    url = f"http://127.0.0.1:{port}/metrics"
+    publish = {"task": "fedinfer.routing_tables.publish", "outcome": "success"}
+
+    def publishes() -> float:
+        try:
+            return (
+                value(httpx.get(url, timeout=2).text, "fedinfer_worker_tasks_total", **publish) or 0
+            )
+        except httpx.HTTPError:
+            return -1
+
+    # The fleet's changes queued one debounced recompile: the worker runs it.
+    wait_until(lambda: publishes() >= 1, what="the queued recompile", timeout=60, watch=worker)
+    time.sleep(3)  # three refresh intervals: a worker without beat queues nothing more
+    assert publishes() == 1
+    assert "beat: Starting" not in Path(worker.log).read_text()
+    beat = procs.start("beat", [FEDINFER, "beat"], env=env)
+    wait_until(
+        lambda: publishes() >= 3, what="beat's publishes run", timeout=60, watch=[worker, beat]
+    )
