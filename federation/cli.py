@@ -83,6 +83,9 @@ def _worker(args: list[str]) -> None:
         samples = os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="fedinfer-")
     from workers.celery import app
 
+    if "--help" in args:
+        print("fedinfer worker [--no-beat] [celery worker options below]")
+        print("  --no-beat  without the embedded beat: run exactly one `fedinfer beat` then\n")
     beat = [] if "--no-beat" in args else ["--beat"]
     rest = [a for a in args if a != "--no-beat"]
     try:
