@@ -240,6 +240,8 @@ if _proxy_ssl_header:
 # Redirect http:// to https://. On by default in production when the proxy header tells an
 # HTTPS request apart (without it every request would look like http:// and redirect forever).
 SECURE_SSL_REDIRECT = env_bool("FEDINFER_SSL_REDIRECT", PRODUCTION and bool(_proxy_ssl_header))
+# Probes and Prometheus reach each web process directly, past the TLS proxy, over plain HTTP.
+SECURE_REDIRECT_EXEMPT = [r"^healthz$", r"^readyz$", r"^metrics$"]
 SECURE_HSTS_SECONDS = env_int("FEDINFER_HSTS_SECONDS", 365 * 24 * 3600) if PRODUCTION else 0
 SECURE_HSTS_INCLUDE_SUBDOMAINS = env_bool("FEDINFER_HSTS_INCLUDE_SUBDOMAINS", True)
 SECURE_HSTS_PRELOAD = env_bool("FEDINFER_HSTS_PRELOAD", False)

@@ -330,3 +330,16 @@ def test_workers_without_beat_and_one_beat_run_the_schedule_once(
     wait_until(
         lambda: publishes() >= 3, what="beat's publishes run", timeout=60, watch=[worker, beat]
     )
+
+
+@pytest.mark.django_db
+def test_probes_and_scrapes_are_not_redirected_to_https(settings: Any) -> None:
+    """Behind a TLS proxy that redirects, kubelet and Prometheus still reach the pod over
+    HTTP: these three paths answer, everything else is redirected."""
+    settings.SECURE_SSL_REDIRECT = True
+    client = Client()
+    assert client.get("/healthz").status_code == 200
+    assert client.get("/readyz").status_code == 200
+    assert client.get("/metrics").status_code == 200
+    redirected = client.get("/api/v1/")
+    assert redirected.status_code == 301 and redirected["Location"].startswith("https://")
