@@ -164,6 +164,14 @@ def test_prometheus_scrapes_every_process_and_answers_the_key_series(
     assert age["metric"]["region"] == "eu-west"
     assert 0 <= float(age["value"][1]) < 10
 
+    # The edge's long polls and heartbeats, counted by URL pattern in the ASGI web process.
+    routes = {
+        s["metric"]["route"]
+        for s in eventually(base, 'fedinfer_cp_http_requests_total{status=~"200|304"}')
+    }
+    assert any("routing-table" in r for r in routes), routes
+    assert any("heartbeat" in r for r in routes), routes
+
     publishes = 'fedinfer_worker_tasks_total{task="fedinfer.routing_tables.publish"}'
     (tasks,) = eventually(base, publishes)
     assert tasks["metric"]["outcome"] == "success"
