@@ -145,3 +145,34 @@ def test_every_metric_name_in_rules_and_dashboards_is_exported_by_the_code() -> 
     assert all(used.values())
     missing = {source: undefined(names, defined) for source, names in used.items()}
     assert not any(missing.values()), missing
+
+
+def test_the_demo_scrape_configuration_passes_promtool(tmp_path: Path) -> None:
+    """What ``fedinfer demo --prometheus`` writes (and platform/observability/README.md
+    shows): every process's job, the token file, the edge relabelling, the rules."""
+    from federation.demo import prometheus
+
+    token = tmp_path / "token"
+    token.write_text("t")
+    targets = prometheus.ScrapeTargets(
+        control_plane="http://127.0.0.1:8000",
+        token_file=token,
+        worker="127.0.0.1:9101",
+        edges={"eu-west": "http://127.0.0.1:9201", "us-east": "http://127.0.0.1:9202"},
+        engines=[("eu-west", "http://127.0.0.1:8301"), ("us-east", "http://127.0.0.1:8302")],
+    )
+    config = prometheus.scrape_config(targets, rule_files=prometheus.rule_files(ROOT))
+    jobs = {job["job_name"]: job for job in config["scrape_configs"]}
+    assert list(jobs) == [
+        "fedinfer-control-plane",
+        "fedinfer-worker",
+        "fedinfer-edge",
+        "fedinfer-engine",
+    ]
+    assert jobs["fedinfer-control-plane"]["authorization"]["credentials_file"] == str(token)
+    edges = jobs["fedinfer-edge"]["static_configs"]
+    assert [e["labels"]["region"] for e in edges] == ["eu-west", "us-east"]
+    path = prometheus.write_config(tmp_path / "prometheus.yml", config)
+    result = promtool("check", "config", str(path))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "SUCCESS: 10 rules found" in result.stdout
