@@ -343,3 +343,17 @@ def test_probes_and_scrapes_are_not_redirected_to_https(settings: Any) -> None:
     assert client.get("/metrics").status_code == 200
     redirected = client.get("/api/v1/")
     assert redirected.status_code == 301 and redirected["Location"].startswith("https://")
+
+
+def test_a_worker_metrics_port_without_the_sample_folder_stops_the_boot(
+    settings: Any, monkeypatch: Any
+) -> None:
+    """Pool processes' counts would be lost without multiprocess mode: refused, not served."""
+    from django.core.exceptions import ImproperlyConfigured
+
+    from workers.metrics import MULTIPROC_ENV, serve_metrics
+
+    settings.FEDINFER_WORKER_METRICS_PORT = free_port()
+    monkeypatch.delenv(MULTIPROC_ENV, raising=False)
+    with pytest.raises(ImproperlyConfigured, match="`fedinfer worker`"):
+        serve_metrics()
