@@ -165,6 +165,8 @@ CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 CELERY_BEAT_SCHEDULER = "celery.beat:Scheduler"
 #: Seconds between periodic recompiles (telemetry changes without an inventory write).
 FEDINFER_TABLES_REFRESH_SECONDS = env_int("FEDINFER_TABLES_REFRESH_SECONDS", 30)
+# Shortest time between two recompiles that re-lease budgets after spend was counted.
+FEDINFER_BUDGET_RELEASE_SECONDS = env_int("FEDINFER_BUDGET_RELEASE_SECONDS", 5)
 #: A region restored or back from losing all its instances gets its traffic back in
 #: FEDINFER_RAMP_STEPS steps over FEDINFER_RAMP_SECONDS (docs/edge-federation.md).
 FEDINFER_RAMP_SECONDS = env_int("FEDINFER_RAMP_SECONDS", 60)

@@ -38,15 +38,18 @@ def routing_tables_publish_task(regions: list[str] | None = None) -> list[str]:
     max_retries=10,
 )
 def usage_ingest_task() -> int:
-    """Ingest what the edges put on the usage stream (acknowledged after each commit)."""
+    """Ingest what the edges put on the usage stream (acknowledged after each commit); when a
+    budgeted tenant's spend was counted, re-lease budgets to the edges."""
     client = redis.Redis.from_url(settings.REDIS_URL)
     try:
         consumer = f"{socket.gethostname()}-{os.getpid()}"
         result = usage_stream_consume(client, consumer=consumer)
-        USAGE_REJECTED.inc(result.rejected)
-        return result.records
     finally:
         client.close()
+    USAGE_REJECTED.inc(result.rejected)
+    if result.budgeted:
+        routing.routing_tables_schedule_budget_release()
+    return result.records
 
 
 @app.task(

@@ -76,6 +76,8 @@ class UsageRecord(models.Model):
     usage_reported = models.BooleanField()
     #: Exact: per-token prices have 6 decimals, so a price has at most 12.
     price_usd = models.DecimalField(max_digits=24, decimal_places=12)
+    #: The edge that served it ("" when it had no name), whose budget lease it counts against.
+    edge = models.CharField(max_length=63, blank=True, default="")
 
     class Meta:
         indexes = [models.Index(fields=["tenant", "started_at"], name="usage_tenant_time")]
@@ -176,6 +178,31 @@ class PoolHour(models.Model):
 
     def __str__(self) -> str:
         return f"{self.hour:%Y-%m-%d %H}h {self.pool}"
+
+
+class CountedSpend(models.Model):
+    """A month's spend as ingestion counted it, by tenant, key and the edge that served it.
+
+    Added to in the transaction that stores the records (only those not stored before), so it
+    is current the moment a batch commits and exact on PostgreSQL: what budgets are checked
+    against and each edge's lease is measured from (``docs/adr/0008-budget-leases.md``).
+    """
+
+    month = models.DateField(help_text="The first day of the UTC month.")
+    tenant = models.CharField(max_length=63)
+    key_prefix = models.CharField(max_length=32, blank=True)
+    edge = models.CharField(max_length=63, blank=True)
+    price_usd = models.DecimalField(max_digits=24, decimal_places=12)
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(
+                fields=["month", "tenant", "key_prefix", "edge"], name="uniq_counted_spend"
+            )
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.month:%Y-%m} {self.tenant} {self.key_prefix or '*'} @{self.edge or '-'}"
 
 
 class StaleUsageHour(models.Model):

@@ -1,4 +1,5 @@
-"""Reads for metering: usage and cost reports from the hourly rollups.
+"""Reads for metering: usage and cost reports from the hourly rollups; spend and prices for
+the budgets the routing tables carry.
 
 Reports read ``UsageHour`` and ``PoolHour`` only (hundreds of rows per hour, not one per
 request), so a month over millions of requests is summed from a few hundred thousand rows.
@@ -7,22 +8,25 @@ Amounts are exact decimals: a report's total is the sum of its rows to the last 
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import UTC, datetime, time
+from datetime import UTC, date, datetime, time
 from decimal import Decimal
 from typing import Any, Literal
 
-from django.db.models import QuerySet, Sum
+from django.db.models import Q, QuerySet, Sum
 from django.db.models.functions import TruncDate
 
 from federation.metering.models import (
     USAGE_SUMS,
+    CountedSpend,
     Dimension,
+    ModelPrice,
     PoolHour,
     UsageDay,
     UsageHour,
 )
+from federation.metering.pricing import Price
 
 Bucket = Literal["hour", "day"]
 
@@ -73,15 +77,56 @@ def usage_report(query: UsageQuery) -> list[dict[str, Any]]:
 
 
 def tenant_month_spend(*, now: datetime) -> dict[str, Decimal]:
-    """Tenant slug -> price of its usage this calendar month (UTC) so far, as rolled up."""
-    first = now.astimezone(UTC).date().replace(day=1)
+    """Tenant slug -> price of its usage this calendar month (UTC) so far, as counted at
+    ingestion (current the moment a batch commits; the rollups may lag)."""
     rows = (
-        UsageDay.objects.filter(day__gte=first)
+        CountedSpend.objects.filter(month=month_of(now))
         .values("tenant")
         .annotate(spent=Sum("price_usd"))
         .values_list("tenant", "spent")
     )
-    return {tenant: spent for tenant, spent in rows if tenant}
+    return dict(rows)
+
+
+def month_of(now: datetime) -> date:
+    """The first day of ``now``'s UTC month (the key of :class:`CountedSpend`)."""
+    return now.astimezone(UTC).date().replace(day=1)
+
+
+def counted_spend(
+    *, month: date, tenants: Iterable[str]
+) -> dict[str, dict[tuple[str, str], Decimal]]:
+    """Tenant -> (key prefix, edge) -> spend counted in ``month``, for ``tenants``."""
+    spent: dict[str, dict[tuple[str, str], Decimal]] = {}
+    rows = CountedSpend.objects.filter(month=month, tenant__in=list(tenants)).values_list(
+        "tenant", "key_prefix", "edge", "price_usd"
+    )
+    for tenant, key, edge, usd in rows:
+        spent.setdefault(tenant, {})[(key, edge)] = usd
+    return spent
+
+
+@dataclass(frozen=True, slots=True)
+class PricesInEffect:
+    """The list price of every priced model, and tenants' own prices, at one moment."""
+
+    list_prices: dict[str, Price]
+    tenant_prices: dict[str, dict[str, Price]]
+
+
+def prices_in_effect(*, now: datetime, tenants: Iterable[str] | None = None) -> PricesInEffect:
+    """The prices in effect at ``now`` (the latest row from at or before it), list prices and
+    the own prices of ``tenants`` (all tenants when None)."""
+    rows = ModelPrice.objects.filter(effective_from__lte=now).select_related("model", "tenant")
+    if tenants is not None:
+        rows = rows.filter(Q(tenant__isnull=True) | Q(tenant__slug__in=list(tenants)))
+    list_prices: dict[str, Price] = {}
+    tenant_prices: dict[str, dict[str, Price]] = {}
+    for row in rows.order_by("-effective_from"):
+        price = Price(row.input_per_mtok, row.cached_input_per_mtok, row.output_per_mtok)
+        into = list_prices if row.tenant is None else tenant_prices.setdefault(row.tenant.slug, {})
+        into.setdefault(row.model.name, price)
+    return PricesInEffect(list_prices, tenant_prices)
 
 
 def pool_cost_report(

@@ -29,6 +29,7 @@ from federation.metering.cost import ZERO, InstanceHour, PoolHourCost, pool_hour
 from federation.metering.models import (
     DIMENSIONS,
     USAGE_SUMS,
+    CountedSpend,
     ModelPrice,
     PoolHour,
     StaleUsageHour,
@@ -51,6 +52,8 @@ class IngestResult:
     accepted: int = 0
     #: Documents that are not usage records, with why: kept aside by the caller, not retried.
     rejected: list[tuple[bytes, str]] = field(default_factory=list)
+    #: Some record was of a tenant with a budget: the caller re-leases budgets to the edges.
+    budgeted: bool = False
 
 
 class PriceBook:
@@ -113,12 +116,15 @@ def model_price_set(
     return row
 
 
-def usage_ingest(*, documents: Sequence[bytes], region: str | None = None) -> IngestResult:
+def usage_ingest(
+    *, documents: Sequence[bytes], region: str | None = None, edge: str | None = None
+) -> IngestResult:
     """Store, priced, every record in ``documents`` not stored yet; mark their hours stale.
 
     One transaction: all of the batch or none of it. A document that is not a valid record
-    (or, with ``region``, a record of another region: an edge reports only its own) is
-    returned in ``rejected`` rather than raised, so it cannot hold the stream up.
+    (or, with ``region`` and ``edge``, a record of another region or edge: an edge reports
+    only its own) is returned in ``rejected`` rather than raised, so it cannot hold the
+    stream up.
     """
     result = IngestResult()
     records: list[UsageDocument] = []
@@ -130,6 +136,9 @@ def usage_ingest(*, documents: Sequence[bytes], region: str | None = None) -> In
             continue
         if region is not None and record.region != region:
             result.rejected.append((document, f"a record of region {record.region!r}"))
+            continue
+        if edge is not None and record.edge != edge:
+            result.rejected.append((document, f"a record of edge {record.edge!r}"))
             continue
         records.append(record)
     if not records:
@@ -146,6 +155,10 @@ def usage_ingest(*, documents: Sequence[bytes], region: str | None = None) -> In
         _insert(rows)
         _mark_stale({at.replace(minute=0, second=0, microsecond=0) for at in started})
     result.accepted = len(records)
+    tenants = {r.tenant for r in records if r.tenant}
+    result.budgeted = bool(tenants) and (
+        Tenant.objects.filter(slug__in=tenants, monthly_budget_usd__isnull=False).exists()
+    )
     return result
 
 
@@ -171,6 +184,7 @@ COLUMNS = (
     "cancelled",
     "usage_reported",
     "price_usd",
+    "edge",
 )
 Row = tuple[Any, ...]
 
@@ -203,21 +217,22 @@ def _row(record: UsageDocument, at: datetime, pool: str, prices: PriceBook) -> R
             cached_tokens=record.cached_tokens,
             completion_tokens=record.completion_tokens,
         ),
+        record.edge or "",
     )
 
 
 def _insert(rows: list[Row]) -> None:
-    """Insert the rows not stored yet. PostgreSQL: COPY into a temporary table, then one
-    ``INSERT ... ON CONFLICT DO NOTHING`` (several times faster than row inserts); other
-    databases (the demo's SQLite): the same insert, row by row in one statement."""
+    """Insert the rows not stored yet and count their price (:class:`CountedSpend`).
+
+    PostgreSQL: COPY into a temporary table, then one ``INSERT ... ON CONFLICT DO NOTHING``
+    whose returned rows are summed into the counted spend by the same statement (several
+    times faster than row inserts). Other databases (the demo's SQLite): row by row.
+    """
     table = UsageRecord._meta.db_table
     columns = ", ".join(COLUMNS)
     with connection.cursor() as cursor:
         if connection.vendor != "postgresql":
-            marks = ", ".join(["%s"] * len(COLUMNS))
-            cursor.executemany(
-                f"INSERT INTO {table} ({columns}) VALUES ({marks}) ON CONFLICT DO NOTHING", rows
-            )
+            _insert_rows(cursor, table, columns, rows)
             return
         cursor.execute(
             f"CREATE TEMPORARY TABLE usage_in (LIKE {table} INCLUDING DEFAULTS) ON COMMIT DROP"
@@ -225,10 +240,47 @@ def _insert(rows: list[Row]) -> None:
         with cursor.cursor.copy(f"COPY usage_in ({columns}) FROM STDIN") as copy:
             for row in rows:
                 copy.write_row(row)
+        counted = CountedSpend._meta.db_table
+        # Rows in a fixed order, so concurrent ingestions lock counted rows in the same order.
         cursor.execute(
-            f"INSERT INTO {table} ({columns}) SELECT {columns} FROM usage_in ON CONFLICT DO NOTHING"
+            f"WITH stored AS (INSERT INTO {table} ({columns}) SELECT {columns} FROM usage_in "
+            "ON CONFLICT DO NOTHING RETURNING started_at, tenant, key_prefix, edge, price_usd) "
+            f"INSERT INTO {counted} (month, tenant, key_prefix, edge, price_usd) "
+            "SELECT (date_trunc('month', started_at AT TIME ZONE 'UTC'))::date AS m, tenant, "
+            "key_prefix, edge, sum(price_usd) FROM stored WHERE tenant <> '' "
+            "GROUP BY m, tenant, key_prefix, edge ORDER BY m, tenant, key_prefix, edge "
+            "ON CONFLICT (month, tenant, key_prefix, edge) "
+            f"DO UPDATE SET price_usd = {counted}.price_usd + EXCLUDED.price_usd"
         )
         cursor.execute("DROP TABLE usage_in")  # now, not at commit: the batch may be nested
+
+
+def _insert_rows(cursor: Any, table: str, columns: str, rows: list[Row]) -> None:
+    marks = ", ".join(["%s"] * len(COLUMNS))
+    spent: dict[tuple[date, str, str, str], Decimal] = {}
+    at, tenant, key, price, edge = (
+        COLUMNS.index(c) for c in ("started_at", "tenant", "key_prefix", "price_usd", "edge")
+    )
+    for row in rows:
+        cursor.execute(
+            f"INSERT INTO {table} ({columns}) VALUES ({marks}) ON CONFLICT DO NOTHING", row
+        )
+        if cursor.rowcount == 1 and row[tenant]:
+            group = (
+                row[at].astimezone(UTC).date().replace(day=1),
+                row[tenant],
+                row[key],
+                row[edge],
+            )
+            spent[group] = spent.get(group, ZERO) + row[price]
+    counted = CountedSpend._meta.db_table
+    for (month, slug, prefix, name), usd in sorted(spent.items()):
+        cursor.execute(
+            f"INSERT INTO {counted} (month, tenant, key_prefix, edge, price_usd) "
+            "VALUES (%s, %s, %s, %s, %s) ON CONFLICT (month, tenant, key_prefix, edge) "
+            f"DO UPDATE SET price_usd = {counted}.price_usd + EXCLUDED.price_usd",
+            (month, slug, prefix, name, usd),
+        )
 
 
 def _pools_of(instances: set[str]) -> dict[str, str]:

@@ -32,6 +32,8 @@ class ConsumeResult:
     batches: int = 0
     records: int = 0
     rejected: int = 0
+    #: Some record was of a tenant with a budget (``IngestResult.budgeted``).
+    budgeted: bool = False
 
 
 def usage_stream_consume(
@@ -104,3 +106,4 @@ def _ingest(client: redis.Redis, entries: list[Entry], result: ConsumeResult) ->
     result.batches += 1
     result.records += ingested.accepted
     result.rejected += len(rejected)
+    result.budgeted = result.budgeted or ingested.budgeted

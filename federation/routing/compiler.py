@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -34,6 +34,7 @@ from federation.routing.demand import (
     Offer,
     split_shared_demand,
 )
+from federation.routing.leases import BudgetRow, tenant_budget
 from federation.tenancy.residency import ResidencyPolicy, region_allowed
 from regions.tables import schema
 
@@ -88,6 +89,8 @@ class RegionRow:
     #: after all were reported unhealthy: its traffic ramps back from the later of the two.
     restored_at: datetime | None = None
     recovered_at: datetime | None = None
+    #: Names of its edges with a fresh heartbeat: the ones budgets are leased to.
+    edges: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,6 +114,8 @@ class TenantRow:
     keys: tuple[KeyRow, ...] = ()
     #: The secret vLLM ``cache_salt`` of a tenant whose KV cache is isolated (None: shared).
     cache_salt: str | None = None
+    #: Its monthly budgets (tenant's, keys') with the spend counted against them, exactly.
+    budget: BudgetRow | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,6 +141,8 @@ class FleetSnapshot:
     #: The snapshot's time; without it no region ramps (every ramp is taken as complete).
     now: datetime | None = None
     ramp: RampPolicy = field(default_factory=RampPolicy)
+    #: List prices by model, for the budgets the edges enforce (schema 3).
+    prices: Mapping[str, schema.ModelPrice] = field(default_factory=dict)
     #: Memo of :func:`fleet_plan` by latency penalty, so that compiling region after region
     #: of one snapshot solves the demand split once (a snapshot is not changed once built).
     plans: dict[float, FleetPlan] = field(default_factory=dict, compare=False, repr=False)
@@ -271,6 +278,8 @@ class FleetPlan:
     #: Seconds until some region's ramp moves to its next step (None: no ramp in progress);
     #: the publisher recompiles then.
     next_ramp_change_s: float | None = None
+    #: Some tenant has a budget: the tables carry leases and prices (schema 3).
+    budgeted: bool = False
 
 
 def _rtt(rtt_ms: Mapping[tuple[str, str], float], a: str, b: str) -> float | None:
@@ -329,7 +338,10 @@ def _instance_entries(rows: Iterable[InstanceRow]) -> tuple[schema.Instance, ...
     )
 
 
-def _tenant_entry(tenant: TenantRow, allowed: frozenset[str], class_id: str) -> schema.TenantPolicy:
+def _tenant_entry(
+    tenant: TenantRow, allowed: frozenset[str], class_id: str, edges: Sequence[str]
+) -> schema.TenantPolicy:
+    """``edges``: the live edges of the regions it may be served in (its budgets' leases)."""
     keys = sorted((k for k in tenant.keys if INFERENCE_SCOPE in k.scopes), key=lambda k: k.key_hash)
     return schema.TenantPolicy(
         tenant=tenant.slug,
@@ -349,6 +361,7 @@ def _tenant_entry(tenant: TenantRow, allowed: frozenset[str], class_id: str) -> 
             monthly_budget_usd=tenant.monthly_budget_usd, spend_usd=tenant.spend_usd
         ),
         cache_salt=tenant.cache_salt,
+        budget=None if tenant.budget is None else tenant_budget(tenant.budget, edges),
     )
 
 
@@ -419,10 +432,12 @@ def fleet_plan(
         (ResidencyClass(_class_id(a), a, len(t)) for a, t in by_allowed.items()),
         key=lambda c: c.id,
     )
+    # Budgets are leased to the live edges of the active regions a tenant may be served in.
+    edges_of = {a: [e for c in sorted(a & active) for e in regions[c].edges] for a in by_allowed}
     tenant_entries = tuple(
         sorted(
             (
-                _tenant_entry(t, allowed, _class_id(allowed))
+                _tenant_entry(t, allowed, _class_id(allowed), edges_of[allowed])
                 for allowed, group in by_allowed.items()
                 for t in group
             ),
@@ -469,6 +484,7 @@ def fleet_plan(
         split=split,
         latency_penalty=latency_penalty,
         tenant_entries=tenant_entries,
+        budgeted=any(t.budget is not None for t in tenant_entries),
         instance_entries={c: _instance_entries(rows) for c, rows in by_region.items()},
         offers={},
         class_refusals=_class_refusals(serving, classes),
@@ -664,9 +680,16 @@ def region_table(
     )
     own = plan.ramps.get(region, 1.0) if region in plan.serving_regions else 1.0
     ramping = own < 1.0 or any(r.ramp < 1.0 for r in remotes)
+    # Budgets need schema 3, a ramp 2; without either the table stays readable by schema-1 edges.
+    version_needed = (
+        schema.BUDGET_SCHEMA_VERSION
+        if plan.budgeted
+        else schema.RAMP_SCHEMA_VERSION
+        if ramping
+        else schema.SCHEMA_VERSION
+    )
     return schema.RoutingTable(
-        # A ramp needs schema 2; without one the table stays readable by schema-1 edges.
-        schema_version=schema.RAMP_SCHEMA_VERSION if ramping else schema.SCHEMA_VERSION,
+        schema_version=version_needed,
         version=version,
         region=region,
         generated_at=generated_at,
@@ -676,6 +699,7 @@ def region_table(
         residency_classes=classes,
         tenants=plan.tenant_entries,
         ramp=_r(own),
+        prices=dict(sorted(snapshot.prices.items())) if plan.budgeted else {},
     )
 
 

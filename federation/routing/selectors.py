@@ -4,15 +4,22 @@ from __future__ import annotations
 
 import base64
 from collections.abc import Mapping
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
+import msgspec
 from django.conf import settings
 from django.utils import timezone
 from django.utils.crypto import salted_hmac
 
 from federation.inventory.models import Edge, Instance, Region, RegionLink
-from federation.metering.selectors import tenant_month_spend
+from federation.metering.pricing import Price
+from federation.metering.selectors import (
+    counted_spend,
+    month_of,
+    prices_in_effect,
+    tenant_month_spend,
+)
 from federation.routing.compiler import (
     FleetSnapshot,
     InstanceRow,
@@ -21,9 +28,13 @@ from federation.routing.compiler import (
     RegionRow,
     TenantRow,
 )
+from federation.routing.leases import BudgetRow, granted_ceilings
+from federation.routing.models import RoutingTableVersion
 from federation.tenancy.models import Tenant
 from federation.tenancy.residency import ResidencyPolicy
 from federation.tenancy.selectors import api_key_table_entries
+from regions.tables.money import micro_usd, pico_usd
+from regions.tables.schema import ModelPrice, TenantPolicy
 
 #: vLLM's default ``--max-num-seqs`` when a deployment does not set it.
 VLLM_DEFAULT_MAX_NUM_SEQS = 256
@@ -82,8 +93,10 @@ def tenant_rows(
             KeyRow(entry.key_hash, entry.valid_until, entry.scopes)
         )
     spend = spend_usd or {}
+    tenants = list(Tenant.objects.filter(is_active=True).prefetch_related("allowed_regions"))
+    budgets = budget_rows(tenants, now=now or timezone.now())
     rows = []
-    for tenant in Tenant.objects.filter(is_active=True).prefetch_related("allowed_regions"):
+    for tenant in tenants:
         rows.append(
             TenantRow(
                 slug=tenant.slug,
@@ -98,9 +111,54 @@ def tenant_rows(
                 spend_usd=float(spend.get(tenant.slug, 0.0)),
                 keys=tuple(keys.get(tenant.pk, ())),
                 cache_salt=tenant_cache_salt(tenant.slug) if tenant.isolate_kv_cache else None,
+                budget=budgets.get(tenant.slug),
             )
         )
     return tuple(rows)
+
+
+def budget_rows(tenants: list[Tenant], *, now: datetime) -> dict[str, BudgetRow]:
+    """Tenant slug -> its budget and this month's spend counted against it, in pico-USD, for
+    the ``tenants`` with a budget (three queries however many there are)."""
+    slugs = [t.slug for t in tenants if t.monthly_budget_usd is not None]
+    if not slugs:
+        return {}
+    month = month_of(now)
+    label = f"{month:%Y-%m}"
+    counted = counted_spend(month=month, tenants=slugs)
+    own_prices = prices_in_effect(now=now, tenants=slugs).tenant_prices
+    granted = published_ceilings(label)
+    return {
+        tenant.slug: BudgetRow(
+            month=label,
+            budget=pico_usd(tenant.monthly_budget_usd),
+            counted={k: pico_usd(v) for k, v in counted.get(tenant.slug, {}).items()},
+            granted=granted.get(tenant.slug, {}),
+            prices={m: table_price(p) for m, p in own_prices.get(tenant.slug, {}).items()},
+        )
+        for tenant in tenants
+        if tenant.monthly_budget_usd is not None
+    }
+
+
+def published_ceilings(month: str) -> dict[str, dict[tuple[str, str], int]]:
+    """The budget ceilings of the last published table (every region's carries the same
+    tenants): what the edges may already have committed, which no compile takes back."""
+    latest = RoutingTableVersion.objects.order_by("-created_at", "-pk").first()
+    if latest is None:
+        return {}
+    budgeted = [t for t in latest.document.get("tenants") or () if t.get("budget")]
+    policies = msgspec.convert(budgeted, tuple[TenantPolicy, ...])
+    return granted_ceilings(policies, month)
+
+
+def table_price(price: Price) -> ModelPrice:
+    """A price as the tables carry it: micro-USD per million tokens."""
+    return ModelPrice(
+        micro_usd(price.input_per_mtok),
+        micro_usd(price.cached_input_per_mtok),
+        micro_usd(price.output_per_mtok),
+    )
 
 
 def fleet_snapshot(
@@ -111,10 +169,18 @@ def fleet_snapshot(
     now = now or timezone.now()
     if spend_usd is None:
         spend_usd = {slug: float(usd) for slug, usd in tenant_month_spend(now=now).items()}
-    # The first registered edge of a region receives its spill-over (no health or load yet).
+    # The first registered edge of a region receives its spill-over (no health or load yet);
+    # budgets are granted to its live edges: a fresh heartbeat, or none yet (just registered).
     edge_urls: dict[str, str] = {}
-    for code, url in Edge.objects.order_by("name").values_list("region__code", "url"):
+    live_edges: dict[str, list[str]] = {}
+    fresh = now - timedelta(seconds=LOAD_REPORT_MAX_AGE_S)
+    edges = Edge.objects.order_by("name").values_list(
+        "region__code", "url", "name", "last_heartbeat_at"
+    )
+    for code, url, name, heard in edges:
         edge_urls.setdefault(code, url)
+        if heard is None or heard >= fresh:
+            live_edges.setdefault(code, []).append(name)
     regions = tuple(
         RegionRow(
             code=r.code,
@@ -123,6 +189,7 @@ def fleet_snapshot(
             edge_url=edge_urls.get(r.code),
             restored_at=r.restored_at,
             recovered_at=r.recovered_at,
+            edges=tuple(live_edges.get(r.code, ())),
         )
         for r in Region.objects.all()
     )
@@ -157,11 +224,18 @@ def fleet_snapshot(
         )
         for link in RegionLink.objects.select_related("source", "target")
     }
+    tenants = tenant_rows(now=now, spend_usd=spend_usd)
+    list_prices = (
+        prices_in_effect(now=now, tenants=()).list_prices
+        if any(t.budget is not None for t in tenants)
+        else {}
+    )
     return FleetSnapshot(
         regions=regions,
         instances=tuple(instances),
         rtt_ms=rtt,
-        tenants=tenant_rows(now=now, spend_usd=spend_usd),
+        tenants=tenants,
         now=now,
         ramp=ramp_policy(),
+        prices={m: table_price(p) for m, p in list_prices.items()},
     )

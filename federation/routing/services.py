@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import secrets
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -50,6 +51,15 @@ RECOMPILE_PENDING_KEY = "fedinfer:tables:recompile-pending"
 RECOMPILE_DELAY_S = 0.2
 #: The pending mark expires on its own, so a lost task cannot block recompiles for good.
 RECOMPILE_PENDING_TTL_MS = 10_000
+#: Redis key that spaces budget re-leases (see ``routing_tables_schedule_budget_release``).
+BUDGET_RELEASE_KEY = "fedinfer:routing:budget-release"
+
+
+class _Spacing:
+    last = float("-inf")
+
+
+_budget_release = _Spacing()
 #: One queued recompile per ramp step boundary (key + its epoch milliseconds).
 RAMP_STEP_KEY = "fedinfer:tables:ramp-step:{at_ms}"
 #: Compile a little after the boundary, so that the level has moved.
@@ -196,6 +206,25 @@ def routing_tables_schedule_recompile() -> bool:
     """
     return _publish_once(
         RECOMPILE_PENDING_KEY, RECOMPILE_PENDING_TTL_MS, RECOMPILE_DELAY_S, "recompile"
+    )
+
+
+def routing_tables_schedule_budget_release() -> bool:
+    """Queue a recompile after a budgeted tenant's spend was counted, so the edges get their
+    leases of what now remains (``docs/adr/0008-budget-leases.md``): at most one per
+    ``FEDINFER_BUDGET_RELEASE_SECONDS`` (ingestion commits every few seconds, a compile of
+    thousands of tenants takes about one); the periodic publish covers what falls between.
+    Spaced in this process too, for the demo, which has no Redis to share the mark."""
+    interval = float(settings.FEDINFER_BUDGET_RELEASE_SECONDS)
+    now = time.monotonic()
+    if now - _budget_release.last < interval:
+        return False
+    _budget_release.last = now
+    return _publish_once(
+        BUDGET_RELEASE_KEY,
+        int(settings.FEDINFER_BUDGET_RELEASE_SECONDS * 1000),
+        RECOMPILE_DELAY_S,
+        "budget re-lease",
     )
 
 

@@ -4,7 +4,8 @@ Before the body, the tenant's API key (``admission.py`` holds the tenant rules);
 bounded and JSON; what routing needs of it (``parse.py``); the session id; the tenant's model
 policy and cache salt; whether it may be served here or must go to another region first
 (residency, a model not served here, this region's ramp while it comes back: ``spill.py``);
-last, the charge against the tenant's rate, unless a fellow edge already charged it.
+last, the worst case of its price held on the tenant's budget (``budget.py``) when it is to be
+served here, and the charge against the tenant's rate, unless a fellow edge already charged it.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import time
 from collections.abc import Iterable
 
 from regions.edge.admission import Admission, TenantState, public_prefix
+from regions.edge.budget import Budgets, Hold
 from regions.edge.config import EdgeConfig
 from regions.edge.context import Fleet, RequestContext
 from regions.edge.errors import EdgeError
@@ -96,7 +98,7 @@ def _check_session(session: bytes | None, from_header: bool) -> None:
 class Admit:
     """The admit stage of one edge; ``await admit(scope, receive, send, chat)``."""
 
-    __slots__ = ("admission", "cfg", "fleet", "hops", "meter", "relay")
+    __slots__ = ("admission", "budgets", "cfg", "fleet", "hops", "meter", "relay")
 
     def __init__(
         self,
@@ -106,6 +108,7 @@ class Admit:
         hops: HopVerifier,
         relay: Relay,
         meter: Meter | None,
+        budgets: Budgets,
     ) -> None:
         self.cfg = cfg
         self.fleet = fleet
@@ -113,6 +116,7 @@ class Admit:
         self.hops = hops
         self.relay = relay
         self.meter = meter
+        self.budgets = budgets
 
     async def __call__(
         self, scope: Scope, receive: Receive, send: Send, chat: bool
@@ -122,6 +126,8 @@ class Admit:
         authorization, session_id, trace, hop = _request_headers(scope["headers"])
         admission = self.admission
         tenant: TenantState | None = None
+        hold: Hold | None = None
+        key_prefix: str | None = None
         try:
             if self.meter is not None and self.meter.refuses():
                 raise _SPOOL_FULL
@@ -142,10 +148,24 @@ class Admit:
             # Charged where it entered: a hop signed by a fellow edge was charged there.
             origin = self.hops.verify(hop, raw, authorization) if hop is not None else None
             charged = 0
-            if tenant is not None and origin is None:
-                admission.rate(tenant, req.cost_tokens, time.monotonic())
-                charged = req.cost_tokens
+            if tenant is not None:
+                if self.meter is not None or tenant.policy.budget is not None:
+                    key_prefix = public_prefix(authorization)
+                # Held where it is served: a request that must go elsewhere is held there.
+                if tenant.policy.budget is not None and not (spill and spill.targets):
+                    hold = self.budgets.reserve(
+                        tenant.slug,
+                        key_prefix,
+                        req.model,
+                        req.prompt_tokens,
+                        req.max_output_tokens,
+                    )
+                if origin is None:
+                    admission.rate(tenant, req.cost_tokens, time.monotonic())
+                    charged = req.cost_tokens
         except EdgeError as err:
+            if hold is not None:
+                self.budgets.release(hold)
             await self.relay.refuse(send, err)
             return None
         except ClientGone:
@@ -165,9 +185,8 @@ class Admit:
             salt=root_seed(tenant.slug) if tenant is not None else None,
             spill=spill,
             entry_region=origin,
-            key_prefix=(
-                public_prefix(authorization) if tenant is not None and self.meter else None
-            ),
+            key_prefix=key_prefix,
+            hold=hold,
         )
 
     def _spill(

@@ -25,6 +25,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from regions.edge.admission import Admission
 from regions.edge.admit import Admit
 from regions.edge.attempt import Attempts
+from regions.edge.budget import Budgets
 from regions.edge.config import EdgeConfig
 from regions.edge.context import RequestContext
 from regions.edge.disagg import PdRouter
@@ -96,9 +97,14 @@ class Edge:
         if self.meter is not None:
             self.metrics.registry.register(UsageCollector(self.meter))
         # The stages, in a request's order.
-        self.recorder = Recorder(self.metrics, self.admission, self.loads, cfg.region, self.meter)
+        self.budgets = Budgets(cfg.name)
+        self.recorder = Recorder(
+            self.metrics, self.admission, self.loads, cfg.region, self.meter, self.budgets
+        )
         self.relay = Relay(cfg.region, cfg.retry_after_s, self.health, self.metrics, self.recorder)
-        self.admit = Admit(cfg, self, self.admission, self.hops, self.relay, self.meter)
+        self.admit = Admit(
+            cfg, self, self.admission, self.hops, self.relay, self.meter, self.budgets
+        )
         self.placement = Placement(cfg, self, self.health, self.loads, self.prefix, self.lines)
         attempts = Attempts(self.loads, self.health, self.metrics.inflight, self.lines)
         self.spill_over = SpillOver(cfg, self, self.relay, self.metrics)
@@ -132,6 +138,7 @@ class Edge:
         """Switch to ``table`` in one step (no await: requests see old or new, never a mix)."""
         # First: it is the only step that can refuse the table (nothing changed yet).
         self.admission.load(table, time.monotonic())
+        self.budgets.load(table)
         old_ids = {i.id for i in self.table.instances}
         ids = [i.id for i in table.instances]
         by_model: dict[str, list[Instance]] = {}

@@ -79,7 +79,10 @@ def _table_source_flags(p: argparse.ArgumentParser) -> None:
         "the table key ring in control-plane mode)",
     )
     p.add_argument("--state-dir", type=Path, help="persisted table (default var/edge-<region>)")
-    p.add_argument("--edge-name", help="this edge's registered name (heartbeats)")
+    p.add_argument(
+        "--edge-name",
+        help="this edge's registered name: its heartbeats, usage records and budget leases",
+    )
     _add(p, (
         ("--heartbeat-interval", float, _SYNC.heartbeat_s, None),
         ("--sync-wait", int, _SYNC.wait_s, "long-poll seconds (0-30)"),
@@ -223,7 +226,7 @@ def ring_text(path: Path | None, env: str) -> str:
 def sync_from_args(opts: argparse.Namespace) -> SyncConfig | None:
     """Control-plane mode settings; a missing or malformed one is a clear error."""
     if opts.control_plane is None:
-        for flag in ("credential_file", "table_keys_file", "edge_name"):
+        for flag in ("credential_file", "table_keys_file"):
             if getattr(opts, flag) is not None:
                 raise ValueError(f"--{flag.replace('_', '-')} needs --control-plane")
         return None
@@ -259,6 +262,7 @@ def config_from_args(opts: argparse.Namespace) -> EdgeConfig:
     return EdgeConfig(
         region=opts.region,
         table_path=opts.table,
+        name=opts.edge_name,
         sync=sync,
         hop_keys=hop_keys(ring),
         scheduler=SchedulerConfig(

@@ -31,6 +31,8 @@ class EdgeConfig:
     region: str
     #: File mode (``--table``); None when the table comes from the control plane.
     table_path: Path | None
+    #: Its registered name (``--edge-name``): usage records and budget leases go by it.
+    name: str | None = None
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     health: HealthConfig = field(default_factory=HealthConfig)
     disagg: DisaggConfig = field(default_factory=DisaggConfig)

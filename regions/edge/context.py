@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from regions.edge.admission import TenantState
+from regions.edge.budget import Hold
 from regions.edge.observability import CacheView
 from regions.edge.parse import ParsedRequest, UsageTap
 from regions.edge.server import Send
@@ -87,6 +88,8 @@ class RequestContext:
     cached_tokens: int | None = None
     #: The stream's tap, while the answer is a stream: what a cut stream relayed.
     tap: UsageTap | None = None
+    #: Its worst-case price held on the tenant's budget here (``budget.py``; None: none).
+    hold: Hold | None = None
 
 
 class Fleet(Protocol):

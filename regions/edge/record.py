@@ -2,8 +2,9 @@
 
 Per-request metric series (status, TTFT, end-to-end time, predicted and actual cached tokens,
 prompt tokens) and, once the request is over, the settlement of the tenant's rate charge with
-the tokens the engine reported, and its usage record (``metering.py``) when an instance here
-served it — answered, cut, or abandoned by its client.
+the tokens the engine reported and of its budget hold with the request's price (``budget.py``),
+and its usage record (``metering.py``) when an instance here served it — answered, cut, or
+abandoned by its client.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import time
 from typing import NamedTuple
 
 from regions.edge.admission import Admission
+from regions.edge.budget import Budgets
 from regions.edge.context import RequestContext
 from regions.edge.load import LoadBoard
 from regions.edge.metering import Meter
@@ -25,7 +27,7 @@ CLIENT_GONE = 499
 
 
 class Recorder:
-    __slots__ = ("admission", "loads", "meter", "metrics", "region")
+    __slots__ = ("admission", "budgets", "loads", "meter", "metrics", "region")
 
     def __init__(
         self,
@@ -34,12 +36,14 @@ class Recorder:
         loads: LoadBoard,
         region: str,
         meter: Meter | None,
+        budgets: Budgets,
     ) -> None:
         self.metrics = metrics
         self.admission = admission
         self.loads = loads
         self.region = region
         self.meter = meter
+        self.budgets = budgets
 
     def answered(self, model: str, where: str, status: int) -> None:
         """An answer with no timings: a refusal, an error, a remote region's answer."""
@@ -74,10 +78,10 @@ class Recorder:
             series.prompt_tokens += prompt
 
     def finished(self, ctx: RequestContext) -> None:
-        """The request is over (answered, failed or abandoned): settle the tenant's charge;
-        when an instance here answered it, or was running it when the client left, count its
-        generated tokens in the instance's load (the heartbeat's tokens/s: prompt + output)
-        and meter it."""
+        """The request is over (answered, failed or abandoned): settle the tenant's charge and
+        budget hold; when an instance here answered it, or was running it when the client left,
+        count its generated tokens in the instance's load (the heartbeat's tokens/s: prompt +
+        output), spend its price on the budget and meter it."""
         tenant = ctx.tenant
         if ctx.charged and tenant is not None and ctx.used_tokens is not None:
             self.admission.settle(tenant, ctx.charged, ctx.used_tokens)
@@ -88,8 +92,14 @@ class Recorder:
         relayed = ctx.tap is not None and ctx.tap.events > 1
         delivered = 0 < ctx.status < 400 or (ctx.status >= 500 and relayed)
         if inst is None or not (delivered or cancelled):
+            if ctx.hold is not None:
+                self.budgets.release(ctx.hold)
             return
         tokens = _tokens(ctx)
+        if ctx.hold is not None:
+            self.budgets.settle(
+                ctx.hold, inst.model, tokens.prompt, tokens.cached, tokens.completion
+            )
         self.loads.get(inst.id).tokens += tokens.completion
         if self.meter is not None:
             self.meter.record(self.usage(ctx, inst, tokens, cancelled))
@@ -121,6 +131,7 @@ class Recorder:
             streamed=req.stream,
             cancelled=cancelled,
             usage_reported=tokens.reported,
+            edge=self.budgets.edge,
         )
 
 

@@ -21,7 +21,9 @@ import msgspec
 SCHEMA_VERSION = 1
 #: Schema 2 is schema 1 plus the ``ramp`` fields of a region getting its traffic back.
 RAMP_SCHEMA_VERSION = 2
-READABLE_SCHEMA_VERSIONS = (SCHEMA_VERSION, RAMP_SCHEMA_VERSION)
+#: Schema 3 is schema 2 plus budget leases (``prices``, ``tenants[].budget``).
+BUDGET_SCHEMA_VERSION = 3
+READABLE_SCHEMA_VERSIONS = (SCHEMA_VERSION, RAMP_SCHEMA_VERSION, BUDGET_SCHEMA_VERSION)
 
 Role = Literal["mixed", "prefill", "decode"]
 ROLES: tuple[Role, ...] = ("mixed", "prefill", "decode")
@@ -113,6 +115,48 @@ class ResidencyClass(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     refusals: dict[str, str] = msgspec.field(default_factory=dict)
 
 
+class ModelPrice(msgspec.Struct, frozen=True, forbid_unknown_fields=True, array_like=True):
+    """Micro-USD per million tokens: fresh prompt, cached prompt, generated (exact integers:
+    a request's price is then an exact integer of pico-USD, ``regions/tables/money.py``)."""
+
+    input: int
+    cached_input: int
+    output: int
+
+
+class Lease(msgspec.Struct, frozen=True, forbid_unknown_fields=True, array_like=True):
+    """One edge's slice of a budget, pico-USD (``docs/adr/0008-budget-leases.md``).
+
+    ``counted``: what the control plane has counted of this month's spend served by that edge;
+    ``lease``: what the edge may spend beyond it — settled requests not yet counted, plus the
+    worst case of those in flight — until the next table."""
+
+    counted: int
+    lease: int
+
+
+class Budget(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A monthly budget enforced at the edges (schema 3), for a tenant or one of its keys."""
+
+    #: The UTC month the amounts are of, ``YYYY-MM``.
+    month: str
+    #: ``exhausted``: nothing remains (every edge refuses); ``warn``: 80 % spent.
+    state: BudgetState = "ok"
+    #: Edge name -> its lease. An edge without one serves none of this budget's requests
+    #: (it may still forward them to an edge that has one).
+    leases: dict[str, Lease] = msgspec.field(default_factory=dict)
+
+
+class TenantBudget(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A tenant's budget leases (None: only some of its keys have a budget), its own prices
+    where they differ from the table's list prices, and the leases of its keys that have a
+    budget of their own (by the key's public prefix, ``fi_AbC123xY``)."""
+
+    tenant: Budget | None = None
+    prices: dict[str, ModelPrice] = msgspec.field(default_factory=dict)
+    keys: dict[str, Budget] = msgspec.field(default_factory=dict)
+
+
 class TenantPolicy(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """A tenant's admission rules, keyed by API-key hash (enforced by admission.py)."""
 
@@ -130,6 +174,8 @@ class TenantPolicy(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     #: ``cache_salt`` with every request (joined with the client's own salt, if any), so no
     #: other tenant can hit — or time — its cached prefixes. Absent: caches are shared.
     cache_salt: str | None = None
+    #: Set when the tenant (or one of its keys) has a monthly budget (schema 3).
+    budget: TenantBudget | None = None
 
 
 class Signature(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -153,6 +199,8 @@ class RoutingTable(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     residency_classes: tuple[ResidencyClass, ...] = ()
     #: Share of this region's own traffic it serves while it comes back (schema 2).
     ramp: float = 1.0
+    #: List prices by model (schema 3), what budgets are spent at unless a tenant's own differ.
+    prices: dict[str, ModelPrice] = msgspec.field(default_factory=dict)
 
 
 _decoder = msgspec.json.Decoder(RoutingTable)
@@ -186,6 +234,8 @@ def encode_table(
         document["tenants"] = encoded_tenants
     if table.ramp == 1.0:
         del document["ramp"]
+    if not table.prices:
+        del document["prices"]
     for remote in document["remote_regions"]:
         if remote["ramp"] == 1.0:
             del remote["ramp"]
@@ -195,6 +245,9 @@ def encode_table(
 def encode_tenants(tenants: tuple[TenantPolicy, ...]) -> list[dict[str, Any]]:
     """``tenants`` as the document's ``tenants`` list (see :func:`encode_table`)."""
     encoded: list[dict[str, Any]] = msgspec.json.decode(msgspec.json.encode(tenants))
+    for tenant in encoded:
+        if tenant["budget"] is None:
+            del tenant["budget"]  # a table without budgets stays readable by schema-2 edges
     return encoded
 
 
@@ -218,6 +271,10 @@ def validate_table(table: RoutingTable) -> None:
         _validate_instance(inst)
     for tenant in table.tenants or ():
         _validate_tenant(tenant)
+        if tenant.budget is not None:
+            _validate_budget(table, tenant.tenant, tenant.budget)
+    for model, price in table.prices.items():
+        _validate_price(f"prices[{model!r}]", price, table.schema_version)
     codes: set[str] = set()
     for remote in table.remote_regions:
         if remote.code == table.region or remote.code in codes:
@@ -268,6 +325,33 @@ def _validate_tenant(tenant: TenantPolicy) -> None:
     for rate in (tenant.requests_per_s, tenant.tokens_per_s):
         if rate is not None and rate < 0:
             raise TableError(f"tenant {tenant.tenant!r}: rate limits must be >= 0")
+
+
+def _validate_budget(table: RoutingTable, tenant: str, budget: TenantBudget) -> None:
+    where = f"tenant {tenant!r}: budget"
+    if table.schema_version < BUDGET_SCHEMA_VERSION:
+        raise TableError(f"{where} needs schema_version {BUDGET_SCHEMA_VERSION}")
+    for model, price in budget.prices.items():
+        _validate_price(f"{where} prices[{model!r}]", price, table.schema_version)
+    scopes = [(f" key {k!r}", b) for k, b in budget.keys.items()]
+    if budget.tenant is not None:
+        scopes.append(("", budget.tenant))
+    for scope, leases in scopes:
+        if not _MONTH.fullmatch(leases.month):
+            raise TableError(f"{where}{scope}: month {leases.month!r} is not YYYY-MM")
+        for edge, lease in leases.leases.items():
+            if lease.counted < 0 or lease.lease < 0:
+                raise TableError(f"{where}{scope}: the lease of edge {edge!r} is negative")
+
+
+def _validate_price(where: str, price: ModelPrice, schema_version: int) -> None:
+    if schema_version < BUDGET_SCHEMA_VERSION:
+        raise TableError(f"{where} needs schema_version {BUDGET_SCHEMA_VERSION}")
+    if min(price.input, price.cached_input, price.output) < 0:
+        raise TableError(f"{where} must not be negative")
+
+
+_MONTH = re.compile(r"\d{4}-(0[1-9]|1[0-2])")
 
 
 def _validate_remote(remote: RemoteRegion) -> None:

@@ -51,6 +51,9 @@ class UsageRecord(msgspec.Struct, frozen=True, forbid_unknown_fields=True, gc=Fa
     cancelled: bool = False
     #: Whether the engine reported the counts (False: the edge's own count stands in).
     usage_reported: bool = True
+    #: The edge that served it (None: an edge without a name, in file mode): its budget
+    #: lease is measured against the spend counted under this name.
+    edge: str | None = None
     schema_version: int = USAGE_SCHEMA_VERSION
 
 

@@ -235,9 +235,10 @@ def test_an_edge_posts_its_own_regions_usage_and_a_2xx_means_it_is_stored(fleet:
     credential = routing.edge_credential_rotate(actor=None, edge=edge)
     client = APIClient()
     client.credentials(HTTP_AUTHORIZATION=f"Bearer {credential}")
-    lines = [encode_record(doc(i, fleet, "acme")) for i in range(3)]
-    foreign = encode_record(doc(9, fleet, "acme", region="eu-west"))
-    body = b"\n".join([*lines, foreign, b"{broken"]) + b"\n"
+    lines = [encode_record(doc(i, fleet, "acme", edge="edge-us")) for i in range(3)]
+    foreign = encode_record(doc(9, fleet, "acme", region="eu-west", edge="edge-us"))
+    impostor = encode_record(doc(8, fleet, "acme", edge="edge-eu"))
+    body = b"\n".join([*lines, foreign, impostor, b"{broken"]) + b"\n"
 
     def post(name: str) -> Any:
         return client.generic(
@@ -247,7 +248,10 @@ def test_an_edge_posts_its_own_regions_usage_and_a_2xx_means_it_is_stored(fleet:
     r = post("edge-us")
     assert r.status_code == 200, r.content
     assert r.json()["accepted"] == 3
-    assert [why.split(" ")[0] for why in r.json()["rejected"]] == ["a", "usage"]
+    foreign_region, foreign_edge, broken = r.json()["rejected"]
+    assert foreign_region == "a record of region 'eu-west'"
+    assert foreign_edge == "a record of edge 'edge-eu'"
+    assert broken.startswith("usage record does not decode")
     assert post("edge-us").json()["accepted"] == 3  # sent again: stored once
     assert UsageRecord.objects.count() == 3
     assert post(other.name).status_code == 403  # not its own name

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from regions.edge.admission import Admission
+from regions.edge.budget import Budgets
 from regions.edge.context import RequestContext
 from regions.edge.load import LoadBoard
 from regions.edge.metering import Meter, MeteringConfig
@@ -36,7 +37,7 @@ def recorder(tmp_path: Path) -> Recorder:
     meter = Meter(MeteringConfig(spool_dir=tmp_path), NoSink())
     loads = LoadBoard()
     loads.sync(["us-1"])
-    return Recorder(EdgeMetrics(), Admission("us-east"), loads, "us-east", meter)
+    return Recorder(EdgeMetrics(), Admission("us-east"), loads, "us-east", meter, Budgets(None))
 
 
 def ctx(model: str = "llama", stream: bool = False, **kw: Any) -> RequestContext:
@@ -92,7 +93,7 @@ def test_a_full_spool_refuses_or_drops_by_policy(tmp_path: Path) -> None:
         MeteringConfig(spool_dir=tmp_path / "b", max_bytes=100, full_policy="serve"), NoSink()
     )
     for meter in (refuse, serve):
-        recorder = Recorder(EdgeMetrics(), Admission("r"), LoadBoard(), "r", meter)
+        recorder = Recorder(EdgeMetrics(), Admission("r"), LoadBoard(), "r", meter, Budgets(None))
         for _ in range(3):
             recorder.finished(ctx(status=200, prompt_tokens=1, used_tokens=2))
     assert refuse.refuses() and refuse.recorded == 3  # admitted requests are still recorded

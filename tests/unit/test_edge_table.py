@@ -82,7 +82,7 @@ def test_reserved_issue_4_fields_decode() -> None:
 @pytest.mark.parametrize(
     ("mutate", "message"),
     [
-        (lambda d: d.update(schema_version=3), "schema_version"),
+        (lambda d: d.update(schema_version=4), "schema_version"),
         (lambda d: d.update(ramp=0.5), "ramp needs schema_version 2"),
         (lambda d: d["remote_regions"][0].update(ramp=0.5), "us-east.ramp needs schema_version"),
         (lambda d: d.update(schema_version=2, ramp=1.5), "ramp must be within"),

@@ -23,6 +23,7 @@ from federation.routing.api.authentication import (
     authenticated_edge,
 )
 from federation.routing.api.permissions import IsEdge
+from federation.routing.services import routing_tables_schedule_budget_release
 
 log = logging.getLogger("fedinfer.metering")
 
@@ -64,7 +65,9 @@ class EdgeUsageView(APIView):
             raise PermissionDenied("An edge may report usage only for itself.")
         data = request.data
         documents = [d for d in data if isinstance(d, bytes)] if isinstance(data, list) else []
-        result = usage_ingest(documents=documents, region=target.region.code)
+        result = usage_ingest(documents=documents, region=target.region.code, edge=name)
+        if result.budgeted:
+            routing_tables_schedule_budget_release()
         rejected = [why for _, why in result.rejected]
         USAGE_REJECTED.inc(len(rejected))
         if rejected:

@@ -1,0 +1,246 @@
+"""Budget leases, both halves: the control plane's split (``federation/routing/leases.py``)
+and the edge's accounts (``regions/edge/budget.py``). The property: however requests
+interleave with ingestion and re-leasing, what is spent never exceeds the budget when no
+request costs more than the worst case its edge held."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from federation.routing.leases import (
+    BudgetRow,
+    budget_leases,
+    granted_ceilings,
+    split_grant,
+    tenant_budget,
+)
+from regions.edge.budget import Budgets
+from regions.edge.errors import EdgeError
+from regions.tables.money import request_pusd
+from regions.tables.schema import (
+    BUDGET_SCHEMA_VERSION,
+    Instance,
+    ModelPrice,
+    RoutingTable,
+    TenantBudget,
+    TenantPolicy,
+    decode_table,
+)
+
+PRICE = ModelPrice(input=1_000_000, cached_input=500_000, output=4_000_000)  # $1/$0.5/$4
+
+
+def table(budget: TenantBudget, version: int = 1) -> RoutingTable:
+    return RoutingTable(
+        schema_version=BUDGET_SCHEMA_VERSION,
+        version=version,
+        region="r",
+        generated_at="2026-12-01T00:00:00Z",
+        instances=(Instance(id="i", url="http://i:1", model="m", adapters=("m-lora",)),),
+        tenants=(TenantPolicy(tenant="acme", budget=budget),),
+        prices={"m": PRICE},
+    )
+
+
+def leased(
+    budget: int,
+    counted: dict[tuple[str, str], int],
+    edges: list[str],
+    granted: dict[tuple[str, str], int] | None = None,
+) -> TenantBudget:
+    row = BudgetRow(month="2026-12", budget=budget, counted=counted, granted=granted or {})
+    return tenant_budget(row, edges)
+
+
+def test_a_grant_is_split_by_spend_and_evenly_while_there_is_none() -> None:
+    assert split_grant(1000, {}, ["a", "b"]) == [500, 500]
+    assert split_grant(1000, {"a": 300, "b": 100}, ["a", "b"]) == [750, 250]
+    assert split_grant(0, {"a": 1}, ["a"]) == [0]
+    assert split_grant(-5, {}, ["a"]) == [0]
+    assert split_grant(10, {}, []) == []
+
+
+@given(
+    grant=st.integers(0, 10**18),
+    spent=st.lists(st.integers(0, 10**15), min_size=1, max_size=6),
+)
+def test_slices_never_add_up_to_more_than_the_grant(grant: int, spent: list[int]) -> None:
+    edges = [f"e{i}" for i in range(len(spent))]
+    slices = split_grant(grant, dict(zip(edges, spent, strict=True)), edges)
+    assert all(s >= 0 for s in slices)
+    assert grant - len(edges) <= sum(slices) <= grant
+
+
+def test_a_compile_grants_half_of_what_nobody_holds_and_never_takes_a_ceiling_back() -> None:
+    first = budget_leases("2026-12", 1000, {}, ["a", "b"])
+    assert {e: (x.counted, x.lease) for e, x in first.leases.items()} == {
+        "a": (0, 250),
+        "b": (0, 250),
+    }
+    # a served 200 (counted); b nothing. Claims: a 250 (its ceiling), b 250; 500 free: 250
+    # granted, all to a, which has the spend. b keeps its ceiling.
+    second = budget_leases("2026-12", 1000, {"a": 200}, ["a", "b"], {"a": 250, "b": 250})
+    assert second.leases["a"] == second.leases["a"].__class__(counted=200, lease=300)
+    assert second.leases["b"].lease == 250
+    # An edge gone quiet keeps its claim; the state follows the counted spend.
+    third = budget_leases("2026-12", 1000, {"a": 600, "gone": 250}, ["a"], {"gone": 300})
+    assert third.state == "warn"  # 850 of 1000
+    assert third.leases["a"] == third.leases["a"].__class__(counted=600, lease=50)
+    assert budget_leases("2026-12", 1000, {"a": 1000}, ["a"]).state == "exhausted"
+
+
+def test_an_edge_holds_the_worst_case_and_spends_the_real_price() -> None:
+    budgets = Budgets("a")
+    budgets.load(table(leased(2 * 10**9, {}, ["a"])))
+    hold = budgets.reserve("acme", None, "m-lora", prompt_tokens=100, output_tokens=100)
+    assert hold is not None
+    worst = request_pusd(PRICE, prompt_tokens=100, cached_tokens=0, completion_tokens=100)
+    assert hold.amount == worst == 500_000_000
+    account = budgets.account("acme")
+    assert account is not None and account.held == worst
+    spent = budgets.settle(hold, "m", prompt=100, cached=50, completion=20)
+    assert spent == 50 * 1_000_000 + 50 * 500_000 + 20 * 4_000_000
+    assert (account.held, account.spent) == (0, spent)
+
+
+def test_past_its_lease_an_edge_refuses_with_retry_after_and_at_the_budget_for_good() -> None:
+    budgets = Budgets("a")
+    budgets.load(table(leased(2_000_000_000, {}, ["a", "b"])))  # a quarter: one request
+    budgets.reserve("acme", None, "m", prompt_tokens=100, output_tokens=100)
+    with pytest.raises(EdgeError) as refused:
+        budgets.reserve("acme", None, "m", prompt_tokens=100, output_tokens=100)
+    assert (refused.value.status, refused.value.code) == (429, "budget_lease_exhausted")
+    assert refused.value.retry_after
+    # A smaller request fits what is left of the slice.
+    budgets.reserve("acme", None, "m", prompt_tokens=0, output_tokens=0)
+
+    budgets.load(table(leased(1000, {("", "b"): 1000}, ["a", "b"]), version=2))
+    with pytest.raises(EdgeError) as exhausted:
+        budgets.reserve("acme", None, "m", prompt_tokens=1, output_tokens=1)
+    assert (exhausted.value.status, exhausted.value.code) == (403, "budget_exhausted")
+
+
+def test_an_edge_without_a_lease_serves_none_of_the_budget() -> None:
+    budgets = Budgets("new-edge")
+    budgets.load(table(leased(10**12, {}, ["a"])))
+    with pytest.raises(EdgeError):
+        budgets.reserve("acme", None, "m", prompt_tokens=1, output_tokens=1)
+    assert Budgets("x").reserve("other", None, "m", prompt_tokens=1, output_tokens=1) is None
+
+
+def test_a_key_with_its_own_budget_is_held_on_both() -> None:
+    row = BudgetRow(month="2026-12", budget=10**12, key_budgets={"fi_Key00001": 18 * 10**8})
+    budgets = Budgets("a")
+    budgets.load(table(tenant_budget(row, ["a"])))
+    hold = budgets.reserve("acme", "fi_Key00001", "m", prompt_tokens=100, output_tokens=100)
+    assert hold is not None and len(hold.accounts) == 2
+    with pytest.raises(EdgeError):  # the key's budget (9 x 10^8) holds one
+        budgets.reserve("acme", "fi_Key00001", "m", prompt_tokens=100, output_tokens=100)
+    # Another key of the tenant is held on the tenant's budget only.
+    assert budgets.reserve("acme", "fi_Other001", "m", prompt_tokens=100, output_tokens=100)
+
+
+def test_counted_spend_moves_from_uncounted_to_counted_and_a_new_month_starts_afresh() -> None:
+    budgets = Budgets("a")
+    budgets.load(table(leased(10**12, {}, ["a"])))
+    hold = budgets.reserve("acme", None, "m", prompt_tokens=10, output_tokens=10)
+    assert hold is not None
+    budgets.settle(hold, "m", prompt=10, cached=0, completion=10)
+    account = budgets.account("acme")
+    assert account is not None
+    uncounted = account.spent - account.counted
+    assert uncounted == 50_000_000
+    # The control plane counted it: spent stays, counted catches up, nothing is forgotten;
+    # the ceiling (counted + lease) never goes down.
+    ceiling = account.counted + (account.lease or 0)
+    counted = {("", "a"): 50_000_000}
+    budgets.load(table(leased(10**12, counted, ["a"], {("", "a"): ceiling}), version=2))
+    assert account.spent - account.counted == 0
+    assert account.counted + (account.lease or 0) >= ceiling
+    row = BudgetRow(month="2027-01", budget=10**12)
+    budgets.load(table(tenant_budget(row, ["a"]), version=3))
+    assert (account.spent, account.counted, account.lease) == (0, 0, 10**12 // 2)
+
+
+def test_a_budgeted_table_round_trips_through_the_contract() -> None:
+    import msgspec
+
+    from regions.tables.schema import encode_table
+
+    doc = table(leased(10**12, {("", "a"): 7}, ["a", "b"]))
+    decoded = decode_table(msgspec.json.encode(encode_table(doc)))
+    assert decoded == doc
+    old = msgspec.structs.replace(doc, schema_version=2)
+    with pytest.raises(ValueError, match="needs schema_version 3"):
+        decode_table(msgspec.json.encode(encode_table(old)))
+
+
+# --- the protocol as a whole ---------------------------------------------------------------
+
+request = st.tuples(
+    st.integers(0, 2),  # edge
+    st.integers(0, 200),  # prompt tokens (the edge's estimate: the engine's count, here)
+    st.integers(0, 100),  # max_tokens
+    st.floats(0, 1),  # share of max_tokens it generates
+)
+step = st.one_of(
+    st.tuples(st.just("request"), request),
+    st.tuples(st.just("finish"), st.integers(0, 50)),
+    st.tuples(st.just("ingest"), st.integers(0, 50)),
+    st.just(("release", None)),
+)
+
+
+@settings(max_examples=500, deadline=None)
+@given(budget=st.integers(0, 3 * 10**9), steps=st.lists(step, min_size=30, max_size=150))
+def test_spend_never_exceeds_the_budget_whatever_the_interleaving(
+    budget: int, steps: list[tuple[str, object]]
+) -> None:
+    """Edges admit and finish requests, the control plane counts some finished ones and
+    re-leases, in any order: the money spent (finished and still running, at its real price)
+    never exceeds the budget."""
+    edges = ["a", "b", "c"]
+    live = {e: Budgets(e) for e in edges}
+    counted: dict[tuple[str, str], int] = {}
+    version = 1
+
+    granted: dict[tuple[str, str], int] = {}
+
+    def release() -> None:
+        nonlocal version, granted
+        doc = table(leased(budget, counted, edges, granted), version)
+        granted = granted_ceilings(doc.tenants or (), "2026-12").get("acme", {})
+        version += 1
+        for b in live.values():
+            b.load(doc)
+
+    release()
+    running: list[tuple[str, object, int, int, int]] = []
+    finished: list[tuple[str, int]] = []  # (edge, price) not counted yet
+    spent = 0
+    for kind, arg in steps:
+        if kind == "request":
+            e, prompt, max_tokens, share = arg  # type: ignore[misc]
+            edge = edges[e]
+            try:
+                hold = live[edge].reserve("acme", None, "m", prompt, max_tokens)
+            except EdgeError:
+                continue
+            running.append((edge, hold, prompt, int(max_tokens * share), 0))
+        elif kind == "finish" and running:
+            edge, hold, prompt, completion, _ = running.pop(int(arg) % len(running))  # type: ignore[call-overload]
+            price = live[edge].settle(hold, "m", prompt, 0, completion)  # type: ignore[arg-type]
+            spent += price
+            finished.append((edge, price))
+        elif kind == "ingest" and finished:
+            edge, price = finished.pop(int(arg) % len(finished))  # type: ignore[call-overload]
+            counted[("", edge)] = counted.get(("", edge), 0) + price
+        elif kind == "release":
+            release()
+        in_flight = sum(
+            request_pusd(PRICE, prompt_tokens=p, cached_tokens=0, completion_tokens=c)
+            for _, _, p, c, _ in running
+        )
+        assert spent + in_flight <= budget
