@@ -94,3 +94,10 @@ bench-federation: $(STAMP)
 .PHONY: bench-metering
 bench-metering: $(STAMP)
 	DATABASE_URL=$(TEST_DATABASE_URL) $(BIN)/python -m bench metering
+
+## make check-platform: platform/'s offline checks (promtool rules and tests, kustomize overlays
+## against the Kubernetes schemas, compose against its schema); also part of make test
+.PHONY: check-platform
+check-platform: $(STAMP)
+	DATABASE_URL=$(TEST_DATABASE_URL) $(BIN)/pytest tests/integration/test_observability.py \
+	  tests/integration/test_platform_docker.py tests/integration/test_platform_k8s.py

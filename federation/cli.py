@@ -1,7 +1,8 @@
 """The ``fedinfer`` command: one entry point for every process of the platform.
 
 fedinfer serve        control plane web (REST API, console, admin)
-fedinfer worker       Celery worker + beat
+fedinfer worker       Celery worker + beat (--no-beat: the worker alone)
+fedinfer beat         Celery beat alone: exactly one per deployment, its workers --no-beat
 fedinfer edge         edge router of one region
 fedinfer engine-sim   vLLM-compatible engine simulator
 fedinfer demo         everything on one machine, embedded defaults
@@ -28,6 +29,8 @@ def main(argv: list[str] | None = None) -> None:
         _serve(args[1:])
     elif command == "worker":
         _worker(args[1:])
+    elif command == "beat":
+        _beat(args[1:])
     elif command in {"engine-sim", "edge"}:
         # The region's processes never import Django (import-linter enforces it).
         from regions.cli import main as region_main
@@ -67,11 +70,38 @@ def _serve(args: list[str]) -> None:
 
 
 def _worker(args: list[str]) -> None:
-    """Celery worker with beat embedded; extra arguments go to ``celery worker``."""
+    """Celery worker with beat embedded (unless ``--no-beat``: several workers must not each
+    run the schedule); extra arguments go to ``celery worker``."""
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "federation.settings")
+    import shutil
+    import tempfile
+
+    # The metric samples of the pool and beat processes (workers/metrics.py), set before
+    # prometheus_client is imported; a directory of this run's unless the operator chose one.
+    samples = None
+    if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        samples = os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="fedinfer-")
+    from workers.celery import app
+
+    if "--help" in args:
+        print("fedinfer worker [--no-beat] [celery worker options below]")
+        print("  --no-beat  without the embedded beat: run exactly one `fedinfer beat` then\n")
+    beat = [] if "--no-beat" in args else ["--beat"]
+    rest = [a for a in args if a != "--no-beat"]
+    try:
+        app.worker_main(["worker", *beat, "--loglevel", "INFO", *rest])
+    finally:
+        if samples is not None:
+            shutil.rmtree(samples, ignore_errors=True)
+
+
+def _beat(args: list[str]) -> None:
+    """Celery beat on its own, for workers started ``--no-beat``; extra arguments go to
+    ``celery beat``. Run exactly one: two would queue every periodic task twice."""
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "federation.settings")
     from workers.celery import app
 
-    app.worker_main(["worker", "--beat", "--loglevel", "INFO", *args])
+    app.start(["beat", "--loglevel", "INFO", *args])
 
 
 if __name__ == "__main__":

@@ -62,6 +62,7 @@ INSTALLED_APPS = [
 ]
 
 MIDDLEWARE = [
+    "federation.core.metrics.RequestMetricsMiddleware",
     "django.middleware.security.SecurityMiddleware",
     "federation.api.middleware.RequestBodyLimitMiddleware",
     "whitenoise.middleware.WhiteNoiseMiddleware",
@@ -194,6 +195,13 @@ FEDINFER_TABLE_SIGNING_KEY = env_str(
 )
 FEDINFER_TABLE_SIGNING_KEY_ID = env_str("FEDINFER_TABLE_SIGNING_KEY_ID", "k1")
 
+#: Bearer token that may read /metrics; empty: loopback clients may (federation.core.metrics).
+FEDINFER_METRICS_TOKEN = env_str("FEDINFER_METRICS_TOKEN", "")
+
+#: Port of the worker's /metrics (workers.metrics; 0: not served) and the address it binds.
+FEDINFER_WORKER_METRICS_PORT = env_int("FEDINFER_WORKER_METRICS_PORT", 0)
+FEDINFER_WORKER_METRICS_ADDR = env_str("FEDINFER_WORKER_METRICS_ADDR", "127.0.0.1")
+
 AUTH_PASSWORD_VALIDATORS = [
     {"NAME": "django.contrib.auth.password_validation.UserAttributeSimilarityValidator"},
     {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator"},
@@ -234,6 +242,8 @@ if _proxy_ssl_header:
 # Redirect http:// to https://. On by default in production when the proxy header tells an
 # HTTPS request apart (without it every request would look like http:// and redirect forever).
 SECURE_SSL_REDIRECT = env_bool("FEDINFER_SSL_REDIRECT", PRODUCTION and bool(_proxy_ssl_header))
+# Probes and Prometheus reach each web process directly, past the TLS proxy, over plain HTTP.
+SECURE_REDIRECT_EXEMPT = [r"^healthz$", r"^readyz$", r"^metrics$"]
 SECURE_HSTS_SECONDS = env_int("FEDINFER_HSTS_SECONDS", 365 * 24 * 3600) if PRODUCTION else 0
 SECURE_HSTS_INCLUDE_SUBDOMAINS = env_bool("FEDINFER_HSTS_INCLUDE_SUBDOMAINS", True)
 SECURE_HSTS_PRELOAD = env_bool("FEDINFER_HSTS_PRELOAD", False)

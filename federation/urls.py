@@ -7,6 +7,8 @@ from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 from rest_framework.routers import APIRootView
 
 from federation.core.api.urls import router as core_router
+from federation.core.health import healthz, readyz
+from federation.core.metrics import metrics_view
 from federation.inventory.api.urls import router as inventory_router
 from federation.routing.api.urls import router as routing_router
 from federation.tenancy.api.urls import router as tenancy_router
@@ -31,4 +33,7 @@ urlpatterns = [
     path("api/v1/", include(api_v1)),
     path("api/schema/", SpectacularAPIView.as_view(), name="schema"),
     path("api/docs/", SpectacularSwaggerView.as_view(url_name="schema"), name="api-docs"),
+    path("metrics", metrics_view, name="metrics"),
+    path("healthz", healthz, name="healthz"),
+    path("readyz", readyz, name="readyz"),
 ]

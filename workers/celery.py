@@ -11,6 +11,8 @@ import os
 
 from celery import Celery
 
+from workers import metrics  # noqa: F401  (task metrics, served by `fedinfer worker`)
+
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "federation.settings")
 
 app = Celery("fedinfer", include=["workers.tasks"])

@@ -10,6 +10,7 @@ from django.conf import settings
 from django.db import DatabaseError
 from django.utils import timezone
 
+from federation.core.metrics import USAGE_REJECTED
 from federation.metering import services as metering
 from federation.metering.stream import usage_stream_consume
 from federation.routing import services as routing
@@ -45,6 +46,7 @@ def usage_ingest_task() -> int:
         result = usage_stream_consume(client, consumer=consumer)
     finally:
         client.close()
+    USAGE_REJECTED.inc(result.rejected)
     if result.budgeted:
         routing.routing_tables_schedule_budget_release()
     return result.records

@@ -29,6 +29,8 @@ import numpy as np
 from scipy.optimize import linprog
 from scipy.sparse import csr_matrix
 
+from federation.core.metrics import DEMAND_SPLIT_SOLVE
+
 #: Price of one million tokens nobody can serve, USD: orders of magnitude above any GPU price,
 #: so the slack is used only when the hard constraints leave no other choice.
 UNSERVED_PENALTY_USD_PER_MTOK = 1_000.0
@@ -282,15 +284,16 @@ def _solve(
         shape=(len(caps), n_x + n_c),
     )
     b_ub = np.array([max(0.0, float(capacity.get(k, 0.0))) for k in caps])
-    result = linprog(
-        c_vec,
-        A_ub=a_ub,
-        b_ub=b_ub,
-        A_eq=a_eq,
-        b_eq=np.ones(n_c),
-        bounds=(0.0, None),  # x <= 1 follows from the equality rows
-        method="highs",
-    )
+    with DEMAND_SPLIT_SOLVE.time():
+        result = linprog(
+            c_vec,
+            A_ub=a_ub,
+            b_ub=b_ub,
+            A_eq=a_eq,
+            b_eq=np.ones(n_c),
+            bounds=(0.0, None),  # x <= 1 follows from the equality rows
+            method="highs",
+        )
     if result.status != 0:
         raise DemandSplitError(f"HiGHS did not solve the demand split: {result.message}")
     sol = result.x

@@ -26,6 +26,7 @@ from django.db import transaction
 from django.db.models import OuterRef, Subquery
 from django.utils import timezone
 
+from federation.core import metrics
 from federation.core.audit import Actor, audit_record
 from federation.core.errors import Conflict
 from federation.core.models import AuditEvent
@@ -134,6 +135,7 @@ def _publish_nudges(versions: Iterable[RoutingTableVersion]) -> None:
         client.close()
 
 
+@metrics.TABLE_COMPILE.time()
 def routing_tables_publish(*, regions: Sequence[str] | None = None) -> list[RoutingTableVersion]:
     """Compile the tables of ``regions`` (default: all) and store those whose content changed,
     each under its region's next version. Returns the new versions (empty: nothing changed)."""
@@ -175,6 +177,7 @@ def routing_tables_publish(*, regions: Sequence[str] | None = None) -> list[Rout
             )
         if created:
             transaction.on_commit(lambda: _publish_nudges(created))
+            transaction.on_commit(lambda: metrics.tables_published(v.region.code for v in created))
         if plan.next_ramp_change_s is not None:
             at = snapshot.now or timezone.now()
             delay = plan.next_ramp_change_s + RAMP_STEP_SLACK_S

@@ -15,6 +15,7 @@ from rest_framework.views import APIView
 
 from federation.api.schema import FORBIDDEN, NOT_FOUND, UNAUTHENTICATED
 from federation.api.views import nul_free_or_404
+from federation.core.metrics import USAGE_REJECTED
 from federation.inventory.models import Edge
 from federation.metering.services import usage_ingest
 from federation.routing.api.authentication import (
@@ -68,6 +69,7 @@ class EdgeUsageView(APIView):
         if result.budgeted:
             routing_tables_schedule_budget_release()
         rejected = [why for _, why in result.rejected]
+        USAGE_REJECTED.inc(len(rejected))
         if rejected:
             log.error("edge %s: %d usage records rejected: %s", name, len(rejected), rejected[:5])
         return Response({"accepted": result.accepted, "rejected": rejected})

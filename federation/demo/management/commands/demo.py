@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import secrets
 import signal
 import sys
 import time
@@ -30,6 +31,7 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.db import connection
 from django.utils import timezone
 
+from federation.demo import prometheus
 from federation.demo.fleet import DEMO_PASSWORD
 from federation.demo.usage import usage_history
 from federation.inventory import lifecycle
@@ -61,6 +63,14 @@ STARTUP_TIMEOUT_S = 60.0
 def _slug(text: str) -> str:
     out = "".join(c if c.isalnum() else "-" for c in text.lower())
     return "-".join(part for part in out.split("-") if part)
+
+
+def demo_instance_name(dep: Deployment, index: int) -> str:
+    """The name of a deployment's ``index``-th engine in the demo (also ``registerdemo``)."""
+    return (
+        f"{DEMO_PREFIX}{dep.pool.region.code}-{dep.pool.name}-"
+        f"{_slug(dep.model.name.split('/')[-1])}-{dep.role}-{index}"
+    )[:63].rstrip("-")
 
 
 def _write_private(path: Path, text: str) -> None:
@@ -121,6 +131,17 @@ class Command(BaseCommand):
             type=int,
             default=0,
             help="fill this many days of usage history before serving (reports, costs, budgets)",
+        )
+        parser.add_argument(
+            "--prometheus",
+            action="store_true",
+            help="also run a real Prometheus (Debian package) scraping every process, with "
+            "the alerting rules of platform/observability (data under var/demo/prometheus)",
+        )
+        parser.add_argument(
+            "--prometheus-bin",
+            default=prometheus.DEFAULT_BINARY,
+            help="the Prometheus binary --prometheus runs",
         )
         parser.add_argument(
             "--exit-after",
@@ -264,10 +285,7 @@ class Command(BaseCommand):
             )
             engines = json.loads(ready_file.read_text())["engines"]
             for engine in engines:
-                name = (
-                    f"{DEMO_PREFIX}{dep.pool.region.code}-{dep.pool.name}-"
-                    f"{_slug(dep.model.name.split('/')[-1])}-{dep.role}-{engine['index']}"
-                )[:63].rstrip("-")
+                name = demo_instance_name(dep, engine["index"])
                 inst = inventory.instance_create(
                     actor=None, deployment=dep, name=name, endpoint_url=engine["url"]
                 )
@@ -311,10 +329,13 @@ class Command(BaseCommand):
         routing.routing_tables_publish()
         celery_app.control.purge()
         web = f"http://{host}:{opts['port']}"
+        web_env, worker_env = self._metrics_env(run)
         run.sup.start(
-            "web", [*FEDINFER, "serve", "--no-migrate", "--host", host, "--port", str(opts["port"])]
+            "web",
+            [*FEDINFER, "serve", "--no-migrate", "--host", host, "--port", str(opts["port"])],
+            env=web_env,
         )
-        run.sup.start("worker", [*FEDINFER, "worker", "--pool", "solo"])
+        run.sup.start("worker", [*FEDINFER, "worker", "--pool", "solo"], env=worker_env)
         self._wait_http(run, f"{web}/api/schema/")
         # The verification key ring goes through the environment, not argv (visible in ps).
         ring = {
@@ -354,6 +375,9 @@ class Command(BaseCommand):
             self._wait_http(run, f"{url}/healthz")
         tenants = Tenant.objects.filter(is_active=True).prefetch_related("allowed_regions")
         return {
+            "prometheus": self._start_prometheus(run, web, worker_env, operators)
+            if opts["prometheus"]
+            else None,
             "control_plane": web,
             "edges": edges,
             "operators": operators,
@@ -367,6 +391,55 @@ class Command(BaseCommand):
                 t.slug: {"regions": tenant_permitted_regions(t)} for t in tenants if t.slug in keys
             },
         }
+
+    def _metrics_env(self, run: _Run) -> tuple[dict[str, str], dict[str, str]]:
+        """With --prometheus: the web answers /metrics to a token of this run's only, and the
+        worker serves its metrics on a free port. The environments of the web and the worker."""
+        if not run.opts["prometheus"]:
+            return dict(os.environ), dict(os.environ)
+        token = secrets.token_urlsafe(32)
+        _write_private(run.demo_dir / "credentials" / "metrics-token", token)
+        worker_port = str(free_port(run.host))
+        return (
+            {**os.environ, "FEDINFER_METRICS_TOKEN": token},
+            {
+                **os.environ,
+                "FEDINFER_WORKER_METRICS_PORT": worker_port,
+                "FEDINFER_WORKER_METRICS_ADDR": run.host,
+            },
+        )
+
+    def _start_prometheus(
+        self, run: _Run, web: str, worker_env: dict[str, str], operators: dict[str, str]
+    ) -> str:
+        """Write the scrape configuration of every process, start Prometheus on a free port
+        and wait until it is ready; its URL."""
+        engines = Instance.objects.filter(name__startswith=DEMO_PREFIX).values_list(
+            "deployment__pool__region__code", "endpoint_url"
+        )
+        targets = prometheus.ScrapeTargets(
+            control_plane=web,
+            token_file=run.demo_dir / "credentials" / "metrics-token",
+            worker=f"{run.host}:{worker_env['FEDINFER_WORKER_METRICS_PORT']}",
+            edges=operators,
+            engines=list(engines),
+        )
+        folder = run.demo_dir / "prometheus"
+        try:
+            config = prometheus.write_config(
+                folder / "prometheus.yml",
+                prometheus.scrape_config(targets, rule_files=prometheus.rule_files()),
+            )
+            listen = f"{run.host}:{free_port(run.host)}"
+            argv = prometheus.prometheus_argv(
+                run.opts["prometheus_bin"], config=config, data_dir=folder / "data", listen=listen
+            )
+        except prometheus.PrometheusUnavailable as exc:
+            raise CommandError(f"--prometheus: {exc}") from exc
+        run.sup.start("prometheus", argv)
+        url = f"http://{listen}"
+        self._wait_http(run, f"{url}/-/ready")
+        return url
 
     def _start_traffic(self, run: _Run, endpoints: Path) -> None:
         run.sup.start(
@@ -420,6 +493,11 @@ class Command(BaseCommand):
             f"  users          admin / operator / <tenant>-viewer, password {DEMO_PASSWORD!r}",
             "  worker         recompiles and publishes routing tables after every change",
         ]
+        if summary["prometheus"]:
+            lines.append(
+                f"  prometheus     {summary['prometheus']}/graph  ·  alerts "
+                f"{summary['prometheus']}/alerts  ·  scrapes every process"
+            )
         for code, url in summary["edges"].items():
             ops = summary["operators"][code]
             lines.append(f"  edge {code:<13} {url}/v1/chat/completions  (operator: {ops}/metrics)")

@@ -1,0 +1,180 @@
+"""``platform/k8s/``: the control-plane base and every region overlay render with ``kubectl
+kustomize`` (offline) and every document validates against the Kubernetes schemas that
+``kubernetes-validate`` ships; then what the manifests promise is checked: one beat, probes on
+the real health endpoints, resource requests, secrets referenced and never shipped, only
+commands and flags ``fedinfer`` has, vLLM with the project's flags and a GPU per TP rank.
+kubectl is the Debian/upstream binary ``.ci/run`` installs: missing, these tests fail."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+from django.urls import resolve
+
+from tests.integration.test_platform_docker import help_of
+
+ROOT = Path(__file__).resolve().parents[2]
+K8S = ROOT / "platform" / "k8s"
+KUBECTL = Path("/usr/bin/kubectl")
+#: The Kubernetes version the manifests are validated for (kubernetes-validate's schemas).
+K8S_VERSION = "1.30"
+OVERLAYS = sorted(p.parent for p in (K8S / "overlays").glob("*/kustomization.yaml"))
+#: Flags the project runs vLLM with (tests/vllm/servers.py), plus the TP size.
+VLLM_FLAGS = {
+    "--served-model-name",
+    "--host",
+    "--port",
+    "--max-model-len",
+    "--max-num-seqs",
+    "--enable-prefix-caching",
+    "--enable-prompt-tokens-details",
+    "--tensor-parallel-size",
+}
+FEDINFER_IMAGE = "registry.example.com/fedinfer:0.1.0"
+
+
+def render(path: Path) -> list[dict[str, Any]]:
+    if not KUBECTL.exists():
+        pytest.fail(f"{KUBECTL} is missing: install kubectl (.ci/run does)")
+    result = subprocess.run(
+        [str(KUBECTL), "kustomize", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    return [d for d in yaml.safe_load_all(result.stdout) if d]
+
+
+def validation_errors(documents: list[dict[str, Any]]) -> list[str]:
+    errors = []
+    for doc in documents:
+        try:
+            kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+        except kubernetes_validate.SchemaNotFoundError as exc:
+            errors.append(f"{doc['kind']}: no schema (a CRD needs its own, docs): {exc}")
+        except kubernetes_validate.ValidationError as exc:
+            errors.append(f"{doc['kind']}/{doc['metadata']['name']}: {exc.message}")
+    return errors
+
+
+def of_kind(documents: list[dict[str, Any]], kind: str) -> dict[str, dict[str, Any]]:
+    return {d["metadata"]["name"]: d for d in documents if d["kind"] == kind}
+
+
+def pod_specs(documents: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    kinds = ("Deployment", "StatefulSet", "Job")
+    return {
+        f"{d['kind']}/{d['metadata']['name']}": d["spec"]["template"]["spec"]
+        for d in documents
+        if d["kind"] in kinds
+    }
+
+
+def test_there_is_a_base_and_two_region_overlays() -> None:
+    assert [p.name for p in OVERLAYS] == ["eu-west", "us-east"]
+
+
+@pytest.mark.parametrize("path", [K8S / "base", *OVERLAYS], ids=lambda p: p.name)
+def test_every_document_validates_against_the_kubernetes_schemas(path: Path) -> None:
+    documents = render(path)
+    assert len(documents) > 8
+    assert validation_errors(documents) == []
+    # Secrets are references: the operator creates them (docs/deployment.md), never the repo.
+    assert not of_kind(documents, "Secret")
+
+
+def test_validation_refuses_a_broken_manifest() -> None:
+    documents = render(OVERLAYS[0])
+    edge = next(d for d in documents if d["kind"] == "StatefulSet")
+    edge["spec"]["replicas"] = "two"
+    edge["spec"]["template"]["spec"]["containers"][0]["livenessProbe"]["httpGet"]["port"] = [1]
+    documents.append({"apiVersion": "example.com/v1", "kind": "Gadget", "metadata": {"name": "x"}})
+    errors = validation_errors(documents)
+    assert len(errors) == 2, errors
+    assert "Gadget: no schema" in errors[1]
+
+
+def test_the_control_plane_runs_one_beat_and_workers_without_it() -> None:
+    documents = render(K8S / "base")
+    deployments = of_kind(documents, "Deployment")
+    beat = deployments["beat"]
+    assert beat["spec"]["replicas"] == 1 and beat["spec"]["strategy"]["type"] == "Recreate"
+    commands = [
+        c["args"]
+        for spec in pod_specs(documents).values()
+        for c in spec["containers"]
+        if c["image"] == FEDINFER_IMAGE
+    ]
+    assert sum(1 for a in commands if a[0] == "beat") == 1
+    workers = [a for a in commands if a[0] == "worker"]
+    assert workers and all("--no-beat" in a for a in workers)
+    web = deployments["control-plane"]["spec"]["template"]["spec"]["containers"][0]
+    assert web["args"][:2] == ["serve", "--no-migrate"]
+    assert web["livenessProbe"]["httpGet"]["path"] == "/healthz"
+    assert web["readinessProbe"]["httpGet"]["path"] == "/readyz"
+    for path in ("/healthz", "/readyz", "/metrics"):
+        resolve(path)  # the probes' and Prometheus's paths exist in the control plane
+    (job,) = of_kind(documents, "Job").values()
+    assert job["spec"]["template"]["spec"]["containers"][0]["args"] == ["migrate", "--noinput"]
+
+
+def test_every_container_requests_resources_and_uses_only_real_commands_and_flags() -> None:
+    for path in [K8S / "base", *OVERLAYS]:
+        for name, spec in pod_specs(render(path)).items():
+            for container in spec["containers"]:
+                requests = container["resources"]["requests"]
+                assert {"cpu", "memory"} <= set(requests), (name, container["name"])
+                if container["image"] != FEDINFER_IMAGE:
+                    continue
+                command, *args = container["args"]
+                text = help_of(command)
+                for flag in (a.split("=")[0] for a in args if a.startswith("--")):
+                    assert re.search(rf"(^|[\s,\[]){re.escape(flag)}\b", text), (name, flag)
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS, ids=lambda p: p.name)
+def test_a_region_runs_its_edges_and_vllm_on_the_real_health_endpoints(overlay: Path) -> None:
+    region = overlay.name
+    documents = render(overlay)
+    namespaces = of_kind(documents, "Namespace")
+    assert list(namespaces) == [f"fedinfer-{region}"]
+    (config,) = of_kind(documents, "ConfigMap").values()
+    assert config["data"]["FEDINFER_REGION"] == region
+    sets = of_kind(documents, "StatefulSet")
+    edge = sets[f"{region}-edge"]["spec"]["template"]["spec"]["containers"][0]
+    args = dict(a.split("=", 1) for a in edge["args"][1:])
+    assert args["--edge-name"] == "$(POD_NAME)"
+    assert args["--credential-file"].endswith("/$(POD_NAME)")
+    operator = int(args["--operator-port"])
+    ports = {p["name"]: p["containerPort"] for p in edge["ports"]}
+    assert ports["operator"] == operator and ports["http"] == int(args["--port"])
+    for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+        assert edge[probe]["httpGet"] == {"path": "/healthz", "port": "operator"}
+    (hpa,) = of_kind(documents, "HorizontalPodAutoscaler").values()
+    assert hpa["spec"]["scaleTargetRef"]["name"] == f"{region}-edge"
+    assert of_kind(documents, "PodDisruptionBudget")
+    assert len(of_kind(documents, "NetworkPolicy")) >= 3
+
+    vllm = sets[f"{region}-vllm"]["spec"]["template"]["spec"]["containers"][0]
+    flags = {a.split("=")[0] for a in vllm["args"] if a.startswith("--")}
+    assert flags == VLLM_FLAGS
+    env = {e["name"]: e.get("value") for e in vllm["env"]}
+    gpus = vllm["resources"]["limits"]["nvidia.com/gpu"]
+    assert gpus == vllm["resources"]["requests"]["nvidia.com/gpu"] == env["TENSOR_PARALLEL_SIZE"]
+    assert vllm["readinessProbe"]["httpGet"]["path"] == "/health"
+
+
+def test_the_project_runs_vllm_with_the_flags_the_manifests_use() -> None:
+    """The manifests' flags are those of tests/vllm/servers.py (the real vLLM the tests run)."""
+    source = (ROOT / "tests" / "vllm" / "servers.py").read_text()
+    start = source.index("def server_argv")
+    used = set(re.findall(r'"(--[a-z-]+)"', source[start : source.index("def ", start + 10)]))
+    assert used - {"--model", "--dtype"} == VLLM_FLAGS - {"--tensor-parallel-size"}
