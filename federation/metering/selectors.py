@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import UTC, date, datetime, time
+from datetime import UTC, date, datetime, time, timedelta
 from decimal import Decimal
 from typing import Any, Literal
 
@@ -23,10 +23,12 @@ from federation.metering.models import (
     Dimension,
     ModelPrice,
     PoolHour,
+    StaleUsageHour,
     UsageDay,
     UsageHour,
 )
 from federation.metering.pricing import Price
+from federation.tenancy.models import Tenant
 
 Bucket = Literal["hour", "day"]
 
@@ -74,6 +76,39 @@ def usage_report(query: UsageQuery) -> list[dict[str, Any]]:
         for row in report:
             row["margin_usd"] = row["price_usd"] - row["cost_usd"]
     return report
+
+
+@dataclass(frozen=True, slots=True)
+class Statement:
+    """A tenant's bill for one UTC month: a line per model, the total, and its budget."""
+
+    tenant: str
+    month: date
+    lines: list[dict[str, Any]]
+    total_usd: Decimal
+    monthly_budget_usd: Decimal | None
+    #: The month has ended and every hour of it is rolled up: the figures are final.
+    final: bool
+
+
+def tenant_statement(*, tenant: Tenant, month: date, now: datetime) -> Statement:
+    """``tenant``'s statement for the month starting ``month`` (its first day), from the daily
+    rollups: what it was charged, by model, to the last digit."""
+    start = datetime.combine(month, time(0), tzinfo=UTC)
+    end = datetime.combine((month + timedelta(days=32)).replace(day=1), time(0), tzinfo=UTC)
+    lines = usage_report(
+        UsageQuery(start, end, group_by=("model",), filters={"tenant": [tenant.slug]})
+    )
+    lines = [line for line in lines if line["requests"]]
+    stale = StaleUsageHour.objects.filter(hour__gte=start, hour__lt=end).exists()
+    return Statement(
+        tenant=tenant.slug,
+        month=month,
+        lines=lines,
+        total_usd=sum((line["price_usd"] for line in lines), start=Decimal(0)),
+        monthly_budget_usd=tenant.monthly_budget_usd,
+        final=now >= end and not stale,
+    )
 
 
 def tenant_month_spend(*, now: datetime) -> dict[str, Decimal]:

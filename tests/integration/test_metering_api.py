@@ -111,3 +111,54 @@ def test_bad_queries_are_a_clear_400(
     r = get(operator_client, "usage", **params)
     assert r.status_code == 400, r.content
     assert field in r.content.decode()
+
+
+def test_a_monthly_statement_bills_each_model_to_the_last_digit(
+    usage: str,
+    operator_client: APIClient,
+    make_viewer: Callable[[Tenant], User],
+    client_for: Callable[[User | None], APIClient],
+) -> None:
+    from federation.metering.models import UsageRecord
+
+    Tenant.objects.filter(slug="acme").update(monthly_budget_usd=Decimal("10.00"))
+    r = get(operator_client, "usage/statement", tenant="acme", month="2026-11")
+    assert r.status_code == 200, r.content
+    body = r.json()
+    charged = sum(r.price_usd for r in UsageRecord.objects.filter(tenant="acme"))
+    assert Decimal(body["total_usd"]) == charged > 0
+    [line] = body["lines"]
+    assert (line["model"], line["requests"]) == (usage, 10)
+    assert "cost_usd" not in line  # a statement is what the tenant pays
+    assert body["monthly_budget_usd"] == "10.00"
+    assert body["budget_used"] == pytest.approx(float(charged / 10))
+    assert body["final"] is True  # November is over and rolled up
+
+    viewer = client_for(make_viewer(Tenant.objects.get(slug="acme")))
+    assert get(viewer, "usage/statement", month="2026-11").json()["total_usd"] == str(charged)
+    assert get(viewer, "usage/statement", month="2026-11", tenant="globex").status_code == 404
+    csv_rows = list(
+        csv.DictReader(
+            io.StringIO(
+                get(viewer, "usage/statement", month="2026-11", output="csv").content.decode()
+            )
+        )
+    )
+    assert [row["model"] for row in csv_rows] == [usage, "TOTAL"]
+    assert Decimal(csv_rows[-1]["price_usd"]) == charged
+    empty = get(viewer, "usage/statement", month="2026-10").json()
+    assert (empty["lines"], empty["total_usd"]) == ([], "0")
+
+
+@pytest.mark.parametrize(
+    ("params", "field"),
+    [({"month": "2026-13", "tenant": "acme"}, "month"), ({"month": "2026-11"}, "tenant")],
+)
+def test_a_statement_needs_a_month_and_for_operators_a_tenant(
+    usage: str, operator_client: APIClient, params: dict[str, str], field: str
+) -> None:
+    r = get(operator_client, "usage/statement", **params)
+    assert r.status_code == 400 and field in r.content.decode()
+    assert (
+        get(operator_client, "usage/statement", month="2026-11", tenant="nobody").status_code == 404
+    )

@@ -1,4 +1,5 @@
-"""Usage and cost reports: ``GET /api/v1/usage/`` and ``GET /api/v1/costs/``, JSON or CSV.
+"""Usage and cost reports: ``GET /api/v1/usage/``, a tenant's monthly statement
+``GET /api/v1/usage/statement/`` and ``GET /api/v1/costs/``, JSON or CSV.
 
 Who reads what: admins and operators see every tenant, with the operator's cost and the margin;
 a tenant viewer, or an API key with the ``usage:read`` scope (``Authorization: Bearer fi_…``),
@@ -19,7 +20,7 @@ from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema
 from rest_framework import serializers
 from rest_framework.authentication import BaseAuthentication, SessionAuthentication
-from rest_framework.exceptions import AuthenticationFailed, PermissionDenied
+from rest_framework.exceptions import AuthenticationFailed, NotFound, PermissionDenied
 from rest_framework.permissions import BasePermission
 from rest_framework.request import Request
 from rest_framework.response import Response
@@ -31,11 +32,12 @@ from federation.metering.models import DIMENSIONS
 from federation.metering.selectors import (
     UsageQuery,
     pool_cost_report,
+    tenant_statement,
     usage_report,
 )
 from federation.tenancy.api.authentication import TokenAuthentication
 from federation.tenancy.api.serializers import tenant_slug_of
-from federation.tenancy.models import ApiKey
+from federation.tenancy.models import ApiKey, Tenant
 from federation.tenancy.selectors import api_key_authenticate
 
 USAGE_READ = ApiKey.Scope.USAGE_READ.value
@@ -223,3 +225,70 @@ class PoolCostReportView(APIView):
         pools = _csv_list(request.query_params.get("pool", ""))
         rows = pool_cost_report(start=q["start"], end=q["end"], bucket=q.get("bucket"), pools=pools)
         return _render(_text(rows), q["output"], "pool-costs")
+
+
+class StatementInput(serializers.Serializer):
+    month = serializers.RegexField(r"^\d{4}-(0[1-9]|1[0-2])$", help_text="The UTC month, YYYY-MM.")
+    tenant = serializers.SlugField(
+        required=False, help_text="Required for operators; a tenant's reader gets its own."
+    )
+    output = serializers.ChoiceField(choices=["json", "csv"], default="json")
+
+
+class StatementView(APIView):
+    """A tenant's statement for one month: requests, tokens and price by model, the total and
+    its budget; ``final`` once the month has ended and every hour of it is rolled up."""
+
+    authentication_classes = [UsageKeyAuthentication, TokenAuthentication, SessionAuthentication]
+    permission_classes = [CanReadUsage]
+
+    @extend_schema(
+        operation_id="usage_statement",
+        parameters=[
+            OpenApiParameter("month", OpenApiTypes.STR, required=True, description="YYYY-MM"),
+            OpenApiParameter("tenant", OpenApiTypes.STR),
+            OpenApiParameter("output", OpenApiTypes.STR, enum=["json", "csv"]),
+        ],
+        responses={
+            200: OpenApiResponse(description="The statement (JSON), or its lines as text/csv."),
+            400: FIELD_ERRORS,
+            401: UNAUTHENTICATED,
+            403: FORBIDDEN,
+            404: OpenApiResponse(description="No such tenant."),
+        },
+    )
+    def get(self, request: Request) -> HttpResponse | Response:
+        own = reader_tenant(request)
+        ser = StatementInput(data=request.query_params)
+        ser.is_valid(raise_exception=True)
+        q = ser.validated_data
+        slug = own if own is not None else q.get("tenant")
+        if slug is None:
+            raise serializers.ValidationError({"tenant": ["required for operators"]})
+        tenant = Tenant.objects.filter(slug=slug).first()
+        if tenant is None or (own is not None and q.get("tenant") not in (None, own)):
+            raise NotFound(f"No tenant {q.get('tenant') or slug!r}.")
+        year, month = map(int, q["month"].split("-"))
+        statement = tenant_statement(
+            tenant=tenant, month=date(year, month, 1), now=datetime.now(UTC)
+        )
+        lines = _text(
+            [{k: v for k, v in line.items() if k != "cost_usd"} for line in statement.lines]
+        )
+        if q["output"] == "csv":
+            total = {k: "" for k in lines[0]} if lines else {"model": "", "price_usd": ""}
+            total.update(model="TOTAL", price_usd=str(statement.total_usd))
+            return _render([*lines, total], "csv", f"statement-{slug}-{q['month']}")
+        budget = statement.monthly_budget_usd
+        return Response(
+            {
+                "tenant": statement.tenant,
+                "month": q["month"],
+                "currency": "USD",
+                "lines": lines,
+                "total_usd": str(statement.total_usd),
+                "monthly_budget_usd": None if budget is None else str(budget),
+                "budget_used": None if not budget else float(statement.total_usd / budget),
+                "final": statement.final,
+            }
+        )
