@@ -22,6 +22,7 @@ from federation.metering.models import (
     PoolHour,
     UsageDay,
     UsageHour,
+    UsageRecord,
 )
 
 Bucket = Literal["hour", "day"]
@@ -105,4 +106,16 @@ def pool_cost_report(
             busy_s=Sum("busy_s"),
         )
         .order_by(*keys)
+    )
+
+
+def recent_requests(
+    *, since: datetime, limit: int = 20_000
+) -> list[tuple[str, str, float | None, int]]:
+    """``(entry_region, region, ttft_ms, status)`` of the latest requests started since
+    ``since``, newest first, at most ``limit``: the console's live TTFT and spill-over."""
+    return list(
+        UsageRecord.objects.filter(started_at__gte=since)
+        .order_by("-started_at")
+        .values_list("entry_region", "region", "ttft_ms", "status")[:limit]
     )

@@ -1,0 +1,118 @@
+"""Usage and cost over time, charted and exported as CSV, from the metering selectors that
+back ``/api/v1/usage/`` and ``/api/v1/costs/``. A tenant viewer's usage report is its own
+tenant's, whatever it asks; pool costs are for admins and operators."""
+
+from __future__ import annotations
+
+import csv
+import io
+from collections.abc import Mapping, Sequence
+from datetime import date
+from decimal import Decimal
+from typing import Any
+
+from django.http import HttpRequest, HttpResponse
+from django.shortcuts import render
+from django.utils import timezone
+
+from console.access import EVERYONE, STAFF, console_view
+from console.charts import chart_series
+from console.forms import STAFF_METRICS, RangeForm, UsageForm
+from federation.core.roles import is_staff_role
+from federation.metering.models import DIMENSIONS
+from federation.metering.selectors import UsageQuery, pool_cost_report, usage_report
+from federation.tenancy.selectors import tenant_list
+
+
+def _text(value: Any) -> Any:
+    if isinstance(value, date):
+        return value.isoformat()
+    return str(value) if isinstance(value, Decimal) else value
+
+
+def _csv(rows: Sequence[Mapping[str, Any]], name: str) -> HttpResponse:
+    """Exact decimals as text, days and hours in ISO 8601 (as the API's CSV)."""
+    out = io.StringIO()
+    if rows:
+        writer = csv.DictWriter(out, fieldnames=list(rows[0]))
+        writer.writeheader()
+        for row in rows:
+            writer.writerow({k: _text(v) for k, v in row.items()})
+    response = HttpResponse(out.getvalue(), content_type="text/csv; charset=utf-8")
+    response["Content-Disposition"] = f'attachment; filename="{name}.csv"'
+    return response
+
+
+def _totals(
+    rows: Sequence[Mapping[str, Any]], key: str, metrics: Sequence[str]
+) -> list[dict[str, Any]]:
+    acc: dict[str, dict[str, Any]] = {}
+    for row in rows:
+        label = str(row[key] or "—")
+        into = acc.setdefault(label, {key: label, **{m: 0 for m in metrics}})
+        for m in metrics:
+            into[m] += row.get(m) or 0
+    return sorted(acc.values(), key=lambda r: str(r[key]))
+
+
+@console_view(*EVERYONE)
+def usage(request: HttpRequest) -> HttpResponse:
+    staff = is_staff_role(request.user)
+    today = timezone.now().date()
+    form = UsageForm(request.GET or UsageForm.defaults(today), staff=staff)
+    context: dict[str, Any] = {"form": form, "staff": staff}
+    if form.is_valid():
+        data = form.cleaned_data
+        filters = {d: [data[d]] for d in DIMENSIONS if data.get(d)}
+        if not staff:
+            own = tenant_list(user=request.user).get()  # a viewer sees its tenant only
+            filters["tenant"] = [own.slug]
+        rows = usage_report(
+            UsageQuery(
+                data["start_at"],
+                data["end_at"],
+                group_by=[data["group_by"]],
+                bucket=data["bucket"],
+                filters=filters,
+                with_cost=staff,
+            )
+        )
+        if request.GET.get("output") == "csv":
+            return _csv(rows, f"usage-{data['start']}-{data['end']}")
+        metrics = ["requests", "prompt_tokens", "completion_tokens", "price_usd"]
+        if staff:
+            metrics += ["cost_usd", "margin_usd"]
+        context |= {
+            "chart": chart_series(
+                rows, time_key=data["bucket"], group_key=data["group_by"], metric=data["metric"]
+            ),
+            "totals": _totals(rows, data["group_by"], metrics),
+            "metrics": metrics,
+            "group_by": data["group_by"],
+            "metric_label": dict(STAFF_METRICS)[data["metric"]],
+            "query": request.GET.urlencode() if request.GET else None,
+        }
+    return render(request, "console/usage.html", context)
+
+
+@console_view(*STAFF)
+def costs(request: HttpRequest) -> HttpResponse:
+    """Each pool's cost and where it went (allocated to requests, idle, warm idle)."""
+    today = timezone.now().date()
+    form = RangeForm(request.GET or RangeForm.defaults(today))
+    context: dict[str, Any] = {"form": form}
+    if form.is_valid():
+        data = form.cleaned_data
+        rows = pool_cost_report(start=data["start_at"], end=data["end_at"], bucket=data["bucket"])
+        if request.GET.get("output") == "csv":
+            return _csv(rows, f"costs-{data['start']}-{data['end']}")
+        metrics = ["gpu_hours", "cost_usd", "allocated_usd", "idle_usd", "warm_idle_usd"]
+        context |= {
+            "chart": chart_series(
+                rows, time_key=data["bucket"], group_key="pool", metric="cost_usd"
+            ),
+            "totals": _totals(rows, "pool", metrics),
+            "metrics": metrics,
+            "query": request.GET.urlencode() if request.GET else None,
+        }
+    return render(request, "console/costs.html", context)
