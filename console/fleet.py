@@ -9,6 +9,7 @@ around it. TTFT percentiles and spill-over come from the latest metered requests
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -138,7 +139,7 @@ def percentile(values: Sequence[float], share: float) -> float | None:
     """Nearest-rank percentile of sorted ``values`` (None for none)."""
     if not values:
         return None
-    rank = max(1, min(len(values), round(share * len(values) + 0.5)))
+    rank = max(1, min(len(values), math.ceil(share * len(values))))
     return values[rank - 1]
 
 
