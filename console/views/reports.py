@@ -10,7 +10,9 @@ from collections.abc import Mapping, Sequence
 from datetime import date
 from decimal import Decimal
 from typing import Any
+from urllib.parse import urlencode
 
+from django.forms import Form
 from django.http import HttpRequest, HttpResponse
 from django.shortcuts import render
 from django.utils import timezone
@@ -41,6 +43,11 @@ def _csv(rows: Sequence[Mapping[str, Any]], name: str) -> HttpResponse:
     response = HttpResponse(out.getvalue(), content_type="text/csv; charset=utf-8")
     response["Content-Disposition"] = f'attachment; filename="{name}.csv"'
     return response
+
+
+def _query(form: Form) -> str:
+    """The report's query string (defaults included), for its CSV link."""
+    return urlencode({k: v for k in form.fields if (v := form.data.get(k)) not in (None, "")})
 
 
 def _totals(
@@ -90,7 +97,7 @@ def usage(request: HttpRequest) -> HttpResponse:
             "metrics": metrics,
             "group_by": data["group_by"],
             "metric_label": dict(STAFF_METRICS)[data["metric"]],
-            "query": request.GET.urlencode() if request.GET else None,
+            "query": _query(form),
         }
     return render(request, "console/usage.html", context)
 
@@ -113,6 +120,6 @@ def costs(request: HttpRequest) -> HttpResponse:
             ),
             "totals": _totals(rows, "pool", metrics),
             "metrics": metrics,
-            "query": request.GET.urlencode() if request.GET else None,
+            "query": _query(form),
         }
     return render(request, "console/costs.html", context)
