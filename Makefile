@@ -94,3 +94,9 @@ bench-federation: $(STAMP)
 .PHONY: bench-metering
 bench-metering: $(STAMP)
 	DATABASE_URL=$(TEST_DATABASE_URL) $(BIN)/python -m bench metering
+
+## make bench-console: the console's page times with a month of demo usage and 5,000 tenants
+## on PostgreSQL (docs/benchmarks.md)
+.PHONY: bench-console
+bench-console: $(STAMP)
+	DATABASE_URL=$(TEST_DATABASE_URL) $(BIN)/python -m bench console
