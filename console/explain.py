@@ -82,7 +82,7 @@ def decide(
     try:
         Admission(origin).policy(state, model)
     except EdgeError as exc:
-        return Decision(origin, None, exc.code or "refused", exc.status, exc.message)
+        return Decision(origin, None, exc.code, exc.status, exc.message)
     remotes = (plan if plan is not None else spill_plan(table)).get(model, ())
     here = local_candidates(table, model)
     allowed = state.allowed
@@ -96,20 +96,40 @@ def decide(
         return Decision(origin, origin, "local", candidates=here)
     targets = eligible_remotes(remotes, allowed, None, 0.0, point)
     if not targets:
-        why = "no region the tenant may use serves it" if here or remotes else "nobody serves it"
-        return Decision(
-            origin,
-            None,
-            "model_not_allowed_here" if here else "no_region",
-            403 if here else 503,
-            f"The model `{model}` cannot be served for {tenant.tenant!r} from {origin}: {why} "
-            f"(allowed regions: {', '.join(sorted(allowed)) or 'none'}).",
-        )
+        return _nowhere(origin, tenant, model, state.local_allowed, bool(remotes))
     return Decision(
         origin,
         targets[0].code,
         "residency" if here else "not_local",
         fallbacks=tuple(r.code for r in targets[1:]),
+    )
+
+
+def _nowhere(
+    origin: str, tenant: TenantPolicy, model: str, local_ok: bool, elsewhere: bool
+) -> Decision:
+    """The edge's refusal when neither its region nor an allowed remote can take the request
+    (``regions.edge.admit``: the same statuses and codes)."""
+    if not local_ok:
+        allowed = ", ".join(sorted(tenant.allowed_regions)) or "none"
+        return Decision(
+            origin,
+            None,
+            "region_not_allowed",
+            403,
+            f"Tenant {tenant.tenant!r} may not be served in region {origin}, and no region it "
+            f"allows ({allowed}) can take `{model}` from here.",
+        )
+    if elsewhere:
+        return Decision(
+            origin,
+            None,
+            "no_allowed_region",
+            503,
+            f"No region this tenant may use can serve `{model}` from {origin} now.",
+        )
+    return Decision(
+        origin, None, "model_not_found", 404, f"The model `{model}` does not exist in {origin}."
     )
 
 

@@ -128,7 +128,7 @@ def test_decide_local_residency_not_local_and_refusal() -> None:
     moved = decide(table, policy["globex"], "m-8b")
     assert (moved.region, moved.reason) == ("eu-west", "residency")
     unknown = decide(table, policy["initech"], "gpt-9")
-    assert unknown.region is None and unknown.status == 503
+    assert (unknown.region, unknown.status, unknown.reason) == (None, 404, "model_not_found")
     drained = snapshot_after(SNAPSHOT, instance_states={"use-1": "draining"})
     elsewhere = decide(_table(drained, "us-east"), policy["acme"], "m-8b")
     assert (elsewhere.region, elsewhere.reason) == ("us-west", "not_local")
