@@ -45,7 +45,6 @@ class InstanceLoad:
 class EdgeRow:
     name: str
     applied_version: int | None
-    last_heartbeat_at: datetime | None
     current: bool
 
 
@@ -160,7 +159,6 @@ def region_cards(
                 EdgeRow(
                     e.name,
                     e.applied_table_version,
-                    e.last_heartbeat_at,
                     latest is not None and e.applied_table_version == latest,
                 )
                 for e in r.edges.all()

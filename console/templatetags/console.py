@@ -35,11 +35,6 @@ def usd(value: Any, digits: int = 2) -> str:
     return f"${float(value):,.{digits}f}"
 
 
-@register.filter
-def get(mapping: Any, key: Any) -> Any:
-    return mapping.get(key) if isinstance(mapping, dict) else None
-
-
 #: URL name prefixes and the navigation entry they belong to.
 _SECTIONS = (
     ("overview", "overview"),

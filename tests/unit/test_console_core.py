@@ -152,7 +152,7 @@ def test_decide_refuses_a_tenant_over_budget_as_the_edge_does() -> None:
 
 
 def test_region_cards_read_load_against_the_band_and_traffic() -> None:
-    edge = SimpleNamespace(name="e1", applied_table_version=4, last_heartbeat_at=NOW)
+    edge = SimpleNamespace(name="e1", applied_table_version=4)
     region = SimpleNamespace(
         code="us-east",
         name="US East",
