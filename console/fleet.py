@@ -18,7 +18,12 @@ from typing import Any
 
 from federation.inventory import lifecycle
 from federation.inventory.speed import replica_tokens_per_s
-from federation.routing.compiler import ROLE_CAPACITY_SHARE
+from federation.routing.compiler import (
+    ROLE_CAPACITY_SHARE,
+    RampPolicy,
+    ramp_level,
+    ramp_next_change_s,
+)
 from federation.routing.selectors import reported_health
 
 #: The band around the compiler's target that the overview calls "on target".
@@ -45,6 +50,7 @@ class InstanceLoad:
 class EdgeRow:
     name: str
     applied_version: int | None
+    last_heartbeat_at: datetime | None
     current: bool
 
 
@@ -76,6 +82,10 @@ class RegionCard:
     edges: list[EdgeRow] = field(default_factory=list)
     #: Requests that entered here and were served elsewhere, by serving region.
     spill_out: dict[str, int] = field(default_factory=dict)
+    #: Share of its traffic it gets back after a restore or recovery (1: not ramping), and
+    #: seconds until the next step.
+    ramp: float = 1.0
+    ramp_next_s: float | None = None
 
     @property
     def utilisation(self) -> float | None:
@@ -143,9 +153,16 @@ def percentile(values: Sequence[float], share: float) -> float | None:
 
 
 def region_cards(
-    regions: Iterable[Any], loads: Iterable[InstanceLoad], traffic: Iterable[Traffic]
+    regions: Iterable[Any],
+    loads: Iterable[InstanceLoad],
+    traffic: Iterable[Traffic],
+    *,
+    now: datetime | None = None,
+    ramp: RampPolicy | None = None,
 ) -> list[RegionCard]:
-    """One card per region (``routing_table_overview`` rows: latest version, edges)."""
+    """One card per region (``routing_table_overview`` rows: latest version, edges); with
+    ``now`` and the ``ramp`` policy, where a returning region's ramp stands (the compiler's
+    steps, from the later of its restore and its recovery)."""
     cards: dict[str, RegionCard] = {}
     for r in regions:
         latest = r.latest_version
@@ -159,11 +176,17 @@ def region_cards(
                 EdgeRow(
                     e.name,
                     e.applied_table_version,
+                    e.last_heartbeat_at,
                     latest is not None and e.applied_table_version == latest,
                 )
                 for e in r.edges.all()
             ],
         )
+        starts = [t for t in (r.restored_at, r.recovered_at) if t is not None]
+        if now is not None and ramp is not None and starts and r.status != "evacuated":
+            elapsed = (now - max(starts)).total_seconds()
+            cards[r.code].ramp = ramp_level(elapsed, ramp)
+            cards[r.code].ramp_next_s = ramp_next_change_s(elapsed, ramp)
     for load in loads:
         card = cards.get(load.region)
         if card is None or load.state in lifecycle.TERMINAL_STATES:
@@ -192,3 +215,30 @@ def region_cards(
         card.ttft_p99_ms = percentile(values, 0.99)
         card.spill_out = dict(sorted(spills.get(code, Counter()).items()))
     return list(cards.values())
+
+
+#: An edge whose last heartbeat is older than this is reported (it sends one every few seconds).
+EDGE_SILENT_S = 60.0
+
+
+def alerts(cards: Iterable[RegionCard], now: datetime) -> list[str]:
+    """What needs an operator's eye: unhealthy instances, load over the band, silent edges
+    and edges behind their region's latest table."""
+    found = []
+    for c in cards:
+        if c.unhealthy:
+            found.append(f"{c.code}: {c.unhealthy} ready instance(s) reported unhealthy")
+        if c.band == "over":
+            found.append(f"{c.code}: load {c.utilisation:.0%} is over the {TARGET_HIGH:.0%} band")
+        for e in c.edges:
+            silent = e.last_heartbeat_at is None or (
+                (now - e.last_heartbeat_at).total_seconds() > EDGE_SILENT_S
+            )
+            if silent:
+                found.append(f"{c.code}: edge {e.name} has not sent a heartbeat for a minute")
+            elif not e.current:
+                found.append(
+                    f"{c.code}: edge {e.name} runs table v{e.applied_version}, "
+                    f"latest is v{c.latest_version}"
+                )
+    return found

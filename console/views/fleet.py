@@ -30,7 +30,7 @@ from federation.inventory.models import GPUPool, Instance, Region
 from federation.metering.selectors import recent_requests
 from federation.routing.compiler import TARGET_UTILISATION
 from federation.routing.distribution import routing_table_overview
-from federation.routing.selectors import fleet_snapshot
+from federation.routing.selectors import fleet_snapshot, ramp_policy
 
 #: The window of metered requests the overview's TTFT and spill-over are read from.
 TRAFFIC_WINDOW = timedelta(minutes=5)
@@ -53,14 +53,16 @@ def _cards(now: datetime) -> list[fleet.RegionCard]:
         fleet.Traffic(*row)
         for row in recent_requests(since=now - TRAFFIC_WINDOW, limit=TRAFFIC_SAMPLE)
     ]
-    return fleet.region_cards(routing_table_overview(), loads, traffic)
+    return fleet.region_cards(routing_table_overview(), loads, traffic, now=now, ramp=ramp_policy())
 
 
 @console_view(*STAFF)
 def overview(request: HttpRequest) -> HttpResponse:
     now = timezone.now()
+    cards = _cards(now)
     context = {
-        "cards": _cards(now),
+        "cards": cards,
+        "alerts": fleet.alerts(cards, now),
         "now": now,
         "target": TARGET_UTILISATION,
         "band": (fleet.TARGET_LOW, fleet.TARGET_HIGH),

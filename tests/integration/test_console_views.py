@@ -205,6 +205,9 @@ def test_evacuation_preview_names_who_moves_and_who_is_refused(operator: Client)
     assert "Start receiving traffic" in operator.get(restore).content.decode()
     operator.post(restore)
     assert Region.objects.get(code="eu-west").status == "active"
+    # Its traffic comes back in steps: the overview shows where the ramp stands.
+    overview = operator.get(reverse("console:overview")).content.decode()
+    assert "Coming back" in overview and "20 % of its traffic" in overview
 
 
 def test_cordon_preview_says_routing_does_not_change(operator: Client) -> None:

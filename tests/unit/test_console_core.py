@@ -7,15 +7,18 @@ from datetime import UTC, date, datetime, timedelta
 from decimal import Decimal
 from types import SimpleNamespace
 
+import pytest
+
 from console.charts import MAX_SERIES, chart_series
 from console.explain import decide
-from console.fleet import InstanceLoad, Traffic, percentile, region_cards
+from console.fleet import InstanceLoad, Traffic, alerts, percentile, region_cards
 from console.preview import preview, snapshot_after
 from console.tablediff import table_diff
 from federation.routing.compiler import (
     FleetSnapshot,
     InstanceRow,
     KeyRow,
+    RampPolicy,
     RegionRow,
     TenantRow,
     fleet_plan,
@@ -152,7 +155,7 @@ def test_decide_refuses_a_tenant_over_budget_as_the_edge_does() -> None:
 
 
 def test_region_cards_read_load_against_the_band_and_traffic() -> None:
-    edge = SimpleNamespace(name="e1", applied_table_version=4)
+    edge = SimpleNamespace(name="e1", applied_table_version=4, last_heartbeat_at=NOW)
     region = SimpleNamespace(
         code="us-east",
         name="US East",
@@ -160,6 +163,8 @@ def test_region_cards_read_load_against_the_band_and_traffic() -> None:
         status="active",
         latest_version=5,
         edges=SimpleNamespace(all=lambda: [edge]),
+        restored_at=NOW - timedelta(seconds=20),
+        recovered_at=None,
     )
 
     def load(name: str, state: str, tokens: float | None, healthy: bool | None) -> InstanceLoad:
@@ -173,12 +178,21 @@ def test_region_cards_read_load_against_the_band_and_traffic() -> None:
     ]
     traffic = [Traffic("us-east", "us-east", float(ms), 200) for ms in range(1, 101)]
     traffic += [Traffic("us-east", "eu-west", 5.0, 200), Traffic("us-east", "us-east", None, 503)]
-    (card,) = region_cards([region], loads, traffic)
+    (card,) = region_cards([region], loads, traffic, now=NOW, ramp=RampPolicy(60.0, 4))
     assert (card.instances, card.ready, card.unhealthy) == (3, 2, 1)
     assert card.utilisation == 650.0 / 2000.0 and card.band == "under"
     assert (card.ttft_p50_ms, card.ttft_p99_ms) == (50.0, 99.0)
     assert card.spill_out == {"eu-west": 1}
     assert card.edges[0].current is False  # applied 4, latest 5
+    # Restored 20 s ago, 4 steps over 60 s: on its second step (2/5), the next in 10 s.
+    assert card.ramp == 0.4 and card.ramp_next_s == pytest.approx(10.0)
+    assert alerts([card], NOW) == [
+        "us-east: 1 ready instance(s) reported unhealthy",
+        "us-east: edge e1 runs table v4, latest is v5",
+    ]
+    assert alerts([card], NOW + timedelta(minutes=2))[-1] == (
+        "us-east: edge e1 has not sent a heartbeat for a minute"
+    )
 
 
 def test_percentile_is_nearest_rank() -> None:
