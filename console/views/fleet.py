@@ -13,6 +13,7 @@ from typing import Any
 
 from django.contrib import messages
 from django.core.exceptions import ValidationError
+from django.db.models import QuerySet
 from django.http import HttpRequest, HttpResponse
 from django.shortcuts import get_object_or_404, redirect, render
 from django.urls import reverse
@@ -43,7 +44,7 @@ def _partial(request: HttpRequest) -> bool:
     return request.headers.get("HX-Request") == "true"
 
 
-def _instances() -> Any:
+def _instances() -> QuerySet[Instance]:
     return inventory_selectors.instance_list().select_related("deployment__pool__accelerator")
 
 
