@@ -130,7 +130,9 @@ def pages() -> dict[str, str]:
         "overview": reverse("console:overview"),
         "regions": reverse("console:regions"),
         "region": reverse("console:region", args=["us-east"]),
-        "evacuate preview": reverse("console:region-evacuate", args=["eu-west"]),
+        "evacuate: confirmation": reverse("console:region-evacuate", args=["eu-west"]),
+        "evacuate: its preview (htmx)": reverse("console:region-evacuate", args=["eu-west"])
+        + "?preview=1",
         "models": reverse("console:models"),
         "routing": reverse("console:routing"),
         "routing table": reverse("console:routing-table", args=["us-east"]),

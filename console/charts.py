@@ -23,10 +23,21 @@ def _number(value: Any) -> float:
 
 
 def chart_series(
-    rows: Iterable[Mapping[str, Any]], *, time_key: str, group_key: str, metric: str
+    rows: Iterable[Mapping[str, Any]],
+    *,
+    time_key: str,
+    group_key: str,
+    metric: str,
+    overall: Iterable[Mapping[str, Any]] | None = None,
+    hidden: int = 0,
 ) -> dict[str, Any]:
     """``{"x": [epoch s], "series": [{"label", "values"}]}``, biggest groups first, a value
-    for every x (0 where a group had none)."""
+    for every x (0 where a group had none).
+
+    Without ``overall`` the groups beyond :data:`MAX_SERIES` are summed into "other". With it
+    (the same report by time bucket only), ``rows`` are the groups to draw and "other" is the
+    rest of ``overall``: the ``hidden`` groups the caller left out.
+    """
     totals: dict[str, float] = {}
     cells: dict[tuple[int, str], float] = {}
     xs: set[int] = set()
@@ -36,14 +47,31 @@ def chart_series(
         xs.add(x)
         cells[(x, label)] = cells.get((x, label), 0.0) + value
         totals[label] = totals.get(label, 0.0) + value
+    everything: dict[int, float] = {}
+    for row in overall or ():
+        x = _epoch(row[time_key])
+        xs.add(x)
+        everything[x] = everything.get(x, 0.0) + _number(row.get(metric))
     ranked = sorted(totals, key=lambda k: (-totals[k], k))
-    shown, rest = ranked[:MAX_SERIES], ranked[MAX_SERIES:]
+    shown, rest = (
+        (ranked, []) if overall is not None else (ranked[:MAX_SERIES], ranked[MAX_SERIES:])
+    )
     axis = sorted(xs)
     series = [
         {"label": label, "values": [round(cells.get((x, label), 0.0), 6) for x in axis]}
         for label in shown
     ]
-    if rest:
+    if overall is not None and hidden:
+        series.append(
+            {
+                "label": f"other ({hidden})",
+                "values": [
+                    round(everything.get(x, 0.0) - sum(cells.get((x, k), 0.0) for k in shown), 6)
+                    for x in axis
+                ],
+            }
+        )
+    elif rest:
         series.append(
             {
                 "label": f"other ({len(rest)})",

@@ -128,10 +128,11 @@ def _act(
     run: Callable[[], Any],
     done: str,
     changes: Callable[[], dict[str, Mapping[str, Any]]] | None,
-    notes: tuple[str, ...] = (),
     danger: bool = False,
 ) -> HttpResponse:
-    """GET: the preview and a confirm button; POST: run the service, say what happened."""
+    """GET: the confirmation page, whose preview (``?preview=1``, fetched by htmx as it
+    loads: compiling every table takes a while on a big fleet) says what will happen;
+    POST: run the service, say what happened."""
     if request.method == "POST":
         try:
             run()
@@ -140,13 +141,15 @@ def _act(
         else:
             messages.success(request, done)
         return redirect(back)
+    if changes is not None and request.GET.get("preview") == "1":
+        fragment = {"preview": _preview(**changes())}
+        return render(request, "console/partials/preview.html", fragment)
     context = {
         "title": title,
         "summary": summary,
         "back": back,
-        "notes": notes,
         "danger": danger,
-        "preview": _preview(**changes()) if changes is not None else None,
+        "has_preview": changes is not None,
     }
     return render(request, "console/confirm.html", context)
 

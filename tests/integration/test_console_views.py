@@ -67,6 +67,7 @@ def staff_pages() -> list[str]:
         reverse("console:regions"),
         reverse("console:region", args=["us-east"]),
         reverse("console:region-evacuate", args=["eu-west"]),
+        reverse("console:region-evacuate", args=["eu-west"]) + "?preview=1",
         reverse("console:region-restore", args=["eu-west"]),
         reverse("console:pool-cordon", args=[pool.pk]),
         reverse("console:pool-uncordon", args=[pool.pk]),
@@ -177,8 +178,9 @@ def test_login_form_is_throttled_like_the_api(fleet: None, settings: Any) -> Non
 def test_drain_shows_its_preview_then_drains_through_the_service(operator: Client) -> None:
     inst = a_ready_instance("ap-southeast")
     url = reverse("console:instance-drain", args=[inst.name])
-    page = operator.get(url).content.decode()
-    assert "What will happen" in page and f"Stop receiving traffic: {inst.name}" in page
+    assert "What will happen" in operator.get(url).content.decode()
+    page = operator.get(url, {"preview": "1"}).content.decode()  # fetched by htmx
+    assert f"Stop receiving traffic: {inst.name}" in page
     response = operator.post(url)
     assert response.status_code == 302
     inst.refresh_from_db()
@@ -191,7 +193,7 @@ def test_drain_shows_its_preview_then_drains_through_the_service(operator: Clien
 
 def test_evacuation_preview_names_who_moves_and_who_is_refused(operator: Client) -> None:
     url = reverse("console:region-evacuate", args=["eu-west"])
-    page = operator.get(url).content.decode()
+    page = operator.get(url, {"preview": "1"}).content.decode()
     # globex-eu may only be served in the EU: evacuating eu-west leaves it nowhere to go.
     assert "globex-eu" in page and "refused" in page
     assert "become refused" in page
@@ -202,7 +204,7 @@ def test_evacuation_preview_names_who_moves_and_who_is_refused(operator: Client)
     assert Region.objects.get(code="eu-west").status == "evacuated"
     assert not Instance.objects.filter(deployment__pool__region__code="eu-west", state="ready")
     restore = reverse("console:region-restore", args=["eu-west"])
-    assert "Start receiving traffic" in operator.get(restore).content.decode()
+    assert "Start receiving traffic" in operator.get(restore, {"preview": "1"}).content.decode()
     operator.post(restore)
     assert Region.objects.get(code="eu-west").status == "active"
     # Its traffic comes back in steps: the overview shows where the ramp stands.
@@ -213,7 +215,7 @@ def test_evacuation_preview_names_who_moves_and_who_is_refused(operator: Client)
 def test_cordon_preview_says_routing_does_not_change(operator: Client) -> None:
     pool = GPUPool.objects.get(region__code="eu-west", name="a100-pcie")
     url = reverse("console:pool-cordon", args=[pool.pk])
-    assert "No routing change" in operator.get(url).content.decode()
+    assert "No routing change" in operator.get(url, {"preview": "1"}).content.decode()
     operator.post(url)
     pool.refresh_from_db()
     assert pool.status == "cordoned"

@@ -245,3 +245,20 @@ def test_chart_series_fill_gaps_and_fold_small_groups() -> None:
     assert folded["series"][-1]["label"] == "other (3)"
     total = sum(sum(s["values"]) for s in folded["series"])
     assert total == sum(i + 1 for i in range(MAX_SERIES + 3))
+
+
+def test_chart_series_with_the_overall_report_draws_the_rest_as_other() -> None:
+    day1, day2 = date(2026, 11, 1), date(2026, 11, 2)
+    top = [
+        {"day": day1, "tenant": "a", "requests": 5},
+        {"day": day2, "tenant": "b", "requests": 7},
+    ]
+    overall = [{"day": day1, "requests": 9}, {"day": day2, "requests": 8}]
+    chart = chart_series(
+        top, time_key="day", group_key="tenant", metric="requests", overall=overall, hidden=40
+    )
+    assert chart["series"] == [
+        {"label": "b", "values": [0.0, 7.0]},
+        {"label": "a", "values": [5.0, 0.0]},
+        {"label": "other (40)", "values": [4.0, 1.0]},
+    ]
