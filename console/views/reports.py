@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import csv
 import io
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import date
 from decimal import Decimal
 from functools import partial
@@ -22,7 +22,7 @@ from console.access import EVERYONE, STAFF, console_view
 from console.charts import MAX_SERIES, chart_series
 from console.forms import STAFF_METRICS, RangeForm, UsageForm
 from federation.core.roles import is_staff_role
-from federation.metering.models import DIMENSIONS
+from federation.metering.models import DIMENSIONS, Dimension
 from federation.metering.selectors import UsageQuery, pool_cost_report, usage_report
 from federation.tenancy.selectors import tenant_list
 
@@ -65,55 +65,76 @@ def _totals(
 
 #: Rows of the totals table; the CSV has them all.
 TOTALS_SHOWN = 50
+#: Dimensions whose groups grow with the customers (thousands), not with the fleet (tens).
+MANY_GROUPS = frozenset({"tenant"})
+
+
+def _usage_view(
+    query: Callable[..., UsageQuery],
+    filters: dict[Dimension, list[str]],
+    data: dict[str, Any],
+    metrics: list[str],
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """(chart, totals by group, biggest first). A dimension of the fleet is read in one pass
+    by bucket and group. Tenants are summed by the database three ways — by tenant, the
+    biggest few by bucket, everything by bucket (the chart's "other") — so a month over 5,000
+    tenants reads a few hundred rows instead of one per tenant and day."""
+    group, bucket, metric = data["group_by"], data["bucket"], data["metric"]
+    if group not in MANY_GROUPS:
+        rows = usage_report(query(group_by=[group], bucket=bucket, filters=filters))
+        chart = chart_series(rows, time_key=bucket, group_key=group, metric=metric)
+        totals = _totals(rows, group, metrics)
+    else:
+        totals = [
+            {group: r[group] or "—", **{m: r.get(m) or 0 for m in metrics}}
+            for r in usage_report(query(group_by=[group], filters=filters))
+        ]
+        by_size = sorted(totals, key=lambda r: -float(r.get(metric, 0)))
+        shown = [r[group] for r in by_size[:MAX_SERIES]]
+        only_shown = {**filters, group: shown}
+        chart = chart_series(
+            usage_report(query(group_by=[group], bucket=bucket, filters=only_shown)),
+            time_key=bucket,
+            group_key=group,
+            metric=metric,
+            overall=usage_report(query(bucket=bucket, filters=filters)),
+            hidden=len(totals) - len(shown),
+        )
+    totals.sort(key=lambda r: (-float(r.get(metric, 0)), str(r[group])))
+    return chart, totals
 
 
 @console_view(*EVERYONE)
 def usage(request: HttpRequest) -> HttpResponse:
-    """Usage by one dimension over time. The database sums: the totals by group, the biggest
-    groups by time bucket, and everything by time bucket (the chart's "other"), so that a
-    report over 5,000 tenants reads a few hundred rows, not one per tenant and day."""
     staff = is_staff_role(request.user)
     today = timezone.now().date()
     form = UsageForm(request.GET or UsageForm.defaults(today), staff=staff)
     context: dict[str, Any] = {"form": form, "staff": staff}
     if form.is_valid():
         data = form.cleaned_data
-        group, bucket, metric = data["group_by"], data["bucket"], data["metric"]
-        filters = {d: [data[d]] for d in DIMENSIONS if data.get(d)}
+        filters: dict[Dimension, list[str]] = {d: [data[d]] for d in DIMENSIONS if data.get(d)}
         if not staff:
             own = tenant_list(user=request.user).get()  # a viewer sees its tenant only
             filters["tenant"] = [own.slug]
         query = partial(UsageQuery, data["start_at"], data["end_at"], with_cost=staff)
         if request.GET.get("output") == "csv":
-            rows = usage_report(query(group_by=[group], bucket=bucket, filters=filters))
+            rows = usage_report(
+                query(group_by=[data["group_by"]], bucket=data["bucket"], filters=filters)
+            )
             return _csv(rows, f"usage-{data['start']}-{data['end']}")
-        totals = usage_report(query(group_by=[group], filters=filters))
-        totals.sort(key=lambda r: (-float(r.get(metric) or 0), str(r[group])))
-        shown = [r[group] for r in totals[:MAX_SERIES]]
-        top = usage_report(
-            query(group_by=[group], bucket=bucket, filters={**filters, group: shown})
-        )
-        overall = usage_report(query(bucket=bucket, filters=filters))
         metrics = ["requests", "prompt_tokens", "completion_tokens", "price_usd"]
         if staff:
             metrics += ["cost_usd", "margin_usd"]
+        if data["metric"] not in metrics:
+            metrics.append(data["metric"])  # the charted one is in the table too
+        chart, totals = _usage_view(query, filters, data, metrics)
         context |= {
-            "chart": chart_series(
-                top,
-                time_key=bucket,
-                group_key=group,
-                metric=metric,
-                overall=overall,
-                hidden=len(totals) - len(shown),
-            ),
-            "totals": [
-                {group: r[group] or "—", **{m: r.get(m) for m in metrics}}
-                for r in totals[:TOTALS_SHOWN]
-            ],
+            "chart": chart,
+            "totals": totals[:TOTALS_SHOWN],
             "more": max(0, len(totals) - TOTALS_SHOWN),
             "metrics": metrics,
-            "group_by": group,
-            "metric_label": dict(STAFF_METRICS)[metric],
+            "group_by": data["group_by"],
+            "metric_label": dict(STAFF_METRICS)[data["metric"]],
             "query": _query(form),
         }
     return render(request, "console/usage.html", context)

@@ -455,3 +455,17 @@ def test_lists_cost_a_bounded_number_of_queries(
     admin.get(url)  # warm up: sessions, content types
     with django_assert_max_num_queries(most):
         assert admin.get(url).status_code == 200
+
+
+def test_usage_by_tenant_charts_the_biggest_and_sums_the_rest(operator: Client) -> None:
+    url = f"{reverse('console:usage')}?{_last_days()}&group_by=tenant&metric=cached_tokens"
+    page = operator.get(url)
+    chart, totals = page.context["chart"], page.context["totals"]
+    assert [r["tenant"] for r in totals][:1] == [chart["series"][0]["label"]]
+    assert [r["cached_tokens"] for r in totals] == sorted(
+        (r["cached_tokens"] for r in totals), reverse=True
+    )
+    csv_rows = list(csv.DictReader(io.StringIO(operator.get(url + "&output=csv").content.decode())))
+    assert sum(int(r["cached_tokens"]) for r in csv_rows) == sum(
+        sum(s["values"]) for s in chart["series"]
+    )
