@@ -101,3 +101,9 @@ bench-metering: $(STAMP)
 check-platform: $(STAMP)
 	DATABASE_URL=$(TEST_DATABASE_URL) $(BIN)/pytest tests/integration/test_observability.py \
 	  tests/integration/test_platform_docker.py tests/integration/test_platform_k8s.py
+
+## make bench-console: the console's page times with a month of demo usage and 5,000 tenants
+## on PostgreSQL (docs/benchmarks.md)
+.PHONY: bench-console
+bench-console: $(STAMP)
+	DATABASE_URL=$(TEST_DATABASE_URL) $(BIN)/python -m bench console

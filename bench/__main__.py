@@ -7,6 +7,8 @@
                                       (PostgreSQL + Redis; flags: python -m bench.federation -h)
     python -m bench metering [...]    usage ingestion rate and report time on PostgreSQL
                                       (flags: python -m bench.metering -h)
+    python -m bench console [...]     the console's page times with 5,000 tenants on PostgreSQL
+                                      (flags: python -m bench.console -h)
 
 Results are printed as Markdown tables and written as JSON under ``var/bench/``.
 """
@@ -34,6 +36,10 @@ def main(argv: list[str]) -> None:
         from bench import metering
 
         metering.main(argv[1:])
+    elif argv[0] == "console":
+        from bench import console
+
+        console.main(argv[1:])
     else:
         raise SystemExit(__doc__)
 

@@ -57,6 +57,7 @@ INSTALLED_APPS = [
     "federation.routing",
     "federation.metering",
     "federation.demo",
+    "console.apps.ConsoleConfig",
     # The Celery app, loaded wherever Django runs: domains queue tasks by name on it.
     "workers.apps.WorkersConfig",
 ]
@@ -212,6 +213,8 @@ LANGUAGE_CODE = "en-us"
 TIME_ZONE = "UTC"
 USE_I18N = True
 USE_TZ = True
+
+LOGIN_URL = "console:login"
 
 STATIC_URL = "static/"
 STATIC_ROOT = VAR_DIR / "static"

@@ -3,6 +3,7 @@ they are mounted under ``/api/v1/`` with one browsable root that lists them all.
 
 from django.contrib import admin
 from django.urls import URLPattern, URLResolver, include, path
+from django.views.generic import RedirectView
 from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 from rest_framework.routers import APIRootView
 
@@ -29,6 +30,8 @@ api_v1: list[URLPattern | URLResolver] = [
 ]
 
 urlpatterns = [
+    path("", RedirectView.as_view(pattern_name="console:home"), name="home"),
+    path("console/", include("console.urls")),
     path("admin/", admin.site.urls),
     path("api/v1/", include(api_v1)),
     path("api/schema/", SpectacularAPIView.as_view(), name="schema"),

@@ -26,6 +26,7 @@ from federation.metering.models import (
     StaleUsageHour,
     UsageDay,
     UsageHour,
+    UsageRecord,
 )
 from federation.metering.pricing import Price
 from federation.tenancy.models import Tenant
@@ -185,4 +186,16 @@ def pool_cost_report(
             busy_s=Sum("busy_s"),
         )
         .order_by(*keys)
+    )
+
+
+def recent_requests(
+    *, since: datetime, limit: int = 20_000
+) -> list[tuple[str, str, float | None, int]]:
+    """``(entry_region, region, ttft_ms, status)`` of the latest requests started since
+    ``since``, newest first, at most ``limit``: the console's live TTFT and spill-over."""
+    return list(
+        UsageRecord.objects.filter(started_at__gte=since)
+        .order_by("-started_at")
+        .values_list("entry_region", "region", "ttft_ms", "status")[:limit]
     )

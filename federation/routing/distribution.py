@@ -74,3 +74,16 @@ def routing_table_overview() -> QuerySet[Region]:
         .prefetch_related(Prefetch("edges", queryset=Edge.objects.order_by("name")))
         .order_by("code")
     )
+
+
+def routing_table_versions(*, region: Region) -> QuerySet[RoutingTableVersion]:
+    """A region's published versions, newest first, without their documents."""
+    return (
+        RoutingTableVersion.objects.filter(region=region)
+        .order_by("-version")
+        .only("id", "region_id", "version", "created_at", "body_hash")
+    )
+
+
+def routing_table_at(*, region: Region, version: int) -> RoutingTableVersion | None:
+    return RoutingTableVersion.objects.filter(region=region, version=version).first()

@@ -107,6 +107,12 @@ def test_demo_federates_three_regions_with_traffic_and_an_evacuation(
         route = _route(raw.headers)
         assert route["region"] == region and route["instance"].startswith(f"demo-{region}")
 
+    # The web console is served, and the summary says where and how to log in.
+    login = httpx.get(f"{endpoints['control_plane']}/console/login/", timeout=5)
+    assert login.status_code == 200 and "Log in" in login.text
+    printed = f"{endpoints['control_plane']}/console/  (log in as operator"
+    wait_until(lambda: printed in proc.output(), what="the console in the summary", timeout=10)
+
     # The edges run on the control plane's signed tables and report back by heartbeat.
     api = f"{endpoints['control_plane']}/api/v1"
     assert httpx.get(f"{api}/regions/", timeout=5).status_code in (401, 403)

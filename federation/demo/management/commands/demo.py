@@ -489,6 +489,7 @@ class Command(BaseCommand):
         lines = [
             "",
             "fedinfer demo is running (Ctrl-C stops it)",
+            f"  console        {web}/console/  (log in as operator, password {DEMO_PASSWORD!r})",
             f"  control plane  {web}/admin/  ·  API {web}/api/v1/  ·  docs {web}/api/docs/",
             f"  users          admin / operator / <tenant>-viewer, password {DEMO_PASSWORD!r}",
             "  worker         recompiles and publishes routing tables after every change",
