@@ -98,16 +98,28 @@ def tenant_rows(
             KeyRow(entry.key_hash, entry.valid_until, entry.scopes)
         )
     spend = spend_usd or {}
-    tenants = list(Tenant.objects.filter(is_active=True).prefetch_related("allowed_regions"))
+    tenants = list(
+        Tenant.objects.filter(is_active=True).only(
+            "slug",
+            "allowed_jurisdictions",
+            "requests_per_minute",
+            "tokens_per_minute",
+            "monthly_budget_usd",
+            "isolate_kv_cache",
+        )
+    )
+    # One query for every tenant's region list (not a prefetch: thousands of model instances).
+    allowed: dict[int, list[str]] = {}
+    through = Tenant.allowed_regions.through.objects.values_list("tenant_id", "region__code")
+    for tenant_id, code in through:
+        allowed.setdefault(tenant_id, []).append(code)
     budgets = budget_rows(tenants, now=now or timezone.now())
     rows = []
     for tenant in tenants:
         rows.append(
             TenantRow(
                 slug=tenant.slug,
-                policy=ResidencyPolicy.of(
-                    tenant.allowed_jurisdictions, (r.code for r in tenant.allowed_regions.all())
-                ),
+                policy=ResidencyPolicy.of(tenant.allowed_jurisdictions, allowed.get(tenant.pk, ())),
                 requests_per_minute=tenant.requests_per_minute,
                 tokens_per_minute=tenant.tokens_per_minute,
                 monthly_budget_usd=None
