@@ -178,10 +178,7 @@ def published_leases(
         budget = policy.budget
         if budget is None:
             continue
-        scopes = list(budget.keys.items())
-        if budget.tenant is not None:
-            scopes.append(("", budget.tenant))
-        for key, scope in scopes:
+        for key, scope in budget.scopes():
             if scope.month != month:
                 continue
             for edge, lease in scope.leases.items():

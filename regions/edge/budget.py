@@ -95,10 +95,7 @@ class Budgets:
             budget = policy.budget
             if budget is None:
                 continue
-            scopes = list(budget.keys.items())
-            if budget.tenant is not None:
-                scopes.append(("", budget.tenant))
-            for key, scope in scopes:
+            for key, scope in budget.scopes():
                 account = self._accounts.get((policy.tenant, key))
                 if account is None:
                     account = Account(scope, self.edge)

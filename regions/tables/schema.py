@@ -159,6 +159,13 @@ class TenantBudget(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     prices: dict[str, ModelPrice] = msgspec.field(default_factory=dict)
     keys: dict[str, Budget] = msgspec.field(default_factory=dict)
 
+    def scopes(self) -> list[tuple[str, Budget]]:
+        """Every budget with its key prefix, ``""`` for the tenant's own."""
+        found = list(self.keys.items())
+        if self.tenant is not None:
+            found.append(("", self.tenant))
+        return found
+
 
 class TenantPolicy(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """A tenant's admission rules, keyed by API-key hash (enforced by admission.py)."""
@@ -336,10 +343,8 @@ def _validate_budget(table: RoutingTable, tenant: str, budget: TenantBudget) -> 
         raise TableError(f"{where} needs schema_version {BUDGET_SCHEMA_VERSION}")
     for model, price in budget.prices.items():
         _validate_price(f"{where} prices[{model!r}]", price, table.schema_version)
-    scopes = [(f" key {k!r}", b) for k, b in budget.keys.items()]
-    if budget.tenant is not None:
-        scopes.append(("", budget.tenant))
-    for scope, leases in scopes:
+    for key, leases in budget.scopes():
+        scope = f" key {key!r}" if key else ""
         if not _MONTH.fullmatch(leases.month):
             raise TableError(f"{where}{scope}: month {leases.month!r} is not YYYY-MM")
         for edge, lease in leases.leases.items():
