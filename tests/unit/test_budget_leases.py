@@ -5,6 +5,8 @@ request costs more than the worst case its edge held."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -303,3 +305,22 @@ def test_spend_never_exceeds_the_budget_whatever_the_interleaving(
             for _, _, p, c in running
         )
         assert spent + in_flight <= budget
+
+
+@pytest.mark.parametrize(
+    ("mutate", "message"),
+    [
+        (lambda b: b["tenant"].update(month="2026-13"), "is not YYYY-MM"),
+        (lambda b: b["tenant"]["leases"].update(a=[0, -1, 0]), "negative"),
+        (lambda b: b.update(prices={"m": [1, -2, 3]}), "must not be negative"),
+    ],
+)
+def test_a_table_with_a_bad_budget_is_refused(mutate: Any, message: str) -> None:
+    import msgspec
+
+    from regions.tables.schema import encode_table
+
+    doc = encode_table(table(leased(10**12, {}, ["a"])))
+    mutate(doc["tenants"][0]["budget"])
+    with pytest.raises(ValueError, match=message):
+        decode_table(msgspec.json.encode(doc))
