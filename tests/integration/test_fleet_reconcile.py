@@ -1,0 +1,188 @@
+"""One reconcile pass at a time, in this process, against real PostgreSQL and real
+``fedinfer engine-sim`` processes started by the local provisioner: the lifecycle, replica
+counts, failure and replacement, and the crash windows (adoption, orphans)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import time
+from collections.abc import Callable
+
+import pytest
+
+from federation.core.models import AuditEvent
+from federation.fleet import services as fleet
+from federation.fleet.policy import FailoverPolicy, HealthPolicy, Timeouts
+from federation.fleet.spec import EngineSpec, Running
+from federation.inventory import services as inventory
+from federation.inventory.models import Deployment, Instance
+from tests.integration.fleet_support import engines, kill_engine, ps_engines  # noqa: F401
+from tests.integration.inventory_factories import (
+    make_deployment,
+    make_model,
+    make_pool,
+    make_region,
+)
+from workers.provisioners.local import LocalProvisioner
+
+CONFIG = fleet.FleetConfig(
+    timeouts=Timeouts(loading_s=30, warming_s=30, drain_s=2, drain_min_s=0),
+    health=HealthPolicy(fail_after=2, recover_after=2),
+    failover=FailoverPolicy(),
+    probe_timeout_s=2,
+)
+
+
+@pytest.fixture
+def deployment(db: None) -> Deployment:
+    pool = make_pool(make_region("eu-west", "EU"), provisioner="local")
+    return make_deployment(make_model(), pool, max_replicas=3)
+
+
+def states(deployment: Deployment) -> dict[str, str]:
+    return dict(deployment.instances.values_list("name", "state"))
+
+
+def live(deployment: Deployment) -> set[str]:
+    return {n for n, s in states(deployment).items() if s not in ("failed", "stopped")}
+
+
+def reconcile_until(
+    provisioner: LocalProvisioner, done: Callable[[], bool], what: str, timeout: float = 30
+) -> None:
+    deadline = time.monotonic() + timeout
+    while not done():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not within {timeout} s")
+        fleet.fleet_reconcile(provisioners={"local": provisioner}, config=CONFIG)
+        time.sleep(0.2)
+
+
+def ready(deployment: Deployment, count: int) -> Callable[[], bool]:
+    def check() -> bool:
+        s = states(deployment)
+        return sum(v == "ready" for v in s.values()) == count and len(live(deployment)) == count
+
+    return check
+
+
+def test_instances_are_started_walked_to_ready_replaced_and_scaled_down(
+    deployment: Deployment,
+    engines: LocalProvisioner,  # noqa: F811
+) -> None:
+    reconcile_until(engines, ready(deployment, 1), "one ready instance")
+    (first,) = live(deployment)
+    assert set(engines.running()) == {first} and len(ps_engines(engines)) == 1
+    transitions = [
+        e.changes["state"]
+        for e in AuditEvent.objects.filter(
+            action="instance.transition", object_repr=first
+        ).order_by("pk")
+    ]
+    assert transitions == [["pending", "loading"], ["loading", "warming"], ["warming", "ready"]]
+
+    # An engine killed behind the worker's back: failed at once, and replaced in its pool.
+    kill_engine(engines, first)
+    fleet.fleet_reconcile(provisioners={"local": engines}, config=CONFIG)
+    assert states(deployment)[first] == "failed"
+    fail = AuditEvent.objects.get(
+        action="instance.transition", object_repr=first, changes__state=["ready", "failed"]
+    )
+    assert "gone" in fail.changes["reason"]
+    reconcile_until(engines, ready(deployment, 1), "a replacement")
+    (second,) = live(deployment)
+    assert second != first and set(engines.running()) == {second}
+
+    # desired_replicas is acted on both ways.
+    inventory.deployment_update(actor=None, deployment=deployment, data={"desired_replicas": 3})
+    reconcile_until(engines, ready(deployment, 3), "three ready instances")
+    assert set(engines.running()) == live(deployment) and len(ps_engines(engines)) == 3
+    inventory.deployment_update(
+        actor=None, deployment=deployment, data={"min_replicas": 0, "desired_replicas": 1}
+    )
+    fleet.fleet_reconcile(provisioners={"local": engines}, config=CONFIG)
+    draining = {n for n, s in states(deployment).items() if s == "draining"}
+    assert len(draining) == 2
+    assert set(
+        Instance.objects.filter(name__in=draining).values_list("drain_reason", flat=True)
+    ) == {"scale_down"}
+    reconcile_until(engines, ready(deployment, 1), "scaled down to one (drain timeout 2 s)")
+    assert all(states(deployment)[n] == "stopped" for n in draining)
+    assert set(engines.running()) == live(deployment) and len(ps_engines(engines)) == 1
+
+
+class CrashAfterStart:
+    """The local provisioner, but the worker 'dies' right after an engine is spawned, before
+    anything about it is recorded."""
+
+    def __init__(self, inner: LocalProvisioner) -> None:
+        self.inner = inner
+        self.kind = inner.kind
+
+    def endpoint_for(self, name: str) -> str:
+        return self.inner.endpoint_for(name)
+
+    def start(self, spec: EngineSpec) -> Running:
+        self.inner.start(spec)
+        raise SystemExit("worker killed")
+
+    def stop(self, name: str) -> None:
+        self.inner.stop(name)
+
+    def is_running(self, name: str) -> bool:
+        return self.inner.is_running(name)
+
+    def running(self) -> dict[str, Running]:
+        return self.inner.running()
+
+
+def test_an_engine_started_just_before_a_crash_is_adopted_not_started_twice(
+    deployment: Deployment,
+    engines: LocalProvisioner,  # noqa: F811
+) -> None:
+    with pytest.raises(SystemExit):
+        fleet.fleet_reconcile(provisioners={"local": CrashAfterStart(engines)}, config=CONFIG)
+    (name,) = live(deployment)
+    assert states(deployment)[name] == "pending" and set(engines.running()) == {name}
+    pids = ps_engines(engines)
+    reconcile_until(engines, ready(deployment, 1), "the adopted engine ready")
+    assert live(deployment) == {name} and ps_engines(engines) == pids
+
+
+def test_an_engine_no_instance_names_is_stopped_and_a_terminal_ones_engine_too(
+    deployment: Deployment,
+    engines: LocalProvisioner,  # noqa: F811
+) -> None:
+    url = engines.endpoint_for("stray")
+    engines.start(EngineSpec(name="stray", url=url, model="m", served_model_name="m"))
+    reconcile_until(engines, ready(deployment, 1), "one ready instance")
+    assert "stray" not in engines.running()
+    (name,) = live(deployment)
+    # Marked failed but its engine left running (a crash between the two halves of a stop).
+    inventory.instance_transition(
+        actor=None, instance=Instance.objects.get(name=name), state="failed"
+    )
+    assert name in engines.running()
+    reconcile_until(engines, ready(deployment, 1), "a replacement")
+    assert name not in engines.running() and len(ps_engines(engines)) == 1
+
+
+def test_a_ready_engine_that_stops_answering_fails_only_after_the_hysteresis(
+    deployment: Deployment,
+    engines: LocalProvisioner,  # noqa: F811
+) -> None:
+    reconcile_until(engines, ready(deployment, 1), "one ready instance")
+    (name,) = live(deployment)
+    pid = int(engines.running()[name].detail["pid"])
+    os.killpg(pid, signal.SIGSTOP)  # hangs: the process is there, it does not answer
+    try:
+        fleet.fleet_reconcile(provisioners={"local": engines}, config=CONFIG)
+        assert states(deployment)[name] == "ready"  # one failed probe is a flap
+        fleet.fleet_reconcile(provisioners={"local": engines}, config=CONFIG)
+        assert states(deployment)[name] == "failed"
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # stopped by the fleet, as it should be
+            os.killpg(pid, signal.SIGCONT)
+    assert name not in engines.running()
