@@ -4,25 +4,20 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
+
     dependencies = [
-        ("inventory", "0005_edge_credential_hash"),
+        ('inventory', '0005_edge_credential_hash'),
     ]
 
     operations = [
         migrations.AddField(
-            model_name="region",
-            name="recovered_at",
-            field=models.DateTimeField(
-                blank=True,
-                help_text="When its edges last reported an instance healthy again after all were lost.",
-                null=True,
-            ),
+            model_name='region',
+            name='recovered_at',
+            field=models.DateTimeField(blank=True, help_text='When its edges last reported an instance healthy again after all were lost.', null=True),
         ),
         migrations.AddField(
-            model_name="region",
-            name="restored_at",
-            field=models.DateTimeField(
-                blank=True, help_text="When it was last restored from an evacuation.", null=True
-            ),
+            model_name='region',
+            name='restored_at',
+            field=models.DateTimeField(blank=True, help_text='When it was last restored from an evacuation.', null=True),
         ),
     ]

@@ -22,151 +22,115 @@ def drop_usage_table(apps, schema_editor):
 
 
 class Migration(migrations.Migration):
+
     initial = True
 
     dependencies = [
-        ("inventory", "0006_region_ramp_times"),
-        ("tenancy", "0004_tenant_isolate_kv_cache"),
+        ('inventory', '0006_region_ramp_times'),
+        ('tenancy', '0004_tenant_isolate_kv_cache'),
     ]
 
     operations = [
         migrations.CreateModel(
-            name="StaleUsageHour",
+            name='StaleUsageHour',
             fields=[
-                ("hour", models.DateTimeField(primary_key=True, serialize=False)),
-                ("mark", models.UUIDField()),
-                ("marked_at", models.DateTimeField()),
+                ('hour', models.DateTimeField(primary_key=True, serialize=False)),
+                ('mark', models.UUIDField()),
+                ('marked_at', models.DateTimeField()),
             ],
         ),
         migrations.CreateModel(
-            name="PoolHour",
+            name='PoolHour',
             fields=[
-                (
-                    "id",
-                    models.BigAutoField(
-                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
-                    ),
-                ),
-                ("hour", models.DateTimeField()),
-                ("pool", models.CharField(max_length=130)),
-                ("gpus", models.PositiveIntegerField()),
-                ("cost_usd", models.DecimalField(decimal_places=12, max_digits=24)),
-                ("allocated_usd", models.DecimalField(decimal_places=12, max_digits=24)),
-                ("idle_usd", models.DecimalField(decimal_places=12, max_digits=24)),
-                ("warm_idle_usd", models.DecimalField(decimal_places=12, max_digits=24)),
-                ("busy_s", models.FloatField()),
+                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
+                ('hour', models.DateTimeField()),
+                ('pool', models.CharField(max_length=130)),
+                ('gpus', models.PositiveIntegerField()),
+                ('cost_usd', models.DecimalField(decimal_places=12, max_digits=24)),
+                ('allocated_usd', models.DecimalField(decimal_places=12, max_digits=24)),
+                ('idle_usd', models.DecimalField(decimal_places=12, max_digits=24)),
+                ('warm_idle_usd', models.DecimalField(decimal_places=12, max_digits=24)),
+                ('busy_s', models.FloatField()),
             ],
             options={
-                "constraints": [
-                    models.UniqueConstraint(fields=("hour", "pool"), name="uniq_pool_hour")
-                ],
+                'constraints': [models.UniqueConstraint(fields=('hour', 'pool'), name='uniq_pool_hour')],
             },
         ),
         migrations.CreateModel(
-            name="UsageDay",
+            name='UsageDay',
             fields=[
-                (
-                    "id",
-                    models.BigAutoField(
-                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
-                    ),
-                ),
-                ("day", models.DateField()),
-                ("tenant", models.CharField(blank=True, max_length=63)),
-                ("model", models.CharField(max_length=128)),
-                ("region", models.CharField(max_length=63)),
-                ("pool", models.CharField(blank=True, max_length=130)),
-                ("requests", models.PositiveIntegerField()),
-                ("cancelled", models.PositiveIntegerField()),
-                ("errors", models.PositiveIntegerField()),
-                ("prompt_tokens", models.PositiveBigIntegerField()),
-                ("cached_tokens", models.PositiveBigIntegerField()),
-                ("completion_tokens", models.PositiveBigIntegerField()),
-                ("price_usd", models.DecimalField(decimal_places=12, max_digits=24)),
-                ("cost_usd", models.DecimalField(decimal_places=12, max_digits=24)),
+                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
+                ('day', models.DateField()),
+                ('tenant', models.CharField(blank=True, max_length=63)),
+                ('model', models.CharField(max_length=128)),
+                ('region', models.CharField(max_length=63)),
+                ('pool', models.CharField(blank=True, max_length=130)),
+                ('requests', models.PositiveIntegerField()),
+                ('cancelled', models.PositiveIntegerField()),
+                ('errors', models.PositiveIntegerField()),
+                ('prompt_tokens', models.PositiveBigIntegerField()),
+                ('cached_tokens', models.PositiveBigIntegerField()),
+                ('completion_tokens', models.PositiveBigIntegerField()),
+                ('price_usd', models.DecimalField(decimal_places=12, max_digits=24)),
+                ('cost_usd', models.DecimalField(decimal_places=12, max_digits=24)),
             ],
             options={
-                "indexes": [models.Index(fields=["tenant", "day"], name="usage_day_tenant")],
-                "constraints": [
-                    models.UniqueConstraint(
-                        fields=("day", "tenant", "model", "region", "pool"), name="uniq_usage_day"
-                    )
-                ],
+                'indexes': [models.Index(fields=['tenant', 'day'], name='usage_day_tenant')],
+                'constraints': [models.UniqueConstraint(fields=('day', 'tenant', 'model', 'region', 'pool'), name='uniq_usage_day')],
             },
         ),
         migrations.CreateModel(
-            name="UsageHour",
+            name='UsageHour',
             fields=[
-                (
-                    "id",
-                    models.BigAutoField(
-                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
-                    ),
-                ),
-                ("hour", models.DateTimeField()),
-                ("tenant", models.CharField(blank=True, max_length=63)),
-                ("model", models.CharField(max_length=128)),
-                ("region", models.CharField(max_length=63)),
-                ("pool", models.CharField(blank=True, max_length=130)),
-                ("requests", models.PositiveIntegerField()),
-                ("cancelled", models.PositiveIntegerField()),
-                ("errors", models.PositiveIntegerField()),
-                ("prompt_tokens", models.PositiveBigIntegerField()),
-                ("cached_tokens", models.PositiveBigIntegerField()),
-                ("completion_tokens", models.PositiveBigIntegerField()),
-                ("price_usd", models.DecimalField(decimal_places=12, max_digits=24)),
-                ("cost_usd", models.DecimalField(decimal_places=12, max_digits=24)),
+                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
+                ('hour', models.DateTimeField()),
+                ('tenant', models.CharField(blank=True, max_length=63)),
+                ('model', models.CharField(max_length=128)),
+                ('region', models.CharField(max_length=63)),
+                ('pool', models.CharField(blank=True, max_length=130)),
+                ('requests', models.PositiveIntegerField()),
+                ('cancelled', models.PositiveIntegerField()),
+                ('errors', models.PositiveIntegerField()),
+                ('prompt_tokens', models.PositiveBigIntegerField()),
+                ('cached_tokens', models.PositiveBigIntegerField()),
+                ('completion_tokens', models.PositiveBigIntegerField()),
+                ('price_usd', models.DecimalField(decimal_places=12, max_digits=24)),
+                ('cost_usd', models.DecimalField(decimal_places=12, max_digits=24)),
             ],
             options={
-                "indexes": [models.Index(fields=["tenant", "hour"], name="usage_hour_tenant")],
-                "constraints": [
-                    models.UniqueConstraint(
-                        fields=("hour", "tenant", "model", "region", "pool"), name="uniq_usage_hour"
-                    )
-                ],
+                'indexes': [models.Index(fields=['tenant', 'hour'], name='usage_hour_tenant')],
+                'constraints': [models.UniqueConstraint(fields=('hour', 'tenant', 'model', 'region', 'pool'), name='uniq_usage_hour')],
             },
         ),
         migrations.SeparateDatabaseAndState(
             state_operations=[
                 migrations.CreateModel(
-                    name="UsageRecord",
+                    name='UsageRecord',
                     fields=[
-                        (
-                            "pk",
-                            models.CompositePrimaryKey(
-                                "started_at",
-                                "request_id",
-                                blank=True,
-                                editable=False,
-                                primary_key=True,
-                                serialize=False,
-                            ),
-                        ),
-                        ("started_at", models.DateTimeField()),
-                        ("request_id", models.CharField(max_length=64)),
-                        ("tenant", models.CharField(blank=True, max_length=63)),
-                        ("key_prefix", models.CharField(blank=True, max_length=32)),
-                        ("model", models.CharField(max_length=128)),
-                        ("adapter", models.CharField(blank=True, max_length=128)),
-                        ("region", models.CharField(max_length=63)),
-                        ("entry_region", models.CharField(max_length=63)),
-                        ("instance", models.CharField(max_length=63)),
-                        ("pool", models.CharField(blank=True, max_length=130)),
-                        ("prompt_tokens", models.PositiveIntegerField()),
-                        ("cached_tokens", models.PositiveIntegerField()),
-                        ("completion_tokens", models.PositiveIntegerField()),
-                        ("ttft_ms", models.FloatField(null=True)),
-                        ("duration_ms", models.FloatField()),
-                        ("status", models.PositiveSmallIntegerField()),
-                        ("streamed", models.BooleanField()),
-                        ("cancelled", models.BooleanField()),
-                        ("usage_reported", models.BooleanField()),
-                        ("price_usd", models.DecimalField(decimal_places=12, max_digits=24)),
+                        ('pk', models.CompositePrimaryKey('started_at', 'request_id', blank=True, editable=False, primary_key=True, serialize=False)),
+                        ('started_at', models.DateTimeField()),
+                        ('request_id', models.CharField(max_length=64)),
+                        ('tenant', models.CharField(blank=True, max_length=63)),
+                        ('key_prefix', models.CharField(blank=True, max_length=32)),
+                        ('model', models.CharField(max_length=128)),
+                        ('adapter', models.CharField(blank=True, max_length=128)),
+                        ('region', models.CharField(max_length=63)),
+                        ('entry_region', models.CharField(max_length=63)),
+                        ('instance', models.CharField(max_length=63)),
+                        ('pool', models.CharField(blank=True, max_length=130)),
+                        ('prompt_tokens', models.PositiveIntegerField()),
+                        ('cached_tokens', models.PositiveIntegerField()),
+                        ('completion_tokens', models.PositiveIntegerField()),
+                        ('ttft_ms', models.FloatField(null=True)),
+                        ('duration_ms', models.FloatField()),
+                        ('status', models.PositiveSmallIntegerField()),
+                        ('streamed', models.BooleanField()),
+                        ('cancelled', models.BooleanField()),
+                        ('usage_reported', models.BooleanField()),
+                        ('price_usd', models.DecimalField(decimal_places=12, max_digits=24)),
                     ],
                     options={
-                        "indexes": [
-                            models.Index(fields=["tenant", "started_at"], name="usage_tenant_time")
-                        ],
+                        'indexes': [models.Index(fields=['tenant', 'started_at'], name='usage_tenant_time')],
                     },
                 ),
             ],
@@ -174,51 +138,21 @@ class Migration(migrations.Migration):
         ),
         migrations.RunPython(create_usage_table, drop_usage_table),
         migrations.CreateModel(
-            name="ModelPrice",
+            name='ModelPrice',
             fields=[
-                (
-                    "id",
-                    models.BigAutoField(
-                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
-                    ),
-                ),
-                ("created_at", models.DateTimeField(auto_now_add=True)),
-                ("updated_at", models.DateTimeField(auto_now=True)),
-                ("input_per_mtok", models.DecimalField(decimal_places=6, max_digits=14)),
-                ("cached_input_per_mtok", models.DecimalField(decimal_places=6, max_digits=14)),
-                ("output_per_mtok", models.DecimalField(decimal_places=6, max_digits=14)),
-                ("effective_from", models.DateTimeField()),
-                (
-                    "model",
-                    models.ForeignKey(
-                        on_delete=django.db.models.deletion.CASCADE,
-                        related_name="prices",
-                        to="inventory.languagemodel",
-                    ),
-                ),
-                (
-                    "tenant",
-                    models.ForeignKey(
-                        blank=True,
-                        null=True,
-                        on_delete=django.db.models.deletion.CASCADE,
-                        related_name="prices",
-                        to="tenancy.tenant",
-                    ),
-                ),
+                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
+                ('created_at', models.DateTimeField(auto_now_add=True)),
+                ('updated_at', models.DateTimeField(auto_now=True)),
+                ('input_per_mtok', models.DecimalField(decimal_places=6, max_digits=14)),
+                ('cached_input_per_mtok', models.DecimalField(decimal_places=6, max_digits=14)),
+                ('output_per_mtok', models.DecimalField(decimal_places=6, max_digits=14)),
+                ('effective_from', models.DateTimeField()),
+                ('model', models.ForeignKey(on_delete=django.db.models.deletion.CASCADE, related_name='prices', to='inventory.languagemodel')),
+                ('tenant', models.ForeignKey(blank=True, null=True, on_delete=django.db.models.deletion.CASCADE, related_name='prices', to='tenancy.tenant')),
             ],
             options={
-                "ordering": ["model", "tenant", "-effective_from"],
-                "constraints": [
-                    models.UniqueConstraint(
-                        fields=("model", "tenant", "effective_from"), name="uniq_model_price_from"
-                    ),
-                    models.UniqueConstraint(
-                        condition=models.Q(("tenant__isnull", True)),
-                        fields=("model", "effective_from"),
-                        name="uniq_list_price_from",
-                    ),
-                ],
+                'ordering': ['model', 'tenant', '-effective_from'],
+                'constraints': [models.UniqueConstraint(fields=('model', 'tenant', 'effective_from'), name='uniq_model_price_from'), models.UniqueConstraint(condition=models.Q(('tenant__isnull', True)), fields=('model', 'effective_from'), name='uniq_list_price_from')],
             },
         ),
     ]
