@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable
 
 import pytest
+from rest_framework.test import APIClient
 
 from federation.core.models import AuditEvent
 from federation.fleet import services as fleet
@@ -186,3 +187,23 @@ def test_a_ready_engine_that_stops_answering_fails_only_after_the_hysteresis(
         with contextlib.suppress(ProcessLookupError):  # stopped by the fleet, as it should be
             os.killpg(pid, signal.SIGCONT)
     assert name not in engines.running()
+
+
+def test_a_pools_provisioner_is_chosen_through_the_api(admin_client: APIClient) -> None:
+    make_region("eu-west", "EU")
+    body = {
+        "region": "eu-west",
+        "name": "l4",
+        "accelerator": "L4-24G",
+        "gpus_per_node": 4,
+        "node_count": 1,
+        "interconnect": "pcie",
+        "price_per_gpu_hour": "0.50",
+        "capacity_type": "on_demand",
+    }
+    r = admin_client.post("/api/v1/pools/", {**body, "provisioner": "cloud-magic"}, format="json")
+    assert r.status_code == 400 and "provisioner" in r.json(), r.json()
+    r = admin_client.post("/api/v1/pools/", {**body, "provisioner": "local"}, format="json")
+    assert r.status_code == 201 and r.json()["provisioner"] == "local"
+    r = admin_client.post("/api/v1/pools/", {**body, "name": "l4-b"}, format="json")
+    assert r.json()["provisioner"] == "static"  # today's behaviour unless asked
