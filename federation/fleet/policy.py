@@ -59,9 +59,6 @@ class Timeouts:
     loading_s: float = 600.0
     warming_s: float = 300.0
     drain_s: float = 60.0
-    #: A scaled-down instance drains at least this long, so that every edge has applied a
-    #: table without it before an in-flight count of zero is believed.
-    drain_min_s: float = 3.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,8 +77,10 @@ class Observed:
     serves_model: bool
     #: Fresh edge reports (newer than the state change) agree it is unhealthy.
     edges_unhealthy: bool
-    #: Requests in flight summed over edge reports newer than the state change; None: unknown.
+    #: Requests the engine itself runs or queues (its /metrics); None: unknown.
     in_flight: int | None
+    #: Every live edge of the region has applied a table without this instance.
+    edges_caught_up: bool
     health: HealthCount
     region_active: bool
 
@@ -141,7 +140,8 @@ def instance_steps(
     if health_failed(count, health):
         return [Step(name, Act.FAIL, reason=f"{count.failures} failed probes (hysteresis)")], count
     if state == lifecycle.DRAINING and obs.drain_reason == SCALE_DOWN:
-        idle = obs.in_flight == 0 and obs.state_age_s >= timeouts.drain_min_s
+        # Idle only counts once no edge can send it anything new.
+        idle = obs.edges_caught_up and obs.in_flight == 0
         if idle or obs.state_age_s >= timeouts.drain_s:
             why = "drained: nothing in flight" if idle else f"drain timeout {timeouts.drain_s} s"
             return [Step(name, Act.STOP, lifecycle.STOPPED, why)], count

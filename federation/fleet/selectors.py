@@ -11,6 +11,7 @@ from django.db.models import QuerySet
 from federation.fleet.spec import Adapter, EngineSpec
 from federation.inventory import lifecycle
 from federation.inventory.models import Deployment, Edge, GPUPool, Instance, Region
+from federation.routing.models import RoutingTableVersion
 
 
 def provisioned_deployments() -> QuerySet[Deployment]:
@@ -72,7 +73,8 @@ def _fresh_reports(load: Any, since: datetime, now: datetime, fresh_s: float) ->
 
 def edge_view(instance: Instance, now: datetime, fresh_s: float) -> tuple[bool, int | None]:
     """(every fresh edge report calls it unhealthy, requests in flight summed over them); only
-    reports made since its last state change count, so a drain waits for edges that know."""
+    reports made since its last state change count (an edge's opinion of it before it became
+    ready says nothing about it now)."""
     since = instance.state_changed_at or instance.created_at
     reports = _fresh_reports(instance.load, since, now, fresh_s)
     if not reports:
@@ -80,6 +82,34 @@ def edge_view(instance: Instance, now: datetime, fresh_s: float) -> tuple[bool, 
     unhealthy = all(r.get("healthy") is False for r in reports)
     in_flight = sum(int(r.get("in_flight") or 0) for r in reports)
     return unhealthy, in_flight
+
+
+def edges_caught_up(instance: Instance, now: datetime, fresh_s: float) -> bool:
+    """Whether every edge of the instance's region that is alive (heard within ``fresh_s``)
+    has applied a table published since the instance's last state change that no longer lists
+    it: from then on no edge sends it anything new. Tables are numbered in the order their
+    fleet was read, so once one version lacks it every later one does too, unless its state
+    changes again."""
+    region_id = instance.deployment.pool.region_id
+    since = instance.state_changed_at or instance.created_at
+    without: int | None = None
+    for version, document in (
+        RoutingTableVersion.objects.filter(region_id=region_id, created_at__gte=since)
+        .order_by("version")
+        .values_list("version", "document")
+    ):
+        listed = {i.get("id") for i in document.get("instances", []) if isinstance(i, dict)}
+        if instance.name in listed:
+            without = None
+        elif without is None:
+            without = version
+    if without is None:
+        return False
+    behind = Edge.objects.filter(
+        region_id=region_id,
+        last_heartbeat_at__gte=now - timedelta(seconds=fresh_s),
+    ).exclude(applied_table_version__gte=without)
+    return not behind.exists()
 
 
 def region_edge_silence(region: Region, now: datetime) -> list[float]:

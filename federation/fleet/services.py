@@ -58,7 +58,6 @@ def fleet_config() -> FleetConfig:
             loading_s=s.FEDINFER_FLEET_LOADING_TIMEOUT_SECONDS,
             warming_s=s.FEDINFER_FLEET_WARMING_TIMEOUT_SECONDS,
             drain_s=s.FEDINFER_FLEET_DRAIN_TIMEOUT_SECONDS,
-            drain_min_s=s.FEDINFER_FLEET_DRAIN_MIN_SECONDS,
         ),
         health=policy.HealthPolicy(
             fail_after=s.FEDINFER_FLEET_FAIL_AFTER, recover_after=s.FEDINFER_FLEET_RECOVER_AFTER
@@ -146,12 +145,18 @@ def _observe(
         lifecycle.READY,
         lifecycle.DRAINING,
     )
+    draining = instance.state == lifecycle.DRAINING
     probe = (
-        probe_engine(instance.endpoint_url, deployment.model.name, timeout_s=config.probe_timeout_s)
+        probe_engine(
+            instance.endpoint_url,
+            deployment.model.name,
+            timeout_s=config.probe_timeout_s,
+            with_load=draining,
+        )
         if probed and process
         else Probe(False, False, "not probed")
     )
-    unhealthy, in_flight = selectors.edge_view(instance, now, config.report_fresh_s)
+    unhealthy, _ = selectors.edge_view(instance, now, config.report_fresh_s)
     runtime = getattr(instance, "runtime", None)
     since = instance.state_changed_at or instance.created_at
     return policy.Observed(
@@ -163,7 +168,9 @@ def _observe(
         answers=probe.answers,
         serves_model=probe.serves_model,
         edges_unhealthy=unhealthy,
-        in_flight=in_flight,
+        in_flight=probe.in_flight,
+        edges_caught_up=draining
+        and selectors.edges_caught_up(instance, now, config.report_fresh_s),
         health=policy.HealthCount(runtime.failures, runtime.successes)
         if runtime is not None
         else policy.HealthCount(),

@@ -7,9 +7,13 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
 
+import httpx
 import pytest
 from rest_framework.test import APIClient
 
@@ -19,8 +23,10 @@ from federation.fleet.policy import FailoverPolicy, HealthPolicy, Timeouts
 from federation.fleet.spec import EngineSpec, Running
 from federation.inventory import services as inventory
 from federation.inventory.models import Deployment, Instance
+from federation.routing import services as routing
 from tests.integration.fleet_support import engines, kill_engine, ps_engines  # noqa: F401
 from tests.integration.inventory_factories import (
+    LLAMA_8B,
     make_deployment,
     make_model,
     make_pool,
@@ -28,8 +34,9 @@ from tests.integration.inventory_factories import (
 )
 from workers.provisioners.local import LocalProvisioner
 
+LLAMA = LLAMA_8B["name"]
 CONFIG = fleet.FleetConfig(
-    timeouts=Timeouts(loading_s=30, warming_s=30, drain_s=2, drain_min_s=0),
+    timeouts=Timeouts(loading_s=30, warming_s=30, drain_s=2),
     health=HealthPolicy(fail_after=2, recover_after=2),
     failover=FailoverPolicy(),
     probe_timeout_s=2,
@@ -207,3 +214,59 @@ def test_a_pools_provisioner_is_chosen_through_the_api(admin_client: APIClient) 
     assert r.status_code == 201 and r.json()["provisioner"] == "local"
     r = admin_client.post("/api/v1/pools/", {**body, "name": "l4-b"}, format="json")
     assert r.json()["provisioner"] == "static"  # today's behaviour unless asked
+
+
+def test_a_scale_down_waits_for_the_edges_tables_and_the_engines_own_work(
+    deployment: Deployment,
+    engines: LocalProvisioner,  # noqa: F811
+) -> None:
+    patient = replace(CONFIG, timeouts=Timeouts(loading_s=30, warming_s=30, drain_s=300))
+
+    def reconcile() -> None:
+        fleet.fleet_reconcile(provisioners={"local": engines}, config=patient)
+
+    inventory.deployment_update(actor=None, deployment=deployment, data={"desired_replicas": 2})
+    reconcile_until(engines, ready(deployment, 2), "two ready instances")
+    newest = deployment.instances.order_by("-created_at").first()
+    assert newest is not None
+    edge = inventory.edge_register(
+        actor=None, region=deployment.pool.region, name="edge-1", url="http://127.0.0.1:9"
+    )
+    (v1,) = routing.routing_tables_publish()
+    routing.edge_heartbeat_record(edge=edge, applied_table_version=v1.version, instances=[])
+
+    # A long answer in flight on the replica the scale-down will pick (newest, equally idle).
+    answer: dict[str, Any] = {}
+
+    def ask() -> None:
+        r = httpx.post(
+            newest.endpoint_url + "/v1/completions",
+            json={"model": LLAMA, "prompt": "hi", "max_tokens": 3000, "min_tokens": 3000},
+            timeout=120,
+        )
+        answer.update(status=r.status_code, body=r.json())
+
+    asking = threading.Thread(target=ask)
+    asking.start()
+    try:
+        time.sleep(0.5)
+        inventory.deployment_update(
+            actor=None, deployment=deployment, data={"min_replicas": 0, "desired_replicas": 1}
+        )
+        reconcile()
+        assert states(deployment)[newest.name] == "draining"
+        reconcile()  # no table without it yet: an edge may still send it requests
+        assert states(deployment)[newest.name] == "draining"
+        (v2,) = routing.routing_tables_publish()
+        reconcile()  # published, but the edge still applies the older table
+        assert states(deployment)[newest.name] == "draining"
+        routing.edge_heartbeat_record(edge=edge, applied_table_version=v2.version, instances=[])
+        assert asking.is_alive(), "the answer finished too soon to show the drain waiting"
+        reconcile()  # every edge knows, but the engine still runs the answer
+        assert states(deployment)[newest.name] == "draining"
+    finally:
+        asking.join(120)
+    reconcile()
+    assert states(deployment)[newest.name] == "stopped"
+    assert answer["status"] == 200 and answer["body"]["usage"]["completion_tokens"] == 3000
+    assert newest.name not in engines.running()

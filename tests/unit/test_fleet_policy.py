@@ -68,6 +68,7 @@ def obs(state: str, **kw: object) -> Observed:
         serves_model=True,
         edges_unhealthy=False,
         in_flight=None,
+        edges_caught_up=False,
         health=HealthCount(),
         region_active=True,
     )
@@ -127,18 +128,20 @@ def test_a_ready_instance_fails_through_hysteresis_from_probes_or_edges() -> Non
     assert [s.act for s in result] == [Act.FAIL]
 
 
-def test_a_scaled_down_instance_stops_when_idle_after_the_minimum_or_at_the_timeout() -> None:
-    t = Timeouts(drain_s=60, drain_min_s=3)
-    draining = obs("draining", drain_reason="scale_down")
-    assert steps(replace(draining, in_flight=0, state_age_s=1), t) == []  # edges may not know yet
-    assert steps(replace(draining, in_flight=2, state_age_s=30), t) == []
-    assert steps(replace(draining, in_flight=None, state_age_s=30), t) == []
-    (step,) = steps(replace(draining, in_flight=0, state_age_s=4), t)
+def test_a_scaled_down_instance_stops_once_edges_know_and_the_engine_is_idle() -> None:
+    t = Timeouts(drain_s=60)
+    draining = obs("draining", drain_reason="scale_down", state_age_s=5)
+    # An edge still on a table that lists it may send it a request: not yet, however idle.
+    assert steps(replace(draining, in_flight=0, edges_caught_up=False), t) == []
+    assert steps(replace(draining, in_flight=2, edges_caught_up=True), t) == []
+    assert steps(replace(draining, in_flight=None, edges_caught_up=True), t) == []
+    (step,) = steps(replace(draining, in_flight=0, edges_caught_up=True), t)
     assert (step.act, step.target) == (Act.STOP, "stopped")
     (step,) = steps(replace(draining, in_flight=5, state_age_s=61), t)
     assert "timeout" in step.reason
     # An operator's or an evacuation's drain is not the fleet's to end.
-    assert steps(obs("draining", drain_reason="evacuation", in_flight=0, state_age_s=99), t) == []
+    evacuated = obs("draining", drain_reason="evacuation", in_flight=0, state_age_s=99)
+    assert steps(replace(evacuated, edges_caught_up=True), t) == []
 
 
 def r(name: str, state: str, order: int, *, reason: str = "", in_flight: int = 0) -> Replica:
