@@ -8,7 +8,7 @@ from typing import Any
 
 from django.db.models import QuerySet
 
-from federation.fleet.spec import Adapter, EngineSpec
+from federation.fleet.spec import Adapter, EngineSpec, ProvisionerError
 from federation.inventory import lifecycle
 from federation.inventory.models import Deployment, Edge, GPUPool, Instance, Region
 from federation.routing.models import RoutingTableVersion
@@ -36,6 +36,8 @@ def engine_spec(deployment: Deployment, *, name: str, url: str) -> EngineSpec:
     """What to run for one replica of ``deployment`` (loaded by :func:`provisioned_deployments`)."""
     args: dict[str, Any] = dict(deployment.engine_args or {})
     max_model_len = args.pop("max-model-len", None)
+    if max_model_len is not None and not isinstance(max_model_len, int):
+        raise ProvisionerError(f"engine_args max-model-len must be an integer: {max_model_len!r}")
     return EngineSpec(
         name=name,
         url=url,
@@ -43,7 +45,7 @@ def engine_spec(deployment: Deployment, *, name: str, url: str) -> EngineSpec:
         served_model_name=deployment.model.name,
         tensor_parallel_size=deployment.tensor_parallel_size,
         gpu_memory_utilization=deployment.pool.gpu_memory_utilization,
-        max_model_len=None if max_model_len is None else int(max_model_len),
+        max_model_len=max_model_len,
         gpus_per_node=deployment.pool.gpus_per_node,
         accelerator=deployment.pool.accelerator.name,
         role=deployment.role,

@@ -81,9 +81,10 @@ def fleet_reconcile(
     *, provisioners: Mapping[str, Provisioner], config: FleetConfig | None = None
 ) -> list[str]:
     """One pass over every provisioned deployment (those another worker holds are skipped),
-    then stop the engines no instance names. Returns what was done, one line per action."""
+    then stop the engines no instance names. Returns what was done, one line per action.
+    A provisioner that cannot list or act (its cluster away) costs its deployments this pass,
+    not the others'."""
     config = config or fleet_config()
-    listings = {kind: p.running() for kind, p in provisioners.items()}
     done: list[str] = []
     for deployment in selectors.provisioned_deployments():
         kind = deployment.pool.provisioner
@@ -91,15 +92,25 @@ def fleet_reconcile(
             logger.error("no %s provisioner configured for %s", kind, deployment)
             continue
         with advisory_lock(deployment.pk) as held:
-            if held:
+            if not held:
+                continue
+            try:
+                # Listed under the lock: another worker may have started engines until now.
                 done += deployment_reconcile(
                     deployment=deployment,
                     provisioner=provisioners[kind],
-                    listing=listings[kind],
+                    listing=provisioners[kind].running(),
                     config=config,
                 )
+            except ProvisionerError as exc:
+                logger.error("%s: %s", deployment, exc)
+                done.append(f"{deployment}: {exc}")
     for kind, provisioner in provisioners.items():
-        done += engines_orphaned_stop(provisioner=provisioner, listing=listings[kind])
+        try:
+            done += engines_orphaned_stop(provisioner=provisioner, listing=provisioner.running())
+        except ProvisionerError as exc:
+            logger.error("orphans of the %s provisioner: %s", kind, exc)
+            done.append(f"{kind}: {exc}")
     return done
 
 
@@ -224,9 +235,11 @@ def _carry_out(
     except Conflict as exc:
         return f"{instance.name}: {step.act} refused: {exc}"
     except ProvisionerError as exc:
-        inventory.instance_transition(
-            actor=None, instance=instance, state=lifecycle.FAILED, note=str(exc)[:300]
-        )
+        if step.act == policy.Act.START:  # it cannot run as specified: fail it, say why
+            inventory.instance_transition(
+                actor=None, instance=instance, state=lifecycle.FAILED, note=str(exc)[:300]
+            )
+        # A stop that failed is tried again next pass (a terminal instance's engine runs).
         return f"{instance.name}: {step.act} failed: {exc}"
     return f"{instance.name}: {step.act} {step.target} {step.reason}".rstrip()
 

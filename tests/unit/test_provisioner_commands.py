@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shlex
+from dataclasses import replace
 from typing import Any
 
 import kubernetes_validate
@@ -12,7 +13,13 @@ import pytest
 
 from federation.fleet.spec import Adapter, EngineSpec, ProvisionerError
 from workers.provisioners.commands import sim_args, vllm_args
-from workers.provisioners.kubernetes import Cluster, nodes_for, render, service_url
+from workers.provisioners.kubernetes import (
+    Cluster,
+    KubernetesProvisioner,
+    nodes_for,
+    render,
+    service_url,
+)
 
 K8S_VERSION = "1.30.0"
 SPEC = EngineSpec(
@@ -162,3 +169,115 @@ def test_a_malformed_manifest_is_refused_by_the_schema_check() -> None:
     }
     with pytest.raises(kubernetes_validate.ValidationError):
         validate(deployment)
+
+
+class ApiError(Exception):
+    def __init__(self, status: int) -> None:
+        super().__init__(f"HTTP {status}")
+        self.status = status
+
+
+class FakeCluster:
+    """The three client APIs the provisioner uses, over one dict of objects by (kind, name):
+    a fake transport, as httpx tests its clients."""
+
+    def __init__(self) -> None:
+        self.objects: dict[tuple[str, str], dict[str, Any]] = {}
+        self.down = False
+
+    def _create(self, kind: str, body: dict[str, Any]) -> None:
+        if self.down:
+            raise ApiError(503)
+        key = (kind, body["metadata"]["name"])
+        if key in self.objects:
+            raise ApiError(409)
+        self.objects[key] = body
+
+    def _delete(self, kind: str, name: str) -> None:
+        if self.objects.pop((kind, name), None) is None:
+            raise ApiError(404)
+
+    def _list(self, kind: str, selector: str) -> list[dict[str, Any]]:
+        if self.down:
+            raise ApiError(503)
+        key, _, value = selector.partition("=")
+        return [
+            o
+            for (k, _), o in self.objects.items()
+            if k == kind and o["metadata"]["labels"].get(key) == value
+        ]
+
+    # apps/v1
+    def create_namespaced_deployment(self, ns: str, body: dict[str, Any]) -> None:
+        self._create("Deployment", body)
+
+    def delete_namespaced_deployment(self, name: str, ns: str) -> None:
+        self._delete("Deployment", name)
+
+    def list_namespaced_deployment(self, ns: str, label_selector: str) -> Any:
+        class Meta:
+            def __init__(self, name: str) -> None:
+                self.name = name
+
+        class Item:
+            def __init__(self, o: dict[str, Any]) -> None:
+                self.metadata = Meta(o["metadata"]["name"])
+
+        class Listed:
+            items = [Item(o) for o in self._list("Deployment", label_selector)]
+
+        return Listed()
+
+    # core/v1
+    def create_namespaced_service(self, ns: str, body: dict[str, Any]) -> None:
+        self._create("Service", body)
+
+    def delete_namespaced_service(self, name: str, ns: str) -> None:
+        self._delete("Service", name)
+
+    # custom objects
+    def create_namespaced_custom_object(self, g: str, v: str, ns: str, p: str, body: Any) -> None:
+        self._create(body["kind"], body)
+
+    def delete_namespaced_custom_object(self, g: str, v: str, ns: str, p: str, name: str) -> None:
+        self._delete("LeaderWorkerSet", name)
+
+    def list_namespaced_custom_object(
+        self, g: str, v: str, ns: str, p: str, label_selector: str
+    ) -> dict[str, Any]:
+        return {"items": self._list("LeaderWorkerSet", label_selector)}
+
+
+def test_the_kubernetes_provisioner_creates_lists_and_deletes_through_the_client() -> None:
+    fake = FakeCluster()
+    provisioner = KubernetesProvisioner(
+        CLUSTER, apps=fake, core=fake, custom=fake, api_error=ApiError
+    )
+    small = replace(SPEC, url=provisioner.endpoint_for(SPEC.name))
+    big = EngineSpec(
+        name="big-1",
+        url="u",
+        model="m",
+        served_model_name="m",
+        tensor_parallel_size=16,
+        gpus_per_node=8,
+    )
+    provisioner.start(small)
+    provisioner.start(small)  # repeated after a crash: already there, not an error
+    provisioner.start(big)
+    assert set(fake.objects) == {
+        ("Deployment", SPEC.name),
+        ("Service", SPEC.name),
+        ("LeaderWorkerSet", "big-1"),
+        ("Service", "big-1"),
+    }
+    assert set(provisioner.running()) == {SPEC.name, "big-1"}
+    assert provisioner.running()["big-1"].url == service_url("big-1", CLUSTER)
+    provisioner.stop(SPEC.name)
+    provisioner.stop(SPEC.name)  # nothing left to stop: not an error
+    assert set(provisioner.running()) == {"big-1"}
+    fake.down = True
+    with pytest.raises(ProvisionerError, match="503"):
+        provisioner.running()
+    with pytest.raises(ProvisionerError, match="503"):
+        provisioner.start(replace(SPEC, name="other"))

@@ -30,5 +30,5 @@ def configured_provisioners() -> dict[str, Provisioner]:
             namespace=settings.FEDINFER_KUBERNETES_NAMESPACE,
             image=settings.FEDINFER_KUBERNETES_IMAGE,
         )
-        provisioners["kubernetes"] = KubernetesProvisioner(cluster)
+        provisioners["kubernetes"] = KubernetesProvisioner.from_environment(cluster)
     return provisioners

@@ -179,12 +179,23 @@ def render(spec: EngineSpec, cluster: Cluster) -> list[dict[str, Any]]:
 
 
 class KubernetesProvisioner:
-    """Applies :func:`render`'s manifests with the official client (in-cluster credentials or
-    the kubeconfig). Kubernetes keeps the pods running; this only creates, lists and deletes."""
+    """Applies :func:`render`'s manifests through the official client's APIs (apps/v1,
+    core/v1, custom objects). Kubernetes keeps the pods running; this creates, lists, deletes."""
 
     kind = "kubernetes"
 
-    def __init__(self, cluster: Cluster) -> None:
+    def __init__(
+        self, cluster: Cluster, *, apps: Any, core: Any, custom: Any, api_error: type[Exception]
+    ) -> None:
+        self.cluster = cluster
+        self.apps = apps
+        self.core = core
+        self.custom = custom
+        self._errors = api_error
+
+    @classmethod
+    def from_environment(cls, cluster: Cluster) -> KubernetesProvisioner:
+        """With in-cluster credentials, else the kubeconfig."""
         try:
             k8s = importlib.import_module("kubernetes")
         except ImportError as exc:
@@ -196,11 +207,13 @@ class KubernetesProvisioner:
             k8s.config.load_incluster_config()
         except k8s.config.ConfigException:
             k8s.config.load_kube_config()
-        self._errors = k8s.client.exceptions.ApiException
-        self.cluster = cluster
-        self.apps = k8s.client.AppsV1Api()
-        self.core = k8s.client.CoreV1Api()
-        self.custom = k8s.client.CustomObjectsApi()
+        return cls(
+            cluster,
+            apps=k8s.client.AppsV1Api(),
+            core=k8s.client.CoreV1Api(),
+            custom=k8s.client.CustomObjectsApi(),
+            api_error=k8s.client.exceptions.ApiException,
+        )
 
     def endpoint_for(self, name: str) -> str:
         return service_url(name, self.cluster)
@@ -218,7 +231,7 @@ class KubernetesProvisioner:
                         LWS_GROUP, LWS_VERSION, ns, LWS_PLURAL, manifest
                     )
             except self._errors as exc:
-                if exc.status != 409:  # already there: a start repeated after a crash
+                if _status(exc) != 409:  # already there: a start repeated after a crash
                     raise ProvisionerError(f"{manifest['kind']} {spec.name}: {exc}") from exc
         return Running(spec.name, spec.url)
 
@@ -234,7 +247,7 @@ class KubernetesProvisioner:
             try:
                 delete()
             except self._errors as exc:
-                if exc.status != 404:
+                if _status(exc) != 404:
                     raise ProvisionerError(f"delete {name}: {exc}") from exc
 
     def is_running(self, name: str) -> bool:
@@ -242,16 +255,23 @@ class KubernetesProvisioner:
 
     def running(self) -> dict[str, Running]:
         ns, selector = self.cluster.namespace, f"app.kubernetes.io/managed-by={MANAGED_BY}"
-        names = [
-            d.metadata.name
-            for d in self.apps.list_namespaced_deployment(ns, label_selector=selector).items
-        ]
+        try:
+            listed = self.apps.list_namespaced_deployment(ns, label_selector=selector)
+        except self._errors as exc:
+            raise ProvisionerError(f"list Deployments in {ns}: {exc}") from exc
+        names = [d.metadata.name for d in listed.items]
         try:
             sets = self.custom.list_namespaced_custom_object(
                 LWS_GROUP, LWS_VERSION, ns, LWS_PLURAL, label_selector=selector
             )
-            names += [item["metadata"]["name"] for item in sets.get("items", [])]
         except self._errors as exc:
-            if exc.status != 404:  # 404: the LeaderWorkerSet CRD is not installed
-                raise
+            if _status(exc) != 404:  # 404: the LeaderWorkerSet CRD is not installed
+                raise ProvisionerError(f"list LeaderWorkerSets in {ns}: {exc}") from exc
+        else:
+            names += [item["metadata"]["name"] for item in sets.get("items", [])]
         return {n: Running(n, service_url(n, self.cluster)) for n in names}
+
+
+def _status(exc: Exception) -> int | None:
+    """The HTTP status of the client's ApiException."""
+    return getattr(exc, "status", None)
