@@ -5,8 +5,9 @@ embedded beat, on this test's Redis DB and PostgreSQL database) whose local prov
 * an engine killed → marked failed, out of every region's table, replaced, served again;
 * a region whose edges all fall silent → evacuated with no operator call, restored (with the
   ramp) once its edges are back and stable;
-* the worker killed mid-pass, again and again, then restarted → no duplicate instances, no
-  orphaned engines (the provisioner's listing and ``ps`` agree with the database).
+* the worker killed mid-pass, again and again, then restarted, and the database cutting the
+  worker's connections mid-pass → no duplicate instances, no orphaned engines (the
+  provisioner's listing and ``ps`` agree with the database).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any
 
 import httpx
 import pytest
+from django.db import connection
 
 from federation.core.models import AuditEvent
 from federation.inventory import services as inventory
@@ -242,3 +244,39 @@ def test_a_worker_killed_mid_pass_leaves_no_duplicates_and_no_orphans(
     wait_until(lambda: not live(dep), 30, "scaled to zero", log)
     wait_until(lambda: not ps_engines(engines), 15, "no engine process left", log)
     assert engines.running() == {}
+
+
+@pytest.mark.django_db(transaction=True, serialized_rollback=True)
+def test_the_database_cutting_the_workers_connections_mid_pass_leaves_no_duplicates(
+    procs: Supervisor,
+    engines: LocalProvisioner,  # noqa: F811
+) -> None:
+    """Every 0.2 s for 8 s PostgreSQL terminates the worker's connections to this database (as a
+    failover of the database would): passes die between any two writes, tasks retry, the
+    advisory locks go with the connections. Afterwards: exactly the desired engines."""
+    region = make_region("eu-west", "EU")
+    dep = make_deployment(
+        make_model(),
+        make_pool(region, provisioner="local"),
+        min_replicas=0,
+        desired_replicas=3,
+        max_replicas=4,
+    )
+    worker = start_worker(procs, engines.engines_dir)
+    cut = 0
+    deadline = time.monotonic() + 8
+    with connection.cursor() as cursor:
+        while time.monotonic() < deadline:
+            cursor.execute(
+                "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+                "WHERE datname = current_database() AND pid <> pg_backend_pid()"
+            )
+            cut += cursor.fetchone()[0]
+            time.sleep(0.2)
+    assert cut >= 5, cut  # the worker was connected, and cut off, again and again
+    wait_until(lambda: len(ready(dep)) == 3, 60, "three ready instances", worker.log)
+    time.sleep(2)
+    assert len(live(dep)) == 3
+    assert set(engines.running()) == live(dep)
+    assert len(ps_engines(engines)) == 3
+    assert worker.poll() is None  # the worker itself survived its database going away
