@@ -273,7 +273,9 @@ def test_the_database_cutting_the_workers_connections_mid_pass_leaves_no_duplica
             )
             cut += cursor.fetchone()[0]
             time.sleep(0.2)
-    assert cut >= 5, cut  # the worker was connected, and cut off, again and again
+    # The worker was connected and cut off, again and again, and its tasks noticed.
+    assert cut >= 2, cut
+    assert "OperationalError" in worker.log.read_text()
     wait_until(lambda: len(ready(dep)) == 3, 60, "three ready instances", worker.log)
     time.sleep(2)
     assert len(live(dep)) == 3
