@@ -21,7 +21,6 @@ class InstanceRuntime(models.Model):
     successes = models.PositiveIntegerField(
         default=0, help_text="Consecutive good probes since the last failure."
     )
-    last_probe_at = models.DateTimeField(null=True, blank=True)
     last_problem = models.CharField(max_length=300, blank=True, default="")
 
     def __str__(self) -> str:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import secrets
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime
 
@@ -136,37 +137,46 @@ def deployment_reconcile(
     to ``desired_replicas``. The caller holds the deployment's lock."""
     done: list[str] = []
     now = timezone.now()
-    for instance in selectors.deployment_instances(deployment):
-        obs = _observe(deployment, instance, instance.name in listing, now, config)
+    instances = selectors.deployment_instances(deployment)
+    # Probes are I/O only: all of the deployment's at once, so hung engines cost one timeout.
+    with ThreadPoolExecutor(max_workers=max(1, min(16, len(instances)))) as pool:
+        probes = list(
+            pool.map(lambda i: _probe(deployment, i, i.name in listing, config), instances)
+        )
+    for instance, probe in zip(instances, probes, strict=True):
+        obs = _observe(deployment, instance, instance.name in listing, probe, now, config)
         steps, count = policy.instance_steps(obs, timeouts=config.timeouts, health=config.health)
         if instance.state in lifecycle.LIVE_STATES:
-            _store_health(instance, provisioner.kind, count, now, obs)
+            _store_health(instance, provisioner.kind, count, obs)
         for step in steps:
             done.append(_carry_out(step, instance, deployment, provisioner))
     done += _match_replicas(deployment, provisioner, config)
     return done
 
 
+_PROBED = (lifecycle.LOADING, lifecycle.WARMING, lifecycle.READY, lifecycle.DRAINING)
+
+
+def _probe(deployment: Deployment, instance: Instance, process: bool, config: FleetConfig) -> Probe:
+    if instance.state not in _PROBED or not process:
+        return Probe(False, False, "not probed")
+    return probe_engine(
+        instance.endpoint_url,
+        deployment.model.name,
+        timeout_s=config.probe_timeout_s,
+        with_load=instance.state == lifecycle.DRAINING,
+    )
+
+
 def _observe(
-    deployment: Deployment, instance: Instance, process: bool, now: datetime, config: FleetConfig
+    deployment: Deployment,
+    instance: Instance,
+    process: bool,
+    probe: Probe,
+    now: datetime,
+    config: FleetConfig,
 ) -> policy.Observed:
-    probed = instance.state in (
-        lifecycle.LOADING,
-        lifecycle.WARMING,
-        lifecycle.READY,
-        lifecycle.DRAINING,
-    )
     draining = instance.state == lifecycle.DRAINING
-    probe = (
-        probe_engine(
-            instance.endpoint_url,
-            deployment.model.name,
-            timeout_s=config.probe_timeout_s,
-            with_load=draining,
-        )
-        if probed and process
-        else Probe(False, False, "not probed")
-    )
     unhealthy, _ = selectors.edge_view(instance, now, config.report_fresh_s)
     runtime = getattr(instance, "runtime", None)
     since = instance.state_changed_at or instance.created_at
@@ -190,18 +200,25 @@ def _observe(
 
 
 def _store_health(
-    instance: Instance, kind: str, count: policy.HealthCount, now: datetime, obs: policy.Observed
+    instance: Instance, kind: str, count: policy.HealthCount, obs: policy.Observed
 ) -> None:
+    """The probe counts, written only when they change (not once per instance per pass)."""
     problem = ""
     if obs.state in (lifecycle.READY, lifecycle.DRAINING) and count.failures:
         problem = "edges report it unhealthy" if obs.edges_unhealthy else "probe failed"
+    runtime: InstanceRuntime | None = getattr(instance, "runtime", None)
+    if runtime is not None and (runtime.failures, runtime.successes, runtime.last_problem) == (
+        count.failures,
+        count.successes,
+        problem,
+    ):
+        return
     InstanceRuntime.objects.update_or_create(
         instance=instance,
         defaults={
             "provisioner": kind,
             "failures": count.failures,
             "successes": count.successes,
-            "last_probe_at": now,
             "last_problem": problem,
         },
     )
