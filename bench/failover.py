@@ -267,7 +267,9 @@ def run(n_regions: int, reps: int, rate: float, db_url: str, redis_url: str) -> 
                 )
                 time.sleep(2)
         finally:
-            # The engines outlive the worker by design: stop them with the run.
+            # The engines outlive the worker by design: stop the worker (which could start
+            # more), then them.
+            group.stop_all()
             provisioner = LocalProvisioner(LOGS / "engines")
             for name in provisioner.running():
                 provisioner.stop(name)

@@ -11,16 +11,20 @@ from pathlib import Path
 
 import pytest
 
+from regions.supervisor import Supervisor
 from workers.provisioners.local import ENV_OWNER, LocalProvisioner
 
 
 @pytest.fixture
-def engines(tmp_path: Path) -> Iterator[LocalProvisioner]:
-    """A local provisioner whose engines live under this test; any left are stopped after."""
+def engines(tmp_path: Path, procs: Supervisor) -> Iterator[LocalProvisioner]:
+    """A local provisioner whose engines live under this test. At the end the test's
+    processes (a worker that could start more engines) are stopped first, then every engine
+    left: engines outlive the worker that started them, by design."""
     provisioner = LocalProvisioner(tmp_path / "engines")
     try:
         yield provisioner
     finally:
+        procs.stop_all()
         for name in provisioner.running():
             provisioner.stop(name)
 

@@ -15,6 +15,8 @@ from typing import Any
 
 import httpx
 import pytest
+from django.contrib.auth.models import User
+from django.test import Client
 from rest_framework.test import APIClient
 
 from federation.core.models import AuditEvent
@@ -270,3 +272,18 @@ def test_a_scale_down_waits_for_the_edges_tables_and_the_engines_own_work(
     assert states(deployment)[newest.name] == "stopped"
     assert answer["status"] == 200 and answer["body"]["usage"]["completion_tokens"] == 3000
     assert newest.name not in engines.running()
+
+
+def test_what_the_worker_remembers_is_browsable_read_only_in_the_admin(
+    deployment: Deployment,
+    engines: LocalProvisioner,  # noqa: F811
+) -> None:
+    reconcile_until(engines, ready(deployment, 1), "one ready instance")
+    (name,) = live(deployment)
+    staff = User.objects.create_superuser("root", password="pw-root-1234")
+    client = Client()
+    client.force_login(staff)
+    page = client.get("/admin/fleet/instanceruntime/")
+    assert page.status_code == 200 and name in page.content.decode()
+    assert client.get("/admin/fleet/regionfailover/").status_code == 200
+    assert client.get("/admin/fleet/instanceruntime/add/").status_code == 403
