@@ -5,6 +5,7 @@ counts, failure and replacement, and the crash windows (adoption, orphans)."""
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 import signal
 import threading
@@ -16,6 +17,7 @@ from typing import Any
 import httpx
 import pytest
 from django.contrib.auth.models import User
+from django.core.management import CommandError, call_command
 from django.test import Client
 from rest_framework.test import APIClient
 
@@ -287,3 +289,27 @@ def test_what_the_worker_remembers_is_browsable_read_only_in_the_admin(
     assert page.status_code == 200 and name in page.content.decode()
     assert client.get("/admin/fleet/regionfailover/").status_code == 200
     assert client.get("/admin/fleet/instanceruntime/add/").status_code == 403
+
+
+def test_fedinfer_engines_lists_the_engines_with_their_instances_and_stops_them(
+    deployment: Deployment,
+    engines: LocalProvisioner,  # noqa: F811
+    settings: Any,
+) -> None:
+    settings.FEDINFER_LOCAL_ENGINES_DIR = engines.engines_dir
+    reconcile_until(engines, ready(deployment, 1), "one ready instance")
+    (name,) = live(deployment)
+    stray = EngineSpec(
+        name="stray", url=engines.endpoint_for("stray"), model="m", served_model_name="m"
+    )
+    engines.start(stray)
+    out = io.StringIO()
+    call_command("engines", stdout=out)
+    lines = sorted(out.getvalue().splitlines())
+    assert len(lines) == 2
+    assert lines[0].startswith(name) and lines[0].endswith("\tready")
+    assert lines[1].startswith("stray") and lines[1].endswith("no instance (orphan)")
+    with pytest.raises(CommandError, match="No engine named nothing"):
+        call_command("engines", "--stop", "nothing")
+    call_command("engines", "--stop-all", stdout=io.StringIO())
+    assert engines.running() == {} and ps_engines(engines) == []
