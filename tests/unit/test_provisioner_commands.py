@@ -72,6 +72,21 @@ def test_a_minimal_spec_renders_no_optional_flags() -> None:
         assert absent not in args
 
 
+def test_prefill_and_decode_engines_get_a_kv_transfer_connector_unless_given_one() -> None:
+    base = EngineSpec(name="x", url="u", model="m", served_model_name="m")
+    assert "--kv-transfer-config" not in vllm_args(base, host="h", port=1)
+    for role in ("prefill", "decode"):
+        args = vllm_args(replace(base, role=role), host="h", port=1)
+        assert json.loads(flag(args, "--kv-transfer-config")) == {
+            "kv_connector": "NixlConnector",
+            "kv_role": "kv_both",
+        }
+    own = {"kv-transfer-config": {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}}
+    args = vllm_args(replace(base, role="prefill", engine_args=own), host="h", port=1)
+    assert args.count("--kv-transfer-config") == 1
+    assert "LMCacheConnectorV1" in flag(args, "--kv-transfer-config")
+
+
 def test_an_adapter_rank_rounds_up_to_one_vllm_accepts() -> None:
     spec = EngineSpec(
         name="x", url="u", model="m", served_model_name="m", adapters=(Adapter("a", "p", 40),)

@@ -33,6 +33,11 @@ RENDERED_FLAGS = frozenset(
     }
 )
 _FLAG = re.compile(r"^[a-z0-9][a-z0-9-]*$")
+DISAGGREGATED_ROLES = frozenset({"prefill", "decode"})
+#: A prefill or decode engine moves KV blocks with vLLM's NIXL connector, which plays both
+#: sides (ADR 0007: the edge hands ``kv_transfer_params`` from one to the other); a deployment
+#: with another connector gives its own ``kv-transfer-config`` in engine_args.
+PD_KV_TRANSFER_CONFIG = json.dumps({"kv_connector": "NixlConnector", "kv_role": "kv_both"})
 
 
 def _lora_rank(rank: int) -> int:
@@ -105,6 +110,8 @@ def vllm_args(spec: EngineSpec, *, host: str, port: int) -> list[str]:
         args += ["--max-lora-rank", str(_lora_rank(max(a.rank for a in spec.adapters)))]
     if spec.kv_events_port is not None:
         args += ["--kv-events-config", kv_events_config(spec.kv_events_port)]
+    if spec.role in DISAGGREGATED_ROLES and "kv-transfer-config" not in spec.engine_args:
+        args += ["--kv-transfer-config", PD_KV_TRANSFER_CONFIG]
     return args + _extra_flags(spec.engine_args)
 
 
