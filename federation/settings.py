@@ -204,7 +204,7 @@ FEDINFER_LOCAL_ENGINE = env_str("FEDINFER_LOCAL_ENGINE", "sim")  # sim | vllm
 FEDINFER_LOCAL_ENGINES_DIR = Path(env_str("FEDINFER_LOCAL_ENGINES_DIR", str(VAR_DIR / "engines")))
 FEDINFER_VLLM_PYTHON = env_str("FEDINFER_VLLM_PYTHON", str(BASE_DIR / ".venv-vllm/bin/python"))
 FEDINFER_KUBERNETES_NAMESPACE = env_str("FEDINFER_KUBERNETES_NAMESPACE", "")
-FEDINFER_KUBERNETES_IMAGE = env_str("FEDINFER_KUBERNETES_IMAGE", "vllm/vllm-openai:v0.11.0")
+FEDINFER_KUBERNETES_IMAGE = env_str("FEDINFER_KUBERNETES_IMAGE", "vllm/vllm-openai:v0.32.0")
 if FEDINFER_LOCAL_ENGINE not in ("sim", "vllm"):
     raise ImproperlyConfiguredEnv("FEDINFER_LOCAL_ENGINE must be 'sim' or 'vllm'")
 for _task in ("reconcile", "failover"):

@@ -113,7 +113,7 @@ def test_the_simulator_gets_the_subset_it_models() -> None:
     assert "--accelerator" not in sim_args(unknown, host="h", port=1)
 
 
-CLUSTER = Cluster(namespace="inference", image="vllm/vllm-openai:v0.11.0")
+CLUSTER = Cluster(namespace="inference", image="vllm/vllm-openai:v0.32.0")
 
 
 def validate(manifest: dict[str, Any]) -> None:
