@@ -62,6 +62,7 @@ def test_the_vllm_command_line_carries_every_flag_of_the_deployment() -> None:
         "topic": "kv-events",
     }
     assert flag(args, "--max-num-seqs") == "128" and "--enforce-eager" in args
+    assert "--enable-prefix-caching" in args and "--enable-prompt-tokens-details" in args
     assert "--disable-log-stats" not in args  # False leaves a flag out
 
 
@@ -140,6 +141,8 @@ def test_a_group_within_one_node_is_a_deployment_and_a_service_that_validate() -
     (container,) = pod["containers"]
     assert container["resources"]["limits"]["nvidia.com/gpu"] == "2"
     assert container["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+    annotations = deployment["spec"]["template"]["metadata"]["annotations"]
+    assert annotations["prometheus.io/port"] == "8000"
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
     assert ports == {"http": 8000, "kv-events": 5557}
     command = container["command"]

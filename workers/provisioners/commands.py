@@ -30,6 +30,8 @@ RENDERED_FLAGS = frozenset(
         "lora-modules",
         "max-lora-rank",
         "kv-events-config",
+        "enable-prefix-caching",
+        "enable-prompt-tokens-details",
     }
 )
 _FLAG = re.compile(r"^[a-z0-9][a-z0-9-]*$")
@@ -101,6 +103,10 @@ def vllm_args(spec: EngineSpec, *, host: str, port: int) -> list[str]:
         str(spec.tensor_parallel_size),
         "--gpu-memory-utilization",
         f"{spec.gpu_memory_utilization:g}",
+        # The edge routes on prefix-cache hits and meters cached tokens from the usage's
+        # prompt_tokens_details (as platform/k8s/region/vllm.yaml and tests/vllm run it).
+        "--enable-prefix-caching",
+        "--enable-prompt-tokens-details",
     ]
     if spec.max_model_len is not None:
         args += ["--max-model-len", str(spec.max_model_len)]

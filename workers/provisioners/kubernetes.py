@@ -77,7 +77,11 @@ def _container(
         "name": "vllm",
         "image": cluster.image,
         "command": command,
-        "resources": {"limits": {"nvidia.com/gpu": str(gpus)}},
+        "env": [{"name": "VLLM_NO_USAGE_STATS", "value": "1"}],
+        "resources": {
+            "requests": {"nvidia.com/gpu": str(gpus)},
+            "limits": {"nvidia.com/gpu": str(gpus)},
+        },
         "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"}],
     }
     if serves:
@@ -96,8 +100,24 @@ def _container(
 def _pod_spec(container: dict[str, Any]) -> dict[str, Any]:
     return {
         "containers": [container],
+        # GPU nodes are usually tainted for GPU workloads only.
+        "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+        # Time for vLLM to finish what it runs when the pod is deleted (the worker drains first).
+        "terminationGracePeriodSeconds": 120,
         # Tensor-parallel workers exchange tensors through shared memory.
         "volumes": [{"name": "dshm", "emptyDir": {"medium": "Memory"}}],
+    }
+
+
+def _pod_metadata(labels: dict[str, str], cluster: Cluster) -> dict[str, Any]:
+    """Pod labels, and Prometheus scrape annotations on the API port (its /metrics)."""
+    return {
+        "labels": labels,
+        "annotations": {
+            "prometheus.io/scrape": "true",
+            "prometheus.io/port": str(cluster.http_port),
+            "prometheus.io/path": "/metrics",
+        },
     }
 
 
@@ -127,7 +147,10 @@ def render(spec: EngineSpec, cluster: Cluster) -> list[dict[str, Any]]:
                 "replicas": 1,
                 "selector": {"matchLabels": {INSTANCE_LABEL: spec.name}},
                 "strategy": {"type": "Recreate"},  # never two engines on one instance's GPUs
-                "template": {"metadata": {"labels": pod_labels}, "spec": _pod_spec(container)},
+                "template": {
+                    "metadata": _pod_metadata(pod_labels, cluster),
+                    "spec": _pod_spec(container),
+                },
             },
         }
         selector = {INSTANCE_LABEL: spec.name}
@@ -152,7 +175,7 @@ def render(spec: EngineSpec, cluster: Cluster) -> list[dict[str, Any]]:
                     "size": nodes,
                     "restartPolicy": "RecreateGroupOnPodRestart",
                     "leaderTemplate": {
-                        "metadata": {"labels": {**pod_labels, "role": "leader"}},
+                        "metadata": _pod_metadata({**pod_labels, "role": "leader"}, cluster),
                         "spec": _pod_spec(leader),
                     },
                     "workerTemplate": {
