@@ -155,6 +155,9 @@ class Replica:
     drain_reason: str
     in_flight: int
     created_order: int  # higher: newer
+    #: Created by the worker; an instance the operator registered counts, but is never
+    #: stopped or drained by a scale-down.
+    managed: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,7 +176,8 @@ def replica_plan(
 ) -> ReplicaPlan:
     """Match the replicas that count (all live ones but those draining to be stopped) to
     ``desired``: undrain scaled-down ones first (they are warm), then create; or stop the ones
-    not serving yet (newest first), then drain ready ones (least in flight first)."""
+    not serving yet (newest first), then drain ready ones (least in flight first) — of those
+    the worker created."""
     counted = [
         r for r in replicas if r.state in lifecycle.LIVE_STATES and r.drain_reason != SCALE_DOWN
     ]
@@ -192,13 +196,14 @@ def replica_plan(
     if missing == 0:
         return ReplicaPlan()
     excess = -missing
+    ours = [r for r in counted if r.managed]
     not_serving = sorted(
-        (r for r in counted if r.state in _COMING or r.state == lifecycle.DRAINING),
+        (r for r in ours if r.state in _COMING or r.state == lifecycle.DRAINING),
         key=lambda r: (r.state == lifecycle.DRAINING, -r.created_order),
     )
     stop = tuple(r.name for r in not_serving[:excess])
     ready = sorted(
-        (r for r in counted if r.state == lifecycle.READY),
+        (r for r in ours if r.state == lifecycle.READY),
         key=lambda r: (r.in_flight, -r.created_order),
     )
     drain = tuple(r.name for r in ready[: excess - len(stop)])

@@ -137,7 +137,9 @@ def deployment_reconcile(
     to ``desired_replicas``. The caller holds the deployment's lock."""
     done: list[str] = []
     now = timezone.now()
-    instances = selectors.deployment_instances(deployment)
+    # The worker acts on the instances it created (they have a runtime row, written with the
+    # instance); one the operator registered by URL on this pool is the operator's.
+    instances = [i for i in selectors.deployment_instances(deployment) if _managed(i)]
     # Probes are I/O only: all of the deployment's at once, so hung engines cost one timeout.
     with ThreadPoolExecutor(max_workers=max(1, min(16, len(instances)))) as pool:
         probes = list(
@@ -271,6 +273,10 @@ def _audit_engine(instance: Instance, action: str, kind: str) -> None:
     audit_record(actor=None, action=action, obj=instance, changes={"provisioner": kind})
 
 
+def _managed(instance: Instance) -> bool:
+    return getattr(instance, "runtime", None) is not None
+
+
 def _replicas(deployment: Deployment, config: FleetConfig) -> list[policy.Replica]:
     now = timezone.now()
     return [
@@ -280,6 +286,7 @@ def _replicas(deployment: Deployment, config: FleetConfig) -> list[policy.Replic
             drain_reason=inst.drain_reason,
             in_flight=selectors.edge_view(inst, now, config.report_fresh_s)[1] or 0,
             created_order=order,
+            managed=_managed(inst),
         )
         for order, inst in enumerate(selectors.deployment_instances(deployment))
     ]

@@ -32,6 +32,7 @@ from tests.integration.fleet_support import engines, kill_engine, ps_engines  # 
 from tests.integration.inventory_factories import (
     LLAMA_8B,
     make_deployment,
+    make_instance,
     make_model,
     make_pool,
     make_region,
@@ -313,3 +314,23 @@ def test_fedinfer_engines_lists_the_engines_with_their_instances_and_stops_them(
         call_command("engines", "--stop", "nothing")
     call_command("engines", "--stop-all", stdout=io.StringIO())
     assert engines.running() == {} and ps_engines(engines) == []
+
+
+def test_an_instance_the_operator_registered_on_a_provisioned_pool_is_left_alone(
+    deployment: Deployment,
+    engines: LocalProvisioner,  # noqa: F811
+) -> None:
+    """It counts toward desired_replicas, is never probed, failed, stopped or drained: only
+    what the worker created is the worker's."""
+    hand = make_instance(deployment, "by-hand", "ready", endpoint_url="http://10.9.9.9:8000")
+    for _ in range(3):
+        fleet.fleet_reconcile(provisioners={"local": engines}, config=CONFIG)
+    assert states(deployment) == {"by-hand": "ready"} and engines.running() == {}
+    inventory.deployment_update(actor=None, deployment=deployment, data={"desired_replicas": 2})
+    reconcile_until(engines, ready(deployment, 2), "the worker's own second replica")
+    (ours,) = set(engines.running())
+    inventory.deployment_update(
+        actor=None, deployment=deployment, data={"min_replicas": 0, "desired_replicas": 1}
+    )
+    reconcile_until(engines, lambda: states(deployment)[ours] == "stopped", "ours scaled down")
+    assert states(deployment)[hand.name] == "ready"

@@ -224,3 +224,15 @@ def test_an_automatic_evacuation_is_restored_only_after_stable_for_the_configure
         0
     ] == (Verdict.NONE)
     assert region_verdict(region(auto_evacuated=True), REGION_POLICY)[0] == Verdict.FORGET
+
+
+def test_a_scale_down_never_picks_an_instance_the_operator_registered() -> None:
+    by_hand = Replica("hand", "ready", "", 0, 0, managed=False)
+    ours = r("ours", "ready", 1, in_flight=9)
+    plan = replica_plan([by_hand, ours], desired=1, max_replicas=2, can_place=True)
+    assert plan.drain == ("ours",)
+    assert replica_plan([by_hand], desired=0, max_replicas=2, can_place=True) == replica_plan(
+        [], desired=0, max_replicas=2, can_place=True
+    )
+    # It counts as a replica all the same.
+    assert replica_plan([by_hand], desired=1, max_replicas=2, can_place=True).create == 0
