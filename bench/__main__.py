@@ -9,6 +9,8 @@
                                       (flags: python -m bench.metering -h)
     python -m bench console [...]     the console's page times with 5,000 tenants on PostgreSQL
                                       (flags: python -m bench.console -h)
+    python -m bench failover [...]    engine death -> out of every table, on the real control
+                                      plane with the local provisioner (python -m bench.failover -h)
 
 Results are printed as Markdown tables and written as JSON under ``var/bench/``.
 """
@@ -40,6 +42,10 @@ def main(argv: list[str]) -> None:
         from bench import console
 
         console.main(argv[1:])
+    elif argv[0] == "failover":
+        from bench import failover
+
+        failover.main(argv[1:])
     else:
         raise SystemExit(__doc__)
 

@@ -57,6 +57,7 @@ INSTALLED_APPS = [
     "federation.routing",
     "federation.metering",
     "federation.demo",
+    "federation.fleet",
     "console.apps.ConsoleConfig",
     # The Celery app, loaded wherever Django runs: domains queue tasks by name on it.
     "workers.apps.WorkersConfig",
@@ -116,6 +117,7 @@ MIGRATION_MODULES = {
     "tenancy": "migrations.tenancy",
     "routing": "migrations.routing",
     "metering": "migrations.metering",
+    "fleet": "migrations.fleet",
 }
 
 REDIS_URL = env_str("REDIS_URL", "", required_in_production=True)
@@ -184,6 +186,34 @@ CELERY_BEAT_SCHEDULE: dict[str, dict[str, object]] = {
         "schedule": float(FEDINFER_USAGE_ROLLUP_SECONDS),
     },
 }
+# The fleet: lifecycle, replica counts and failover (docs/operations.md).
+FEDINFER_FLEET_INTERVAL_SECONDS = env_int("FEDINFER_FLEET_INTERVAL_SECONDS", 2)
+FEDINFER_FLEET_PROBE_TIMEOUT_SECONDS = env_int("FEDINFER_FLEET_PROBE_TIMEOUT_SECONDS", 2)
+FEDINFER_FLEET_REPORT_FRESH_SECONDS = env_int("FEDINFER_FLEET_REPORT_FRESH_SECONDS", 10)
+FEDINFER_FLEET_FAIL_AFTER = env_int("FEDINFER_FLEET_FAIL_AFTER", 3)
+FEDINFER_FLEET_RECOVER_AFTER = env_int("FEDINFER_FLEET_RECOVER_AFTER", 2)
+FEDINFER_FLEET_LOADING_TIMEOUT_SECONDS = env_int("FEDINFER_FLEET_LOADING_TIMEOUT_SECONDS", 600)
+FEDINFER_FLEET_WARMING_TIMEOUT_SECONDS = env_int("FEDINFER_FLEET_WARMING_TIMEOUT_SECONDS", 300)
+FEDINFER_FLEET_DRAIN_TIMEOUT_SECONDS = env_int("FEDINFER_FLEET_DRAIN_TIMEOUT_SECONDS", 60)
+FEDINFER_FAILOVER_EDGE_SILENCE_SECONDS = env_int("FEDINFER_FAILOVER_EDGE_SILENCE_SECONDS", 15)
+FEDINFER_FAILOVER_FAILED_PERCENT = env_int("FEDINFER_FAILOVER_FAILED_PERCENT", 50)
+FEDINFER_FAILOVER_MIN_FAILED = env_int("FEDINFER_FAILOVER_MIN_FAILED", 2)
+FEDINFER_FAILOVER_FAILED_WINDOW_SECONDS = env_int("FEDINFER_FAILOVER_FAILED_WINDOW_SECONDS", 60)
+FEDINFER_FAILOVER_RESTORE_AFTER_SECONDS = env_int("FEDINFER_FAILOVER_RESTORE_AFTER_SECONDS", 30)
+FEDINFER_LOCAL_ENGINE = env_str("FEDINFER_LOCAL_ENGINE", "sim")  # sim | vllm
+FEDINFER_LOCAL_ENGINES_DIR = Path(env_str("FEDINFER_LOCAL_ENGINES_DIR", str(VAR_DIR / "engines")))
+FEDINFER_VLLM_PYTHON = env_str("FEDINFER_VLLM_PYTHON", str(BASE_DIR / ".venv-vllm/bin/python"))
+FEDINFER_KUBERNETES_NAMESPACE = env_str("FEDINFER_KUBERNETES_NAMESPACE", "")
+FEDINFER_KUBERNETES_IMAGE = env_str("FEDINFER_KUBERNETES_IMAGE", "vllm/vllm-openai:v0.32.0")
+if FEDINFER_LOCAL_ENGINE not in ("sim", "vllm"):
+    raise ImproperlyConfiguredEnv("FEDINFER_LOCAL_ENGINE must be 'sim' or 'vllm'")
+for _task in ("reconcile", "failover"):
+    CELERY_BEAT_SCHEDULE[f"fleet-{_task}"] = {
+        "task": f"fedinfer.fleet.{_task}",
+        "schedule": float(FEDINFER_FLEET_INTERVAL_SECONDS),
+        # A pass that missed its turn is dropped, not piled up behind a slow one.
+        "options": {"expires": float(FEDINFER_FLEET_INTERVAL_SECONDS)},
+    }
 if REDIS_URL:
     # Edges ship usage to the Redis stream; without Redis they POST it to the control plane.
     CELERY_BEAT_SCHEDULE["usage-ingest"] = {"task": "fedinfer.usage.ingest", "schedule": 2.0}

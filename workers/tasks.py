@@ -11,10 +11,12 @@ from django.db import DatabaseError
 from django.utils import timezone
 
 from federation.core.metrics import USAGE_REJECTED
+from federation.fleet import services as fleet
 from federation.metering import services as metering
 from federation.metering.stream import usage_stream_consume
 from federation.routing import services as routing
 from workers.celery import app
+from workers.provisioners import configured_provisioners
 
 
 @app.task(
@@ -63,3 +65,28 @@ def usage_rollup_task() -> int:
     """Give every closed hour its rollup, then recompute the stale hours; how many."""
     metering.usage_hours_close(now=timezone.now())
     return len(metering.usage_hours_refresh(limit=200))
+
+
+@app.task(
+    name="fedinfer.fleet.reconcile",
+    autoretry_for=(DatabaseError,),
+    retry_backoff=1,
+    retry_backoff_max=30,
+    max_retries=5,
+)
+def fleet_reconcile_task() -> list[str]:
+    """Move every provisioned instance along its lifecycle and keep replica counts at
+    ``desired_replicas``; what was done."""
+    return fleet.fleet_reconcile(provisioners=configured_provisioners())
+
+
+@app.task(
+    name="fedinfer.fleet.failover",
+    autoretry_for=(DatabaseError,),
+    retry_backoff=1,
+    retry_backoff_max=30,
+    max_retries=5,
+)
+def fleet_failover_task() -> list[str]:
+    """Evacuate regions in trouble and restore those the fleet evacuated once stable."""
+    return fleet.fleet_failover()

@@ -167,6 +167,11 @@ class GPUPool(TimeStampedModel):
         ACTIVE = "active", "Active"
         CORDONED = "cordoned", "Cordoned (no new replicas)"
 
+    class Provisioner(models.TextChoices):
+        STATIC = "static", "Static (engines run by the operator, registered by URL)"
+        LOCAL = "local", "Local processes (engine simulator or vLLM)"
+        KUBERNETES = "kubernetes", "Kubernetes workloads"
+
     region = models.ForeignKey(Region, on_delete=models.PROTECT, related_name="pools")
     name = models.CharField(max_length=63, validators=[slug_validator])
     accelerator = models.ForeignKey(AcceleratorType, on_delete=models.PROTECT, related_name="pools")
@@ -190,6 +195,13 @@ class GPUPool(TimeStampedModel):
         help_text="Share of GPU memory vLLM may use (its --gpu-memory-utilization).",
     )
     status = models.CharField(max_length=16, choices=Status.choices, default=Status.ACTIVE)
+    provisioner = models.CharField(
+        max_length=16,
+        choices=Provisioner.choices,
+        default=Provisioner.STATIC,
+        help_text="Who starts its engines: the operator (static), or the worker (local, "
+        "kubernetes), which then keeps each deployment at its desired_replicas.",
+    )
 
     class Meta:
         ordering = ["region__code", "name"]
@@ -329,6 +341,7 @@ class Instance(TimeStampedModel):
         NONE = "", "Not draining"
         OPERATOR = "operator", "Drained by an operator"
         EVACUATION = "evacuation", "Region evacuated"
+        SCALE_DOWN = "scale_down", "Scaled down (stopped once idle)"
 
     deployment = models.ForeignKey(Deployment, on_delete=models.PROTECT, related_name="instances")
     name = models.CharField(max_length=63, unique=True, validators=[slug_validator])

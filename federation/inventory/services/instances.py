@@ -142,9 +142,12 @@ def _refuse_ready_in_evacuated(region: Region) -> None:
 
 
 @transaction.atomic
-def instance_transition(*, actor: Actor, instance: Instance, state: str) -> Instance:
+def instance_transition(
+    *, actor: Actor, instance: Instance, state: str, note: str = ""
+) -> Instance:
     """Any legal lifecycle move (the provisioner reports loading, warming, ready, failed…).
-    Becoming ready is refused in an evacuated region, atomically with evacuations."""
+    Becoming ready is refused in an evacuated region, atomically with evacuations. ``note``
+    (why, e.g. the failed probes) goes into the audit event."""
     region = _lock_region_of(instance) if state == lifecycle.READY else None
     instance = model_lock(instance)
     lifecycle.check_transition(instance.state, state)
@@ -152,7 +155,7 @@ def instance_transition(*, actor: Actor, instance: Instance, state: str) -> Inst
         _refuse_ready_in_evacuated(region)
     if state in lifecycle.LIVE_STATES and instance.state not in lifecycle.LIVE_STATES:
         _ensure_room_for_replica(instance.deployment)
-    reason = Instance.DrainReason.OPERATOR if state == lifecycle.DRAINING else ""
+    reason = Instance.DrainReason.OPERATOR if state == lifecycle.DRAINING else note
     return locked_instance_transition(actor=actor, instance=instance, state=state, reason=reason)
 
 
@@ -167,16 +170,16 @@ def instance_bring_up(*, actor: Actor, instance: Instance) -> Instance:
 
 
 @transaction.atomic
-def instance_drain(*, actor: Actor, instance: Instance) -> Instance:
-    """Stop routing new requests to a ready instance; in-flight ones finish. Idempotent."""
+def instance_drain(
+    *, actor: Actor, instance: Instance, reason: str = Instance.DrainReason.OPERATOR
+) -> Instance:
+    """Stop routing new requests to a ready instance; in-flight ones finish. Idempotent.
+    ``reason`` says who may end the drain: the fleet stops only what it scaled down."""
     instance = model_lock(instance)
     if instance.state == lifecycle.DRAINING:
         return instance
     return locked_instance_transition(
-        actor=actor,
-        instance=instance,
-        state=lifecycle.DRAINING,
-        reason=Instance.DrainReason.OPERATOR,
+        actor=actor, instance=instance, state=lifecycle.DRAINING, reason=reason
     )
 
 

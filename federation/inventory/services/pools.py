@@ -29,6 +29,7 @@ POOL_UPDATABLE = (
     "price_per_gpu_hour",
     "capacity_type",
     "gpu_memory_utilization",
+    "provisioner",
 )
 
 
@@ -56,6 +57,7 @@ def pool_create(
     capacity_type: str,
     rdma: bool = False,
     gpu_memory_utilization: float = 0.9,
+    provisioner: str = GPUPool.Provisioner.STATIC,
 ) -> GPUPool:
     pool = GPUPool(
         region=region,
@@ -68,6 +70,7 @@ def pool_create(
         price_per_gpu_hour=price_per_gpu_hour,
         capacity_type=capacity_type,
         gpu_memory_utilization=gpu_memory_utilization,
+        provisioner=provisioner,
     )
     model_validate(pool, extra=_pool_errors(pool))
     model_save(pool)

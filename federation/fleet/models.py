@@ -1,0 +1,43 @@
+"""What the fleet remembers between two passes of the worker: per instance its probe counts
+(hysteresis), per region whether the fleet itself evacuated it and since when it is stable."""
+
+from __future__ import annotations
+
+from django.db import models
+
+from federation.inventory.models import Instance, Region
+
+
+class InstanceRuntime(models.Model):
+    """The worker's view of one provisioned instance (static instances have none)."""
+
+    instance = models.OneToOneField(
+        Instance, on_delete=models.CASCADE, primary_key=True, related_name="runtime"
+    )
+    provisioner = models.CharField(max_length=16)
+    failures = models.PositiveIntegerField(
+        default=0, help_text="Failed probes not yet cleared by enough consecutive successes."
+    )
+    successes = models.PositiveIntegerField(
+        default=0, help_text="Consecutive good probes since the last failure."
+    )
+    last_problem = models.CharField(max_length=300, blank=True, default="")
+
+    def __str__(self) -> str:
+        return f"runtime of {self.instance_id}"
+
+
+class RegionFailover(models.Model):
+    """Set while the fleet's own evacuation of a region stands; an operator's restore clears it."""
+
+    region = models.OneToOneField(
+        Region, on_delete=models.CASCADE, primary_key=True, related_name="failover"
+    )
+    evacuated_at = models.DateTimeField(null=True, blank=True)
+    reason = models.CharField(max_length=300, blank=True, default="")
+    stable_since = models.DateTimeField(
+        null=True, blank=True, help_text="Since when the trouble that evacuated it is gone."
+    )
+
+    def __str__(self) -> str:
+        return f"failover of {self.region_id}"

@@ -1,0 +1,135 @@
+"""The command lines of engines, rendered from an :class:`EngineSpec`. Pure.
+
+:func:`vllm_args` is vLLM's OpenAI server's flags (the same for a local process and a
+Kubernetes container); :func:`sim_args` is the simulator's (``fedinfer engine-sim``), which takes
+the subset of them it models.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+from federation.fleet.spec import EngineSpec, ProvisionerError
+from regions.engines.simulator.perf import ACCELERATORS
+
+#: vLLM accepts only these LoRA ranks for --max-lora-rank.
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+#: Flags the renderer sets itself: engine_args may not set them a second time.
+RENDERED_FLAGS = frozenset(
+    {
+        "model",
+        "served-model-name",
+        "host",
+        "port",
+        "tensor-parallel-size",
+        "gpu-memory-utilization",
+        "max-model-len",
+        "enable-lora",
+        "lora-modules",
+        "max-lora-rank",
+        "kv-events-config",
+        "enable-prefix-caching",
+        "enable-prompt-tokens-details",
+    }
+)
+_FLAG = re.compile(r"^[a-z0-9][a-z0-9-]*$")
+DISAGGREGATED_ROLES = frozenset({"prefill", "decode"})
+#: A prefill or decode engine moves KV blocks with vLLM's NIXL connector, which plays both
+#: sides (ADR 0007: the edge hands ``kv_transfer_params`` from one to the other); a deployment
+#: with another connector gives its own ``kv-transfer-config`` in engine_args.
+PD_KV_TRANSFER_CONFIG = json.dumps({"kv_connector": "NixlConnector", "kv_role": "kv_both"})
+
+
+def _lora_rank(rank: int) -> int:
+    for allowed in VLLM_LORA_RANKS:
+        if rank <= allowed:
+            return allowed
+    raise ProvisionerError(f"LoRA rank {rank} is above vLLM's largest ({VLLM_LORA_RANKS[-1]}).")
+
+
+def _extra_flags(engine_args: dict[str, Any]) -> list[str]:
+    """``{'max-num-seqs': 256, 'enforce-eager': True}`` → ``--max-num-seqs 256 --enforce-eager``;
+    False or None leaves a flag out, a list repeats its values, an object is JSON."""
+    out: list[str] = []
+    for key in sorted(engine_args):
+        value = engine_args[key]
+        if not _FLAG.match(key):
+            raise ProvisionerError(
+                f"engine_args key {key!r} is not a flag name like 'max-num-seqs'."
+            )
+        if key in RENDERED_FLAGS:
+            raise ProvisionerError(
+                f"engine_args may not set --{key}: it is rendered from the deployment."
+            )
+        if value is True:
+            out.append(f"--{key}")
+        elif value is False or value is None:
+            continue
+        elif isinstance(value, list):
+            out += [f"--{key}", *(str(v) for v in value)]
+        elif isinstance(value, dict):
+            out += [f"--{key}", json.dumps(value, sort_keys=True)]
+        else:
+            out += [f"--{key}", str(value)]
+    return out
+
+
+def kv_events_config(port: int) -> str:
+    """vLLM's ``--kv-events-config``: KV-cache events on ZMQ, which the edges subscribe to."""
+    return json.dumps(
+        {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": f"tcp://*:{port}",
+            "topic": "kv-events",
+        }
+    )
+
+
+def vllm_args(spec: EngineSpec, *, host: str, port: int) -> list[str]:
+    """The flags of ``python -m vllm.entrypoints.openai.api_server`` for ``spec``."""
+    args = [
+        "--model",
+        spec.model,
+        "--served-model-name",
+        spec.served_model_name,
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--tensor-parallel-size",
+        str(spec.tensor_parallel_size),
+        "--gpu-memory-utilization",
+        f"{spec.gpu_memory_utilization:g}",
+        # The edge routes on prefix-cache hits and meters cached tokens from the usage's
+        # prompt_tokens_details (as platform/k8s/region/vllm.yaml and tests/vllm run it).
+        "--enable-prefix-caching",
+        "--enable-prompt-tokens-details",
+    ]
+    if spec.max_model_len is not None:
+        args += ["--max-model-len", str(spec.max_model_len)]
+    if spec.adapters:
+        args += ["--enable-lora", "--lora-modules"]
+        args += [f"{a.name}={a.source}" for a in spec.adapters]
+        args += ["--max-lora-rank", str(_lora_rank(max(a.rank for a in spec.adapters)))]
+    if spec.kv_events_port is not None:
+        args += ["--kv-events-config", kv_events_config(spec.kv_events_port)]
+    if spec.role in DISAGGREGATED_ROLES and "kv-transfer-config" not in spec.engine_args:
+        args += ["--kv-transfer-config", PD_KV_TRANSFER_CONFIG]
+    return args + _extra_flags(spec.engine_args)
+
+
+def sim_args(spec: EngineSpec, *, host: str, port: int) -> list[str]:
+    """The flags of ``fedinfer engine-sim`` for ``spec``: one engine, the same model name,
+    TP, accelerator (when the simulator models it), context and adapters."""
+    args = ["--host", host, "--port", str(port), "--model", spec.served_model_name]
+    args += ["--tp", str(spec.tensor_parallel_size)]
+    if spec.accelerator in ACCELERATORS:
+        args += ["--accelerator", spec.accelerator]
+    if spec.max_model_len is not None:
+        args += ["--max-model-len", str(spec.max_model_len)]
+    if spec.adapters:
+        args += ["--lora-modules", *(f"{a.name}={a.source}" for a in spec.adapters)]
+    return args
