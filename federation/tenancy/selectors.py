@@ -108,18 +108,25 @@ def api_key_table_entries(*, now: datetime | None = None) -> list[KeyTableEntry]
     ``api_key_authenticate``, so the edge and the control plane agree."""
     now = now or timezone.now()
     entries: list[KeyTableEntry] = []
+    # Plain rows, not model instances: every compile reads every key.
     usable = (
         ApiKey.objects.filter(tenant__is_active=True, revoked_at__isnull=True)
         .filter(Q(expires_at__isnull=True) | Q(expires_at__gt=now))
         .order_by("id")
+        .values_list(
+            "pk",
+            "tenant_id",
+            "key_hash",
+            "scopes",
+            "expires_at",
+            "previous_key_hash",
+            "previous_key_valid_until",
+        )
     )
-    for key in usable:
-        scopes = tuple(key.scopes)
-        entries.append(KeyTableEntry(key.key_hash, key.pk, key.tenant_id, scopes, key.expires_at))
-        grace = key.previous_key_valid_until
-        if key.previous_key_hash and grace is not None and grace > now:
-            until = min(grace, key.expires_at) if key.expires_at else grace
-            entries.append(
-                KeyTableEntry(key.previous_key_hash, key.pk, key.tenant_id, scopes, until)
-            )
+    for pk, tenant_id, key_hash, scope_list, expires, previous, grace in usable:
+        scopes = tuple(scope_list)
+        entries.append(KeyTableEntry(key_hash, pk, tenant_id, scopes, expires))
+        if previous and grace is not None and grace > now:
+            until = min(grace, expires) if expires else grace
+            entries.append(KeyTableEntry(previous, pk, tenant_id, scopes, until))
     return entries
