@@ -31,7 +31,7 @@ from typing import Any
 
 import httpx
 
-from bench.federation import MODEL_SPEC, Sent, bench_database, stream
+from bench.federation import MODEL_SPEC, Sent, django_on_bench_database, stream
 from bench.procs import VAR, bench_processes, fedinfer_argv, git_rev, http_ok, machine_info
 from bench.report import fmt, markdown_table, percentile, utc_now, write_result
 from regions.supervisor import free_port, free_ports, wait_http, wait_until
@@ -173,28 +173,12 @@ async def _stream_while(edge: str, key: str, rate: float, work: Any) -> list[Sen
 
 
 def run(n_regions: int, reps: int, rate: float, db_url: str, redis_url: str) -> dict[str, Any]:
-    import django
-    import redis
-
-    url = bench_database(db_url)
     engines_dir = str(LOGS / "engines")
-    os.environ.update(
-        {
-            "DJANGO_SETTINGS_MODULE": "federation.settings",
-            "DATABASE_URL": url,
-            "REDIS_URL": redis_url,
-            "CELERY_BROKER_URL": redis_url,
-            "FEDINFER_LOCAL_ENGINES_DIR": engines_dir,
-        }
-    )
-    redis.Redis.from_url(redis_url).flushdb()
-    django.setup()
+    django_on_bench_database(db_url, redis_url, FEDINFER_LOCAL_ENGINES_DIR=engines_dir)
     from django.conf import settings
-    from django.core.management import call_command
 
     from workers.provisioners.local import LocalProvisioner
 
-    call_command("migrate", verbosity=0)
     codes = [f"r{i}" for i in range(n_regions)]
     edge_ports = [free_port() for _ in codes]
     credentials, key = build(codes, edge_ports)

@@ -67,6 +67,29 @@ def bench_database(url: str) -> str:
     return urlunsplit(parts._replace(path="/" + name))
 
 
+def django_on_bench_database(db_url: str, redis_url: str, **env: str) -> str:
+    """Django set up, migrated, on a fresh ``<db>_fedbench`` database and a flushed Redis db
+    (broker included); the database's URL, for the processes the bench starts."""
+    import django
+    import redis
+    from django.core.management import call_command
+
+    url = bench_database(db_url)
+    os.environ.update(
+        {
+            "DJANGO_SETTINGS_MODULE": "federation.settings",
+            "DATABASE_URL": url,
+            "REDIS_URL": redis_url,
+            "CELERY_BROKER_URL": redis_url,
+            **env,
+        }
+    )
+    redis.Redis.from_url(redis_url).flushdb()
+    django.setup()
+    call_command("migrate", verbosity=0)
+    return url
+
+
 @dataclass
 class Fleet:
     codes: list[str]
@@ -301,24 +324,9 @@ def add_published(changes: list[dict[str, Any]]) -> None:
 def run(
     n_edges: int, changes: int, reps: int, rate: float, db_url: str, redis_url: str
 ) -> dict[str, Any]:
-    import django
-    import redis
-
-    url = bench_database(db_url)
-    os.environ.update(
-        {
-            "DJANGO_SETTINGS_MODULE": "federation.settings",
-            "DATABASE_URL": url,
-            "REDIS_URL": redis_url,
-            "CELERY_BROKER_URL": redis_url,
-        }
-    )
-    redis.Redis.from_url(redis_url).flushdb()
-    django.setup()
+    url = django_on_bench_database(db_url, redis_url)
     from django.conf import settings
-    from django.core.management import call_command
 
-    call_command("migrate", verbosity=0)
     codes = [f"r{i}" for i in range(n_edges)]
     engine_ports = free_ports(n_edges)
     edge_ports = [free_port() for _ in codes]
