@@ -28,6 +28,7 @@ from federation.inventory.speed import (
     prefill_tokens_per_s,
     replica_tokens_per_s,
 )
+from federation.routing import leases
 from federation.routing.demand import (
     DEFAULT_LATENCY_PENALTY_USD_PER_MTOK_PER_MS,
     DemandSplit,
@@ -43,8 +44,6 @@ from regions.tables import schema
 TARGET_UTILISATION = 0.65
 #: A disaggregated replica is a prefill and a decode instance: each counts for half.
 ROLE_CAPACITY_SHARE = {"mixed": 1.0, "prefill": 0.5, "decode": 0.5}
-#: Spend at or above this share of the monthly budget is published as ``warn``.
-BUDGET_WARN_SHARE = 0.8
 #: Why a model is refused to a residency class (``residency_classes[].refusals``): no region
 #: the policy allows serves it, or those that do cannot be reached from this region.
 REFUSAL_RESIDENCY = "residency"
@@ -154,12 +153,11 @@ def cost_per_mtok(*, price_per_gpu_hour: float, gpus: int, tokens_per_s: float) 
 
 
 def budget_state(*, monthly_budget_usd: float | None, spend_usd: float) -> schema.BudgetState:
-    """``exhausted`` at or over budget, ``warn`` from :data:`BUDGET_WARN_SHARE`, else ``ok``."""
+    """The tenant's ``budget_state`` (:func:`federation.routing.leases.budget_state`); ``ok``
+    without a budget."""
     if monthly_budget_usd is None:
         return "ok"
-    if spend_usd >= monthly_budget_usd:
-        return "exhausted"
-    return "warn" if spend_usd >= BUDGET_WARN_SHARE * monthly_budget_usd else "ok"
+    return leases.budget_state(monthly_budget_usd, spend_usd)
 
 
 def ramp_level(elapsed_s: float, policy: RampPolicy) -> float:

@@ -60,7 +60,7 @@ class BudgetRow:
     prices: Mapping[str, schema.ModelPrice] = field(default_factory=dict)
 
 
-def budget_state(budget: int, spent: int) -> schema.BudgetState:
+def budget_state(budget: float, spent: float) -> schema.BudgetState:
     """``exhausted`` at or over budget, ``warn`` from :data:`BUDGET_WARN_SHARE`, else ``ok``."""
     if spent >= budget:
         return "exhausted"
