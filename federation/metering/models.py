@@ -216,3 +216,20 @@ class StaleUsageHour(models.Model):
 
     def __str__(self) -> str:
         return f"{self.hour:%Y-%m-%d %H}h"
+
+
+class FleetHour(models.Model):
+    """The cost facts of one ended hour — each pool's GPUs and price, each instance's pool,
+    GPUs and speeds — frozen when the hour is first rolled up after it ended. A later recompute
+    (a late record, a replayed spool) prices the hour as the fleet stood then, not as it is
+    today: a price change or a removed instance does not rewrite last month's costs."""
+
+    hour = models.DateTimeField(unique=True)
+    taken_at = models.DateTimeField()
+    #: ``[{"pool": "<region>/<pool>", "gpus": n, "price_per_gpu_hour": "<decimal>"}]``
+    pools = models.JSONField()
+    #: ``[{"instance", "pool", "gpus", "prefill_tokens_per_s", "decode_tokens_per_s"}]``
+    instances = models.JSONField()
+
+    def __str__(self) -> str:
+        return f"{self.hour:%Y-%m-%d %H}h fleet"

@@ -22,10 +22,10 @@ from django.db.models import Count, F, Q, QuerySet, Sum
 from django.utils import timezone
 
 from federation.core.audit import Actor, audit_record
-from federation.inventory.models import GPUPool, Instance, LanguageModel
-from federation.inventory.speed import decode_tokens_per_s, prefill_tokens_per_s
+from federation.inventory.models import Instance, LanguageModel
 from federation.metering import partitions
 from federation.metering.cost import ZERO, InstanceHour, PoolHourCost, pool_hour_cost
+from federation.metering.fleet_hours import fleet_for_hour
 from federation.metering.models import (
     DIMENSIONS,
     USAGE_SUMS,
@@ -361,13 +361,11 @@ def _recompute_day(day: date) -> None:
     )
 
 
-#: Instance states that hold their GPUs (a stopped or failed instance has released them).
-HOLDING_GPUS = ("loading", "warming", "ready", "draining")
 Group = tuple[str, str, str, str]  # tenant, model, region, pool
 
 
 def _recompute_hour(hour: datetime) -> None:
-    """The hour's rollups and pool costs from its records and the pools as they are now."""
+    """The hour's rollups and pool costs from its records and the fleet as it stood then."""
     records = UsageRecord.objects.filter(
         started_at__gte=hour, started_at__lt=hour + timedelta(hours=1)
     )
@@ -380,7 +378,7 @@ def _recompute_hour(hour: datetime) -> None:
         completion=Sum("completion_tokens"),
         price=Sum("price_usd"),
     )
-    pools = _pool_costs(records)
+    pools = _pool_costs(records, hour)
     allocated: dict[Hashable, Decimal] = {}
     for cost in pools.values():
         allocated.update(cost.allocated)
@@ -419,46 +417,34 @@ def _recompute_hour(hour: datetime) -> None:
     )
 
 
-def _pool_costs(records: QuerySet[UsageRecord]) -> dict[tuple[str, int], PoolHourCost]:
-    """Every pool's cost in the hour, split over the hour's usage groups."""
+def _pool_costs(
+    records: QuerySet[UsageRecord], hour: datetime
+) -> dict[tuple[str, int], PoolHourCost]:
+    """Every pool's cost in the hour, split over the hour's usage groups, with the fleet as it
+    stood in that hour (``fleet_hours.py``)."""
     usage: dict[str, dict[Hashable, tuple[int, int]]] = {}
     for row in records.values("instance", "tenant", "model", "region", "pool").annotate(
         fresh=Sum(F("prompt_tokens") - F("cached_tokens")), generated=Sum("completion_tokens")
     ):
         group: Group = (row["tenant"], row["model"], row["region"], row["pool"])
         usage.setdefault(row["instance"], {})[group] = (row["fresh"], row["generated"])
-    instances = Instance.objects.filter(
-        Q(state__in=HOLDING_GPUS) | Q(name__in=list(usage))
-    ).select_related("deployment__pool", "deployment__model")
-    by_pool: dict[int, list[InstanceHour]] = {}
-    for inst in instances:
-        by_pool.setdefault(inst.deployment.pool_id, []).append(_instance_hour(inst, usage))
-    costs = {}
-    for pool in GPUPool.objects.select_related("region", "accelerator"):
-        gpus = pool.total_gpus
-        costs[(f"{pool.region.code}/{pool.name}", gpus)] = pool_hour_cost(
-            gpus=gpus,
-            price_per_gpu_hour=pool.price_per_gpu_hour,
-            instances=by_pool.get(pool.pk, []),
+    fleet = fleet_for_hour(hour, usage, now=timezone.now())
+    by_pool: dict[str, list[InstanceHour]] = {}
+    for inst in fleet.instances:
+        by_pool.setdefault(inst.pool, []).append(
+            InstanceHour(
+                instance=inst.instance,
+                gpus=inst.gpus,
+                prefill_tokens_per_s=inst.prefill_tokens_per_s,
+                decode_tokens_per_s=inst.decode_tokens_per_s,
+                usage=usage.get(inst.instance, {}),
+            )
         )
-    return costs
-
-
-def _instance_hour(
-    inst: Instance, usage: dict[str, dict[Hashable, tuple[int, int]]]
-) -> InstanceHour:
-    dep = inst.deployment
-    speed = dep.pool.accelerator.relative_speed
-    tp = dep.tensor_parallel_size
-    params_b = float(dep.model.parameter_count_b)
-    return InstanceHour(
-        instance=inst.name,
-        gpus=tp,
-        prefill_tokens_per_s=prefill_tokens_per_s(
-            relative_speed=speed, tensor_parallel_size=tp, params_b=params_b
-        ),
-        decode_tokens_per_s=decode_tokens_per_s(
-            relative_speed=speed, tensor_parallel_size=tp, params_b=params_b
-        ),
-        usage=usage.get(inst.name, {}),
-    )
+    return {
+        (pool.pool, pool.gpus): pool_hour_cost(
+            gpus=pool.gpus,
+            price_per_gpu_hour=pool.price_per_gpu_hour,
+            instances=by_pool.get(pool.pool, []),
+        )
+        for pool in fleet.pools
+    }

@@ -14,8 +14,14 @@ import redis
 from django.db import connection
 from rest_framework.test import APIClient
 
-from federation.inventory.models import Region
-from federation.metering.models import PoolHour, StaleUsageHour, UsageHour, UsageRecord
+from federation.inventory.models import GPUPool, Instance, Region
+from federation.metering.models import (
+    FleetHour,
+    PoolHour,
+    StaleUsageHour,
+    UsageHour,
+    UsageRecord,
+)
 from federation.metering.partitions import partition_name
 from federation.metering.pricing import Price
 from federation.metering.selectors import UsageQuery, pool_cost_report, usage_report
@@ -308,3 +314,69 @@ def test_metered_spend_exhausts_a_budget_in_the_next_tables(fleet: str) -> None:
     usage_ingest(documents=[encode_record(d) for d in docs])
     usage_hours_refresh()
     assert budgets() == {"acme": "ok", "globex": "exhausted"}  # 4 x $0.009 > $0.02
+
+
+def _pool_hour(hour: datetime) -> PoolHour:
+    return PoolHour.objects.get(hour=hour, pool="us-east/h100")
+
+
+def _reconciles(row: PoolHour) -> bool:
+    return row.allocated_usd + row.idle_usd + row.warm_idle_usd == row.cost_usd
+
+
+def test_an_ended_hour_is_costed_again_with_the_fleet_it_had(fleet: str) -> None:
+    usage_ingest(documents=[encode_record(doc(i, fleet, "acme")) for i in range(4)])
+    usage_hours_refresh()
+    first = _pool_hour(HOUR)
+    assert first.cost_usd == Decimal("40.00") and _reconciles(first)  # 16 GPUs x $2.50
+    assert FleetHour.objects.filter(hour=HOUR).exists()
+    # Days later the pool's price doubles, its instance is stopped and another starts...
+    pool = GPUPool.objects.get(name="h100")
+    pool.price_per_gpu_hour = Decimal("5.00")
+    pool.save()
+    deployment = Instance.objects.get(name="us-1").deployment
+    Instance.objects.filter(name="us-1").update(state="stopped")
+    make_instance(deployment, "us-2", state="ready")
+    # ... and a late record of the hour arrives: the hour keeps its fleet.
+    usage_ingest(documents=[encode_record(doc(9, fleet, "globex", minute=50))])
+    usage_hours_refresh()
+    again = _pool_hour(HOUR)
+    assert again.cost_usd == first.cost_usd and again.idle_usd == first.idle_usd
+    assert again.warm_idle_usd == 0 and _reconciles(again)  # us-2 was not there
+    costs = dict(UsageHour.objects.filter(hour=HOUR).values_list("tenant", "cost_usd"))
+    assert sum(costs.values()) == again.allocated_usd == Decimal("2.50")  # us-1's one GPU
+    assert costs["globex"] > 0
+    # An hour not yet ended is costed with the fleet as it is.
+    now = datetime.now(UTC)
+    this_hour = now.replace(minute=0, second=0, microsecond=0)
+    usage_ingest(
+        documents=[
+            encode_record(doc(20, fleet, "acme", instance="us-2", started_at=now.timestamp()))
+        ]
+    )
+    usage_hours_refresh()
+    assert _pool_hour(this_hour).cost_usd == Decimal("80.00")
+    assert not FleetHour.objects.filter(hour=this_hour).exists()
+
+
+def test_an_instance_that_left_before_the_hour_ended_keeps_its_share(fleet: str) -> None:
+    deployment = Instance.objects.get(name="us-1").deployment
+    deployment.max_replicas = 4
+    deployment.save()
+    make_instance(deployment, "us-0", state="ready")
+    Instance.objects.filter(name="us-0").update(state="stopped")  # gone before the hour ended
+    usage_ingest(documents=[encode_record(doc(1, fleet, "acme", instance="us-0"))])
+    usage_hours_refresh()
+    row = _pool_hour(HOUR)
+    assert row.allocated_usd == Decimal("2.50") and row.warm_idle_usd == Decimal("2.50")
+    frozen = FleetHour.objects.get(hour=HOUR)
+    assert sorted(i["instance"] for i in frozen.instances) == ["us-0", "us-1"]
+    # A late record of a third instance that has since stopped is added to the frozen facts.
+    make_instance(deployment, "us-3", state="ready")
+    Instance.objects.filter(name="us-3").update(state="stopped")
+    usage_ingest(documents=[encode_record(doc(2, fleet, "globex", instance="us-3"))])
+    usage_hours_refresh()
+    frozen.refresh_from_db()
+    assert sorted(i["instance"] for i in frozen.instances) == ["us-0", "us-1", "us-3"]
+    row = _pool_hour(HOUR)
+    assert row.allocated_usd == Decimal("5.00") and _reconciles(row)
