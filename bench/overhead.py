@@ -12,8 +12,11 @@ resolution), plus the CPU share of engine and router. Added latency = router - d
 same repetition; the median over repetitions is reported, with min..max as the noise.
 
 A fourth path, ``edge-metered``, is the same edge with usage metering on (a record per request,
-spooled and shipped to the Redis usage stream of ``--usage-redis-url``, whose stream it deletes
-after): metering's price is its CPU per request minus the plain edge's, in the same repetition.
+spooled and shipped to a Redis usage stream): metering's price is its CPU per request minus the
+plain edge's, in the same repetition. The Redis it ships to is the bench's own ``redis-server``,
+pinned with the engine and wrk, as a production edge's Redis runs on another machine: the
+machine's shared Redis would be scheduled on the router's core and charge its work to the edge
+(``--usage-redis-url`` ships to a given Redis instead, its stream deleted after).
 
     .venv/bin/python -m bench.overhead [--reps 3] [--duration 4]
 """
@@ -24,6 +27,7 @@ import argparse
 import json
 import os
 import resource
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -45,7 +49,7 @@ from bench.fleet import (
 )
 from bench.procs import VAR, bench_processes, git_rev, machine_info
 from bench.report import fmt, markdown_table, spread, utc_now, write_result
-from regions.supervisor import Process
+from regions.supervisor import Process, Supervisor, free_port
 from regions.tables.usage import USAGE_STREAM
 
 LUA = Path(__file__).with_name("wrk_post.lua")
@@ -54,6 +58,8 @@ ROUTER_CPUS = {0}
 ENGINE_CPUS = {1}
 CLIENT_CPUS = {1}
 PACED_MS = 64.0
+#: ``--usage-redis-url`` value that starts the bench's own Redis (see the module docstring).
+PRIVATE_REDIS = "private"
 
 TARGETS = {
     "added_p50_ms_c1": 1.0,  # edge p50 - direct p50, one request at a time
@@ -61,6 +67,28 @@ TARGETS = {
     "rps_ratio_vs_rust_c64": 0.8,  # edge requests/s ÷ Rust router requests/s, 64 concurrent
     "metering_cpu_us_per_req_c64": 5.0,  # metered edge - edge, µs of CPU per request
 }
+
+
+def start_redis(pg: Supervisor, *, cpus: set[int]) -> str:
+    """A throwaway ``redis-server`` (no persistence) pinned to ``cpus``; its URL."""
+    server = shutil.which("redis-server")
+    if server is None:
+        raise SystemExit("redis-server not found: apt-get install redis-server")
+    port = free_port()
+    argv = [server, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+    proc = pg.start("redis", argv, cpus=cpus)
+    client = redis.Redis(port=port)
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            client.ping()
+            return f"redis://127.0.0.1:{port}/0"
+        except redis.ConnectionError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit(
+                    f"the bench's redis-server did not start: {pg.output('redis')}"
+                ) from None
+            time.sleep(0.05)
 
 
 def request_body(stream: bool) -> bytes:
@@ -167,6 +195,7 @@ def run(
     cases = [(False, 1, 0.0), (False, 64, 0.0), (False, 64, PACED_MS), (True, 1, 0.0),
              (True, 64, 0.0)]  # fmt: skip
     runs: list[dict[str, Any]] = []
+    shipped = 0  # usage batches in the stream at the end
     tmp = Path(tempfile.mkdtemp(prefix="bench-overhead-"))
     bodies = {s: tmp / f"body-{int(s)}.json" for s in (False, True)}
     for s, p in bodies.items():
@@ -182,6 +211,8 @@ def run(
             "direct": (engines.urls[0], None),
             "edge": (edge_url, edge_proc),
         }
+        if usage_redis_url == PRIVATE_REDIS:
+            usage_redis_url = start_redis(pg, cpus=ENGINE_CPUS)
         if usage_redis_url:
             metered = ["--usage-spool-dir", str(tmp / "spool"), "--usage-redis-url"]
             metered.append(usage_redis_url)
@@ -220,8 +251,10 @@ def run(
                         flush=True,
                     )
 
-    if usage_redis_url:
-        redis.Redis.from_url(usage_redis_url).delete(USAGE_STREAM)
+        if usage_redis_url:
+            usage = redis.Redis.from_url(usage_redis_url)
+            shipped = usage.xlen(USAGE_STREAM)
+            usage.delete(USAGE_STREAM)
     summary = summarise(runs, list(paths))
     result = {
         "benchmark": "overhead",
@@ -244,7 +277,11 @@ def run(
             "max_tokens": 16,
         },
         "rust_router": "sglang-router (round_robin)" if sglang_reason is None else sglang_reason,
-        "metering": f"edge-metered ships to {usage_redis_url}" if usage_redis_url else "off",
+        "metering": (
+            f"edge-metered ships to {usage_redis_url} ({shipped} batches)"
+            if usage_redis_url
+            else "off"
+        ),
         "runs": runs,
         "summary": summary,
     }
@@ -411,9 +448,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--warmup", type=float, default=2.0, help="warm-up seconds per path")
     ap.add_argument(
         "--usage-redis-url",
-        default=os.environ.get("FEDINFER_BENCH_REDIS_URL", "redis://127.0.0.1:6379/9"),
-        help="Redis the metered edge ships usage to ('' skips the metered path; its usage "
-        "stream is deleted after the run)",
+        default=os.environ.get("FEDINFER_BENCH_REDIS_URL", PRIVATE_REDIS),
+        help="Redis the metered edge ships usage to: 'private' (default) starts the bench's own "
+        "redis-server on the engine's core; a URL uses that Redis (its usage stream is deleted "
+        "after the run); '' skips the metered path",
     )
     args = ap.parse_args(argv)
     if not 1 <= args.reps <= 20 or not 0.5 <= args.duration <= 60:

@@ -1,7 +1,7 @@
 """Metering at the edge: one usage record per served request, spooled and shipped.
 
 The record stage calls :meth:`Meter.record` once a response has ended (streamed or not, cut or
-complete); that only encodes the record and appends it to memory. The spool and its shipper do
+complete) with the encoded record; that only appends it to memory. The spool and its shipper do
 the I/O in the background (``usage_spool.py``, ``usage_shipper.py``). When the spool is full —
 the control plane or Redis away for long — the policy decides: ``refuse`` (the default) turns
 new requests away with 503 until records drain, because a request served and not billed is
@@ -25,7 +25,6 @@ from prometheus_client.registry import Collector
 
 from regions.edge.usage_shipper import UsageShipper, UsageSink
 from regions.edge.usage_spool import UsageSpool
-from regions.tables.usage import UsageRecord, encode_record
 
 log = logging.getLogger("fedinfer.edge.usage")
 
@@ -75,12 +74,13 @@ class Meter:
         to refuse rather than serve unbilled."""
         return self.cfg.full_policy == "refuse" and not self.spool.has_room()
 
-    def record(self, record: UsageRecord) -> None:
-        """Spool one record (requests already admitted are recorded even past the bound)."""
+    def record(self, record: bytes) -> None:
+        """Spool one encoded record (requests already admitted are recorded even past the
+        bound)."""
         if self.cfg.full_policy == "serve" and not self.spool.has_room():
             self.dropped += 1
             return
-        self.spool.append(encode_record(record))
+        self.spool.append(record)
         self.recorded += 1
 
     async def start(self) -> None:

@@ -20,7 +20,7 @@ from regions.edge.metering import Meter
 from regions.edge.observability import EdgeMetrics
 from regions.edge.scheduler import Decision
 from regions.tables.schema import Instance
-from regions.tables.usage import UsageRecord
+from regions.tables.usage import USAGE_SCHEMA_VERSION, encode_usage
 
 #: The status of a request whose client left before its answer ended (nginx's convention).
 CLIENT_GONE = 499
@@ -104,34 +104,36 @@ class Recorder:
         if self.meter is not None:
             self.meter.record(self.usage(ctx, inst, tokens, cancelled))
 
-    def usage(
-        self, ctx: RequestContext, inst: Instance, tokens: Tokens, cancelled: bool
-    ) -> UsageRecord:
-        """The request's usage record (``regions/tables/usage.py``)."""
+    def usage(self, ctx: RequestContext, inst: Instance, tokens: Tokens, cancelled: bool) -> bytes:
+        """The request's usage record, encoded (``regions/tables/usage.py``, schema 2)."""
         assert self.meter is not None
         req = ctx.req
         duration = time.perf_counter() - ctx.arrived
         tenant = ctx.tenant
-        return UsageRecord(
-            request_id=self.meter.ids.new(),
-            started_at=time.time() - duration,
-            region=self.region,
-            entry_region=ctx.entry_region or self.region,
-            instance=inst.id,
-            model=inst.model,
-            adapter=req.model if req.model != inst.model else None,
-            tenant=tenant.slug if tenant is not None else None,
-            key_prefix=ctx.key_prefix,
-            prompt_tokens=tokens.prompt,
-            cached_tokens=tokens.cached,
-            completion_tokens=tokens.completion,
-            ttft_ms=ctx.ttft_s * 1000.0 if ctx.ttft_s is not None else None,
-            duration_ms=duration * 1000.0,
-            status=CLIENT_GONE if cancelled else ctx.status,
-            streamed=req.stream,
-            cancelled=cancelled,
-            usage_reported=tokens.reported,
-            edge=self.budgets.edge,
+        ttft = ctx.ttft_s
+        return encode_usage(
+            (
+                USAGE_SCHEMA_VERSION,
+                self.meter.ids.new(),
+                time.time() - duration,
+                self.region,
+                ctx.entry_region or self.region,
+                inst.id,
+                inst.model,
+                req.model if req.model != inst.model else None,
+                tenant.slug if tenant is not None else None,
+                ctx.key_prefix,
+                tokens.prompt,
+                tokens.cached,
+                tokens.completion,
+                ttft * 1000.0 if ttft is not None else None,
+                duration * 1000.0,
+                CLIENT_GONE if cancelled else ctx.status,
+                req.stream,
+                cancelled,
+                tokens.reported,
+                self.budgets.edge,
+            )
         )
 
 

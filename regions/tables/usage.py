@@ -1,16 +1,25 @@
 """The usage record: what one served request consumed, as the edge that served it saw it.
 
-A contract document like the routing table (``docs/usage-record.md``): the edge writes one per
+A contract document like the routing table (``docs/metering.md``): the edge writes one per
 request to its spool and ships it to the control plane, which prices it and attributes cost.
 Ingestion is idempotent on ``request_id``, so a record shipped twice (an edge that restarts
 before it learns its batch was accepted) is counted once. Pure: no Django, no I/O.
+
+Two wire forms, one meaning. Schema 2 (what edges write) is a JSON array — the version, then the
+fields in :data:`POSITIONAL_FIELDS` order — built straight from the request's values, with no
+object per request: the edge's metering budget is a few microseconds, and naming every field in
+every record cost more than half of it (and doubled the bytes spooled and shipped). Schema 1, a
+JSON object with named fields, is still read: records an older edge left in its spool or in the
+stream when it was upgraded.
 """
 
 from __future__ import annotations
 
 import msgspec
 
-USAGE_SCHEMA_VERSION = 1
+USAGE_SCHEMA_VERSION = 2
+#: The schema of named-field records (read, no longer written).
+NAMED_SCHEMA_VERSION = 1
 #: The Redis stream edges append records to — one entry per shipped batch, its records as
 #: newline-delimited documents in field ``r`` — and the control plane's ingestion reads with a
 #: consumer group.
@@ -54,29 +63,110 @@ class UsageRecord(msgspec.Struct, frozen=True, forbid_unknown_fields=True, gc=Fa
     #: The edge that served it (None: an edge without a name, in file mode): its budget
     #: lease is measured against the spend counted under this name.
     edge: str | None = None
+    #: The wire schema it was read from (records built in memory: the current one).
     schema_version: int = USAGE_SCHEMA_VERSION
+
+
+#: A schema-2 record's fields after its version, in array order (every field, no defaults).
+POSITIONAL_FIELDS: tuple[str, ...] = tuple(
+    f for f in UsageRecord.__struct_fields__ if f != "schema_version"
+)
+
+
+class _PositionalRecord(msgspec.Struct, array_like=True, frozen=True, gc=False):
+    """Schema 2 as it travels: ``[2, request_id, started_at, …, edge]`` (see
+    :data:`POSITIONAL_FIELDS`); decoded with the same types and then made a :class:`UsageRecord`."""
+
+    schema_version: int
+    request_id: str
+    started_at: float
+    region: str
+    entry_region: str
+    instance: str
+    model: str
+    adapter: str | None
+    tenant: str | None
+    key_prefix: str | None
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    ttft_ms: float | None
+    duration_ms: float
+    status: int
+    streamed: bool
+    cancelled: bool
+    usage_reported: bool
+    edge: str | None
+
+
+#: A schema-2 record as the edge builds it: the version, then :data:`POSITIONAL_FIELDS` in order
+#: (typed, so a misplaced value of another type fails the type check).
+UsageRow = tuple[
+    int,  # schema_version
+    str,  # request_id
+    float,  # started_at
+    str,  # region
+    str,  # entry_region
+    str,  # instance
+    str,  # model
+    str | None,  # adapter
+    str | None,  # tenant
+    str | None,  # key_prefix
+    int,  # prompt_tokens
+    int,  # cached_tokens
+    int,  # completion_tokens
+    float | None,  # ttft_ms
+    float,  # duration_ms
+    int,  # status
+    bool,  # streamed
+    bool,  # cancelled
+    bool,  # usage_reported
+    str | None,  # edge
+]
 
 
 class UsageRecordError(ValueError):
     """Not a usage record this version reads."""
 
 
-_encoder = msgspec.json.Encoder()
-_decoder = msgspec.json.Decoder(UsageRecord)
+_encode = msgspec.json.Encoder().encode
+_decode_positional = msgspec.json.Decoder(_PositionalRecord).decode
+_decode_named = msgspec.json.Decoder(UsageRecord).decode
+
+
+def encode_usage(row: UsageRow) -> bytes:
+    """One schema-2 record from its row (the edge's request path: no object built)."""
+    return _encode(row)
 
 
 def encode_record(record: UsageRecord) -> bytes:
-    return _encoder.encode(record)
+    """A record as an edge writes it (schema 2)."""
+    return _encode((USAGE_SCHEMA_VERSION, *(getattr(record, f) for f in POSITIONAL_FIELDS)))
+
+
+def encode_named_record(record: UsageRecord) -> bytes:
+    """A record as schema-1 edges wrote it (what ingestion still reads)."""
+    return _encode(msgspec.structs.replace(record, schema_version=NAMED_SCHEMA_VERSION))
 
 
 def decode_record(data: bytes) -> UsageRecord:
-    """Decode and check one record; raise :class:`UsageRecordError` on any defect."""
+    """Decode and check one record of either schema; raise :class:`UsageRecordError` on any
+    defect."""
     try:
-        record = _decoder.decode(data)
+        if data[:1] == b"[":
+            row = _decode_positional(data)
+            if row.schema_version != USAGE_SCHEMA_VERSION:
+                raise UsageRecordError(f"unsupported usage schema_version {row.schema_version}")
+            record = UsageRecord(**msgspec.structs.asdict(row))
+        else:
+            record = _decode_named(data)
+            if record.schema_version != NAMED_SCHEMA_VERSION:
+                raise UsageRecordError(
+                    f"unsupported usage schema_version {record.schema_version}"
+                    " (named-field records are schema 1)"
+                )
     except msgspec.DecodeError as exc:
         raise UsageRecordError(f"usage record does not decode: {exc}") from exc
-    if record.schema_version != USAGE_SCHEMA_VERSION:
-        raise UsageRecordError(f"unsupported usage schema_version {record.schema_version}")
     if not record.request_id or not record.region or not record.instance or not record.model:
         raise UsageRecordError("request_id, region, instance and model must not be empty")
     counts = (record.prompt_tokens, record.cached_tokens, record.completion_tokens)
