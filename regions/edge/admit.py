@@ -206,11 +206,12 @@ class Admit:
         remotes = () if hopped else fleet.spill.get(model, ())
         allowed = tenant.allowed if tenant is not None else None
         local_ok = tenant is None or tenant.local_allowed
-        point = ramp_point(point_key) if fleet.ramping and remotes else 0.0
+        split = fleet.splits.get(model) if remotes else None
+        point = ramp_point(point_key) if remotes and (fleet.ramping or split) else 0.0
         here = model in fleet.by_model
         if local_ok and here and not remotes:
             return None
-        spill = Spill(remotes, allowed, authorization, session_id, point)
+        spill = Spill(remotes, allowed, authorization, session_id, point, split)
         if not local_ok or not here:
             spill.targets = eligible_remotes(remotes, allowed, None, 0.0, point)
             if not spill.targets:

@@ -47,6 +47,7 @@ from regions.edge.server import Receive, Scope, Send
 from regions.edge.sessions import SessionMap
 from regions.edge.spill import Remote, ramping, spill_plan
 from regions.edge.spill_over import SpillOver
+from regions.edge.split import Split, SplitCollector, split_plan
 from regions.edge.sync import TableSync
 from regions.edge.table_file import FileStamp, file_stamp
 from regions.edge.upstream import UpstreamPool, client_ssl_context
@@ -91,6 +92,7 @@ class Edge:
         self.instances: dict[str, Instance] = {}
         self.prefill_rates: dict[str, float] = {}
         self.spill: dict[str, tuple[Remote, ...]] = {}
+        self.splits: dict[str, Split] = {}
         self.ramping = False
         self.models_body = b""
         self.meter = _meter(cfg)
@@ -106,6 +108,9 @@ class Edge:
             cfg, self, self.admission, self.hops, self.relay, self.meter, self.budgets
         )
         self.placement = Placement(cfg, self, self.health, self.loads, self.prefix, self.lines)
+        self.metrics.registry.register(
+            SplitCollector(cfg.region, self.placement.splits, lambda: self.splits)
+        )
         attempts = Attempts(self.loads, self.health, self.metrics.inflight, self.lines)
         self.spill_over = SpillOver(cfg, self, self.relay, self.metrics)
         self.forwarder = Forwarder(
@@ -155,6 +160,7 @@ class Edge:
         self.instances = {i.id: i for i in table.instances}
         self.prefill_rates = {i.id: i.prefill_tokens_per_s for i in table.instances}
         self.spill = spill_plan(table)
+        self.splits = split_plan(table, self.spill, set(self.by_model))
         self.ramping = ramping(table)
         now = int(time.time())
         self.models_body = orjson.dumps(

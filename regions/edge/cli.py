@@ -138,6 +138,9 @@ def _routing_flags(p: argparse.ArgumentParser) -> None:
         ("--rate-burst", float, _EDGE.rate_burst_s, "seconds of a tenant's rate limit as burst"),
         ("--spill-margin-ms", float, _EDGE.spill_margin_s * 1000.0, "spill to a remote only "
          "when the local queue wait exceeds its RTT by this much"),
+        ("--split-margin-ms", float, _EDGE.split_margin_s * 1000.0, "send the plan's share of "
+         "new sessions to a remote only while its RTT is within the local queue wait plus "
+         "this"),
         ("--disagg-min-prompt-tokens", int, _DISAGG.min_prompt_tokens, "P/D: with mixed "
          "instances as well, shorter prompts go to them"),
         ("--disagg-kv-full", float, _DISAGG.kv_full, "P/D: KV usage from which a decode "
@@ -298,6 +301,7 @@ def config_from_args(opts: argparse.Namespace) -> EdgeConfig:
         prefix_capacity=opts.prefix_capacity,
         rate_burst_s=opts.rate_burst,
         spill_margin_s=opts.spill_margin_ms / 1000.0,
+        split_margin_s=opts.split_margin_ms / 1000.0,
         metering=_metering_from_args(opts, sync),
     )
 

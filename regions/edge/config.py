@@ -65,5 +65,8 @@ class EdgeConfig:
     hop_keys: Mapping[str, bytes] = field(default_factory=dict)
     #: Spill on latency only when the local queue wait exceeds a remote's RTT by this much.
     spill_margin_s: float = 0.05
+    #: Carry out the plan's split (split.py) only while the remote's RTT is within the local
+    #: queue wait plus this: the latency a request may trade for the plan's cheaper region.
+    split_margin_s: float = 0.1
     #: Usage metering (``metering.py``): None meters nothing.
     metering: MeteringConfig | None = None

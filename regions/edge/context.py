@@ -29,6 +29,7 @@ from regions.edge.observability import CacheView
 from regions.edge.parse import ParsedRequest, UsageTap
 from regions.edge.server import Send
 from regions.edge.spill import Remote, Spill
+from regions.edge.split import Split
 from regions.edge.upstream import UpstreamPool
 from regions.tables.schema import Instance, RoutingTable
 
@@ -108,6 +109,8 @@ class Fleet(Protocol):
     def prefill_rates(self) -> Mapping[str, float]: ...
     @property
     def spill(self) -> Mapping[str, tuple[Remote, ...]]: ...
+    @property
+    def splits(self) -> Mapping[str, Split]: ...
     @property
     def ramping(self) -> bool: ...
     @property

@@ -22,6 +22,7 @@ from regions.edge.observability import CacheView
 from regions.edge.prefix_index import PrefixIndex, SeenPrefixes, block_hashes, root_seed
 from regions.edge.scheduler import Candidate, Decision, RouteRequest, decide
 from regions.edge.spill import Spill, eligible_remotes
+from regions.edge.split import SplitCounts, planned_remote, split_point
 
 #: Every slot taken past the queue timeout, or the gateway full.
 SATURATED = Decision(None, None, "saturated")
@@ -42,6 +43,7 @@ class Placement:
         "loads",
         "prefix",
         "seen",
+        "splits",
         "turn",
     )
 
@@ -64,6 +66,7 @@ class Placement:
         self.block_tokens = cfg.block_bytes / cfg.bytes_per_token
         self.turn = 0
         self._seeds: dict[str, int] = {}
+        self.splits = SplitCounts()
 
     def hash_prompt(self, ctx: RequestContext) -> None:
         """The prompt's block hashes, and what its tenant may be shown of the cache."""
@@ -156,7 +159,7 @@ class Placement:
                 now = time.monotonic()
                 decision = self._decide(ctx.hashes, route, now, waiter)
                 if spill is not None:
-                    if self._spills(spill, decision):
+                    if self._spills(spill, decision, req.model, sticky):
                         return SPILL, now - started
                     spill = None
                 target: str | None
@@ -189,9 +192,25 @@ class Placement:
             self.candidates(route.model, hashes, now, own), route, self.cfg.scheduler, self.turn
         )
 
-    def _spills(self, spill: Spill, decision: Decision) -> bool:
-        """Would a remote region answer sooner (or is it the only option)? Sets its targets."""
+    def _spills(self, spill: Spill, decision: Decision, model: str, sticky: str | None) -> bool:
+        """Does the plan send this new session elsewhere (split.py), would a remote region
+        answer sooner, or is it the only option? Sets its targets."""
         winner = decision.winner
+        split = spill.split
+        if split is not None and winner is not None and sticky is None:
+            remote = planned_remote(
+                split,
+                split_point(spill.point),
+                spill.point,
+                spill.allowed,
+                winner.queue_s,
+                self.cfg.split_margin_s,
+            )
+            if remote is not None:
+                self.splits.count(model, remote.code)
+                spill.targets = [remote]
+                spill.why = "split"
+                return True
         spill.targets = eligible_remotes(
             spill.remotes,
             spill.allowed,
@@ -199,6 +218,8 @@ class Placement:
             self.cfg.spill_margin_s,
             spill.point,
         )
+        if split is not None and winner is not None and sticky is None:
+            self.splits.count(model, spill.targets[0].code if spill.targets else self.cfg.region)
         if not spill.targets:
             return False
         spill.why = "ttft" if winner is not None else decision.reason

@@ -26,10 +26,14 @@ What one request may do is its :class:`Spill`; forwarding it is ``spill_over.py`
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import xxhash
 
 from regions.tables.schema import RoutingTable
+
+if TYPE_CHECKING:
+    from regions.edge.split import Split
 
 _POINTS = float(2**64)
 
@@ -54,7 +58,16 @@ class Spill:
     placement when a remote would answer sooner (``placement.py``).
     """
 
-    __slots__ = ("allowed", "authorization", "point", "remotes", "session", "targets", "why")
+    __slots__ = (
+        "allowed",
+        "authorization",
+        "point",
+        "remotes",
+        "session",
+        "split",
+        "targets",
+        "why",
+    )
 
     def __init__(
         self,
@@ -63,6 +76,7 @@ class Spill:
         authorization: bytes | None,
         session: bytes | None,
         point: float = 0.0,
+        split: Split | None = None,
     ) -> None:
         self.remotes = remotes
         self.allowed = allowed
@@ -71,6 +85,8 @@ class Spill:
         self.session = session
         #: The request's place for regions coming back (:func:`ramp_point`).
         self.point = point
+        #: The model's planned split of new sessions (split.py), when it has one.
+        self.split = split
         self.targets: list[Remote] = []
         self.why = ""
 
