@@ -84,6 +84,8 @@ class RegionRow:
     status: str
     jurisdiction: str
     edge_url: str | None = None
+    #: Its other edges with a fresh heartbeat (or none yet): spill-over's alternatives.
+    other_edge_urls: tuple[str, ...] = ()
     #: When it was last restored from an evacuation, and when its instances last came back
     #: after all were reported unhealthy: its traffic ramps back from the later of the two.
     restored_at: datetime | None = None
@@ -630,6 +632,7 @@ def _remote_region(plan: FleetPlan, code: str, rtt: float) -> schema.RemoteRegio
     return schema.RemoteRegion(
         code=code,
         edge_url=(region.edge_url or "").rstrip("/"),  # remotes without an edge are skipped
+        edges=tuple(url.rstrip("/") for url in region.other_edge_urls),
         rtt_ms=rtt,
         models=tuple(plan.models_at.get(code, ())),
         # Blended over its models: USD per hour of all its replicas over their tokens.
@@ -678,9 +681,12 @@ def region_table(
     )
     own = plan.ramps.get(region, 1.0) if region in plan.serving_regions else 1.0
     ramping = own < 1.0 or any(r.ramp < 1.0 for r in remotes)
-    # Budgets need schema 3, a ramp 2; without either the table stays readable by schema-1 edges.
+    # Several edges per remote need schema 4, budgets 3, a ramp 2; without any of them the table
+    # stays readable by schema-1 edges.
     version_needed = (
-        schema.BUDGET_SCHEMA_VERSION
+        schema.EDGES_SCHEMA_VERSION
+        if any(r.edges for r in remotes)
+        else schema.BUDGET_SCHEMA_VERSION
         if plan.budgeted
         else schema.RAMP_SCHEMA_VERSION
         if ramping

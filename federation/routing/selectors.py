@@ -233,24 +233,29 @@ def fleet_snapshot(
     now = now or timezone.now()
     if spend_usd is None:
         spend_usd = {slug: float(usd) for slug, usd in tenant_month_spend(now=now).items()}
-    # The first registered edge of a region receives its spill-over (no health or load yet);
-    # budgets are granted to its live edges: a fresh heartbeat, or none yet (just registered).
-    edge_urls: dict[str, str] = {}
+    # A region's live edges — a fresh heartbeat, or none yet (just registered) — receive its
+    # spill-over and are granted its budgets; with none live, its first registered edge stays
+    # its address (failover decides whether the region is gone, not this).
+    first_urls: dict[str, str] = {}
+    live_urls: dict[str, list[str]] = {}
     live_edges: dict[str, list[str]] = {}
     fresh = now - timedelta(seconds=LOAD_REPORT_MAX_AGE_S)
     edges = Edge.objects.order_by("name").values_list(
         "region__code", "url", "name", "last_heartbeat_at"
     )
     for code, url, name, heard in edges:
-        edge_urls.setdefault(code, url)
+        first_urls.setdefault(code, url)
         if heard is None or heard >= fresh:
             live_edges.setdefault(code, []).append(name)
+            if url not in live_urls.setdefault(code, []):
+                live_urls[code].append(url)
     regions = tuple(
         RegionRow(
             code=r.code,
             status=r.status,
             jurisdiction=r.jurisdiction,
-            edge_url=edge_urls.get(r.code),
+            edge_url=live_urls[r.code][0] if r.code in live_urls else first_urls.get(r.code),
+            other_edge_urls=tuple(live_urls.get(r.code, ())[1:]),
             restored_at=r.restored_at,
             recovered_at=r.recovered_at,
             edges=tuple(live_edges.get(r.code, ())),

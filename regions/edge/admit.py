@@ -207,7 +207,11 @@ class Admit:
         allowed = tenant.allowed if tenant is not None else None
         local_ok = tenant is None or tenant.local_allowed
         split = fleet.splits.get(model) if remotes else None
-        point = ramp_point(point_key) if remotes and (fleet.ramping or split) else 0.0
+        point = 0.0
+        if remotes and (fleet.ramping or split):
+            point = ramp_point(point_key)
+        elif remotes and session_id is not None and fleet.several_edges:
+            point = ramp_point(session_id)  # a session meets the same remote edge
         here = model in fleet.by_model
         if local_ok and here and not remotes:
             return None

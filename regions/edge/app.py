@@ -93,6 +93,7 @@ class Edge:
         self.prefill_rates: dict[str, float] = {}
         self.spill: dict[str, tuple[Remote, ...]] = {}
         self.splits: dict[str, Split] = {}
+        self.several_edges = False
         self.ramping = False
         self.models_body = b""
         self.meter = _meter(cfg)
@@ -161,6 +162,7 @@ class Edge:
         self.prefill_rates = {i.id: i.prefill_tokens_per_s for i in table.instances}
         self.spill = spill_plan(table)
         self.splits = split_plan(table, self.spill, set(self.by_model))
+        self.several_edges = any(r.edges for r in table.remote_regions)
         self.ramping = ramping(table)
         now = int(time.time())
         self.models_body = orjson.dumps(

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 
 import xxhash
 
-from regions.tables.schema import RoutingTable
+from regions.tables.schema import RemoteRegion, RoutingTable
 
 if TYPE_CHECKING:
     from regions.edge.split import Split
@@ -41,7 +41,8 @@ _POINTS = float(2**64)
 @dataclass(frozen=True, slots=True)
 class Remote:
     code: str
-    edge_url: str
+    #: Its edges: the table's ``edge_url``, then its other live ``edges`` (schema 4).
+    edge_urls: tuple[str, ...]
     rtt_s: float
     #: Capacity left there after the planned load (tokens/s; the region's share when the table
     #: has no per-model route).
@@ -104,7 +105,7 @@ def spill_plan(table: RoutingTable) -> dict[str, tuple[Remote, ...]]:
             out.append(
                 Remote(
                     code=target.code,
-                    edge_url=region.edge_url.rstrip("/"),
+                    edge_urls=_edge_urls(region),
                     rtt_s=(target.rtt_ms or region.rtt_ms) / 1000.0,
                     has_headroom=target.headroom_tokens_per_s > 0 or target.headroom > 0,
                     ramp=region.ramp,
@@ -117,13 +118,17 @@ def spill_plan(table: RoutingTable) -> dict[str, tuple[Remote, ...]]:
                 out.append(
                     Remote(
                         code=region.code,
-                        edge_url=region.edge_url.rstrip("/"),
+                        edge_urls=_edge_urls(region),
                         rtt_s=region.rtt_ms / 1000.0,
                         has_headroom=region.headroom > 0,
                         ramp=region.ramp,
                     )
                 )
     return {model: tuple(remotes) for model, remotes in plan.items() if remotes}
+
+
+def _edge_urls(region: RemoteRegion) -> tuple[str, ...]:
+    return tuple(url.rstrip("/") for url in (region.edge_url, *region.edges))
 
 
 def ramping(table: RoutingTable) -> bool:

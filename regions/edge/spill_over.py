@@ -3,6 +3,11 @@
 The first remote edge that answers before its first byte gets the request; a request that
 may already run remotely is never sent to a second one. The forwarded request is signed for
 that remote (``hop.py``), so it is rate-charged only here.
+
+A region may have several edges (schema 4): a request starts at the one its point picks (its
+session's, so a session keeps meeting the same remote edge and its session and prefix state),
+else the next in turn, and moves to that region's next edge when one fails before its first
+byte. An edge that could not be reached is passed over for :data:`EDGE_DOWN_S` (unless all are).
 """
 
 from __future__ import annotations
@@ -22,15 +27,21 @@ from regions.edge.upstream import UpstreamError
 
 log = logging.getLogger("fedinfer.edge")
 
+#: Seconds a remote edge that could not be reached is tried last.
+EDGE_DOWN_S = 5.0
+
 
 class SpillOver:
-    __slots__ = ("cfg", "fleet", "metrics", "relay")
+    __slots__ = ("_down_until", "_turn", "cfg", "fleet", "metrics", "relay")
 
     def __init__(self, cfg: EdgeConfig, fleet: Fleet, relay: Relay, metrics: EdgeMetrics) -> None:
         self.cfg = cfg
         self.fleet = fleet
         self.relay = relay
         self.metrics = metrics
+        #: Remote edge URL -> monotonic time until which it is tried last.
+        self._down_until: dict[str, float] = {}
+        self._turn = 0
 
     async def forward(self, spill: Spill, ctx: RequestContext, fallback: bool) -> bool:
         """Forward to the first of ``spill.targets`` that answers before its first byte.
@@ -43,15 +54,21 @@ class SpillOver:
         if spill.session is not None:
             headers.append((b"x-session-id", spill.session))
         failures: list[str] = []
-        tries = spill.targets[: self.cfg.max_retries + 1]
+        tries = [
+            (remote, url)
+            for remote in spill.targets[: self.cfg.max_retries + 1]
+            for url in self._edge_order(remote, spill.point)
+        ]
         may_run_remotely = False  # a remote may be serving it: never send it elsewhere
-        for remote in tries:
-            last = remote is tries[-1] and not fallback
+        for n, (remote, url) in enumerate(tries, 1):
+            last = n == len(tries) and not fallback
             try:
-                if await self._try(remote, spill, headers, last, ctx):
+                if await self._try(remote, url, spill, headers, last, ctx):
                     return True
             except UpstreamFailure as failure:
-                failures.append(f"{remote.code}: {failure.reason}")
+                failures.append(f"{remote.code} ({url}): {failure.reason}")
+                if failure.connect:
+                    self._down_until[url] = time.monotonic() + EDGE_DOWN_S
                 if not failure.retry:
                     may_run_remotely = True
                     break
@@ -69,17 +86,36 @@ class SpillOver:
         await self.relay.refuse(ctx.send, err, ctx.req.model, "", route)
         return True
 
+    def _edge_order(self, remote: Remote, point: float) -> list[str]:
+        """``remote``'s edges in the order to try: from the one the request's point picks (or
+        the next in turn without one), those recently unreachable last."""
+        urls = remote.edge_urls
+        if len(urls) == 1:
+            return [urls[0]]
+        if point:
+            start = int(point * len(urls))
+        else:
+            self._turn += 1
+            start = self._turn % len(urls)
+        ordered = urls[start:] + urls[:start]
+        now = time.monotonic()
+        down = self._down_until
+        return [u for u in ordered if down.get(u, 0.0) <= now] + [
+            u for u in ordered if down.get(u, 0.0) > now
+        ]
+
     async def _try(
         self,
         remote: Remote,
+        url: str,
         spill: Spill,
         headers: list[tuple[bytes, bytes]],
         last: bool,
         ctx: RequestContext,
     ) -> bool:
-        """One remote edge; True when its answer was relayed. :class:`UpstreamFailure` when it
-        failed before its first byte (a 5xx answer too, unless it is the ``last`` try: then
-        that answer is relayed)."""
+        """One edge of ``remote``, at ``url``; True when its answer was relayed.
+        :class:`UpstreamFailure` when it failed before its first byte (a 5xx answer too,
+        unless it is the ``last`` try: then that answer is relayed)."""
         req = ctx.req
         cfg = self.cfg
         self.metrics.spills.labels(remote.code, spill.why).inc()
@@ -90,7 +126,7 @@ class SpillOver:
         t0 = time.perf_counter()
         try:
             resp = await self.fleet.upstream.post(
-                remote.edge_url, req.path, req.body, [*headers, (HOP_HEADER, hop)]
+                url, req.path, req.body, [*headers, (HOP_HEADER, hop)]
             )
         except UpstreamError as exc:
             raise UpstreamFailure(str(exc), connect=True, retry=may_retry(exc)) from exc

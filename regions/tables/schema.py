@@ -23,7 +23,16 @@ SCHEMA_VERSION = 1
 RAMP_SCHEMA_VERSION = 2
 #: Schema 3 is schema 2 plus budget leases (``prices``, ``tenants[].budget``).
 BUDGET_SCHEMA_VERSION = 3
-READABLE_SCHEMA_VERSIONS = (SCHEMA_VERSION, RAMP_SCHEMA_VERSION, BUDGET_SCHEMA_VERSION)
+#: Schema 4 is schema 3 plus a remote region's other edges (``remote_regions[].edges``).
+EDGES_SCHEMA_VERSION = 4
+READABLE_SCHEMA_VERSIONS = (
+    SCHEMA_VERSION,
+    RAMP_SCHEMA_VERSION,
+    BUDGET_SCHEMA_VERSION,
+    EDGES_SCHEMA_VERSION,
+)
+#: Edges of one remote region a table may list (a spilled request may try each of them).
+MAX_REMOTE_EDGES = 16
 
 Role = Literal["mixed", "prefill", "decode"]
 ROLES: tuple[Role, ...] = ("mixed", "prefill", "decode")
@@ -77,6 +86,9 @@ class RemoteRegion(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     headroom: float = 0.0
     #: Share of the traffic that would go there it takes while it comes back (schema 2).
     ramp: float = 1.0
+    #: That region's other live edges (schema 4): a spilled request goes to one of them or
+    #: ``edge_url``, and to the next before its first byte if that one fails.
+    edges: tuple[str, ...] = ()
 
 
 class RouteTarget(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -249,6 +261,8 @@ def encode_table(
     for remote in document["remote_regions"]:
         if remote["ramp"] == 1.0:
             del remote["ramp"]
+        if not remote["edges"]:
+            del remote["edges"]  # one edge per region: readable by schema-3 edges
     return document
 
 
@@ -290,7 +304,7 @@ def validate_table(table: RoutingTable) -> None:
         if remote.code == table.region or remote.code in codes:
             raise TableError(f"remote region {remote.code!r} duplicated or equal to own region")
         codes.add(remote.code)
-        _validate_remote(remote)
+        _validate_remote(remote, table.schema_version)
 
 
 def _validate_ramps(table: RoutingTable) -> None:
@@ -362,12 +376,21 @@ def _validate_price(where: str, price: ModelPrice, schema_version: int) -> None:
 _MONTH = re.compile(r"\d{4}-(0[1-9]|1[0-2])")
 
 
-def _validate_remote(remote: RemoteRegion) -> None:
-    defect = _origin_defect(remote.edge_url)
-    if defect:
-        raise TableError(f"remote region {remote.code!r}: edge_url {remote.edge_url!r} {defect}")
+def _validate_remote(remote: RemoteRegion, schema_version: int) -> None:
+    where = f"remote region {remote.code!r}"
+    for field, url in [("edge_url", remote.edge_url), *(("edges", e) for e in remote.edges)]:
+        defect = _origin_defect(url)
+        if defect:
+            raise TableError(f"{where}: {field} {url!r} {defect}")
     if remote.rtt_ms < 0:
-        raise TableError(f"remote region {remote.code!r}: rtt_ms must be >= 0")
+        raise TableError(f"{where}: rtt_ms must be >= 0")
+    if remote.edges:
+        if schema_version < EDGES_SCHEMA_VERSION:
+            raise TableError(f"{where}: edges need schema_version {EDGES_SCHEMA_VERSION}")
+        if len(remote.edges) >= MAX_REMOTE_EDGES:
+            raise TableError(f"{where}: at most {MAX_REMOTE_EDGES} edges")
+        if len({remote.edge_url, *remote.edges}) != 1 + len(remote.edges):
+            raise TableError(f"{where}: an edge is listed twice")
 
 
 #: A DNS name or IPv4 address (underscores allowed: container names), or an IPv6 address.

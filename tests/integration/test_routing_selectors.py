@@ -129,3 +129,30 @@ def test_evacuation_and_heartbeat_load_reach_the_tables() -> None:
         umbrella["residency_class"]
     ]["refusals"]
     assert refusals[M8] == "residency"
+
+
+@pytest.mark.django_db
+def test_a_regions_live_edges_are_listed_for_spill_over() -> None:
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    from federation.inventory.models import Edge
+
+    _demo_fleet()
+    [single] = {t["region"]: t for t in _compile().values()}["eu-west"]["remote_regions"][:1]
+    assert "edges" not in single  # one edge per region: a schema-3 document as before
+    us = Region.objects.get(code="us-east")
+    for name, port in (("edge-us-east-2", 7102), ("edge-us-east-3", 7103)):
+        inventory.edge_register(actor=None, region=us, name=name, url=f"http://127.0.0.1:{port}")
+    # edge-us-east-3 went quiet; the first registered one never reported (just registered).
+    Edge.objects.filter(name="edge-us-east-3").update(
+        last_heartbeat_at=timezone.now() - timedelta(minutes=10)
+    )
+    tables = {t["region"]: t for t in _compile().values()}
+    eu = tables["eu-west"]
+    [remote] = [r for r in eu["remote_regions"] if r["code"] == "us-east"]
+    first = Edge.objects.get(name="edge-us-east").url
+    assert (remote["edge_url"], remote["edges"]) == (first, ["http://127.0.0.1:7102"])
+    assert eu["schema_version"] == 4
+    assert decode_table(orjson.dumps(eu)).remote_regions  # the edge reads it

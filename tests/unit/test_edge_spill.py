@@ -43,7 +43,7 @@ def table(**kw: Any) -> Any:
 def test_plan_keeps_route_order_then_other_remotes_by_rtt() -> None:
     plan = spill_plan(table())
     assert [r.code for r in plan["llama"]] == ["eu-west", "us-west"]
-    assert plan["llama"][0] == Remote("eu-west", "http://eu", 0.08, True)
+    assert plan["llama"][0] == Remote("eu-west", ("http://eu",), 0.08, True)
     assert plan["llama"][1].has_headroom is False
     assert [r.code for r in plan["qwen"]] == ["us-west"]
     assert spill_plan(table(remote_regions=[], routes=[])) == {}

@@ -82,7 +82,28 @@ def test_reserved_issue_4_fields_decode() -> None:
 @pytest.mark.parametrize(
     ("mutate", "message"),
     [
-        (lambda d: d.update(schema_version=4), "schema_version"),
+        (lambda d: d.update(schema_version=5), "schema_version"),
+        (lambda d: d["remote_regions"][0].update(edges=["http://b"]), "edges need schema_version"),
+        (
+            lambda d: (
+                d.update(schema_version=4) or d["remote_regions"][0].update(edges=["ftp://b"])
+            ),
+            "edges 'ftp://b'",
+        ),
+        (
+            lambda d: (
+                d.update(schema_version=4)
+                or d["remote_regions"][0].update(edges=[d["remote_regions"][0]["edge_url"]])
+            ),
+            "an edge is listed twice",
+        ),
+        (
+            lambda d: (
+                d.update(schema_version=4)
+                or d["remote_regions"][0].update(edges=[f"http://e{i}" for i in range(16)])
+            ),
+            "at most 16 edges",
+        ),
         (lambda d: d.update(ramp=0.5), "ramp needs schema_version 2"),
         (lambda d: d["remote_regions"][0].update(ramp=0.5), "us-east.ramp needs schema_version"),
         (lambda d: d.update(schema_version=2, ramp=1.5), "ramp must be within"),
