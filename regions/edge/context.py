@@ -19,18 +19,21 @@ A completion request passes through named stages, each a module with a public in
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from regions.edge.admission import TenantState
 from regions.edge.budget import Hold
 from regions.edge.observability import CacheView
 from regions.edge.parse import ParsedRequest, UsageTap
-from regions.edge.server import Send
+from regions.edge.server import Receive, Scope, Send
 from regions.edge.spill import Remote, Spill
 from regions.edge.upstream import UpstreamPool
 from regions.tables.schema import Instance, RoutingTable
+
+if TYPE_CHECKING:  # imported only when tracing is on (opentelemetry is an optional extra)
+    from regions.edge.tracing import RequestTrace
 
 
 @dataclass(slots=True)
@@ -90,6 +93,13 @@ class RequestContext:
     tap: UsageTap | None = None
     #: Its worst-case price held on the tenant's budget here (``budget.py``; None: none).
     hold: Hold | None = None
+    #: Its spans (``tracing.py``); None when tracing is off: each stage checks this once.
+    trace: RequestTrace | None = None
+
+
+#: The admit stage: ``await admit(scope, receive, send, chat)``, the admitted request or None
+#: (refused and answered, or the client left).
+AdmitStage = Callable[[Scope, Receive, Send, bool], Awaitable[RequestContext | None]]
 
 
 class Fleet(Protocol):
