@@ -15,7 +15,12 @@ A fourth path, ``edge-metered``, is the same edge with usage metering on (a reco
 spooled and shipped to the Redis usage stream of ``--usage-redis-url``, whose stream it deletes
 after): metering's price is its CPU per request minus the plain edge's, in the same repetition.
 
-    .venv/bin/python -m bench.overhead [--reps 3] [--duration 4]
+With ``--tracing``, a fifth path, ``edge-traced``, is the same edge with OpenTelemetry tracing on
+(every request traced, exported over OTLP/HTTP to a sink on the engine's CPU that reads and
+drops the batches): tracing's price is its CPU per request and added latency minus the plain
+edge's. The plain ``edge`` path is the default edge, tracing off.
+
+    .venv/bin/python -m bench.overhead [--reps 3] [--duration 4] [--tracing]
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import httpx
 import orjson
 import redis
 
@@ -45,7 +51,7 @@ from bench.fleet import (
 )
 from bench.procs import VAR, bench_processes, git_rev, machine_info
 from bench.report import fmt, markdown_table, spread, utc_now, write_result
-from regions.supervisor import Process
+from regions.supervisor import Process, free_port, wait_http
 from regions.tables.usage import USAGE_STREAM
 
 LUA = Path(__file__).with_name("wrk_post.lua")
@@ -54,6 +60,30 @@ ROUTER_CPUS = {0}
 ENGINE_CPUS = {1}
 CLIENT_CPUS = {1}
 PACED_MS = 64.0
+#: The OTLP/HTTP sink of the traced edge: reads each batch, answers 200, counts what it got.
+OTLP_SINK = r"""
+import json, sys
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+seen = {"batches": 0, "bytes": 0}
+class Sink(BaseHTTPRequestHandler):
+    def do_POST(self):
+        n = int(self.headers.get("content-length", "0"))
+        self.rfile.read(n)
+        seen["batches"] += 1
+        seen["bytes"] += n
+        self.send_response(200)
+        self.send_header("content-length", "0")
+        self.end_headers()
+    def do_GET(self):
+        body = json.dumps(seen).encode()
+        self.send_response(200)
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+    def log_message(self, *args):
+        pass
+ThreadingHTTPServer(("127.0.0.1", int(sys.argv[1])), Sink).serve_forever()
+"""
 
 TARGETS = {
     "added_p50_ms_c1": 1.0,  # edge p50 - direct p50, one request at a time
@@ -154,7 +184,11 @@ def check_path(url: str, stream: bool, expect_route_header: bool) -> None:
 
 
 def run(
-    reps: int = 3, duration: float = 4.0, warmup: float = 2.0, usage_redis_url: str = ""
+    reps: int = 3,
+    duration: float = 4.0,
+    warmup: float = 2.0,
+    usage_redis_url: str = "",
+    tracing: bool = False,
 ) -> dict[str, Any]:
     wrk = which_wrk()
     if wrk is None:
@@ -189,6 +223,12 @@ def run(
                 pg, table, cpus=ROUTER_CPUS, name="edge-metered", extra=metered
             )
             paths["edge-metered"] = (url, proc)
+        sink_url = ""
+        if tracing:
+            sink_url = start_otlp_sink(pg)
+            traced = ["--otlp-endpoint", f"{sink_url}/v1/traces"]
+            proc, url, _ = start_edge(pg, table, cpus=ROUTER_CPUS, name="edge-traced", extra=traced)
+            paths["edge-traced"] = (url, proc)
         if sglang_reason is None:
             rust_proc, rust_url = start_sglang(pg, engines.urls, cpus=ROUTER_CPUS)
             paths["rust"] = (rust_url, rust_proc)
@@ -220,6 +260,7 @@ def run(
                         flush=True,
                     )
 
+        exported = httpx.get(sink_url, timeout=5).json() if sink_url else None
     if usage_redis_url:
         redis.Redis.from_url(usage_redis_url).delete(USAGE_STREAM)
     summary = summarise(runs, list(paths))
@@ -245,6 +286,11 @@ def run(
         },
         "rust_router": "sglang-router (round_robin)" if sglang_reason is None else sglang_reason,
         "metering": f"edge-metered ships to {usage_redis_url}" if usage_redis_url else "off",
+        "tracing": (
+            f"edge-traced exports every request's spans to a local OTLP sink ({exported})"
+            if exported is not None
+            else "off"
+        ),
         "runs": runs,
         "summary": summary,
     }
@@ -335,6 +381,8 @@ def summarise(runs: list[dict[str, Any]], paths: list[str]) -> dict[str, Any]:
             "target": "<= 5.0",
             "met": v4 <= 5.0,
         }
+    if "edge-traced" in paths:
+        out["targets"].update(_tracing_price(get, reps))
     paced = out["cases"].get("chat-c64-paced", {}).get("edge", {}).get("added_p99_ms")
     if paced:
         # Informative: the same 64 connections below saturation (~1000 req/s offered).
@@ -343,6 +391,36 @@ def summarise(runs: list[dict[str, Any]], paths: list[str]) -> dict[str, Any]:
             "target": "<= 5.0 (informative: 64 connections at ~1000 req/s)",
             "met": paced["median"] <= 5.0,
         }
+    return out
+
+
+def start_otlp_sink(pg: Any) -> str:
+    """The traced edge's OTLP/HTTP sink, on the engine's CPU (not the router's); its URL."""
+    port = free_port()
+    proc = pg.start("otlp-sink", [sys.executable, "-c", OTLP_SINK, str(port)], cpus=ENGINE_CPUS)
+    url = f"http://127.0.0.1:{port}"
+    wait_http(url, watch=proc)
+    return url
+
+
+def _tracing_price(get: Any, reps: list[int]) -> dict[str, dict[str, Any]]:
+    """Informative: what tracing every request costs the edge, traced minus plain, per
+    repetition (64 connections: CPU per request; one at a time: added p50)."""
+    cpu, p50 = [], []
+    for k in reps:
+        a, b = get("edge-traced", False, 64, k), get("edge", False, 64, k)
+        if a and b:
+            cpu.append(a["cpu_us_per_req"]["router"] - b["cpu_us_per_req"]["router"])
+        a, b = get("edge-traced", False, 1, k), get("edge", False, 1, k)
+        if a and b:
+            p50.append((a["latency_us"]["p50"] - b["latency_us"]["p50"]) / 1000)
+    out: dict[str, dict[str, Any]] = {}
+    if cpu:
+        v = spread(cpu)["median"]
+        out["tracing_cpu_us_per_req_c64"] = {"value": v, "target": "informative", "met": None}
+    if p50:
+        v = spread(p50)["median"]
+        out["tracing_added_p50_ms_c1"] = {"value": v, "target": "informative", "met": None}
     return out
 
 
@@ -393,6 +471,8 @@ def render(result: dict[str, Any]) -> str:
     trows = []
     for name, t in s["targets"].items():
         met = {True: "met", False: "MISSED", None: "not measured"}[t["met"]]
+        if t["target"] == "informative" and t["value"] is not None:
+            met = "informative"
         trows.append(
             [name, fmt(t["value"], 2) if t["value"] is not None else "n/a", t["target"], met]
         )
@@ -415,6 +495,12 @@ def main(argv: list[str] | None = None) -> None:
         help="Redis the metered edge ships usage to ('' skips the metered path; its usage "
         "stream is deleted after the run)",
     )
+    ap.add_argument(
+        "--tracing",
+        action="store_true",
+        help="also measure the edge with tracing on (every request traced, exported to a "
+        "local OTLP/HTTP sink); needs the tracing extra",
+    )
     args = ap.parse_args(argv)
     if not 1 <= args.reps <= 20 or not 0.5 <= args.duration <= 60:
         ap.error("--reps must be 1..20 and --duration 0.5..60 s")
@@ -423,6 +509,7 @@ def main(argv: list[str] | None = None) -> None:
         duration=args.duration,
         warmup=args.warmup,
         usage_redis_url=args.usage_redis_url,
+        tracing=args.tracing,
     )
 
 

@@ -41,7 +41,7 @@ from regions.edge.observability import EdgeMetrics
 from regions.edge.parse import CHAT_PATH, COMPLETIONS_PATH
 from regions.edge.placement import Placement
 from regions.edge.prefix_index import PrefixIndex
-from regions.edge.record import Recorder
+from regions.edge.record import CLIENT_GONE, Recorder
 from regions.edge.relay import JSON, Relay, respond
 from regions.edge.server import Receive, Scope, Send
 from regions.edge.sessions import SessionMap
@@ -75,7 +75,7 @@ class Edge:
 
     def __init__(self, cfg: EdgeConfig, table: RoutingTable) -> None:
         self.cfg = cfg
-        self.metrics = EdgeMetrics()
+        self.metrics = EdgeMetrics(cfg.tenant_series)
         self.health = HealthBoard(cfg.health, on_eject=self._on_eject)
         self.loads = LoadBoard(cfg.scrape_timeout_s)
         self.prefix = PrefixIndex(cfg.prefix_capacity, cfg.prefix_ttl_s)
@@ -340,6 +340,15 @@ class Edge:
         with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
             asyncio.get_running_loop().remove_signal_handler(signal.SIGHUP)
 
+    def _count_tenant(self, ctx: RequestContext) -> None:
+        """The tenant's series: the answer's status (499: its client left), TTFT, tokens."""
+        assert ctx.tenant is not None
+        status = ctx.status or (CLIENT_GONE if ctx.disconnected else 0)
+        prompt, completion, cached = _tenant_tokens(ctx)
+        self.metrics.tenants.observe(
+            ctx.tenant.slug, status, ctx.ttft_s, prompt, completion, cached
+        )
+
     # ---------------------------------------------------------------- health hooks
 
     def _on_eject(self, instance: str, reason: str) -> None:
@@ -458,6 +467,8 @@ class Edge:
         finally:
             watcher.cancel()
             self.recorder.finished(ctx)
+            if ctx.tenant is not None:
+                self._count_tenant(ctx)
             if ctx.trace is not None:
                 ctx.trace.close(ctx.status, _span_facts(ctx))
 
@@ -475,6 +486,13 @@ def _meter(cfg: EdgeConfig) -> Meter | None:
     else:
         raise ValueError("usage metering needs a Redis URL or a control plane and an edge name")
     return Meter(metering, sink)
+
+
+def _tenant_tokens(ctx: RequestContext) -> tuple[int | None, int | None, int | None]:
+    """(prompt, completion, cached) tokens as the engine reported them (None: unknown)."""
+    prompt, used = ctx.prompt_tokens, ctx.used_tokens
+    completion = used - prompt if used is not None and prompt is not None else None
+    return prompt, completion, ctx.cached_tokens
 
 
 def _tracer(cfg: EdgeConfig) -> EdgeTracer | None:

@@ -216,6 +216,12 @@ def tracing_from_args(opts: argparse.Namespace) -> TracingConfig | None:
     )
 
 
+def _tenant_series(top: int) -> int:
+    if top < 0:
+        raise ValueError("--tenant-series must be 0 or more")
+    return top
+
+
 def _metering_from_args(opts: argparse.Namespace, sync: SyncConfig | None) -> MeteringConfig | None:
     if opts.usage_spool_dir is None:
         return None
@@ -344,7 +350,7 @@ def config_from_args(opts: argparse.Namespace) -> EdgeConfig:
         spill_margin_s=opts.spill_margin_ms / 1000.0,
         metering=_metering_from_args(opts, sync),
         tracing=tracing_from_args(opts),
-        tenant_series=opts.tenant_series,
+        tenant_series=_tenant_series(opts.tenant_series),
     )
 
 

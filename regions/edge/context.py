@@ -81,7 +81,8 @@ class RequestContext:
     used_tokens: int | None = None
     #: For the usage record (``metering.py``): the region whose edge the client called (None:
     #: this one), the key's public prefix, the instance that accepted the request (the last
-    #: one tried), the answer's status and TTFT, and the prompt tokens the engine reported.
+    #: one tried), the answer's status (a refusal's too: 0 until answered) and TTFT, and the
+    #: prompt tokens the engine reported.
     entry_region: str | None = None
     key_prefix: str | None = None
     served_by: Instance | None = None

@@ -400,6 +400,7 @@ class PdRouter:
         self, err: EdgeError, instance: str, route: bytes, ctx: RequestContext
     ) -> None:
         ctx.complete = True
+        ctx.status = err.status
         await self.relay.refuse(ctx.send, err, ctx.req.model, instance, route)
 
     def _route(self, pick: DecodePick, kv: str, hops: _TwoHops, retries: int) -> bytes:

@@ -75,6 +75,7 @@ class SpillOver:
             retry_after=self.cfg.retry_after_s,
         )
         route = spill_failed_route(self.cfg.region, spill.why)
+        ctx.status = err.status
         await self.relay.refuse(ctx.send, err, ctx.req.model, "", route)
         return True
 
