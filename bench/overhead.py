@@ -36,7 +36,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import httpx
 import orjson
 import redis
 
@@ -49,9 +48,10 @@ from bench.fleet import (
     which_wrk,
     write_table,
 )
+from bench.otlp_sink import sink_stats, start_otlp_sink
 from bench.procs import VAR, bench_processes, git_rev, machine_info
 from bench.report import fmt, markdown_table, spread, utc_now, write_result
-from regions.supervisor import Process, free_port, wait_http
+from regions.supervisor import Process
 from regions.tables.usage import USAGE_STREAM
 
 LUA = Path(__file__).with_name("wrk_post.lua")
@@ -60,30 +60,6 @@ ROUTER_CPUS = {0}
 ENGINE_CPUS = {1}
 CLIENT_CPUS = {1}
 PACED_MS = 64.0
-#: The OTLP/HTTP sink of the traced edge: reads each batch, answers 200, counts what it got.
-OTLP_SINK = r"""
-import json, sys
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-seen = {"batches": 0, "bytes": 0}
-class Sink(BaseHTTPRequestHandler):
-    def do_POST(self):
-        n = int(self.headers.get("content-length", "0"))
-        self.rfile.read(n)
-        seen["batches"] += 1
-        seen["bytes"] += n
-        self.send_response(200)
-        self.send_header("content-length", "0")
-        self.end_headers()
-    def do_GET(self):
-        body = json.dumps(seen).encode()
-        self.send_response(200)
-        self.send_header("content-length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-    def log_message(self, *args):
-        pass
-ThreadingHTTPServer(("127.0.0.1", int(sys.argv[1])), Sink).serve_forever()
-"""
 
 TARGETS = {
     "added_p50_ms_c1": 1.0,  # edge p50 - direct p50, one request at a time
@@ -202,6 +178,7 @@ def run(
              (True, 64, 0.0)]  # fmt: skip
     runs: list[dict[str, Any]] = []
     tmp = Path(tempfile.mkdtemp(prefix="bench-overhead-"))
+    sink_file = tmp / "otlp-sink.json"  # what the traced edge's sink received
     bodies = {s: tmp / f"body-{int(s)}.json" for s in (False, True)}
     for s, p in bodies.items():
         p.write_bytes(request_body(s))
@@ -223,10 +200,8 @@ def run(
                 pg, table, cpus=ROUTER_CPUS, name="edge-metered", extra=metered
             )
             paths["edge-metered"] = (url, proc)
-        sink_url = ""
         if tracing:
-            sink_url = start_otlp_sink(pg)
-            traced = ["--otlp-endpoint", f"{sink_url}/v1/traces"]
+            traced = ["--otlp-endpoint", start_otlp_sink(pg, sink_file, cpus=ENGINE_CPUS)]
             proc, url, _ = start_edge(pg, table, cpus=ROUTER_CPUS, name="edge-traced", extra=traced)
             paths["edge-traced"] = (url, proc)
         if sglang_reason is None:
@@ -260,7 +235,6 @@ def run(
                         flush=True,
                     )
 
-        exported = httpx.get(sink_url, timeout=5).json() if sink_url else None
     if usage_redis_url:
         redis.Redis.from_url(usage_redis_url).delete(USAGE_STREAM)
     summary = summarise(runs, list(paths))
@@ -272,6 +246,12 @@ def run(
         "command": "python -m bench.overhead " + " ".join(sys.argv[1:]),
         "machine_before": machine_before,
         "machine_after": machine_info(),
+        "tracing": (
+            "edge-traced exports every request's spans to a local OTLP sink "
+            f"({sink_stats(sink_file)})"
+            if tracing
+            else "off"
+        ),
         "pinning": {
             "router": sorted(ROUTER_CPUS),
             "engine": sorted(ENGINE_CPUS),
@@ -286,11 +266,6 @@ def run(
         },
         "rust_router": "sglang-router (round_robin)" if sglang_reason is None else sglang_reason,
         "metering": f"edge-metered ships to {usage_redis_url}" if usage_redis_url else "off",
-        "tracing": (
-            f"edge-traced exports every request's spans to a local OTLP sink ({exported})"
-            if exported is not None
-            else "off"
-        ),
         "runs": runs,
         "summary": summary,
     }
@@ -392,15 +367,6 @@ def summarise(runs: list[dict[str, Any]], paths: list[str]) -> dict[str, Any]:
             "met": paced["median"] <= 5.0,
         }
     return out
-
-
-def start_otlp_sink(pg: Any) -> str:
-    """The traced edge's OTLP/HTTP sink, on the engine's CPU (not the router's); its URL."""
-    port = free_port()
-    proc = pg.start("otlp-sink", [sys.executable, "-c", OTLP_SINK, str(port)], cpus=ENGINE_CPUS)
-    url = f"http://127.0.0.1:{port}"
-    wait_http(url, watch=proc)
-    return url
 
 
 def _tracing_price(get: Any, reps: list[int]) -> dict[str, dict[str, Any]]:
