@@ -93,7 +93,8 @@ def assert_no_secrets(spans: list[SpanRecord], *secrets: str) -> None:
 def test_one_request_from_admission_to_last_byte_with_the_route(
     tmp_path: Path, receiver: Receiver
 ) -> None:
-    with engine_sims(tmp_path, 2, MODEL, "--seed", "3") as engines:
+    # One engine: the warm-up's prompt is on the engine the second request is sure to get.
+    with engine_sims(tmp_path, 1, MODEL, "--seed", "3") as engines:
         doc = table_doc("sim", 1, [
             {"id": f"sim-{e['index']}", "url": e["url"], "model": MODEL, "max_concurrency": 8,
              "prefill_tokens_per_s": 15000} for e in engines
@@ -103,6 +104,14 @@ def test_one_request_from_admission_to_last_byte_with_the_route(
             ask(edge, "Warm the cache?", stream=False, trace="1" * 32)
             resp = ask(edge, "Which invoice is overdue?", stream=True)
             body = resp.text
+            refused = httpx.post(
+                edge.url + "/v1/chat/completions",
+                json={"model": MODEL, "messages": [{"role": "user", "content": "x"}]},
+                headers={"authorization": "Bearer fi_wrong", "traceparent": f"00-{'8' * 32}-"
+                         f"{CALLER_SPAN}-01"},
+                timeout=30,
+            )  # fmt: skip
+            assert refused.status_code == 401
         finally:
             edge.proc.stop()
     assert body.rstrip().endswith("data: [DONE]")
@@ -141,6 +150,11 @@ def test_one_request_from_admission_to_last_byte_with_the_route(
     # The last byte: the request's span ends no earlier than the upstream relay did.
     assert upstream.end_ns <= root.end_ns
     assert_no_secrets(spans, KEY, "Which invoice", "billing assistant")
+    # A refusal at admission is a trace too: the request's span alone, with its status.
+    (refusal,) = receiver.trace("8" * 32, "edge.request")
+    assert refusal.attributes["http.response.status_code"] == 401
+    assert refusal.attributes["fedinfer.route.reason"] == "invalid_api_key"
+    assert refusal.status == 0 and refusal.parent_id == CALLER_SPAN
 
 
 def test_a_pd_request_shows_both_legs(tmp_path: Path, receiver: Receiver) -> None:
