@@ -18,7 +18,12 @@ pinned with the engine and wrk, as a production edge's Redis runs on another mac
 machine's shared Redis would be scheduled on the router's core and charge its work to the edge
 (``--usage-redis-url`` ships to a given Redis instead, its stream deleted after).
 
-    .venv/bin/python -m bench.overhead [--reps 3] [--duration 4]
+With ``--tracing``, a fifth path, ``edge-traced``, is the same edge with OpenTelemetry tracing on
+(every request traced, exported over OTLP/HTTP to a sink on the engine's CPU that reads and
+drops the batches): tracing's price is its CPU per request and added latency minus the plain
+edge's. The plain ``edge`` path is the default edge, tracing off.
+
+    .venv/bin/python -m bench.overhead [--reps 3] [--duration 4] [--tracing]
 """
 
 from __future__ import annotations
@@ -47,6 +52,7 @@ from bench.fleet import (
     which_wrk,
     write_table,
 )
+from bench.otlp_sink import sink_stats, start_otlp_sink
 from bench.procs import VAR, bench_processes, git_rev, machine_info
 from bench.report import fmt, markdown_table, spread, utc_now, write_result
 from regions.supervisor import Process, Supervisor, free_port
@@ -182,7 +188,11 @@ def check_path(url: str, stream: bool, expect_route_header: bool) -> None:
 
 
 def run(
-    reps: int = 3, duration: float = 4.0, warmup: float = 2.0, usage_redis_url: str = ""
+    reps: int = 3,
+    duration: float = 4.0,
+    warmup: float = 2.0,
+    usage_redis_url: str = "",
+    tracing: bool = False,
 ) -> dict[str, Any]:
     wrk = which_wrk()
     if wrk is None:
@@ -197,6 +207,7 @@ def run(
     runs: list[dict[str, Any]] = []
     shipped = 0  # usage batches in the stream at the end
     tmp = Path(tempfile.mkdtemp(prefix="bench-overhead-"))
+    sink_file = tmp / "otlp-sink.json"  # what the traced edge's sink received
     bodies = {s: tmp / f"body-{int(s)}.json" for s in (False, True)}
     for s, p in bodies.items():
         p.write_bytes(request_body(s))
@@ -220,6 +231,10 @@ def run(
                 pg, table, cpus=ROUTER_CPUS, name="edge-metered", extra=metered
             )
             paths["edge-metered"] = (url, proc)
+        if tracing:
+            traced = ["--otlp-endpoint", start_otlp_sink(pg, sink_file, cpus=ENGINE_CPUS)]
+            proc, url, _ = start_edge(pg, table, cpus=ROUTER_CPUS, name="edge-traced", extra=traced)
+            paths["edge-traced"] = (url, proc)
         if sglang_reason is None:
             rust_proc, rust_url = start_sglang(pg, engines.urls, cpus=ROUTER_CPUS)
             paths["rust"] = (rust_url, rust_proc)
@@ -264,6 +279,12 @@ def run(
         "command": "python -m bench.overhead " + " ".join(sys.argv[1:]),
         "machine_before": machine_before,
         "machine_after": machine_info(),
+        "tracing": (
+            "edge-traced exports every request's spans to a local OTLP sink "
+            f"({sink_stats(sink_file)})"
+            if tracing
+            else "off"
+        ),
         "pinning": {
             "router": sorted(ROUTER_CPUS),
             "engine": sorted(ENGINE_CPUS),
@@ -372,6 +393,8 @@ def summarise(runs: list[dict[str, Any]], paths: list[str]) -> dict[str, Any]:
             "target": "<= 5.0",
             "met": v4 <= 5.0,
         }
+    if "edge-traced" in paths:
+        out["targets"].update(_tracing_price(get, reps))
     paced = out["cases"].get("chat-c64-paced", {}).get("edge", {}).get("added_p99_ms")
     if paced:
         # Informative: the same 64 connections below saturation (~1000 req/s offered).
@@ -380,6 +403,27 @@ def summarise(runs: list[dict[str, Any]], paths: list[str]) -> dict[str, Any]:
             "target": "<= 5.0 (informative: 64 connections at ~1000 req/s)",
             "met": paced["median"] <= 5.0,
         }
+    return out
+
+
+def _tracing_price(get: Any, reps: list[int]) -> dict[str, dict[str, Any]]:
+    """Informative: what tracing every request costs the edge, traced minus plain, per
+    repetition (64 connections: CPU per request; one at a time: added p50)."""
+    cpu, p50 = [], []
+    for k in reps:
+        a, b = get("edge-traced", False, 64, k), get("edge", False, 64, k)
+        if a and b:
+            cpu.append(a["cpu_us_per_req"]["router"] - b["cpu_us_per_req"]["router"])
+        a, b = get("edge-traced", False, 1, k), get("edge", False, 1, k)
+        if a and b:
+            p50.append((a["latency_us"]["p50"] - b["latency_us"]["p50"]) / 1000)
+    out: dict[str, dict[str, Any]] = {}
+    if cpu:
+        v = spread(cpu)["median"]
+        out["tracing_cpu_us_per_req_c64"] = {"value": v, "target": "informative", "met": None}
+    if p50:
+        v = spread(p50)["median"]
+        out["tracing_added_p50_ms_c1"] = {"value": v, "target": "informative", "met": None}
     return out
 
 
@@ -430,6 +474,8 @@ def render(result: dict[str, Any]) -> str:
     trows = []
     for name, t in s["targets"].items():
         met = {True: "met", False: "MISSED", None: "not measured"}[t["met"]]
+        if t["target"] == "informative" and t["value"] is not None:
+            met = "informative"
         trows.append(
             [name, fmt(t["value"], 2) if t["value"] is not None else "n/a", t["target"], met]
         )
@@ -453,6 +499,12 @@ def main(argv: list[str] | None = None) -> None:
         "redis-server on the engine's core; a URL uses that Redis (its usage stream is deleted "
         "after the run); '' skips the metered path",
     )
+    ap.add_argument(
+        "--tracing",
+        action="store_true",
+        help="also measure the edge with tracing on (every request traced, exported to a "
+        "local OTLP/HTTP sink); needs the tracing extra",
+    )
     args = ap.parse_args(argv)
     if not 1 <= args.reps <= 20 or not 0.5 <= args.duration <= 60:
         ap.error("--reps must be 1..20 and --duration 0.5..60 s")
@@ -461,6 +513,7 @@ def main(argv: list[str] | None = None) -> None:
         duration=args.duration,
         warmup=args.warmup,
         usage_redis_url=args.usage_redis_url,
+        tracing=args.tracing,
     )
 
 

@@ -233,6 +233,12 @@ FEDINFER_METRICS_TOKEN = env_str("FEDINFER_METRICS_TOKEN", "")
 FEDINFER_WORKER_METRICS_PORT = env_int("FEDINFER_WORKER_METRICS_PORT", 0)
 FEDINFER_WORKER_METRICS_ADDR = env_str("FEDINFER_WORKER_METRICS_ADDR", "127.0.0.1")
 
+#: OTLP/HTTP traces URL (e.g. http://collector:4318/v1/traces) for spans of the web's requests
+#: and the worker's tasks (federation.core.tracing); empty: no tracing. Needs fedinfer[tracing].
+FEDINFER_OTLP_ENDPOINT = env_str("FEDINFER_OTLP_ENDPOINT", "")
+#: Share of new traces recorded (0..1); a caller's sampled traceparent decides for its own.
+FEDINFER_TRACE_SAMPLE_RATIO = env_str("FEDINFER_TRACE_SAMPLE_RATIO", "1.0")
+
 AUTH_PASSWORD_VALIDATORS = [
     {"NAME": "django.contrib.auth.password_validation.UserAttributeSimilarityValidator"},
     {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator"},

@@ -16,7 +16,7 @@ import contextlib
 import logging
 import signal
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 import orjson
@@ -27,7 +27,7 @@ from regions.edge.admit import Admit
 from regions.edge.attempt import Attempts
 from regions.edge.budget import Budgets
 from regions.edge.config import EdgeConfig
-from regions.edge.context import RequestContext
+from regions.edge.context import AdmitStage, RequestContext
 from regions.edge.disagg import PdRouter
 from regions.edge.errors import EdgeError
 from regions.edge.forward import Forwarder
@@ -41,7 +41,7 @@ from regions.edge.observability import EdgeMetrics
 from regions.edge.parse import CHAT_PATH, COMPLETIONS_PATH
 from regions.edge.placement import Placement
 from regions.edge.prefix_index import PrefixIndex
-from regions.edge.record import Recorder
+from regions.edge.record import CLIENT_GONE, Recorder
 from regions.edge.relay import JSON, Relay, respond
 from regions.edge.server import Receive, Scope, Send
 from regions.edge.sessions import SessionMap
@@ -61,6 +61,9 @@ from regions.tables.schema import (
     served_models,
 )
 
+if TYPE_CHECKING:  # imported only when tracing is on (opentelemetry is an optional extra)
+    from regions.edge.tracing import EdgeTracer
+
 log = logging.getLogger("fedinfer.edge")
 
 
@@ -73,7 +76,7 @@ class Edge:
 
     def __init__(self, cfg: EdgeConfig, table: RoutingTable) -> None:
         self.cfg = cfg
-        self.metrics = EdgeMetrics()
+        self.metrics = EdgeMetrics(cfg.tenant_series)
         self.health = HealthBoard(cfg.health, on_eject=self._on_eject)
         self.loads = LoadBoard(cfg.scrape_timeout_s)
         self.prefix = PrefixIndex(cfg.prefix_capacity, cfg.prefix_ttl_s)
@@ -125,6 +128,11 @@ class Edge:
             self.metrics,
         )
         self.pd = PdRouter(cfg, self, self.placement, self.forwarder)
+        self.tracer = _tracer(cfg)
+        #: The admit stage, behind the request's trace when tracing is on (no cost when off).
+        self.admit_stage: AdmitStage = (
+            self.admit if self.tracer is None else self.tracer.admitting(self.admit)
+        )
         self.kv_events = KvEventHub(self.prefix, self.placement.block_tokens, self.metrics.registry)
         self._apply_table(table)
         self.sync = TableSync(cfg.sync, cfg.region, self) if cfg.sync is not None else None
@@ -335,8 +343,19 @@ class Edge:
             await self._probe_client.aclose()
         if self._sync_client is not None:
             await self._sync_client.aclose()
+        if self.tracer is not None:
+            await asyncio.to_thread(self.tracer.shutdown)
         with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
             asyncio.get_running_loop().remove_signal_handler(signal.SIGHUP)
+
+    def _count_tenant(self, ctx: RequestContext) -> None:
+        """The tenant's series: the answer's status (499: its client left), TTFT, tokens."""
+        assert ctx.tenant is not None
+        status = ctx.status or (CLIENT_GONE if ctx.disconnected else 0)
+        prompt, completion, cached = _tenant_tokens(ctx)
+        self.metrics.tenants.observe(
+            ctx.tenant.slug, status, ctx.ttft_s, prompt, completion, cached
+        )
 
     # ---------------------------------------------------------------- health hooks
 
@@ -432,7 +451,7 @@ class Edge:
 
     async def _completion(self, scope: Scope, receive: Receive, send: Send, chat: bool) -> None:
         """admit → (another region first?) → place, queue, forward, relay → record."""
-        ctx = await self.admit(scope, receive, send, chat)
+        ctx = await self.admit_stage(scope, receive, send, chat)
         if ctx is None:
             return  # refused and answered, or the client left
         task = asyncio.current_task()
@@ -456,6 +475,10 @@ class Edge:
         finally:
             watcher.cancel()
             self.recorder.finished(ctx)
+            if ctx.tenant is not None:
+                self._count_tenant(ctx)
+            if ctx.trace is not None:
+                ctx.trace.close(ctx.status, _span_facts(ctx))
 
 
 def _meter(cfg: EdgeConfig) -> Meter | None:
@@ -471,6 +494,42 @@ def _meter(cfg: EdgeConfig) -> Meter | None:
     else:
         raise ValueError("usage metering needs a Redis URL or a control plane and an edge name")
     return Meter(metering, sink)
+
+
+def _tenant_tokens(ctx: RequestContext) -> tuple[int | None, int | None, int | None]:
+    """(prompt, completion, cached) tokens as the engine reported them (None: unknown)."""
+    prompt, used = ctx.prompt_tokens, ctx.used_tokens
+    completion = used - prompt if used is not None and prompt is not None else None
+    return prompt, completion, ctx.cached_tokens
+
+
+def _tracer(cfg: EdgeConfig) -> EdgeTracer | None:
+    """The edge's tracer when tracing is on; opentelemetry is imported only then."""
+    if cfg.tracing is None:
+        return None
+    from regions.edge.tracing import EdgeTracer
+
+    return EdgeTracer(cfg.tracing, cfg.region, cfg.name)
+
+
+def _span_facts(ctx: RequestContext) -> dict[str, Any]:
+    """What the request's span says once it is over (never a key or prompt text)."""
+    facts: dict[str, Any] = {
+        "fedinfer.retries": ctx.retries,
+        "fedinfer.queue_ms": ctx.queue_s * 1000.0,
+        "fedinfer.client_gone": ctx.disconnected and not ctx.complete,
+    }
+    if ctx.served_by is not None:
+        facts["fedinfer.instance"] = ctx.served_by.id
+    if ctx.ttft_s is not None:
+        facts["fedinfer.ttft_ms"] = ctx.ttft_s * 1000.0
+    if ctx.prompt_tokens is not None:
+        facts["gen_ai.usage.input_tokens"] = ctx.prompt_tokens
+    if ctx.cached_tokens is not None:
+        facts["fedinfer.cached_tokens"] = ctx.cached_tokens
+    if ctx.used_tokens is not None and ctx.prompt_tokens is not None:
+        facts["gen_ai.usage.output_tokens"] = ctx.used_tokens - ctx.prompt_tokens
+    return facts
 
 
 async def _watch_disconnect(

@@ -11,7 +11,7 @@ from pathlib import Path
 import uvloop
 
 from regions.edge.app import Edge
-from regions.edge.config import DisaggConfig, EdgeConfig
+from regions.edge.config import DisaggConfig, EdgeConfig, TracingConfig
 from regions.edge.health import HealthConfig
 from regions.edge.hop import hop_keys
 from regions.edge.metering import MeteringConfig
@@ -32,6 +32,7 @@ _HEALTH = _EDGE.health
 _DISAGG = _EDGE.disagg
 _SYNC = SyncConfig(control_plane="", credential="", keys={}, state_dir=Path())
 _METERING = MeteringConfig(spool_dir=Path())
+_TRACING = TracingConfig(endpoint="")
 
 
 #: (flag, type, default, help) of the flags that only set a value.
@@ -53,6 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     _routing_flags(p)
     _engine_flags(p)
     _metering_flags(p)
+    _observability_flags(p)
     p.add_argument("--log-level", default="info")
     return p
 
@@ -173,6 +175,54 @@ def _metering_flags(p: argparse.ArgumentParser) -> None:
     _add(p, (
         ("--usage-spool-max-bytes", int, _METERING.max_bytes, "records not yet shipped, bytes"),
     ))  # fmt: skip
+
+
+def _observability_flags(p: argparse.ArgumentParser) -> None:
+    """OpenTelemetry spans (off unless ``--otlp-endpoint``) and the per-tenant series' bound."""
+    p.add_argument(
+        "--otlp-endpoint",
+        default=os.environ.get("FEDINFER_OTLP_ENDPOINT"),
+        help="export a trace of every request to this OTLP/HTTP traces URL, e.g. "
+        "http://collector:4318/v1/traces (default: $FEDINFER_OTLP_ENDPOINT; without one, "
+        "tracing is off). Needs the tracing extra: pip install 'fedinfer[tracing]'",
+    )
+    _add(p, (
+        ("--trace-sample-ratio", float, _TRACING.sample_ratio, "share of new traces recorded "
+         "(a caller's traceparent decides for its own)"),
+        ("--trace-service-name", str, _TRACING.service_name, "the spans' service.name"),
+        ("--trace-max-queue", int, _TRACING.max_queue, "spans buffered for export; past it "
+         "new spans are dropped"),
+        ("--tenant-series", int, _EDGE.tenant_series, "tenants (by requests) with Prometheus "
+         "series of their own; the others are counted as tenant=\"other\""),
+    ))  # fmt: skip
+
+
+def tracing_from_args(opts: argparse.Namespace) -> TracingConfig | None:
+    """Tracing settings; asked for without the tracing extra installed is a clear error."""
+    if not opts.otlp_endpoint:
+        return None
+    if not 0.0 <= opts.trace_sample_ratio <= 1.0:
+        raise ValueError("--trace-sample-ratio must be 0..1")
+    if opts.trace_max_queue < 1:
+        raise ValueError("--trace-max-queue must be at least 1")
+    try:
+        import regions.edge.tracing  # noqa: F401  (opentelemetry-sdk and its OTLP exporter)
+    except ImportError as exc:
+        raise ValueError(
+            f"--otlp-endpoint needs the tracing extra ({exc}): pip install 'fedinfer[tracing]'"
+        ) from exc
+    return TracingConfig(
+        endpoint=opts.otlp_endpoint,
+        service_name=opts.trace_service_name,
+        sample_ratio=opts.trace_sample_ratio,
+        max_queue=opts.trace_max_queue,
+    )
+
+
+def _tenant_series(top: int) -> int:
+    if top < 0:
+        raise ValueError("--tenant-series must be 0 or more")
+    return top
 
 
 def _metering_from_args(opts: argparse.Namespace, sync: SyncConfig | None) -> MeteringConfig | None:
@@ -303,6 +353,8 @@ def config_from_args(opts: argparse.Namespace) -> EdgeConfig:
         spill_margin_s=opts.spill_margin_ms / 1000.0,
         split_margin_s=opts.split_margin_ms / 1000.0,
         metering=_metering_from_args(opts, sync),
+        tracing=tracing_from_args(opts),
+        tenant_series=_tenant_series(opts.tenant_series),
     )
 
 

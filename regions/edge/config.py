@@ -27,6 +27,20 @@ class DisaggConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class TracingConfig:
+    """OpenTelemetry spans of each request, exported over OTLP/HTTP (``tracing.py``)."""
+
+    #: Where spans go: an OTLP/HTTP traces URL, e.g. ``http://collector:4318/v1/traces``.
+    endpoint: str
+    service_name: str = "fedinfer-edge"
+    #: Share of new traces recorded; a caller's sampled ``traceparent`` decides for its own.
+    sample_ratio: float = 1.0
+    #: Spans buffered for export; past it new spans are dropped, never the request slowed.
+    max_queue: int = 2048
+    export_timeout_s: float = 10.0
+
+
+@dataclass(frozen=True, slots=True)
 class EdgeConfig:
     region: str
     #: File mode (``--table``); None when the table comes from the control plane.
@@ -70,3 +84,7 @@ class EdgeConfig:
     split_margin_s: float = 0.1
     #: Usage metering (``metering.py``): None meters nothing.
     metering: MeteringConfig | None = None
+    #: OpenTelemetry tracing (``tracing.py``): None (the default) records no span.
+    tracing: TracingConfig | None = None
+    #: Tenants with a Prometheus label value of their own (by requests); the rest are ``other``.
+    tenant_series: int = 20

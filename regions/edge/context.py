@@ -19,19 +19,22 @@ A completion request passes through named stages, each a module with a public in
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from regions.edge.admission import TenantState
 from regions.edge.budget import Hold
 from regions.edge.observability import CacheView
 from regions.edge.parse import ParsedRequest, UsageTap
-from regions.edge.server import Send
+from regions.edge.server import Receive, Scope, Send
 from regions.edge.spill import Remote, Spill
 from regions.edge.split import Split
 from regions.edge.upstream import UpstreamPool
 from regions.tables.schema import Instance, RoutingTable
+
+if TYPE_CHECKING:  # imported only when tracing is on (opentelemetry is an optional extra)
+    from regions.edge.tracing import RequestTrace
 
 
 @dataclass(slots=True)
@@ -79,7 +82,8 @@ class RequestContext:
     used_tokens: int | None = None
     #: For the usage record (``metering.py``): the region whose edge the client called (None:
     #: this one), the key's public prefix, the instance that accepted the request (the last
-    #: one tried), the answer's status and TTFT, and the prompt tokens the engine reported.
+    #: one tried), the answer's status (a refusal's too: 0 until answered) and TTFT, and the
+    #: prompt tokens the engine reported.
     entry_region: str | None = None
     key_prefix: str | None = None
     served_by: Instance | None = None
@@ -91,6 +95,13 @@ class RequestContext:
     tap: UsageTap | None = None
     #: Its worst-case price held on the tenant's budget here (``budget.py``; None: none).
     hold: Hold | None = None
+    #: Its spans (``tracing.py``); None when tracing is off: each stage checks this once.
+    trace: RequestTrace | None = None
+
+
+#: The admit stage: ``await admit(scope, receive, send, chat)``, the admitted request or None
+#: (refused and answered, or the client left).
+AdmitStage = Callable[[Scope, Receive, Send, bool], Awaitable[RequestContext | None]]
 
 
 class Fleet(Protocol):

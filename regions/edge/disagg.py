@@ -274,11 +274,22 @@ class PdRouter:
     ) -> dict[str, Any] | None:
         """Run the prefill leg on ``winner``; its ``kv_transfer_params``. A 4xx answer is the
         client's problem: it is relayed (``ctx.sent``) and None returned."""
+        trace = ctx.trace
+        if trace is None:
+            return await self._prefill_leg(winner, body, request_id, ctx, ctx.traceparent)
+        with trace.leg("edge.pd.prefill", winner.instance) as hop:
+            params = await self._prefill_leg(winner, body, request_id, ctx, hop.traceparent)
+            hop.span.set_attribute("fedinfer.kv_transferred", params is not None)
+            return params
+
+    async def _prefill_leg(
+        self, winner: Scored, body: bytes, request_id: str, ctx: RequestContext, traceparent: str
+    ) -> dict[str, Any] | None:
         req = ctx.req
         inst = self.fleet.instances[winner.instance]
         health = self.attempts.health
         headers = [
-            (b"traceparent", ctx.traceparent.encode()),
+            (b"traceparent", traceparent.encode()),
             (b"x-request-id", request_id.encode()),
         ]
         uncached = req.prompt_tokens - winner.cached_tokens
@@ -350,6 +361,7 @@ class PdRouter:
                         ctx,
                         body,
                         ((b"x-request-id", hops.request_id.encode()),),
+                        "edge.pd.decode",
                     )
                     return
                 except UpstreamFailure as failure:
@@ -388,6 +400,7 @@ class PdRouter:
         self, err: EdgeError, instance: str, route: bytes, ctx: RequestContext
     ) -> None:
         ctx.complete = True
+        ctx.status = err.status
         await self.relay.refuse(ctx.send, err, ctx.req.model, instance, route)
 
     def _route(self, pick: DecodePick, kv: str, hops: _TwoHops, retries: int) -> bytes:

@@ -110,9 +110,26 @@ class Forwarder:
         ctx: RequestContext,
         body: bytes | None = None,
         headers: tuple[tuple[bytes, bytes], ...] = (),
+        leg: str = "edge.upstream",
     ) -> None:
         """Send to ``inst`` (``body``: another than the client's, for a P/D leg), pass the
-        answer through; :class:`UpstreamFailure` before byte one."""
+        answer through; :class:`UpstreamFailure` before byte one. Traced as span ``leg``."""
+        trace = ctx.trace
+        if trace is None:
+            await self._forward(inst, decision, ctx, body, headers, ctx.traceparent)
+            return
+        with trace.leg(leg, inst.id) as hop:
+            await self._forward(inst, decision, ctx, body, headers, hop.traceparent)
+
+    async def _forward(
+        self,
+        inst: Instance,
+        decision: Decision,
+        ctx: RequestContext,
+        body: bytes | None,
+        headers: tuple[tuple[bytes, bytes], ...],
+        traceparent: str,
+    ) -> None:
         req = ctx.req
         t0 = time.perf_counter()
         try:
@@ -120,7 +137,7 @@ class Forwarder:
                 inst.url,
                 req.path,
                 req.body if body is None else body,
-                [(b"traceparent", ctx.traceparent.encode()), *headers],
+                [(b"traceparent", traceparent.encode()), *headers],
             )
         except UpstreamError as exc:
             raise UpstreamFailure(str(exc), connect=True, retry=may_retry(exc)) from exc

@@ -85,23 +85,35 @@ _LATENCY_BUCKETS = (
 )  # fmt: skip
 
 
+#: Inter-token latency: the gaps between a stream's chunks, milliseconds to a stalled second.
+_ITL_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5,
+)  # fmt: skip
+
+
 class Histo:
-    """A histogram as two plain fields: the per-request cost is one bisect and two adds."""
+    """A histogram as plain fields: the per-observation cost is one bisect and two adds."""
 
-    __slots__ = ("counts", "total")
+    __slots__ = ("bounds", "counts", "total")
 
-    def __init__(self) -> None:
-        self.counts = [0] * (len(_LATENCY_BUCKETS) + 1)  # the last one is +Inf
+    def __init__(self, bounds: tuple[float, ...] = _LATENCY_BUCKETS) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)  # the last one is +Inf
         self.total = 0.0
 
     def observe(self, value: float) -> None:
-        self.counts[bisect_left(_LATENCY_BUCKETS, value)] += 1
+        self.counts[bisect_left(self.bounds, value)] += 1
         self.total += value
+
+    def add(self, other: Histo) -> None:
+        """Fold ``other`` (same bounds) into this one."""
+        self.counts = [a + b for a, b in zip(self.counts, other.counts, strict=True)]
+        self.total += other.total
 
     def buckets(self) -> list[tuple[str, float]]:
         out: list[tuple[str, float]] = []
         running = 0
-        for bound, count in zip((*_LATENCY_BUCKETS, float("inf")), self.counts, strict=True):
+        for bound, count in zip((*self.bounds, float("inf")), self.counts, strict=True):
             running += count
             out.append(("+Inf" if bound == float("inf") else repr(bound), running))
         return out
@@ -126,6 +138,95 @@ class Series:
         self.statuses: dict[int, int] = {}
 
 
+#: The label value of the tenants without series of their own (never a tenant's slug: slugs
+#: are letters, digits, ``-`` and ``_``).
+OTHER_TENANTS = "(other)"
+
+
+class TenantTally:
+    """One tenant's requests (by status), tokens and TTFT, in plain fields."""
+
+    __slots__ = ("cached", "completion", "prompt", "requests", "statuses", "ttft")
+
+    def __init__(self) -> None:
+        self.requests = 0
+        self.statuses: dict[int, int] = {}
+        self.prompt = 0
+        self.completion = 0
+        self.cached = 0
+        self.ttft = Histo()
+
+    def add(self, other: TenantTally) -> None:
+        self.requests += other.requests
+        for status, n in other.statuses.items():
+            self.statuses[status] = self.statuses.get(status, 0) + n
+        self.prompt += other.prompt
+        self.completion += other.completion
+        self.cached += other.cached
+        self.ttft.add(other.ttft)
+
+
+class TenantSeries:
+    """Per-tenant series with bounded cardinality: at a scrape, the ``top`` tenants by requests
+    have a ``tenant`` label value of their own and every other one is summed as
+    :data:`OTHER_TENANTS`, so there are never more than ``top + 1`` values however many
+    tenants send requests.
+
+    Who is in the top follows the running totals, so it settles; when it changes, the promoted
+    tenant's series starts with its whole count and the ``(other)`` series drops by as much
+    (Prometheus reads that as a counter reset). At most ``capacity`` tenants are tallied one by
+    one; past that, new tenants are counted straight into ``(other)``.
+    """
+
+    __slots__ = ("capacity", "overflow", "tallies", "top")
+
+    def __init__(self, top: int, capacity: int | None = None) -> None:
+        self.top = top
+        self.capacity = capacity if capacity is not None else 8 * top + 64
+        self.tallies: dict[str, TenantTally] = {}
+        self.overflow = TenantTally()
+
+    def observe(
+        self,
+        tenant: str,
+        status: int,
+        ttft_s: float | None,
+        prompt: int | None,
+        completion: int | None,
+        cached: int | None,
+    ) -> None:
+        """One answered request of ``tenant``; None: the engine did not say."""
+        tally = self.tallies.get(tenant)
+        if tally is None:
+            if len(self.tallies) < self.capacity:
+                tally = self.tallies[tenant] = TenantTally()
+            else:
+                tally = self.overflow
+        tally.requests += 1
+        statuses = tally.statuses
+        statuses[status] = statuses.get(status, 0) + 1
+        if ttft_s is not None:
+            tally.ttft.observe(ttft_s)
+        if prompt is not None:
+            tally.prompt += prompt
+        if completion is not None:
+            tally.completion += completion
+        if cached is not None:
+            tally.cached += cached
+
+    def exported(self) -> list[tuple[str, TenantTally]]:
+        """(label value, tally) of the top tenants, then the rest summed as ``(other)``."""
+        ranked = sorted(self.tallies.items(), key=lambda kv: (-kv[1].requests, kv[0]))
+        out = ranked[: self.top]
+        rest = TenantTally()
+        rest.add(self.overflow)
+        for _, tally in ranked[self.top :]:
+            rest.add(tally)
+        if rest.requests:
+            out.append((OTHER_TENANTS, rest))
+        return out
+
+
 class _RequestCollector(Collector):
     """Exports the per-request series (and in-flight counts) in Prometheus' usual shape."""
 
@@ -134,7 +235,45 @@ class _RequestCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         yield from self._request_series()
+        yield from self._stream_series()
+        yield from self._tenant_series()
         yield from self._server_state()
+
+    def _stream_series(self) -> Iterator[Metric]:
+        itl = HistogramMetricFamily(
+            "fedinfer_edge_inter_token_latency_seconds",
+            "Gaps between the chunks of a stream the edge relays, by model",
+            labels=["model"],
+        )
+        for model, h in self.m.itl.items():
+            itl.add_metric([model], h.buckets(), h.total)
+        yield itl
+
+    def _tenant_series(self) -> Iterator[Metric]:
+        requests = CounterMetricFamily(
+            "fedinfer_edge_tenant_requests",
+            "Requests admitted, by tenant (the top tenants by requests; the rest as "
+            f"{OTHER_TENANTS}) and HTTP status",
+            labels=["tenant", "status"],
+        )
+        tokens = CounterMetricFamily(
+            "fedinfer_edge_tenant_tokens",
+            "Tokens the engines reported, by tenant and kind (prompt, completion, cached)",
+            labels=["tenant", "kind"],
+        )
+        ttft = HistogramMetricFamily(
+            "fedinfer_edge_tenant_ttft_seconds",
+            "Edge arrival to the first byte of the upstream response body, by tenant",
+            labels=["tenant"],
+        )
+        for tenant, tally in self.m.tenants.exported():
+            for status, n in tally.statuses.items():
+                requests.add_metric([tenant, str(status)], n)
+            tokens.add_metric([tenant, "prompt"], tally.prompt)
+            tokens.add_metric([tenant, "completion"], tally.completion)
+            tokens.add_metric([tenant, "cached"], tally.cached)
+            ttft.add_metric([tenant], tally.ttft.buckets(), tally.ttft.total)
+        yield from (requests, tokens, ttft)
 
     def _request_series(self) -> Iterator[Metric]:
         series = self.m.all_series
@@ -207,11 +346,15 @@ class _RequestCollector(Collector):
 class EdgeMetrics:
     """The edge's metrics in a registry of its own (several edges may share a test process)."""
 
-    def __init__(self) -> None:
+    def __init__(self, tenant_series: int = 20) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         #: Per-request series, exported by a collector at scrape time.
         self.all_series: dict[tuple[str, str], Series] = {}
+        #: Inter-token latency per model (the relay's chunk gaps).
+        self.itl: dict[str, Histo] = {}
+        #: Per-tenant series, at most ``tenant_series`` + 1 label values.
+        self.tenants = TenantSeries(tenant_series)
         #: Requests in flight per instance.
         self.inflight: dict[str, int] = {}
         #: The public HTTP server's refusal counts by reason, and its open connections (set by
@@ -264,6 +407,12 @@ class EdgeMetrics:
         found = self.all_series.get(key)
         if found is None:
             found = self.all_series[key] = Series()
+        return found
+
+    def itl_histo(self, model: str) -> Histo:
+        found = self.itl.get(model)
+        if found is None:
+            found = self.itl[model] = Histo(_ITL_BUCKETS)
         return found
 
     def count(self, model: str, instance: str, status: int) -> None:

@@ -130,6 +130,23 @@ class Placement:
         spill: Spill | None = None,
         role: str = "mixed",
     ) -> tuple[Decision, float]:
+        """:meth:`decide_and_wait`, with its span when the request is traced."""
+        trace = ctx.trace
+        if trace is None:
+            return await self.decide_and_wait(ctx, sticky, exclude, spill, role)
+        started = time.perf_counter()
+        decision, waited = await self.decide_and_wait(ctx, sticky, exclude, spill, role)
+        trace.scheduled(started, role, decision, waited)
+        return decision, waited
+
+    async def decide_and_wait(
+        self,
+        ctx: RequestContext,
+        sticky: str | None,
+        exclude: frozenset[str],
+        spill: Spill | None = None,
+        role: str = "mixed",
+    ) -> tuple[Decision, float]:
         """Decide; wait at the gateway (bounded queue, deadline) while the choice has no slot.
         Returns the decision and the seconds waited.
 

@@ -145,6 +145,9 @@ class Relay:
         send = ctx.send
         await send({"type": "http.response.start", "status": 200, "headers": headers_out})
         await send({"type": "http.response.body", "body": first, "more_body": True})
+        # Inter-token latency: the gap before each chunk passed on (a float per chunk).
+        itl = self.metrics.itl_histo(ctx.req.model)
+        last = time.perf_counter()
         failure = ""
         try:
             while True:
@@ -153,6 +156,9 @@ class Relay:
                     break
                 out = tap.feed(chunk)
                 if out:
+                    now = time.perf_counter()
+                    itl.observe(now - last)
+                    last = now
                     await send({"type": "http.response.body", "body": out, "more_body": True})
         except UpstreamError as exc:
             failure = str(exc)
@@ -224,6 +230,7 @@ class Relay:
             if prompt is not None and completion is not None:
                 ctx.used_tokens = prompt + completion
             status = resp.status
+        ctx.status = status
         self.recorder.answered(req.model, f"remote:{remote.code}", status)
 
     async def _remote_stream(
@@ -259,6 +266,7 @@ class Relay:
     ) -> None:
         """An engine refused a leg the client did not see (4xx): its answer, passed through."""
         ctx.sent = ctx.complete = True
+        ctx.status = status
         await ctx.send(
             {
                 "type": "http.response.start",
@@ -317,6 +325,7 @@ class Relay:
         else:
             msg = f"no healthy instance of `{req.model}` in region {self.region}"
         err = EdgeError(503, msg, reason, retry_after=self.retry_after_s)
+        ctx.status = 503
         self.recorder.answered(req.model, "", 503)
         timing = (b"server-timing", server_timing(ctx.queue_s, None, None))
         route = route_header(self.region, None, ctx.retries, reason)
@@ -333,6 +342,7 @@ class Relay:
             retry_after=self.retry_after_s,
         )
         inst = decision.winner.instance if decision.winner else ""
+        ctx.status = 502
         self.recorder.answered(req.model, inst, 502)
         route = route_header(self.region, decision, ctx.retries, view=ctx.view)
         await self.error(ctx.send, err, route)

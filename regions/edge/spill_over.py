@@ -48,7 +48,16 @@ class SpillOver:
 
         False (nothing sent) when every remote failed and ``fallback``: serve locally instead.
         """
-        headers = [(b"traceparent", ctx.traceparent.encode())]
+        trace = ctx.trace
+        if trace is None:
+            return await self._forward(spill, ctx, fallback, ctx.traceparent)
+        with trace.leg("edge.spill", ",".join(r.code for r in spill.targets)) as hop:
+            return await self._forward(spill, ctx, fallback, hop.traceparent)
+
+    async def _forward(
+        self, spill: Spill, ctx: RequestContext, fallback: bool, traceparent: str
+    ) -> bool:
+        headers = [(b"traceparent", traceparent.encode())]
         if spill.authorization is not None:
             headers.append((b"authorization", spill.authorization))
         if spill.session is not None:
@@ -83,6 +92,7 @@ class SpillOver:
             retry_after=self.cfg.retry_after_s,
         )
         route = spill_failed_route(self.cfg.region, spill.why)
+        ctx.status = err.status
         await self.relay.refuse(ctx.send, err, ctx.req.model, "", route)
         return True
 

@@ -175,4 +175,5 @@ def test_the_demo_scrape_configuration_passes_promtool(tmp_path: Path) -> None:
     path = prometheus.write_config(tmp_path / "prometheus.yml", config)
     result = promtool("check", "config", str(path))
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "SUCCESS: 10 rules found" in result.stdout
+    alerts = sum(path.read_text().count("- alert: ") for path in RULES)
+    assert alerts == 11 and f"SUCCESS: {alerts} rules found" in result.stdout

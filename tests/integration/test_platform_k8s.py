@@ -2,8 +2,9 @@
 kustomize`` (offline) and every document validates against the Kubernetes schemas that
 ``kubernetes-validate`` ships; then what the manifests promise is checked: one beat, probes on
 the real health endpoints, resource requests, secrets referenced and never shipped, only
-commands and flags ``fedinfer`` has, vLLM with the project's flags and a GPU per TP rank.
-kubectl is the Debian/upstream binary ``.ci/run`` installs: missing, these tests fail."""
+commands and flags ``fedinfer`` has, vLLM with the project's flags and a GPU per TP rank, and a
+multi-node engine that is the Kubernetes provisioner's own LeaderWorkerSet. kubectl is the
+Debian/upstream binary ``.ci/run`` installs: missing, these tests fail."""
 
 from __future__ import annotations
 
@@ -12,12 +13,16 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
 from django.urls import resolve
 
+from federation.fleet.spec import EngineSpec
 from tests.integration.test_platform_docker import help_of
+from workers.provisioners.kubernetes import Cluster
+from workers.provisioners.kubernetes import render as provisioner_render
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "platform" / "k8s"
@@ -37,6 +42,56 @@ VLLM_FLAGS = {
     "--tensor-parallel-size",
 }
 FEDINFER_IMAGE = "registry.example.com/fedinfer:0.1.0"
+#: The LeaderWorkerSet API (``leaderworkerset.x-k8s.io/v1``) as far as the manifests use it:
+#: kubernetes-validate has no schema for a CRD, so its spec is checked here and its pod
+#: templates against the core Pod schema (:func:`lws_errors`).
+LWS_SCHEMA = {
+    "type": "object",
+    "required": ["apiVersion", "kind", "metadata", "spec"],
+    "properties": {
+        "apiVersion": {"const": "leaderworkerset.x-k8s.io/v1"},
+        "kind": {"const": "LeaderWorkerSet"},
+        "metadata": {"type": "object", "required": ["name"]},
+        "spec": {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["leaderWorkerTemplate"],
+            "properties": {
+                "replicas": {"type": "integer", "minimum": 0},
+                "startupPolicy": {"enum": ["LeaderCreated", "LeaderReady"]},
+                "rolloutStrategy": {"type": "object"},
+                "networkConfig": {"type": "object"},
+                "leaderWorkerTemplate": {
+                    "type": "object",
+                    "additionalProperties": False,
+                    "required": ["workerTemplate"],
+                    "properties": {
+                        "size": {"type": "integer", "minimum": 1},
+                        "restartPolicy": {
+                            "enum": ["RecreateGroupOnPodRestart", "RecreateGroupAfterStart", "None"]
+                        },
+                        "leaderTemplate": {"type": "object", "required": ["spec"]},
+                        "workerTemplate": {"type": "object", "required": ["spec"]},
+                        "subGroupPolicy": {"type": "object"},
+                        "volumeClaimTemplates": {"type": "array"},
+                    },
+                },
+            },
+        },
+    },
+}
+#: The us-east overlay's multi-node engine, as the inventory would describe it to the
+#: provisioner (platform/k8s/overlays/us-east/vllm-405b.yaml is its rendering).
+MULTI_NODE = EngineSpec(
+    name="vllm-405b",
+    url="",
+    model="meta-llama/Llama-3.1-405B-Instruct-FP8",
+    served_model_name="meta-llama/Llama-3.1-405B-Instruct-FP8",
+    tensor_parallel_size=16,
+    gpus_per_node=8,
+    max_model_len=32768,
+    engine_args={"max-num-seqs": 128},
+)
 
 
 def render(path: Path) -> list[dict[str, Any]]:
@@ -53,9 +108,39 @@ def render(path: Path) -> list[dict[str, Any]]:
     return [d for d in yaml.safe_load_all(result.stdout) if d]
 
 
+def lws_templates(doc: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    group = doc["spec"]["leaderWorkerTemplate"]
+    return {k: group[k] for k in ("leaderTemplate", "workerTemplate") if k in group}
+
+
+def lws_errors(doc: dict[str, Any]) -> list[str]:
+    """A LeaderWorkerSet: its spec against :data:`LWS_SCHEMA`, each pod template as a Pod."""
+    name = f"LeaderWorkerSet/{doc['metadata']['name']}"
+    errors = [
+        f"{name}: {e.message}" for e in jsonschema.Draft202012Validator(LWS_SCHEMA).iter_errors(doc)
+    ]
+    if errors:
+        return errors
+    for key, template in lws_templates(doc).items():
+        pod = {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": "p", **template.get("metadata", {})},
+            "spec": template["spec"],
+        }
+        try:
+            kubernetes_validate.validate(pod, K8S_VERSION, strict=True)
+        except kubernetes_validate.ValidationError as exc:
+            errors.append(f"{name} {key}: {exc.message}")
+    return errors
+
+
 def validation_errors(documents: list[dict[str, Any]]) -> list[str]:
     errors = []
     for doc in documents:
+        if doc["kind"] == "LeaderWorkerSet":
+            errors += lws_errors(doc)
+            continue
         try:
             kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
         except kubernetes_validate.SchemaNotFoundError as exc:
@@ -71,11 +156,16 @@ def of_kind(documents: list[dict[str, Any]], kind: str) -> dict[str, dict[str, A
 
 def pod_specs(documents: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     kinds = ("Deployment", "StatefulSet", "Job")
-    return {
+    specs = {
         f"{d['kind']}/{d['metadata']['name']}": d["spec"]["template"]["spec"]
         for d in documents
         if d["kind"] in kinds
     }
+    for d in documents:
+        if d["kind"] == "LeaderWorkerSet":
+            for key, template in lws_templates(d).items():
+                specs[f"LeaderWorkerSet/{d['metadata']['name']}/{key}"] = template["spec"]
+    return specs
 
 
 def test_there_is_a_base_and_two_region_overlays() -> None:
@@ -178,3 +268,67 @@ def test_the_project_runs_vllm_with_the_flags_the_manifests_use() -> None:
     start = source.index("def server_argv")
     used = set(re.findall(r'"(--[a-z-]+)"', source[start : source.index("def ", start + 10)]))
     assert used - {"--model", "--dtype"} == VLLM_FLAGS - {"--tensor-parallel-size"}
+
+
+def test_tensor_parallelism_across_nodes_is_the_provisioners_leader_worker_set() -> None:
+    """us-east's 405B engine spans two nodes: its LeaderWorkerSet and Service are what the
+    Kubernetes provisioner renders for it, changed only where the overlay says why."""
+    documents = render(K8S / "overlays" / "us-east")
+    (lws,) = of_kind(documents, "LeaderWorkerSet").values()
+    service = of_kind(documents, "Service")["us-east-vllm-405b"]
+    statefulset_image = of_kind(documents, "StatefulSet")["us-east-vllm"]["spec"]["template"][
+        "spec"
+    ]["containers"][0]["image"]
+    cluster = Cluster(namespace="fedinfer-us-east", image=statefulset_image)
+    expected, expected_service = provisioner_render(MULTI_NODE, cluster)
+    # The file in the overlay is the rendering itself (kustomize adds the rest).
+    source = list(yaml.safe_load_all((K8S / "overlays" / "us-east" / "vllm-405b.yaml").read_text()))
+    assert source == [expected, expected_service]
+
+    group, want = lws["spec"]["leaderWorkerTemplate"], expected["spec"]["leaderWorkerTemplate"]
+    assert group["size"] == want["size"] == 2
+    assert group["restartPolicy"] == want["restartPolicy"]
+    for key, template in lws_templates(lws).items():
+        (container,) = template["spec"]["containers"]
+        (rendered,) = want[key]["spec"]["containers"]
+        for field in ("image", "command", "env", "volumeMounts"):
+            assert container[field] == rendered[field], (key, field)
+        assert container.get("ports") == rendered.get("ports")
+        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+            assert container.get(probe) == rendered.get(probe), (key, probe)
+        gpus = container["resources"]["limits"]["nvidia.com/gpu"]
+        assert gpus == container["resources"]["requests"]["nvidia.com/gpu"] == "8"
+        labels = template["metadata"]["labels"]
+        # Not the provisioner's to manage (it would stop an engine no instance claims), and
+        # in the region for Prometheus' relabelling.
+        assert labels["app.kubernetes.io/managed-by"] != "fedinfer"
+        assert labels["fedinfer.io/region"] == "us-east"
+        assert labels["fedinfer.io/instance"] == "vllm-405b"
+    leader = group["leaderTemplate"]["spec"]["containers"][0]["command"][2]
+    assert "--tensor-parallel-size 16" in leader and "--distributed-executor-backend ray" in leader
+    assert lws["metadata"]["labels"]["app.kubernetes.io/managed-by"] != "fedinfer"
+    # The Service reaches the leader, at the URL the engine is registered under.
+    assert service["spec"]["selector"] == expected_service["spec"]["selector"]
+    assert service["spec"]["ports"] == expected_service["spec"]["ports"]
+    url = f"http://{service['metadata']['name']}.{service['metadata']['namespace']}.svc:8000"
+    assert lws["metadata"]["annotations"]["fedinfer.io/url"] == url
+    assert service["metadata"]["annotations"]["fedinfer.io/url"] == url
+    # The group's pods reach each other on every port (Ray, NCCL).
+    policy = of_kind(documents, "NetworkPolicy")["us-east-vllm-405b-group"]
+    assert policy["spec"]["podSelector"]["matchLabels"] == {"fedinfer.io/instance": "vllm-405b"}
+    assert {"podSelector": {"matchLabels": {"fedinfer.io/instance": "vllm-405b"}}} in policy[
+        "spec"
+    ]["ingress"][0]["from"]
+
+
+def test_the_leader_worker_set_check_refuses_a_broken_one() -> None:
+    documents = render(K8S / "overlays" / "us-east")
+    (lws,) = of_kind(documents, "LeaderWorkerSet").values()
+    assert lws_errors(lws) == []
+    lws["spec"]["leaderWorkerTemplate"]["size"] = "two"
+    assert any("'two' is not of type 'integer'" in e for e in lws_errors(lws))
+    lws["spec"]["leaderWorkerTemplate"]["size"] = 2
+    worker = lws["spec"]["leaderWorkerTemplate"]["workerTemplate"]["spec"]["containers"][0]
+    worker["resources"]["limits"]["nvidia.com/gpu"] = {"count": 8}
+    (error,) = lws_errors(lws)
+    assert error.startswith("LeaderWorkerSet/us-east-vllm-405b workerTemplate:")
