@@ -18,6 +18,9 @@ Per scenario:
    client hashing the session id to an engine and sending directly; ``fedinfer`` is the edge's
    default policy. Requests sent in the first ``--warmup`` seconds fill caches and are not
    counted; no request is sent after ``--duration`` seconds, those in flight are awaited.
+4. At >= 85 % load, ``fedinfer-speed5x``: the fedinfer edge again, its table claiming prefill
+   5x faster than the engines' real speed, so it must learn the real one from the answers
+   (``regions/edge/speed.py``); target: mean TTFT within 15 % of the true-speed run.
 
 Measured: TTFT (streaming, first content chunk) mean/p50/p90/p99, end-to-end latency,
 completed requests/s and output tokens/s in the window, prefix-cache hit rate from the engines'
@@ -54,6 +57,10 @@ from regions.engines.metrics import EngineLoad, parse_vllm_metrics
 from regions.supervisor import Process
 
 POLICIES = ("round_robin", "least_loaded", "oracle", "fedinfer")
+#: The fedinfer edge with a table whose prefill speed is 5x the engines' real one: it must learn
+#: the real speed (regions/edge/speed.py). Run in the scenarios at >= 85 % load.
+MISCALIBRATED = "fedinfer-speed5x"
+MISCALIBRATION = 5.0
 ENGINE_CPUS = {1}
 EDGE_CPUS = {0}
 CLIENT_CPUS = {0}
@@ -310,6 +317,7 @@ def run_policy(
             pg, count=cfg.engines, model=cfg.model, extra=cfg.engine_args(), cpus=ENGINE_CPUS
         )
         edge: Process | None = None
+        rate = prefill_rate(cfg) * (MISCALIBRATION if policy == MISCALIBRATED else 1.0)
         if policy == "oracle":
             target = Target(tuple(engines.urls), "session_hash")
         else:
@@ -319,9 +327,12 @@ def run_policy(
                 accelerator=cfg.accelerator,
                 tp=cfg.tp,
                 max_concurrency=cfg.edge_cap or cfg.max_num_seqs,
-                prefill_tokens_per_s=prefill_rate(cfg),
+                prefill_tokens_per_s=rate,
             )
-            edge, url, ops = start_edge(pg, table, policy=policy, cpus=EDGE_CPUS, model=cfg.model)
+            edge_policy = "fedinfer" if policy == MISCALIBRATED else policy
+            edge, url, ops = start_edge(
+                pg, table, policy=edge_policy, cpus=EDGE_CPUS, model=cfg.model
+            )
             target = Target((url,))
         snaps: dict[str, list[EngineLoad]] = {}
         cpu: dict[str, float] = {}
@@ -419,7 +430,10 @@ def run(
             flush=True,
         )
         results = {}
-        for policy in policies:
+        run_policies = list(policies)
+        if sc.load >= 0.85 and "fedinfer" in policies:
+            run_policies.append(MISCALIBRATED)
+        for policy in run_policies:
             results[policy] = run_policy(cfg, sc, policy, workload, logdir, tmp)
         out["scenarios"][sc.name] = {
             "scenario": asdict(sc),
@@ -458,6 +472,10 @@ def targets(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
     if "oracle" in results:
         check("mean_ttft_below_oracle_s", f["ttft_mean_s"], results["oracle"]["ttft_mean_s"], "<")
         check("hit_rate_vs_oracle", f["hit_rate"], results["oracle"]["hit_rate"], ">=")
+    if MISCALIBRATED in results:
+        # The table's speed 5x off: within 15 % of the run with the true speed, once learned.
+        ratio = results[MISCALIBRATED]["ttft_mean_s"] / f["ttft_mean_s"]
+        check("mean_ttft_table_speed_5x_off_vs_true", ratio, 1.15, "<=")
     if "least_loaded" in results:
         # Tail with failed requests counted as never served: a 503 is not a fast answer.
         check(

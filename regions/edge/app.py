@@ -35,7 +35,7 @@ from regions.edge.gateway_line import GatewayLines
 from regions.edge.health import HealthBoard, probe_loop
 from regions.edge.hop import HopVerifier
 from regions.edge.kv_events import KvEventHub
-from regions.edge.load import LoadBoard, scrape_loop
+from regions.edge.load import LoadBoard, SpeedCollector, scrape_loop
 from regions.edge.metering import Meter, UsageCollector
 from regions.edge.observability import EdgeMetrics
 from regions.edge.parse import CHAT_PATH, COMPLETIONS_PATH
@@ -105,8 +105,15 @@ class Edge:
         # The stages, in a request's order.
         self.budgets = Budgets(cfg.name)
         self.recorder = Recorder(
-            self.metrics, self.admission, self.loads, cfg.region, self.meter, self.budgets
+            self.metrics,
+            self.admission,
+            self.loads,
+            cfg.region,
+            self.meter,
+            self.budgets,
+            learn_speeds=cfg.learn_speeds,
         )
+        self.metrics.registry.register(SpeedCollector(self.loads, lambda: self.prefill_rates))
         self.relay = Relay(cfg.region, cfg.retry_after_s, self.health, self.metrics, self.recorder)
         self.admit = Admit(
             cfg, self, self.admission, self.hops, self.relay, self.meter, self.budgets

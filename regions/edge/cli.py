@@ -125,6 +125,13 @@ def _server_flags(p: argparse.ArgumentParser) -> None:
 def _routing_flags(p: argparse.ArgumentParser) -> None:
     """The scheduler, the gateway queue, retries, spill-over and P/D."""
     p.add_argument("--policy", choices=POLICIES, default=_SCHEDULER.policy)
+    p.add_argument(
+        "--learn-speeds",
+        action=argparse.BooleanOptionalAction,
+        default=_EDGE.learn_speeds,
+        help="learn each instance's prefill rate from its streamed answers, starting from the "
+        "table's figure (--no-learn-speeds: trust the table)",
+    )
     _add(p, (
         ("--queue-size", int, _EDGE.queue_size, "requests waiting for capacity"),
         ("--queue-timeout", float, _EDGE.queue_timeout_s, "seconds a request may wait"),
@@ -352,6 +359,7 @@ def config_from_args(opts: argparse.Namespace) -> EdgeConfig:
         rate_burst_s=opts.rate_burst,
         spill_margin_s=opts.spill_margin_ms / 1000.0,
         split_margin_s=opts.split_margin_ms / 1000.0,
+        learn_speeds=opts.learn_speeds,
         metering=_metering_from_args(opts, sync),
         tracing=tracing_from_args(opts),
         tenant_series=_tenant_series(opts.tenant_series),

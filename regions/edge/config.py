@@ -82,6 +82,8 @@ class EdgeConfig:
     #: Carry out the plan's split (split.py) only while the remote's RTT is within the local
     #: queue wait plus this: the latency a request may trade for the plan's cheaper region.
     split_margin_s: float = 0.1
+    #: Learn each instance's prefill rate from its streamed answers (speed.py).
+    learn_speeds: bool = True
     #: Usage metering (``metering.py``): None meters nothing.
     metering: MeteringConfig | None = None
     #: OpenTelemetry tracing (``tracing.py``): None (the default) records no span.

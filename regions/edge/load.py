@@ -13,9 +13,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 
 import httpx
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 from regions.engines.metrics import EngineLoad, parse_vllm_metrics
 
@@ -30,11 +32,13 @@ class InstanceLoad:
         "engine",
         "finished_since_scrape",
         "inflight",
+        "learned_speed",
         "mean_service_s",
         "mean_uncached_tokens",
         "pending_at",
         "pending_tokens",
         "scraped_at",
+        "speed",
         "tokens",
     )
 
@@ -53,6 +57,10 @@ class InstanceLoad:
         #: Uncached prompt tokens sent here and probably not computed yet, as of ``pending_at``.
         self.pending_tokens = 0.0
         self.pending_at = 0.0
+        #: The engine's prefill rate over the table's figure, as learned from its answers and
+        #: as the scheduler uses it (the learned one once it leaves a band: ``speed.py``).
+        self.learned_speed = 1.0
+        self.speed = 1.0
 
     def pending(self, now: float, prefill_tokens_per_s: float) -> float:
         """Prefill tokens still ahead on the engine: what this edge sent, drained at the
@@ -126,6 +134,28 @@ class LoadBoard:
             # Instance removed from the table while a request was in flight: keep counting.
             load = InstanceLoad()
         return load
+
+
+class SpeedCollector(Collector):
+    """Each instance's prefill rate as the scheduler uses it (the table's figure times what
+    was learned, ``speed.py``), beside the table's own figure."""
+
+    def __init__(self, board: LoadBoard, table_rates: Callable[[], Mapping[str, float]]) -> None:
+        self.board = board
+        self.table_rates = table_rates
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        learned = GaugeMetricFamily(
+            "fedinfer_edge_prefill_tokens_per_s",
+            "Prefill tokens/s per instance: the table's figure (source=table) and the one the "
+            "scheduler uses after learning from the engine's answers (source=learned)",
+            labels=["instance", "source"],
+        )
+        for instance, rate in sorted(self.table_rates().items()):
+            load = self.board.loads.get(instance)
+            learned.add_metric([instance, "table"], rate)
+            learned.add_metric([instance, "learned"], rate * (load.speed if load else 1.0))
+        yield learned
 
 
 async def scrape_once(

@@ -97,6 +97,7 @@ class Placement:
         targeted = self.lines.targeted
         for inst in self.fleet.by_model[model]:
             load = self.loads.get(inst.id)
+            rate = inst.prefill_tokens_per_s * load.speed
             outstanding, waiting, kv = load.snapshot()
             health = states.get(inst.id)
             out.append(
@@ -108,12 +109,12 @@ class Placement:
                     state=inst.state,
                     healthy=health is not None and health.healthy,
                     max_concurrency=inst.max_concurrency,
-                    prefill_tokens_per_s=inst.prefill_tokens_per_s,
+                    prefill_tokens_per_s=rate,
                     inflight=load.inflight,
                     outstanding=outstanding,
                     waiting=waiting,
                     kv_usage=kv,
-                    pending_tokens=load.pending(now, inst.prefill_tokens_per_s),
+                    pending_tokens=load.pending(now, rate),
                     mean_uncached_tokens=load.mean_uncached_tokens,
                     mean_service_s=load.mean_service_s,
                     cached_blocks=matched.get(inst.id, 0),

@@ -19,15 +19,18 @@ from regions.edge.load import LoadBoard
 from regions.edge.metering import Meter
 from regions.edge.observability import EdgeMetrics
 from regions.edge.scheduler import Decision
+from regions.edge.speed import in_use, learned
 from regions.tables.schema import Instance
 from regions.tables.usage import USAGE_SCHEMA_VERSION, encode_usage
 
+#: Less time than this at the gateway is the decision itself, not a wait for a slot.
+NO_WAIT_S = 0.001
 #: The status of a request whose client left before its answer ended (nginx's convention).
 CLIENT_GONE = 499
 
 
 class Recorder:
-    __slots__ = ("admission", "budgets", "loads", "meter", "metrics", "region")
+    __slots__ = ("admission", "budgets", "learn_speeds", "loads", "meter", "metrics", "region")
 
     def __init__(
         self,
@@ -37,6 +40,7 @@ class Recorder:
         region: str,
         meter: Meter | None,
         budgets: Budgets,
+        learn_speeds: bool = True,
     ) -> None:
         self.metrics = metrics
         self.admission = admission
@@ -44,6 +48,8 @@ class Recorder:
         self.region = region
         self.meter = meter
         self.budgets = budgets
+        #: Learn each instance's prefill rate from streamed answers (``speed.py``).
+        self.learn_speeds = learn_speeds
 
     def answered(self, model: str, where: str, status: int) -> None:
         """An answer with no timings: a refusal, an error, a remote region's answer."""
@@ -71,9 +77,24 @@ class Recorder:
         if ttft is not None:
             series.ttft.observe(ttft)
         series.e2e.observe(time.perf_counter() - ctx.arrived)
-        if cached is not None and decision.winner is not None:
-            series.predicted_cached += decision.winner.cached_tokens
+        winner = decision.winner
+        if cached is not None and winner is not None:
+            series.predicted_cached += winner.cached_tokens
             series.actual_cached += cached
+        if (
+            self.learn_speeds
+            and ttft is not None
+            and status == 200
+            and ctx.req.stream
+            and winner is not None
+            and winner.instance == instance
+            and not winner.wait
+            and winner.slot_s == 0.0
+            and ctx.queue_s < NO_WAIT_S
+        ):
+            load = self.loads.get(instance)
+            load.learned_speed = learned(load.learned_speed, load.speed, winner.ttft_s, ttft)
+            load.speed = in_use(load.speed, load.learned_speed)
         if prompt is not None:
             series.prompt_tokens += prompt
 

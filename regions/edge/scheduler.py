@@ -102,6 +102,8 @@ class Scored:
     outstanding: int
     #: No free slot now: the request waits at the gateway for this instance.
     wait: bool = False
+    #: The part of ``queue_s`` that is the wait for a slot (not proportional to the rate).
+    slot_s: float = 0.0
 
 
 @dataclass(slots=True)
@@ -136,15 +138,24 @@ def score(c: Candidate, req: RouteRequest, cfg: SchedulerConfig) -> Scored:
     queue_s = pending / rate
     if busy > 0:
         queue_s += step_s / 2
+    slot_s = 0.0
     if busy >= cap:
-        queue_s += (busy - cap + 1) * c.mean_service_s / cap
+        slot_s = (busy - cap + 1) * c.mean_service_s / cap
+        queue_s += slot_s
     cached = min(int(c.cached_blocks * req.block_tokens), req.prompt_tokens - 1)
     if cached < 0:
         cached = 0
     prefill_s = (req.prompt_tokens - cached) / rate + step_s
     ttft = c.rtt_ms / 1000.0 + queue_s + prefill_s
     return Scored(
-        c.id, ttft, queue_s, prefill_s, cached, c.outstanding, c.inflight >= c.max_concurrency
+        c.id,
+        ttft,
+        queue_s,
+        prefill_s,
+        cached,
+        c.outstanding,
+        c.inflight >= c.max_concurrency,
+        slot_s,
     )
 
 

@@ -582,21 +582,23 @@ class EngineApp:
         request = handle.request
         die_at = fate.die_after_tokens
         await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
-        if fmt.chat:
-            await send({"type": "http.response.body", "body": fmt.first_chunk(), "more_body": True})
+        # As vLLM: a chat stream's opening role chunk goes with the first token, once the
+        # prompt is prefilled (vLLM sends it on the engine's first output), not before.
+        opening = fmt.first_chunk() if fmt.chat else b""
         sent = 0
         while True:
             n = len(request.output_token_ids)
             if die_at is not None and n >= die_at:
                 if die_at > sent:
-                    chunk = fmt.token_chunks(handle.texts, sent, die_at, request)
+                    chunk = opening + fmt.token_chunks(handle.texts, sent, die_at, request)
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
                 self._cut(request)
                 return
             if handle.cut or request.finish_reason == "abort":
                 return  # killed, or the client left: the connection is gone
             if n > sent:
-                chunk = fmt.token_chunks(handle.texts, sent, n, request)
+                chunk = opening + fmt.token_chunks(handle.texts, sent, n, request)
+                opening = b""
                 sent = n
                 if request.status is Status.FINISHED:
                     tail = [chunk]

@@ -1,0 +1,96 @@
+"""The edge learns an engine's real prefill speed (a real edge and engine-sim on loopback): with
+a table claiming five times the engine's speed, sixty streamed answers bring the rate the
+scheduler uses to within a fifth of the engine's own (in the edge's estimated tokens); with
+--no-learn-speeds the table's figure stays."""
+
+from __future__ import annotations
+
+import random
+import re
+import statistics
+from pathlib import Path
+
+import httpx
+import orjson
+import pytest
+
+from regions.engines.simulator.perf import PerfModel, accelerator, model_params_billion
+from tests.integration.test_edge_support import engine_sims, start_edge, table_doc
+
+MODEL = "sim-llama-8b"
+WORDS = [
+    "alpha",
+    "bravo",
+    "charlie",
+    "delta",
+    "echo",
+    "foxtrot",
+    "golf",
+    "hotel",
+    "india",
+    "juliet",
+    "kilo",
+    "lima",
+    "mike",
+]
+
+
+def true_rate() -> float:
+    return PerfModel(
+        accelerator("H100-80G"), 1, model_params_billion(MODEL)
+    ).prefill_tokens_per_second()
+
+
+def learned_rate(ops: str, instance: str) -> float:
+    text = httpx.get(ops + "/metrics", timeout=5).text
+    m = re.search(
+        rf'fedinfer_edge_prefill_tokens_per_s\{{instance="{instance}",source="learned"\}} (\S+)',
+        text,
+    )
+    assert m, text
+    return float(m.group(1))
+
+
+def stream_one(url: str, rand: random.Random) -> float:
+    """One streamed request with a fresh ~3,000-token prompt (nothing cached); the edge's
+    estimate of its prompt tokens (bytes / 4) over the engine's count."""
+    prompt = " ".join(rand.choice(WORDS) for _ in range(2500))
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": 2,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    counted = 0
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=30) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: {") and '"usage":{' in line:
+                counted = orjson.loads(line[6:])["usage"]["prompt_tokens"]
+    assert counted > 0
+    return len(prompt.encode()) / 4 / counted
+
+
+@pytest.mark.parametrize("learn", [True, False])
+def test_a_table_five_times_too_fast_is_learned_from_the_answers(
+    tmp_path: Path, learn: bool
+) -> None:
+    claimed = true_rate() * 5
+    with engine_sims(tmp_path, 1, MODEL, "--accelerator", "H100-80G") as [engine]:
+        doc = table_doc("r1", 1, [])
+        doc["instances"] = [
+            {"id": "e0", "url": engine["url"], "model": MODEL, "prefill_tokens_per_s": claimed}
+        ]
+        edge = start_edge(tmp_path, doc, *([] if learn else ["--no-learn-speeds"]))
+        try:
+            rand = random.Random(7)
+            estimate = statistics.fmean(stream_one(edge.url, rand) for _ in range(60))
+            learned = learned_rate(edge.ops, "e0")
+        finally:
+            edge.proc.stop()
+    if learn:
+        # The edge counts prompts by its own estimate, so it learns estimated tokens per second.
+        assert learned == pytest.approx(true_rate() * estimate, rel=0.2), (learned, estimate)
+    else:
+        assert learned == claimed
