@@ -24,5 +24,5 @@ class RegionFailoverAdmin(ReadOnlyAdmin):
 
 @admin.register(DeploymentAutoscale)
 class DeploymentAutoscaleAdmin(ReadOnlyAdmin):
-    list_display = ["deployment", "utilisation", "reason", "low_since", "changed_at"]
+    list_display = ["deployment", "utilisation", "reason", "low_since", "changed_at", "observed_at"]
     list_select_related = ["deployment__model", "deployment__pool__region"]

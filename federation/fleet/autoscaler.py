@@ -4,14 +4,19 @@ count out.
 A replica's *utilisation* is the highest of three pressures the edges report for it (the
 heartbeat, ``docs/distribution.md``): requests it runs or that wait for it against the
 requests it runs at once (``max-num-seqs``), its KV-cache usage, and its token throughput
-against what it sustains at full load. The deployment's utilisation is their mean over its
-ready replicas. The seeds' rule is to run at 60-70 %, not 100 %: the count that brings the mean
-back to the target (65 %) is ``ceil(sum of utilisations / target)``.
+against what it sustains at full load. Their sum over the ready replicas is the deployment's
+*load* (in replicas' worth); the seeds' rule is to run at 60-70 %, not 100 %, so the count that
+brings it back to the target (65 %) is ``ceil(load / target)``.
 
-* Above the band: scale up at once, straight to that count (a cold start takes minutes,
-  so waiting only makes the queue longer), within ``max_replicas`` and the pool's free GPUs;
-  replicas already coming (pending, loading, warming) count, so a load that persists while
-  they warm does not start more.
+A report is a snapshot (requests in flight at that instant), so the load is smoothed
+(exponentially, ``smoothing_s``) before it is compared with the band: one busy instant does not
+add a replica that the cooldown then keeps for minutes.
+
+* Above the band (smoothed), or every slot taken right now (``panic``: the next requests
+  would queue and their time to first token grow): scale up at once, straight to the count
+  (a cold start takes minutes, waiting only makes the queue longer), within ``max_replicas``
+  and the pool's free GPUs; replicas already coming (pending, loading, warming) count, so a
+  load that persists while they warm does not start more.
 * Below the band: scale down one replica at a time, and only once the load has stayed below
   the band for ``down_window_s`` and no change was made for ``cooldown_s``; never while a
   replica is still coming. One replica fewer keeps the mean at or under the target, so a
@@ -23,7 +28,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 #: Utilisations this close to a band's edge count as on it (sums of floats are not exact).
 _EPS = 1e-9
@@ -38,6 +43,10 @@ class AutoscalePolicy:
     down_window_s: float = 60.0
     #: Seconds after any change before a replica is removed.
     cooldown_s: float = 120.0
+    #: Time constant of the load's exponential smoothing, seconds (0: none).
+    smoothing_s: float = 20.0
+    #: Utilisation of this instant at which it scales up without waiting for the smoothing.
+    panic: float = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +79,9 @@ class Memory:
     low_since: float | None = None
     #: When the policy last changed the replica count.
     changed_at: float | None = None
+    #: The smoothed load (sum of the ready replicas' utilisations) and when it was observed.
+    load: float | None = None
+    observed_at: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,6 +121,14 @@ def _bounded(count: int, obs: DeploymentLoad) -> int:
     return max(obs.min_replicas, min(count, upper))
 
 
+def smoothed_load(load: float, memory: Memory, *, now: float, smoothing_s: float) -> float:
+    """The exponentially smoothed load after observing ``load`` at ``now``."""
+    if memory.load is None or memory.observed_at is None or smoothing_s <= 0:
+        return load
+    weight = 1.0 - math.exp(-max(0.0, now - memory.observed_at) / smoothing_s)
+    return memory.load + weight * (load - memory.load)
+
+
 def autoscale_step(
     obs: DeploymentLoad, memory: Memory, *, now: float, policy: AutoscalePolicy
 ) -> Decision:
@@ -116,27 +136,36 @@ def autoscale_step(
     clamped = _bounded(obs.desired, obs)
     if clamped != obs.desired:  # min or max moved under it
         return Decision(
-            clamped, Memory(None, now), None, f"kept within {obs.min_replicas}-{obs.max_replicas}"
+            clamped,
+            replace(memory, low_since=None, changed_at=now),
+            None,
+            f"kept within {obs.min_replicas}-{obs.max_replicas}",
         )
     if not obs.ready or obs.unreported:
         # Nothing (or not everything) serving reports yet: its load is unknown, hold still.
-        return Decision(obs.desired, Memory(None, memory.changed_at), None, "load not reported")
-    total = sum(replica_utilisation(r) for r in obs.ready)
-    mean = total / len(obs.ready)
-    needed = max(1, math.ceil(total / policy.target - _EPS))
-    if mean > policy.high + _EPS:
+        return Decision(obs.desired, replace(memory, low_since=None), None, "load not reported")
+    instant = sum(replica_utilisation(r) for r in obs.ready)
+    load = smoothed_load(instant, memory, now=now, smoothing_s=policy.smoothing_s)
+    seen = replace(memory, load=load, observed_at=now)
+    count = len(obs.ready)
+    mean = load / count
+    panic = instant / count >= policy.panic - _EPS
+    if mean > policy.high + _EPS or panic:
+        needed = max(1, math.ceil(max(load, instant if panic else 0.0) / policy.target - _EPS))
         wanted = _bounded(max(obs.desired, needed), obs)
         if wanted > obs.desired:
-            why = f"utilisation {mean:.0%} above {policy.high:.0%}: {needed} replicas needed"
-            return Decision(wanted, Memory(None, now), mean, why)
+            what = f"every slot busy ({instant / count:.0%})" if panic else f"{mean:.0%}"
+            why = f"utilisation {what} above {policy.high:.0%}: {needed} replicas needed"
+            return Decision(wanted, replace(seen, low_since=None, changed_at=now), mean, why)
         why = "above the band; " + (
             f"{obs.coming} replica(s) coming" if obs.coming else "at the limit"
         )
-        return Decision(obs.desired, Memory(None, memory.changed_at), mean, why)
+        return Decision(obs.desired, replace(seen, low_since=None), mean, why)
     if mean >= policy.low - _EPS:
-        return Decision(obs.desired, Memory(None, memory.changed_at), mean, "within the band")
+        return Decision(obs.desired, replace(seen, low_since=None), mean, "within the band")
+    needed = max(1, math.ceil(load / policy.target - _EPS))
     low_since = memory.low_since if memory.low_since is not None else now
-    kept = Memory(low_since, memory.changed_at)
+    kept = replace(seen, low_since=low_since)
     if needed >= obs.desired or obs.coming:
         return Decision(obs.desired, kept, mean, "below the band, no replica to spare")
     if now - low_since < policy.down_window_s:
@@ -147,4 +176,4 @@ def autoscale_step(
     if wanted == obs.desired:
         return Decision(obs.desired, kept, mean, "below the band, at the minimum")
     why = f"utilisation {mean:.0%} below {policy.low:.0%} for {now - low_since:.0f} s"
-    return Decision(wanted, Memory(None, now), mean, why)
+    return Decision(wanted, replace(seen, low_since=None, changed_at=now), mean, why)

@@ -78,6 +78,8 @@ def deployment_autoscale(*, deployment: Deployment, config: AutoscaleConfig, now
     memory = autoscaler.Memory(
         low_since=_seconds(state.low_since) if state else None,
         changed_at=_seconds(state.changed_at) if state else None,
+        load=state.load if state else None,
+        observed_at=_seconds(state.observed_at) if state else None,
     )
     decision = autoscaler.autoscale_step(obs, memory, now=now.timestamp(), policy=config.policy)
     before = deployment.desired_replicas
@@ -155,25 +157,20 @@ def _scale(deployment: Deployment, decision: autoscaler.Decision) -> None:
 def _remember(
     deployment: Deployment, state: DeploymentAutoscale | None, decision: autoscaler.Decision
 ) -> None:
-    """The policy's memory and what it saw, written only when the memory changes (not once
-    per deployment per pass)."""
-    low_since = _datetime(decision.memory.low_since)
-    changed_at = _datetime(decision.memory.changed_at)
-    if state is not None and (state.low_since, state.changed_at, state.reason) == (
-        low_since,
-        changed_at,
-        decision.reason,
-    ):
+    """The policy's memory and what it saw (one row per deployment, written each pass while
+    its load is reported: the smoothed load moves with every report)."""
+    memory = decision.memory
+    fields = {
+        "low_since": _datetime(memory.low_since),
+        "changed_at": _datetime(memory.changed_at),
+        "load": memory.load,
+        "observed_at": _datetime(memory.observed_at),
+        "utilisation": decision.utilisation,
+        "reason": decision.reason[:200],
+    }
+    if state is not None and all(getattr(state, k) == v for k, v in fields.items()):
         return
-    DeploymentAutoscale.objects.update_or_create(
-        deployment=deployment,
-        defaults={
-            "low_since": low_since,
-            "changed_at": changed_at,
-            "utilisation": decision.utilisation,
-            "reason": decision.reason[:200],
-        },
-    )
+    DeploymentAutoscale.objects.update_or_create(deployment=deployment, defaults=fields)
 
 
 def _seconds(at: datetime | None) -> float | None:

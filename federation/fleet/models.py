@@ -57,7 +57,11 @@ class DeploymentAutoscale(models.Model):
     changed_at = models.DateTimeField(
         null=True, blank=True, help_text="When the autoscaler last changed its replica count."
     )
-    utilisation = models.FloatField(null=True, blank=True)
+    load = models.FloatField(
+        null=True, blank=True, help_text="Smoothed sum of its ready replicas' utilisations."
+    )
+    observed_at = models.DateTimeField(null=True, blank=True)
+    utilisation = models.FloatField(null=True, blank=True, help_text="Smoothed mean utilisation.")
     reason = models.CharField(max_length=200, blank=True, default="")
 
     def __str__(self) -> str:

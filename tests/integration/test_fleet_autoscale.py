@@ -3,9 +3,9 @@ on this test's Redis DB and PostgreSQL database) whose local provisioner starts 
 engine-sim`` processes, ``fedinfer serve`` and a ``fedinfer edge`` reporting load in its
 heartbeats.
 
-* the load rises past the band → a second replica is started (loading or warming) while every
-  request still gets its first token within the TTFT target (it acts at 75 %, before requests
-  queue);
+* the load rises to every slot busy → a second replica is started (loading or warming) at once
+  (no waiting for the smoothed load), while every request still got its first token within the
+  TTFT target: the next one would be the first to queue;
 * the load drops → one replica is removed, not before the cooldown, and drained first: the
   streams it serves finish intact before its engine is stopped.
 """
@@ -114,7 +114,8 @@ class Stream:
         started = time.monotonic()
         body = {
             "model": LLAMA,
-            "messages": [{"role": "user", "content": "tell me a long story"}],
+            # A prompt of its own: no prefix affinity pulls the streams onto one replica.
+            "messages": [{"role": "user", "content": f"{id(self)} tell me a long story"}],
             "max_tokens": self.max_tokens,
             "ignore_eos": True,
             "stream": True,
@@ -210,9 +211,9 @@ def test_load_up_starts_a_replica_in_time_load_down_drains_one_after_the_cooldow
     assert states(dep) == {first: "ready"}
     assert Deployment.objects.get(pk=dep.pk).desired_replicas == 1
 
-    # 1. Load up: three of four slots busy (75 %, above the 60-70 % band), nobody queued yet.
+    # 1. Load up: every slot busy (100 %, above the 60-70 % band), nobody queued yet.
     loaded_at = time.monotonic()
-    load = [Stream(url, key, max_tokens=30_000) for _ in range(3)]
+    load = [Stream(url, key, max_tokens=30_000) for _ in range(SLOTS)]
     up = wait_until(
         lambda: any(s in ("pending", "loading", "warming") for s in states(dep).values()),
         30,
@@ -223,7 +224,7 @@ def test_load_up_starts_a_replica_in_time_load_down_drains_one_after_the_cooldow
     assert up <= 15
     event = AuditEvent.objects.get(action="fleet.autoscale")
     assert event.changes["desired_replicas"] == [1, 2] and event.actor_repr == "system"
-    assert "above" in event.changes["reason"]
+    assert "every slot busy" in event.changes["reason"]
     for s in load:
         assert not s.error and s.ttft_s is not None and s.ttft_s < TTFT_TARGET_S, s
         assert s.on(first) and not s.finished  # still streaming: the load is still there

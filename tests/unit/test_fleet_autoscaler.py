@@ -62,6 +62,29 @@ def test_scales_up_at_once_straight_to_the_count_that_restores_the_target() -> N
     assert d.desired == 4 and d.memory.changed_at == 0 and "above" in d.reason
 
 
+def test_one_busy_instant_is_smoothed_away_a_lasting_load_is_not() -> None:
+    calm = deployment([load(in_flight=6)] * 2)  # 60 %
+    busy = deployment([load(in_flight=9)] * 2)  # 90 %: above the band, below panic
+    d = autoscale_step(calm, Memory(), now=0, policy=POLICY)
+    d = autoscale_step(busy, d.memory, now=5, policy=POLICY)
+    assert d.desired == 2 and d.reason == "within the band"
+    d = autoscale_step(calm, d.memory, now=10, policy=POLICY)
+    assert d.desired == 2
+    # The same 90 % for a while: up, once the smoothed load crosses the band.
+    t = 10
+    while d.desired == 2:
+        t += 5
+        assert t <= 60, "a lasting load must scale up within a few time constants"
+        d = autoscale_step(busy, d.memory, now=t, policy=POLICY)
+    assert d.desired == 3 and "above" in d.reason
+
+
+def test_every_slot_busy_scales_up_at_once_without_waiting_for_the_smoothing() -> None:
+    d = autoscale_step(deployment([load(in_flight=2)] * 2), Memory(), now=0, policy=POLICY)
+    d = autoscale_step(deployment([load(in_flight=10)] * 2), d.memory, now=2, policy=POLICY)
+    assert d.desired == 4 and "every slot busy" in d.reason
+
+
 def test_replicas_coming_count_so_a_persisting_load_starts_no_more() -> None:
     obs = deployment([load(in_flight=10)] * 2, coming=2)
     d = autoscale_step(obs, Memory(changed_at=0), now=5, policy=POLICY)
@@ -85,7 +108,7 @@ def test_scales_down_one_at_a_time_after_the_window_and_the_cooldown() -> None:
     d = autoscale_step(idle, d.memory, now=80, policy=POLICY)  # window over, cooldown not
     assert d.desired == 4 and "cooling" in d.reason
     d = autoscale_step(idle, d.memory, now=130, policy=POLICY)
-    assert d.desired == 3 and d.memory == Memory(None, 130)
+    assert d.desired == 3 and (d.memory.low_since, d.memory.changed_at) == (None, 130)
     # The next one needs a whole new window.
     smaller = deployment([load(in_flight=1)] * 3)
     d = autoscale_step(smaller, d.memory, now=131, policy=POLICY)
@@ -95,7 +118,9 @@ def test_scales_down_one_at_a_time_after_the_window_and_the_cooldown() -> None:
 def test_a_load_back_in_the_band_resets_the_down_window() -> None:
     d = autoscale_step(deployment([load(in_flight=1)] * 2), Memory(), now=0, policy=POLICY)
     assert d.memory.low_since == 0
-    d = autoscale_step(deployment([load(in_flight=6)] * 2), d.memory, now=30, policy=POLICY)
+    d = autoscale_step(
+        deployment([load(in_flight=13)] * 1 + [load()]), d.memory, now=300, policy=POLICY
+    )
     assert d.memory.low_since is None and d.reason == "within the band"
 
 
@@ -150,6 +175,8 @@ memories = st.builds(
     Memory,
     low_since=st.none() | st.floats(0, 1000),
     changed_at=st.none() | st.floats(0, 1000),
+    load=st.none() | st.floats(0, 100),
+    observed_at=st.none() | st.floats(0, 1000),
 )
 
 
@@ -165,6 +192,8 @@ def test_never_below_min_above_max_or_beyond_the_free_gpus(
         assert extra * obs.gpus_per_replica <= max(0, obs.free_gpus)
     if d.desired < obs.desired and obs.desired <= obs.max_replicas:
         assert d.desired == obs.desired - 1  # down one at a time
+    if obs.desired >= 1 and obs.max_replicas >= 1:
+        assert d.desired >= 1  # never to zero on its own: nothing would bring it back
 
 
 @settings(max_examples=200)
