@@ -48,6 +48,7 @@ def autoscale_config() -> AutoscaleConfig:
             high=s.FEDINFER_AUTOSCALE_HIGH_PERCENT / 100,
             down_window_s=s.FEDINFER_AUTOSCALE_DOWN_WINDOW_SECONDS,
             cooldown_s=s.FEDINFER_AUTOSCALE_COOLDOWN_SECONDS,
+            smoothing_s=s.FEDINFER_AUTOSCALE_SMOOTHING_SECONDS,
         ),
         report_fresh_s=s.FEDINFER_FLEET_REPORT_FRESH_SECONDS,
     )
