@@ -164,10 +164,12 @@ def autoscale_step(
     if mean >= policy.low - _EPS:
         return Decision(obs.desired, replace(seen, low_since=None), mean, "within the band")
     needed = max(1, math.ceil(load / policy.target - _EPS))
+    if needed >= obs.desired or obs.coming:
+        # The window times the condition that removes a replica, not just "below the band".
+        why = "below the band, no replica to spare"
+        return Decision(obs.desired, replace(seen, low_since=None), mean, why)
     low_since = memory.low_since if memory.low_since is not None else now
     kept = replace(seen, low_since=low_since)
-    if needed >= obs.desired or obs.coming:
-        return Decision(obs.desired, kept, mean, "below the band, no replica to spare")
     if now - low_since < policy.down_window_s:
         return Decision(obs.desired, kept, mean, "below the band, within the down window")
     if memory.changed_at is not None and now - memory.changed_at < policy.cooldown_s:

@@ -4,8 +4,9 @@ engine-sim`` processes, ``fedinfer serve`` and a ``fedinfer edge`` reporting loa
 heartbeats.
 
 * the load rises to every slot busy → a second replica is started (loading or warming) at once
-  (no waiting for the smoothed load), while every request still got its first token within the
-  TTFT target: the next one would be the first to queue;
+  (no waiting for the smoothed load), while no request has waited at the edge for a slot (the
+  edge's ``server-timing: queue``): the next one would be the first to queue, the first whose
+  time to first token grows;
 * the load drops → one replica is removed, not before the cooldown, and drained first: the
   streams it serves finish intact before its engine is stopped.
 """
@@ -53,7 +54,9 @@ LLAMA = LLAMA_8B["name"]
 SLOTS = 4  # max-num-seqs: requests one replica runs at once
 COOLDOWN_S = 12
 DOWN_WINDOW_S = 3
-TTFT_TARGET_S = 2.0
+#: Time a request may spend in the edge's line and still count as not having waited for a slot
+#: (it is admitted at once when a slot is free; this is scheduling noise on a loaded machine).
+NO_WAIT_S = 0.25
 
 
 @pytest.fixture(autouse=True)
@@ -100,6 +103,7 @@ class Stream:
     max_tokens: int
     stop: threading.Event = field(default_factory=threading.Event)
     routed_to: str = ""
+    queue_s: float | None = None  # its wait at the edge for a slot (server-timing)
     ttft_s: float | None = None
     chunks: int = 0
     finished: bool = False  # the engine's [DONE] arrived
@@ -127,6 +131,12 @@ class Stream:
                     self.error = f"{r.status_code} {r.read()[:200]!r}"
                     return
                 self.routed_to = r.headers.get("x-fedinfer-route", "")
+                timing = dict(
+                    part.strip().split(";dur=", 1)
+                    for part in r.headers.get("server-timing", "").split(",")
+                    if ";dur=" in part
+                )
+                self.queue_s = float(timing["queue"]) / 1000 if "queue" in timing else None
                 for line in r.iter_lines():
                     if self.ttft_s is None and line.startswith("data: {"):
                         self.ttft_s = time.monotonic() - started
@@ -226,7 +236,7 @@ def test_load_up_starts_a_replica_in_time_load_down_drains_one_after_the_cooldow
     assert event.changes["desired_replicas"] == [1, 2] and event.actor_repr == "system"
     assert "every slot busy" in event.changes["reason"]
     for s in load:
-        assert not s.error and s.ttft_s is not None and s.ttft_s < TTFT_TARGET_S, s
+        assert not s.error and s.queue_s is not None and s.queue_s < NO_WAIT_S, s
         assert s.on(first) and not s.finished  # still streaming: the load is still there
     for s in load:
         s.close()

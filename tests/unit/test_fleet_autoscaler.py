@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -113,6 +114,18 @@ def test_scales_down_one_at_a_time_after_the_window_and_the_cooldown() -> None:
     smaller = deployment([load(in_flight=1)] * 3)
     d = autoscale_step(smaller, d.memory, now=131, policy=POLICY)
     assert d.desired == 3
+
+
+def test_the_down_window_times_a_spare_replica_not_merely_a_load_below_the_band() -> None:
+    # Two replicas at 56 %: below the band, but one replica could not carry it at 65 %.
+    d = autoscale_step(
+        deployment([load(in_flight=4), load(in_flight=5)]), Memory(), now=0, policy=POLICY
+    )
+    assert d.reason == "below the band, no replica to spare" and d.memory.low_since is None
+    # Long after, the load dips so that one replica is spare: a whole window starts now.
+    smaller = deployment([load(in_flight=2)] * 2)
+    d = autoscale_step(smaller, replace(d.memory, load=None), now=1000, policy=POLICY)
+    assert d.desired == 2 and d.memory.low_since == 1000 and "window" in d.reason
 
 
 def test_a_load_back_in_the_band_resets_the_down_window() -> None:
