@@ -17,9 +17,9 @@ add a replica that the cooldown then keeps for minutes.
   (a cold start takes minutes, waiting only makes the queue longer), within ``max_replicas``
   and the pool's free GPUs; replicas already coming (pending, loading, warming) count, so a
   load that persists while they warm does not start more.
-* Below the band: scale down one replica at a time, and only once the load has stayed below
-  the band for ``down_window_s`` and no change was made for ``cooldown_s``; never while a
-  replica is still coming. One replica fewer keeps the mean at or under the target, so a
+* Below the band: scale down one replica at a time, and only once one has been spare (the
+  others carry the load at the target) for ``down_window_s`` and no change was made for
+  ``cooldown_s``; never while a replica is still coming. One replica fewer keeps the mean at or under the target, so a
   scale-down never makes the next pass scale up again (no flapping).
 * Inside the band: nothing changes.
 """
@@ -39,7 +39,8 @@ class AutoscalePolicy:
     target: float = 0.65
     low: float = 0.60
     high: float = 0.70
-    #: Seconds the load must stay below ``low`` before a replica is removed.
+    #: Seconds a replica must have been spare (load below ``low``, the others enough at the
+    #: target) before it is removed.
     down_window_s: float = 60.0
     #: Seconds after any change before a replica is removed.
     cooldown_s: float = 120.0
@@ -75,7 +76,7 @@ def replica_utilisation(load: ReplicaLoad) -> float:
 class Memory:
     """What the policy remembers between passes (seconds on one clock, None: never)."""
 
-    #: When the load went below the band (reset as soon as it is not).
+    #: Since when a replica is spare (reset as soon as none is).
     low_since: float | None = None
     #: When the policy last changed the replica count.
     changed_at: float | None = None

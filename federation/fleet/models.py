@@ -52,7 +52,9 @@ class DeploymentAutoscale(models.Model):
         Deployment, on_delete=models.CASCADE, primary_key=True, related_name="autoscale_state"
     )
     low_since = models.DateTimeField(
-        null=True, blank=True, help_text="Since when its load is below the band."
+        null=True,
+        blank=True,
+        help_text="Since when one replica is spare (its load below the band).",
     )
     changed_at = models.DateTimeField(
         null=True, blank=True, help_text="When the autoscaler last changed its replica count."
