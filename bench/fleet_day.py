@@ -67,6 +67,11 @@ class Model:
     cold_start_s: float = 90.0  # start -> ready (weights loaded, warmed)
     target_utilisation: float = 0.65
     max_replicas: int = 64
+    #: Flash crowds: the rate times ``burst_factor`` for ``burst_minutes`` from each of these
+    #: local hours (1.0: none, the default day is smooth).
+    burst_factor: float = 1.0
+    burst_minutes: float = 15.0
+    burst_local_hours: tuple[float, ...] = (10.0, 15.0, 20.0)
     report_s: float = 5.0  # how often the fedinfer policy sees an edge report
     hours: float = 24.0
     seed: int = 7
@@ -77,7 +82,9 @@ class Model:
         local_h = (t / 3600 + self.utc_offsets[region]) % 24
         phase = math.cos(2 * math.pi * (local_h - self.peak_hour_local) / 24)
         shape = ((1 + phase) / 2) ** 2
-        return self.peak_rps * (self.trough_share + (1 - self.trough_share) * shape)
+        rate = self.peak_rps * (self.trough_share + (1 - self.trough_share) * shape)
+        burst = any(0 <= local_h - h < self.burst_minutes / 60 for h in self.burst_local_hours)
+        return rate * self.burst_factor if burst else rate
 
     @property
     def replica_rps(self) -> float:
@@ -355,9 +362,10 @@ def replay(model: Model, region_index: int, scaler: tuple[float, Scaler]) -> Reg
 
 
 def peak_replicas(model: Model) -> int:
-    """What static provisioning needs: the busiest region's peak at the target utilisation
-    (every region gets that many: each has the same peak, at its own hour)."""
-    return math.ceil(model.peak_rps / (model.replica_rps * model.target_utilisation))
+    """What static provisioning needs: the busiest minute's rate at the target utilisation
+    (every region gets that many: each has the same day, at its own hours)."""
+    peak = max(model.rate(0, minute * 60.0) for minute in range(24 * 60))
+    return math.ceil(peak / (model.replica_rps * model.target_utilisation))
 
 
 def run(model: Model) -> dict[str, Any]:
@@ -418,7 +426,7 @@ def report(result: dict[str, Any]) -> str:
     ]
     return (
         markdown_table(head, rows)
-        + f"\n\n{sum(1 for _ in model['utc_offsets'])} regions, {model['hours']:g} h, "
+        + f"\n\n{len(model['utc_offsets'])} regions, {model['hours']:g} h, "
         f"peak {model['peak_rps']:g} req/s per region, {model['slots']} slots x "
         f"{model['service_mean_s']:g} s per replica, cold start {model['cold_start_s']:g} s, "
         f"TTFT target {model['ttft_target_s']:g} s"
@@ -434,6 +442,12 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--ttft-target-s", type=float, default=defaults.ttft_target_s)
     parser.add_argument("--hours", type=float, default=defaults.hours)
     parser.add_argument("--seed", type=int, default=defaults.seed)
+    parser.add_argument(
+        "--burst-factor",
+        type=float,
+        default=defaults.burst_factor,
+        help="flash crowds: the rate times this for 15 min at 10:00, 15:00, 20:00 local",
+    )
     opts = parser.parse_args(argv)
     model = Model(
         peak_rps=opts.peak_rps,
@@ -442,6 +456,7 @@ def main(argv: list[str]) -> None:
         ttft_target_s=opts.ttft_target_s,
         hours=opts.hours,
         seed=opts.seed,
+        burst_factor=opts.burst_factor,
     )
     result = run(model)
     path = write_result("fleet_day", result)
