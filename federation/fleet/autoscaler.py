@@ -19,8 +19,9 @@ add a replica that the cooldown then keeps for minutes.
   load that persists while they warm does not start more.
 * Below the band: scale down one replica at a time, and only once one has been spare (the
   others carry the load at the target) for ``down_window_s`` and no change was made for
-  ``cooldown_s``; never while a replica is still coming. One replica fewer keeps the mean at or under the target, so a
-  scale-down never makes the next pass scale up again (no flapping).
+  ``cooldown_s``; never while a replica is still coming. One replica fewer keeps the mean at
+  or under the target, so a scale-down never makes the next pass scale up again (no
+  flapping).
 * Inside the band: nothing changes.
 """
 
