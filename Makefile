@@ -107,3 +107,15 @@ check-platform: $(STAMP)
 .PHONY: bench-console
 bench-console: $(STAMP)
 	DATABASE_URL=$(TEST_DATABASE_URL) $(BIN)/python -m bench console
+
+## make bench-failover: engine death, region loss and a load step on the real control plane with
+## the local provisioner (PostgreSQL DATABASE_URL, Redis REDIS_URL whose DB it flushes)
+.PHONY: bench-failover
+bench-failover: $(STAMP)
+	nice -n 10 $(BIN)/python -m bench failover
+
+## make bench-fleet-day: a simulated day of follow-the-sun traffic over three regions, static vs
+## reactive vs fedinfer scaling (pure replay, no services; docs/benchmarks.md)
+.PHONY: bench-fleet-day
+bench-fleet-day: $(STAMP)
+	nice -n 10 $(BIN)/python -m bench fleet-day

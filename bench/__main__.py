@@ -9,8 +9,11 @@
                                       (flags: python -m bench.metering -h)
     python -m bench console [...]     the console's page times with 5,000 tenants on PostgreSQL
                                       (flags: python -m bench.console -h)
-    python -m bench failover [...]    engine death -> out of every table, on the real control
-                                      plane with the local provisioner (python -m bench.failover -h)
+    python -m bench failover [...]    engine death -> out of every table, region loss, load step
+                                      -> new instance, on the real control plane with the local
+                                      provisioner (python -m bench.failover -h)
+    python -m bench fleet-day [...]   a simulated day of follow-the-sun traffic: GPU-hours and TTFT
+                                      of static, reactive and fedinfer scaling (-m bench.fleet_day)
 
 Results are printed as Markdown tables and written as JSON under ``var/bench/``.
 """
@@ -46,6 +49,10 @@ def main(argv: list[str]) -> None:
         from bench import failover
 
         failover.main(argv[1:])
+    elif argv[0] == "fleet-day":
+        from bench import fleet_day
+
+        fleet_day.main(argv[1:])
     else:
         raise SystemExit(__doc__)
 

@@ -1,4 +1,4 @@
-"""Engine death on loopback: how fast a dead engine leaves every table (`python -m bench failover`).
+"""Engine death, region loss and a load step on loopback (`python -m bench failover`).
 
 The real control plane — PostgreSQL, Redis, ``fedinfer serve`` and ``fedinfer worker`` (which
 here also provisions: every region's pool is ``local``, so the worker starts each region's
@@ -11,9 +11,17 @@ and measures from the kill:
 * **out of all tables**: every region's newest stored table no longer lists it (target ≤ 5 s);
 * **every edge applied**: every edge's ``/healthz`` shows that version or newer;
 * **replacement ready**: a new instance of the deployment is ready;
-* the stream's requests that failed between the kill and the replacement (the edge retries a
-  request elsewhere only before its first byte: with one engine per region, requests go to
-  another region once the edge's own health check or the new table says so).
+* **region loss**: with one engine per region, the kill takes every engine of the first region
+  (its edge stays up and must send its traffic to the other regions). The stream is of
+  streamed completions: each request is classed by whether its first token had arrived when it
+  failed. Figures: the last failed request's start after the kill (target ≤ 10 s) and the
+  failures of requests not yet streaming (target 0: the edge retries those elsewhere).
+
+Then the **load step**: the first region's deployment is switched to ``autoscale`` and every
+slot of its engine (``max-num-seqs`` ``--slots``) is taken by long streams at once; measured
+from the step: the autoscaler's decision (``fleet.autoscale`` event), a new instance started
+(loading or warming; target ≤ 15 s), and ready. The streams are then closed and the deployment
+scales back down (short window and cooldown here) before the next repetition.
 
 The bench uses its own database ``<name of --database-url>_fedbench`` (dropped and created)
 and **flushes** the Redis DB of ``--redis-url``. JSON under ``var/bench/``.
@@ -26,12 +34,13 @@ import asyncio
 import os
 import signal
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
 
-from bench.federation import MODEL_SPEC, Sent, django_on_bench_database, stream
+from bench.federation import MODEL, MODEL_SPEC, django_on_bench_database
 from bench.procs import VAR, bench_processes, fedinfer_argv, git_rev, http_ok, machine_info
 from bench.report import fmt, markdown_table, percentile, utc_now, write_result
 from regions.supervisor import free_port, free_ports, wait_http, wait_until
@@ -39,7 +48,7 @@ from regions.supervisor import free_port, free_ports, wait_http, wait_until
 LOGS = VAR / "failover-logs"
 
 
-def build(codes: list[str], edge_ports: list[int]) -> tuple[dict[str, str], str]:
+def build(codes: list[str], edge_ports: list[int], slots: int) -> tuple[dict[str, str], str]:
     """Regions with a ``local`` pool and a deployment of one replica each, edges, a tenant.
     Returns the edges' credentials and the tenant's API key."""
     from decimal import Decimal
@@ -82,7 +91,12 @@ def build(codes: list[str], edge_ports: list[int]) -> tuple[dict[str, str], str]
             provisioner="local",
         )
         inv.deployment_create(
-            actor=None, model=model, pool=pool, tensor_parallel_size=1, max_replicas=2
+            actor=None,
+            model=model,
+            pool=pool,
+            tensor_parallel_size=1,
+            max_replicas=2,
+            engine_args={"max-num-seqs": slots},
         )
         edge = inv.edge_register(
             actor=None, region=regions[code], name=f"edge-{code}", url=f"http://127.0.0.1:{port}"
@@ -160,10 +174,142 @@ def one_kill(code: str, ops: dict[str, str], engines_dir: str) -> dict[str, Any]
     return {"instance": victim, "at": killed, **marks}
 
 
-async def _stream_while(edge: str, key: str, rate: float, work: Any) -> list[Sent]:
+@dataclass
+class Streamed:
+    """One streamed completion: when it was sent, when its first token came (None: never), and
+    whether it ended with ``[DONE]``."""
+
+    at: float
+    first: float | None = None
+    ok: bool = False
+
+
+def _chat(i: int, max_tokens: int) -> dict[str, Any]:
+    return {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": f"request {i}: hello"}],
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "stream": True,
+    }
+
+
+async def streamed(
+    edge: str, key: str, rate: float, stop: asyncio.Event, log: list[Streamed]
+) -> None:
+    """An open-loop stream of short streamed completions, one every 1/rate s."""
+    headers = {"Authorization": f"Bearer {key}"}
+    async with httpx.AsyncClient(timeout=30) as client:
+
+        async def one(i: int) -> None:
+            sent = Streamed(time.perf_counter())
+            log.append(sent)
+            try:
+                body = _chat(i, 16)
+                url = edge + "/v1/chat/completions"
+                async with client.stream("POST", url, json=body, headers=headers) as r:
+                    if r.status_code != 200:
+                        return
+                    async for line in r.aiter_lines():
+                        if sent.first is None and line.startswith("data: {"):
+                            sent.first = time.perf_counter()
+                        if line == "data: [DONE]":
+                            sent.ok = True
+            except httpx.HTTPError:
+                return
+
+        tasks, i, start = [], 0, time.perf_counter()
+        while not stop.is_set():
+            tasks.append(asyncio.create_task(one(i)))
+            i += 1
+            await asyncio.sleep(max(0.0, start + i / rate - time.perf_counter()))
+        await asyncio.gather(*tasks)
+
+
+def region_loss(sent: list[Streamed], killed: float, until: float) -> dict[str, Any]:
+    """What the kill cost the stream: requests sent from 10 s before it (those in flight) to
+    ``until``; failures by whether they were streaming; the last failed one's start."""
+    during = [s for s in sent if killed - 10 <= s.at <= until]
+    failed = [s for s in during if not s.ok]
+    return {
+        "requests": len(during),
+        "failed": len(failed),
+        "failed_not_streaming": sum(1 for s in failed if s.first is None),
+        "failed_streaming": sum(1 for s in failed if s.first is not None),
+        "last_failed_s": max((s.at - killed for s in failed), default=None),
+    }
+
+
+def load_step(code: str, edge: str, key: str, slots: int) -> dict[str, Any]:
+    """Take every slot of ``code``'s one engine with long streams; the times from the step to
+    the autoscaler's decision, a new instance started, and it ready. Then let it scale down."""
+    from federation.core.models import AuditEvent
+    from federation.inventory import services as inv
+    from federation.inventory.models import Deployment, Instance
+
+    dep = Deployment.objects.get(pool__region__code=code)
+    inv.deployment_update(actor=None, deployment=dep, data={"autoscale": True})
+    known = set(Instance.objects.filter(deployment=dep).values_list("name", flat=True))
+    seen = AuditEvent.objects.filter(action="fleet.autoscale").count()
+    marks: dict[str, float] = {}
+
+    async def step() -> None:
+        headers = {"Authorization": f"Bearer {key}"}
+        async with httpx.AsyncClient(timeout=120) as client:
+            stop = asyncio.Event()
+
+            async def hold(i: int) -> None:
+                body = _chat(10_000 + i, 20_000)
+                url = edge + "/v1/chat/completions"
+                async with client.stream("POST", url, json=body, headers=headers) as r:
+                    async for _ in r.aiter_lines():
+                        if stop.is_set():
+                            return
+
+            started = time.perf_counter()
+            holds = [asyncio.create_task(hold(i)) for i in range(slots)]
+            while len(marks) < 3:
+                now = time.perf_counter() - started
+                if now > 180:
+                    raise RuntimeError(f"load step: only {sorted(marks)} within 180 s")
+                new = await asyncio.to_thread(_new_instances, dep.pk, known)
+                if "decided" not in marks and await asyncio.to_thread(
+                    lambda: AuditEvent.objects.filter(action="fleet.autoscale").count() > seen
+                ):
+                    marks["decided"] = now
+                if "started" not in marks and any(s != "pending" for s in new.values()):
+                    marks["started"] = now
+                if "ready" not in marks and "ready" in new.values():
+                    marks["ready"] = now
+                await asyncio.sleep(0.05)
+            stop.set()
+            await asyncio.gather(*holds, return_exceptions=True)
+
+    asyncio.run(step())
+    # Back to one replica (the bench's short window and cooldown) before the next step.
+    wait_until(
+        lambda: Instance.objects.filter(deployment=dep, state__in=LIVE).count() == 1,
+        what="scaled back to one replica",
+        timeout=180,
+    )
+    inv.deployment_update(actor=None, deployment=dep, data={"autoscale": False})
+    return marks
+
+
+LIVE = ("pending", "loading", "warming", "ready", "draining")
+
+
+def _new_instances(deployment_id: int, known: set[str]) -> dict[str, str]:
+    from federation.inventory.models import Instance
+
+    rows = Instance.objects.filter(deployment_id=deployment_id).values_list("name", "state")
+    return {n: s for n, s in rows if n not in known}
+
+
+async def _stream_while(edge: str, key: str, rate: float, work: Any) -> list[Streamed]:
     stop = asyncio.Event()
-    sent: list[Sent] = []
-    task = asyncio.create_task(stream(edge, key, rate, stop, sent))
+    sent: list[Streamed] = []
+    task = asyncio.create_task(streamed(edge, key, rate, stop, sent))
     try:
         await asyncio.to_thread(work)
     finally:
@@ -172,7 +318,9 @@ async def _stream_while(edge: str, key: str, rate: float, work: Any) -> list[Sen
     return sent
 
 
-def run(n_regions: int, reps: int, rate: float, db_url: str, redis_url: str) -> dict[str, Any]:
+def run(
+    n_regions: int, reps: int, steps: int, slots: int, rate: float, db_url: str, redis_url: str
+) -> dict[str, Any]:
     engines_dir = str(LOGS / "engines")
     django_on_bench_database(db_url, redis_url, FEDINFER_LOCAL_ENGINES_DIR=engines_dir)
     from django.conf import settings
@@ -181,12 +329,17 @@ def run(n_regions: int, reps: int, rate: float, db_url: str, redis_url: str) -> 
 
     codes = [f"r{i}" for i in range(n_regions)]
     edge_ports = [free_port() for _ in codes]
-    credentials, key = build(codes, edge_ports)
+    credentials, key = build(codes, edge_ports, slots)
     env = {
         **os.environ,
         "FEDINFER_TABLES_REFRESH_SECONDS": "3600",  # only the failover publishes
         "FEDINFER_FLEET_INTERVAL_SECONDS": "1",
+        # The load step's scale-down between repetitions, not measured: short.
+        "FEDINFER_AUTOSCALE_DOWN_WINDOW_SECONDS": "3",
+        "FEDINFER_AUTOSCALE_COOLDOWN_SECONDS": "5",
+        "FEDINFER_FLEET_DRAIN_TIMEOUT_SECONDS": "10",
     }
+    steps_done: list[dict[str, float]] = []
     kills: list[dict[str, Any]] = []
     streams: list[dict[str, Any]] = []
     with bench_processes(LOGS) as group:
@@ -241,15 +394,10 @@ def run(n_regions: int, reps: int, rate: float, db_url: str, redis_url: str) -> 
 
                 sent = asyncio.run(_stream_while(edges[codes[0]], key, rate, kill))
                 kills.append(result)
-                end = result["at"] + result["replaced"]
-                during = [s for s in sent if result["at"] <= s.at <= end]
-                streams.append(
-                    {
-                        "requests": len(during),
-                        "failed": sum(1 for s in during if s.status != 200),
-                    }
-                )
+                streams.append(region_loss(sent, result["at"], result["at"] + result["replaced"]))
                 time.sleep(2)
+            for _ in range(steps):
+                steps_done.append(load_step(codes[0], edges[codes[0]], key, slots))
         finally:
             # The engines outlive the worker by design: stop the worker (which could start
             # more), then them.
@@ -266,6 +414,8 @@ def run(n_regions: int, reps: int, rate: float, db_url: str, redis_url: str) -> 
         "rate": rate,
         "kills": kills,
         "streams": streams,
+        "slots": slots,
+        "load_steps": steps_done,
     }
 
 
@@ -287,10 +437,31 @@ def report(result: dict[str, Any]) -> str:
                 fmt(max(vals) * 1000, 0),
             ]
         )
-    requests = sum(s["requests"] for s in result["streams"])
-    failed = sum(s["failed"] for s in result["streams"])
     table = markdown_table(["figure", "n", "p50 ms", "p99 ms", "max ms"], rows)
-    return f"{table}\n\nrequests from kill to replacement: {requests}, failed: {failed}"
+    streams = result["streams"]
+    last = [s["last_failed_s"] for s in streams if s["last_failed_s"] is not None]
+    loss = (
+        f"region loss (every engine of the region killed; {len(streams)} times): "
+        f"{sum(s['requests'] for s in streams)} requests from 10 s before each kill to its "
+        f"replacement, {sum(s['failed'] for s in streams)} failed — "
+        f"{sum(s['failed_not_streaming'] for s in streams)} not yet streaming, "
+        f"{sum(s['failed_streaming'] for s in streams)} mid-stream; last failed request sent "
+        + (f"{max(last):.2f} s after the kill" if last else "— (none failed)")
+    )
+    steps = result.get("load_steps") or []
+    step_rows = []
+    for label, key in (
+        ("load step -> autoscaler decides", "decided"),
+        ("**load step -> new instance started (loading/warming)**", "started"),
+        ("load step -> new instance ready", "ready"),
+    ):
+        vals = [s[key] for s in steps]
+        if vals:
+            step_rows.append(
+                [label, len(vals), fmt(percentile(vals, 50) * 1000, 0), fmt(max(vals) * 1000, 0)]
+            )
+    step_table = markdown_table(["figure", "n", "p50 ms", "max ms"], step_rows) if step_rows else ""
+    return f"{table}\n\n{loss}\n\n{step_table}"
 
 
 def main(argv: list[str]) -> None:
@@ -298,12 +469,22 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--regions", type=int, default=3, help="regions, one engine and edge each")
     parser.add_argument("--reps", type=int, default=10, help="engine kills")
     parser.add_argument("--rate", type=float, default=10.0, help="requests/s at the first edge")
+    parser.add_argument("--steps", type=int, default=3, help="load steps")
+    parser.add_argument("--slots", type=int, default=8, help="max-num-seqs of the engines")
     parser.add_argument("--database-url", default=os.environ.get("DATABASE_URL", ""))
     parser.add_argument("--redis-url", default=os.environ.get("REDIS_URL", ""))
     opts = parser.parse_args(argv)
     if not opts.database_url.startswith("postgres") or not opts.redis_url:
         raise SystemExit("needs --database-url postgres://... and --redis-url (or the env vars)")
-    result = run(opts.regions, opts.reps, opts.rate, opts.database_url, opts.redis_url)
+    result = run(
+        opts.regions,
+        opts.reps,
+        opts.steps,
+        opts.slots,
+        opts.rate,
+        opts.database_url,
+        opts.redis_url,
+    )
     path = write_result("failover", result)
     print(report(result))
     print(f"\nJSON: {path}")

@@ -200,6 +200,25 @@ FEDINFER_FAILOVER_FAILED_PERCENT = env_int("FEDINFER_FAILOVER_FAILED_PERCENT", 5
 FEDINFER_FAILOVER_MIN_FAILED = env_int("FEDINFER_FAILOVER_MIN_FAILED", 2)
 FEDINFER_FAILOVER_FAILED_WINDOW_SECONDS = env_int("FEDINFER_FAILOVER_FAILED_WINDOW_SECONDS", 60)
 FEDINFER_FAILOVER_RESTORE_AFTER_SECONDS = env_int("FEDINFER_FAILOVER_RESTORE_AFTER_SECONDS", 30)
+# The autoscaler (docs/operations.md): utilisation target and band, in percent; a replica is
+# removed once the load stayed below the band for the down window, not sooner than the
+# cooldown after the last change.
+FEDINFER_AUTOSCALE_TARGET_PERCENT = env_int("FEDINFER_AUTOSCALE_TARGET_PERCENT", 65)
+FEDINFER_AUTOSCALE_LOW_PERCENT = env_int("FEDINFER_AUTOSCALE_LOW_PERCENT", 60)
+FEDINFER_AUTOSCALE_HIGH_PERCENT = env_int("FEDINFER_AUTOSCALE_HIGH_PERCENT", 70)
+FEDINFER_AUTOSCALE_DOWN_WINDOW_SECONDS = env_int("FEDINFER_AUTOSCALE_DOWN_WINDOW_SECONDS", 60)
+FEDINFER_AUTOSCALE_COOLDOWN_SECONDS = env_int("FEDINFER_AUTOSCALE_COOLDOWN_SECONDS", 120)
+FEDINFER_AUTOSCALE_SMOOTHING_SECONDS = env_int("FEDINFER_AUTOSCALE_SMOOTHING_SECONDS", 20)
+if not (
+    0
+    < FEDINFER_AUTOSCALE_LOW_PERCENT
+    <= FEDINFER_AUTOSCALE_TARGET_PERCENT
+    <= FEDINFER_AUTOSCALE_HIGH_PERCENT
+    <= 100
+):
+    raise ImproperlyConfiguredEnv(
+        "FEDINFER_AUTOSCALE_*_PERCENT must satisfy 0 < LOW <= TARGET <= HIGH <= 100"
+    )
 FEDINFER_LOCAL_ENGINE = env_str("FEDINFER_LOCAL_ENGINE", "sim")  # sim | vllm
 FEDINFER_LOCAL_ENGINES_DIR = Path(env_str("FEDINFER_LOCAL_ENGINES_DIR", str(VAR_DIR / "engines")))
 FEDINFER_VLLM_PYTHON = env_str("FEDINFER_VLLM_PYTHON", str(BASE_DIR / ".venv-vllm/bin/python"))
@@ -207,7 +226,7 @@ FEDINFER_KUBERNETES_NAMESPACE = env_str("FEDINFER_KUBERNETES_NAMESPACE", "")
 FEDINFER_KUBERNETES_IMAGE = env_str("FEDINFER_KUBERNETES_IMAGE", "vllm/vllm-openai:v0.32.0")
 if FEDINFER_LOCAL_ENGINE not in ("sim", "vllm"):
     raise ImproperlyConfiguredEnv("FEDINFER_LOCAL_ENGINE must be 'sim' or 'vllm'")
-for _task in ("reconcile", "failover"):
+for _task in ("reconcile", "failover", "autoscale"):
     CELERY_BEAT_SCHEDULE[f"fleet-{_task}"] = {
         "task": f"fedinfer.fleet.{_task}",
         "schedule": float(FEDINFER_FLEET_INTERVAL_SECONDS),

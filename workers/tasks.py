@@ -12,6 +12,7 @@ from django.utils import timezone
 
 from federation.core.metrics import USAGE_REJECTED
 from federation.fleet import services as fleet
+from federation.fleet.autoscaling import fleet_autoscale
 from federation.metering import services as metering
 from federation.metering.stream import usage_stream_consume
 from federation.routing import services as routing
@@ -90,3 +91,16 @@ def fleet_reconcile_task() -> list[str]:
 def fleet_failover_task() -> list[str]:
     """Evacuate regions in trouble and restore those the fleet evacuated once stable."""
     return fleet.fleet_failover()
+
+
+@app.task(
+    name="fedinfer.fleet.autoscale",
+    autoretry_for=(DatabaseError,),
+    retry_backoff=1,
+    retry_backoff_max=30,
+    max_retries=5,
+)
+def fleet_autoscale_task() -> list[str]:
+    """Set ``desired_replicas`` of the autoscaled deployments from their edges' load
+    reports; the changes made."""
+    return fleet_autoscale()

@@ -5,7 +5,7 @@ from __future__ import annotations
 from django.contrib import admin
 
 from federation.core.admin_site import ReadOnlyAdmin
-from federation.fleet.models import InstanceRuntime, RegionFailover
+from federation.fleet.models import DeploymentAutoscale, InstanceRuntime, RegionFailover
 
 
 @admin.register(InstanceRuntime)
@@ -20,3 +20,9 @@ class InstanceRuntimeAdmin(ReadOnlyAdmin):
 class RegionFailoverAdmin(ReadOnlyAdmin):
     list_display = ["region", "evacuated_at", "reason", "stable_since"]
     list_select_related = ["region"]
+
+
+@admin.register(DeploymentAutoscale)
+class DeploymentAutoscaleAdmin(ReadOnlyAdmin):
+    list_display = ["deployment", "utilisation", "reason", "low_since", "changed_at", "observed_at"]
+    list_select_related = ["deployment__model", "deployment__pool__region"]

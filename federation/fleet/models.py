@@ -1,11 +1,12 @@
 """What the fleet remembers between two passes of the worker: per instance its probe counts
-(hysteresis), per region whether the fleet itself evacuated it and since when it is stable."""
+(hysteresis), per region whether the fleet itself evacuated it and since when it is stable, per
+autoscaled deployment since when its load is low and when it was last scaled."""
 
 from __future__ import annotations
 
 from django.db import models
 
-from federation.inventory.models import Instance, Region
+from federation.inventory.models import Deployment, Instance, Region
 
 
 class InstanceRuntime(models.Model):
@@ -41,3 +42,29 @@ class RegionFailover(models.Model):
 
     def __str__(self) -> str:
         return f"failover of {self.region_id}"
+
+
+class DeploymentAutoscale(models.Model):
+    """The autoscaler's memory of one deployment (``federation.fleet.autoscaler.Memory``) and
+    what it last saw, for operators."""
+
+    deployment = models.OneToOneField(
+        Deployment, on_delete=models.CASCADE, primary_key=True, related_name="autoscale_state"
+    )
+    low_since = models.DateTimeField(
+        null=True,
+        blank=True,
+        help_text="Since when one replica is spare (its load below the band).",
+    )
+    changed_at = models.DateTimeField(
+        null=True, blank=True, help_text="When the autoscaler last changed its replica count."
+    )
+    load = models.FloatField(
+        null=True, blank=True, help_text="Smoothed sum of its ready replicas' utilisations."
+    )
+    observed_at = models.DateTimeField(null=True, blank=True)
+    utilisation = models.FloatField(null=True, blank=True, help_text="Smoothed mean utilisation.")
+    reason = models.CharField(max_length=200, blank=True, default="")
+
+    def __str__(self) -> str:
+        return f"autoscale of {self.deployment_id}"

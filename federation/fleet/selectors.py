@@ -9,8 +9,9 @@ from typing import Any
 from django.db.models import QuerySet
 
 from federation.fleet.spec import Adapter, EngineSpec, ProvisionerError
-from federation.inventory import lifecycle
+from federation.inventory import fit, lifecycle
 from federation.inventory.models import Deployment, Edge, GPUPool, Instance, Region
+from federation.inventory.services.fit_checks import pool_spec
 from federation.routing.models import RoutingTableVersion
 
 
@@ -22,6 +23,19 @@ def provisioned_deployments() -> QuerySet[Deployment]:
         .prefetch_related("adapters")
         .order_by("pk")
     )
+
+
+def autoscaled_deployments() -> QuerySet[Deployment]:
+    """Provisioned deployments whose replica count the autoscaler sets."""
+    return provisioned_deployments().filter(autoscale=True)
+
+
+def pool_free_gpus(pool: GPUPool) -> int:
+    """GPUs of the pool no deployment claims (desired replicas x TP)."""
+    demands = Deployment.objects.filter(pool=pool).values_list(
+        "tensor_parallel_size", "desired_replicas"
+    )
+    return fit.pool_free_gpus(pool_spec(pool), demands)
 
 
 def deployment_instances(deployment: Deployment) -> list[Instance]:
@@ -84,6 +98,30 @@ def edge_view(instance: Instance, now: datetime, fresh_s: float) -> tuple[bool, 
     unhealthy = all(r.get("healthy") is False for r in reports)
     in_flight = sum(int(r.get("in_flight") or 0) for r in reports)
     return unhealthy, in_flight
+
+
+def instance_load(
+    instance: Instance, now: datetime, fresh_s: float
+) -> tuple[int, int, float, float] | None:
+    """(in flight, queued, KV-cache usage, tokens/s) the fresh edge reports made since the
+    instance's last state change say of it, summed over the edges (KV: the highest, each edge
+    scrapes the same engine); None when no edge reported on it."""
+    since = instance.state_changed_at or instance.created_at
+    reports = _fresh_reports(instance.load, since, now, fresh_s)
+    if not reports:
+        return None
+    return (
+        int(sum(_number(r.get("in_flight")) for r in reports)),
+        int(sum(_number(r.get("queued")) for r in reports)),
+        max(_number(r.get("kv_cache_usage")) for r in reports),
+        sum(_number(r.get("tokens_per_s")) for r in reports),
+    )
+
+
+def _number(value: Any) -> float:
+    """A report's count or rate, 0 when absent (reports are validated on arrival; an older
+    edge may leave a field out)."""
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else 0.0
 
 
 def edges_caught_up(instance: Instance, now: datetime, fresh_s: float) -> bool:

@@ -303,6 +303,11 @@ class Deployment(TimeStampedModel):
     min_replicas = models.PositiveIntegerField(default=1)
     desired_replicas = models.PositiveIntegerField(default=1)
     max_replicas = models.PositiveIntegerField(default=1)
+    autoscale = models.BooleanField(
+        default=False,
+        help_text="Let the fleet's autoscaler set desired_replicas within min and max from the "
+        "load the edges report (docs/operations.md).",
+    )
     engine_args = models.JSONField(
         default=dict,
         blank=True,

@@ -110,6 +110,7 @@ def test_the_simulator_gets_the_subset_it_models() -> None:
     assert flag(args, "--model") == SPEC.served_model_name and flag(args, "--tp") == "2"
     assert flag(args, "--accelerator") == "H100-80G"
     assert "--lora-modules" in args and "--enforce-eager" not in args
+    assert flag(args, "--max-num-seqs") == "128"  # the concurrency the autoscaler measures
     unknown = EngineSpec(name="x", url="u", model="m", served_model_name="m", accelerator="TPU")
     assert "--accelerator" not in sim_args(unknown, host="h", port=1)
 

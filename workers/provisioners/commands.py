@@ -132,4 +132,9 @@ def sim_args(spec: EngineSpec, *, host: str, port: int) -> list[str]:
         args += ["--max-model-len", str(spec.max_model_len)]
     if spec.adapters:
         args += ["--lora-modules", *(f"{a.name}={a.source}" for a in spec.adapters)]
+    seqs = spec.engine_args.get("max-num-seqs")
+    if isinstance(seqs, int) and not isinstance(seqs, bool):
+        # The requests it runs at once: what the table's per-instance cap and the autoscaler's
+        # utilisation are measured against.
+        args += ["--max-num-seqs", str(seqs)]
     return args

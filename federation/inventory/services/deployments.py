@@ -26,6 +26,7 @@ DEPLOYMENT_UPDATABLE = (
     "min_replicas",
     "desired_replicas",
     "max_replicas",
+    "autoscale",
     "engine_args",
 )
 
@@ -52,6 +53,7 @@ def deployment_create(
     min_replicas: int = 1,
     desired_replicas: int = 1,
     max_replicas: int = 1,
+    autoscale: bool = False,
     engine_args: dict[str, Any] | None = None,
     adapters: Sequence[LoraAdapter] = (),
 ) -> Deployment:
@@ -66,6 +68,7 @@ def deployment_create(
         min_replicas=min_replicas,
         desired_replicas=desired_replicas,
         max_replicas=max_replicas,
+        autoscale=autoscale,
         engine_args={} if engine_args is None else engine_args,
     )
     adapters = list(adapters)

@@ -1,0 +1,183 @@
+"""How many replicas a deployment should have, pure: the load its edges report in, a replica
+count out.
+
+A replica's *utilisation* is the highest of three pressures the edges report for it (the
+heartbeat, ``docs/distribution.md``): requests it runs or that wait for it against the
+requests it runs at once (``max-num-seqs``), its KV-cache usage, and its token throughput
+against what it sustains at full load. Their sum over the ready replicas is the deployment's
+*load* (in replicas' worth); the seeds' rule is to run at 60-70 %, not 100 %, so the count that
+brings it back to the target (65 %) is ``ceil(load / target)``.
+
+A report is a snapshot (requests in flight at that instant), so the load is smoothed
+(exponentially, ``smoothing_s``) before it is compared with the band: one busy instant does not
+add a replica that the cooldown then keeps for minutes.
+
+* Above the band (smoothed), or every slot taken right now (``panic``: the next requests
+  would queue and their time to first token grow): scale up at once, straight to the count
+  (a cold start takes minutes, waiting only makes the queue longer), within ``max_replicas``
+  and the pool's free GPUs; replicas already coming (pending, loading, warming) count, so a
+  load that persists while they warm does not start more.
+* Below the band: scale down one replica at a time, and only once one has been spare (the
+  others carry the load at the target) for ``down_window_s`` and no change was made for
+  ``cooldown_s``; never while a replica is still coming. One replica fewer keeps the mean at
+  or under the target, so a scale-down never makes the next pass scale up again (no
+  flapping).
+* Inside the band: nothing changes.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+#: Utilisations this close to a band's edge count as on it (sums of floats are not exact).
+_EPS = 1e-9
+
+
+@dataclass(frozen=True, slots=True)
+class AutoscalePolicy:
+    target: float = 0.65
+    low: float = 0.60
+    high: float = 0.70
+    #: Seconds a replica must have been spare (load below ``low``, the others enough at the
+    #: target) before it is removed.
+    down_window_s: float = 60.0
+    #: Seconds after any change before a replica is removed.
+    cooldown_s: float = 120.0
+    #: Time constant of the load's exponential smoothing, seconds (0: none).
+    smoothing_s: float = 20.0
+    #: Utilisation of this instant at which it scales up without waiting for the smoothing.
+    panic: float = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaLoad:
+    """What the edges reported of one ready replica (summed over the edges, KV the highest)."""
+
+    in_flight: int
+    queued: int
+    kv_cache_usage: float
+    tokens_per_s: float
+    #: Requests it runs at once (vLLM ``max-num-seqs``).
+    max_concurrency: int
+    #: Prompt plus generated tokens per second it sustains at full load.
+    full_tokens_per_s: float
+
+
+def replica_utilisation(load: ReplicaLoad) -> float:
+    """The highest of its concurrency, KV-cache and throughput pressure (1.0: saturated;
+    above 1 when requests queue)."""
+    concurrency = (load.in_flight + load.queued) / max(1, load.max_concurrency)
+    throughput = load.tokens_per_s / load.full_tokens_per_s if load.full_tokens_per_s > 0 else 0.0
+    return max(concurrency, min(1.0, max(0.0, load.kv_cache_usage)), throughput)
+
+
+@dataclass(frozen=True, slots=True)
+class Memory:
+    """What the policy remembers between passes (seconds on one clock, None: never)."""
+
+    #: Since when a replica is spare (reset as soon as none is).
+    low_since: float | None = None
+    #: When the policy last changed the replica count.
+    changed_at: float | None = None
+    #: The smoothed load (sum of the ready replicas' utilisations) and when it was observed.
+    load: float | None = None
+    observed_at: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class DeploymentLoad:
+    """One deployment as the autoscaler sees it in one pass."""
+
+    #: ``desired_replicas`` now.
+    desired: int
+    min_replicas: int
+    max_replicas: int
+    #: Replicas still coming up (pending, loading, warming).
+    coming: int
+    #: One entry per ready replica with a fresh report.
+    ready: Sequence[ReplicaLoad]
+    #: Ready replicas no edge reported on recently (their load is unknown).
+    unreported: int
+    #: GPUs of the pool no deployment claims, and GPUs one replica takes (its TP size).
+    free_gpus: int
+    gpus_per_replica: int
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    desired: int
+    memory: Memory
+    utilisation: float | None
+    reason: str
+
+    def changed(self, before: int) -> bool:
+        return self.desired != before
+
+
+def _bounded(count: int, obs: DeploymentLoad) -> int:
+    """``count`` within min/max, and no more new replicas than the pool's free GPUs hold."""
+    room = obs.desired + max(0, obs.free_gpus) // max(1, obs.gpus_per_replica)
+    upper = max(obs.min_replicas, min(obs.max_replicas, max(obs.desired, room)))
+    return max(obs.min_replicas, min(count, upper))
+
+
+def smoothed_load(load: float, memory: Memory, *, now: float, smoothing_s: float) -> float:
+    """The exponentially smoothed load after observing ``load`` at ``now``."""
+    if memory.load is None or memory.observed_at is None or smoothing_s <= 0:
+        return load
+    weight = 1.0 - math.exp(-max(0.0, now - memory.observed_at) / smoothing_s)
+    return memory.load + weight * (load - memory.load)
+
+
+def autoscale_step(
+    obs: DeploymentLoad, memory: Memory, *, now: float, policy: AutoscalePolicy
+) -> Decision:
+    """The replica count for this pass, what to remember, and why."""
+    clamped = _bounded(obs.desired, obs)
+    if clamped != obs.desired:  # min or max moved under it
+        return Decision(
+            clamped,
+            replace(memory, low_since=None, changed_at=now),
+            None,
+            f"kept within {obs.min_replicas}-{obs.max_replicas}",
+        )
+    if not obs.ready or obs.unreported:
+        # Nothing (or not everything) serving reports yet: its load is unknown, hold still.
+        return Decision(obs.desired, replace(memory, low_since=None), None, "load not reported")
+    instant = sum(replica_utilisation(r) for r in obs.ready)
+    load = smoothed_load(instant, memory, now=now, smoothing_s=policy.smoothing_s)
+    seen = replace(memory, load=load, observed_at=now)
+    count = len(obs.ready)
+    mean = load / count
+    panic = instant / count >= policy.panic - _EPS
+    if mean > policy.high + _EPS or panic:
+        needed = max(1, math.ceil(max(load, instant if panic else 0.0) / policy.target - _EPS))
+        wanted = _bounded(max(obs.desired, needed), obs)
+        if wanted > obs.desired:
+            what = f"every slot busy ({instant / count:.0%})" if panic else f"{mean:.0%}"
+            why = f"utilisation {what} above {policy.high:.0%}: {needed} replicas needed"
+            return Decision(wanted, replace(seen, low_since=None, changed_at=now), mean, why)
+        why = "above the band; " + (
+            f"{obs.coming} replica(s) coming" if obs.coming else "at the limit"
+        )
+        return Decision(obs.desired, replace(seen, low_since=None), mean, why)
+    if mean >= policy.low - _EPS:
+        return Decision(obs.desired, replace(seen, low_since=None), mean, "within the band")
+    needed = max(1, math.ceil(load / policy.target - _EPS))
+    if needed >= obs.desired or obs.coming:
+        # The window times the condition that removes a replica, not just "below the band".
+        why = "below the band, no replica to spare"
+        return Decision(obs.desired, replace(seen, low_since=None), mean, why)
+    low_since = memory.low_since if memory.low_since is not None else now
+    kept = replace(seen, low_since=low_since)
+    if now - low_since < policy.down_window_s:
+        return Decision(obs.desired, kept, mean, "below the band, within the down window")
+    if memory.changed_at is not None and now - memory.changed_at < policy.cooldown_s:
+        return Decision(obs.desired, kept, mean, "below the band, cooling down")
+    wanted = _bounded(obs.desired - 1, obs)
+    if wanted == obs.desired:
+        return Decision(obs.desired, kept, mean, "below the band, at the minimum")
+    why = f"utilisation {mean:.0%} below {policy.low:.0%} for {now - low_since:.0f} s"
+    return Decision(wanted, replace(seen, low_since=None, changed_at=now), mean, why)
