@@ -6,6 +6,10 @@ The compiler's demand split (``docs/demand-split.md``) gives each route a ``loca
 latency say each region should serve. Without this module the edge used those weights only to
 order spill-over, so a cheaper region with headroom got nothing until this one was saturated.
 
+Only a route with measured demand (``demand_tokens_per_s`` > 0) is split: without demand the
+compiler names the cheapest region as a preference for spill-over order, not a share of traffic,
+and a region's first requests stay where they arrived.
+
 Each request has a *split point* in [0, 1), derived from its session (else its body) like the
 ramp point (:func:`split_point`), so a session always lands on the same side. The served shares
 are laid out over [0, 1) in the route's order — this region first, then each remote in
@@ -63,6 +67,10 @@ def split_plan(
     for route in table.routes:
         if route.model not in local_models:
             continue  # not served here: every request goes elsewhere anyway (spill.py)
+        if route.demand_tokens_per_s <= 0:
+            # No demand measured: the weights name the cheapest region for spill-over order,
+            # they are not a split of traffic (an idle region keeps its first requests).
+            continue
         remotes = {r.code: r for r in spill.get(route.model, ())}
         weighted = [
             (remotes[t.code], t.weight) for t in route.remotes if t.weight > 0 and t.code in remotes

@@ -72,6 +72,7 @@ def fed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fed]:
         doc["routes"] = [
             {
                 "model": "llama",
+                "demand_tokens_per_s": 900.0,
                 "local_weight": PLAN["eu-1"],
                 "remotes": [
                     {

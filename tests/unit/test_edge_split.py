@@ -18,7 +18,9 @@ from regions.tables.schema import (
 )
 
 
-def table(local_weight: float, *weights: tuple[str, float], headroom: float = 0.5) -> RoutingTable:
+def table(
+    local_weight: float, *weights: tuple[str, float], headroom: float = 0.5, demand: float = 900.0
+) -> RoutingTable:
     return RoutingTable(
         schema_version=SCHEMA_VERSION,
         version=1,
@@ -34,6 +36,7 @@ def table(local_weight: float, *weights: tuple[str, float], headroom: float = 0.
         routes=(
             ModelRoute(
                 model="llama",
+                demand_tokens_per_s=demand,
                 local_weight=local_weight,
                 remotes=tuple(
                     RouteTarget(code=c, weight=w, rtt_ms=20.0, headroom=headroom)
@@ -57,8 +60,9 @@ def test_the_served_shares_are_laid_out_in_route_order_and_scaled_to_one() -> No
     ]
 
 
-def test_no_split_without_a_remote_weight_or_a_local_instance() -> None:
+def test_no_split_without_a_remote_weight_a_local_instance_or_demand() -> None:
     assert plan(table(1.0, ("us-1", 0.0))) == {}
+    assert plan(table(0.0, ("us-1", 1.0), demand=0.0)) == {}  # a preference, not a split
     t = table(0.5, ("us-1", 0.5))
     assert split_plan(t, spill_plan(t), set()) == {}  # not served here: spill.py sends it all
 
