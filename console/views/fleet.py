@@ -115,7 +115,8 @@ def region_detail(request: HttpRequest, code: str) -> HttpResponse:
 
 
 def _preview(**changes: Mapping[str, Any]) -> Preview:
-    snapshot = fleet_snapshot()
+    # Keys and budget leases do not decide where a request goes (``fleet_snapshot``).
+    snapshot = fleet_snapshot(keys_and_budgets=False)
     return preview(snapshot, snapshot_after(snapshot, **changes))
 
 

@@ -80,24 +80,25 @@ def _usage_view(
     biggest few by bucket, everything by bucket (the chart's "other") — so a month over 5,000
     tenants reads a few hundred rows instead of one per tenant and day."""
     group, bucket, metric = data["group_by"], data["bucket"], data["metric"]
+    # Only the sums shown: the table's metrics, and the chart's one.
     if group not in MANY_GROUPS:
-        rows = usage_report(query(group_by=[group], bucket=bucket, filters=filters))
+        rows = usage_report(query(group_by=[group], bucket=bucket, filters=filters, only=metrics))
         chart = chart_series(rows, time_key=bucket, group_key=group, metric=metric)
         totals = _totals(rows, group, metrics)
     else:
         totals = [
             {group: r[group] or "—", **{m: r.get(m) or 0 for m in metrics}}
-            for r in usage_report(query(group_by=[group], filters=filters))
+            for r in usage_report(query(group_by=[group], filters=filters, only=metrics))
         ]
         by_size = sorted(totals, key=lambda r: -float(r.get(metric, 0)))
         shown = [r[group] for r in by_size[:MAX_SERIES]]
         only_shown = {**filters, group: shown}
         chart = chart_series(
-            usage_report(query(group_by=[group], bucket=bucket, filters=only_shown)),
+            usage_report(query(group_by=[group], bucket=bucket, filters=only_shown, only=[metric])),
             time_key=bucket,
             group_key=group,
             metric=metric,
-            overall=usage_report(query(bucket=bucket, filters=filters)),
+            overall=usage_report(query(bucket=bucket, filters=filters, only=[metric])),
             hidden=len(totals) - len(shown),
         )
     totals.sort(key=lambda r: (-float(r.get(metric, 0)), str(r[group])))
