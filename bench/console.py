@@ -8,7 +8,8 @@ is requested ``--runs`` times (after two warm-ups) through Django's full request
 admin, in process (no network), and its median and p95 are reported. Target: p95 ≤ 300 ms.
 
 The extra tenants, keys and daily rows are bulk-inserted (the services' audit trail for 5,000
-tenants is not what is measured); everything else goes through the services. The bench uses its
+tenants is not what is measured); everything else goes through the services. The database is
+then analysed, as autovacuum would have done over the month. The bench uses its
 own database ``<name of --database-url>_fedbench`` (dropped and created). JSON under
 ``var/bench/``.
 """
