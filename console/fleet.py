@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
+from console.progress import Progress, ramp_progress
 from federation.inventory import lifecycle
 from federation.inventory.speed import replica_tokens_per_s
 from federation.routing.compiler import (
@@ -86,6 +87,8 @@ class RegionCard:
     #: seconds until the next step.
     ramp: float = 1.0
     ramp_next_s: float | None = None
+    #: The ramp against its schedule, while there is one.
+    ramp_progress: Progress | None = None
 
     @property
     def utilisation(self) -> float | None:
@@ -187,6 +190,13 @@ def region_cards(
             elapsed = (now - max(starts)).total_seconds()
             cards[r.code].ramp = ramp_level(elapsed, ramp)
             cards[r.code].ramp_next_s = ramp_next_change_s(elapsed, ramp)
+            cards[r.code].ramp_progress = ramp_progress(
+                status=r.status,
+                restored_at=r.restored_at,
+                recovered_at=r.recovered_at,
+                now=now,
+                policy=ramp,
+            )
     for load in loads:
         card = cards.get(load.region)
         if card is None or load.state in lifecycle.TERMINAL_STATES:

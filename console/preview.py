@@ -1,7 +1,9 @@
 """What an action would do to routing, before it runs: the fleet snapshot the worker compiles
 from, changed as the action would change it, compiled again by the same compiler, and every
 (tenant group, edge region, model) decided on both sets of tables by the edge's own rules
-(``console.explain``). Pure: the caller loads the snapshot.
+(``console.explain``). Pure: the caller loads the snapshot, which need not carry tenants' keys
+or budget leases (``fleet_snapshot(keys_and_budgets=False)``): a decision reads a tenant's
+allowed regions, residency class and budget state only.
 
 Tenants with the same allowed regions and budget state are decided alike, so they are grouped:
 5,000 tenants in three jurisdictions are a handful of rows.
@@ -129,7 +131,8 @@ def _costs(plan: FleetPlan) -> tuple[float, float, float]:
 
 def preview(before: FleetSnapshot, after: FleetSnapshot) -> Preview:
     """Every decision that differs between the tables of ``before`` and ``after``."""
-    plan_b, plan_a = fleet_plan(before), fleet_plan(after)
+    plan_b = fleet_plan(before)
+    plan_a = plan_b if after == before else fleet_plan(after)  # e.g. a cordon
     tables_b, tables_a = _tables(before, plan_b), _tables(after, plan_a)
     spill_b = {c: spill_plan(t) for c, t in tables_b.items()}
     spill_a = {c: spill_plan(t) for c, t in tables_a.items()}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections import Counter
 
+from django.db.models import Q
 from django.http import HttpRequest, HttpResponse
 from django.shortcuts import render
 
@@ -13,8 +14,16 @@ from federation.inventory import lifecycle
 from federation.inventory import selectors as inventory_selectors
 from federation.inventory.models import Deployment
 
-#: Audit events of placement and scaling shown under the matrix.
+#: Audit events of placement, scaling and failover shown under the matrix.
 HISTORY_ROWS = 25
+#: What the history shows: deployments and instances changing (scaling, placement, their
+#: lifecycle), regions evacuated and restored by operators, and whatever the fleet worker
+#: does on its own (``fleet.*``: engines started and stopped, automatic failover).
+HISTORY = (
+    Q(object_type__in=["inventory.deployment", "inventory.instance"])
+    | Q(action__in=["region.evacuate", "region.restore"])
+    | Q(action__startswith="fleet.")
+)
 
 
 @console_view(*STAFF)
@@ -31,9 +40,7 @@ def model_matrix(request: HttpRequest) -> HttpResponse:
             (dep, states[(dep.pk, lifecycle.READY)], live)
         )
     matrix = [(m, [cells.get((m.pk, r.pk), []) for r in regions]) for m in models]
-    history = audit_event_list(user=request.user).filter(
-        object_type__in=["inventory.deployment", "inventory.instance"]
-    )[:HISTORY_ROWS]
+    history = audit_event_list(user=request.user).filter(HISTORY)[:HISTORY_ROWS]
     context = {
         "regions": regions,
         "matrix": matrix,

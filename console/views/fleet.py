@@ -11,6 +11,7 @@ from collections.abc import Callable, Mapping
 from datetime import datetime, timedelta
 from typing import Any
 
+from django.conf import settings
 from django.contrib import messages
 from django.core.exceptions import ValidationError
 from django.db.models import QuerySet
@@ -20,7 +21,7 @@ from django.urls import reverse
 from django.utils import timezone
 from django.views.decorators.http import require_http_methods
 
-from console import fleet
+from console import fleet, progress
 from console.access import STAFF, console_view
 from console.preview import Preview, preview, snapshot_after
 from federation.core.errors import Conflict
@@ -91,17 +92,46 @@ def region_list(request: HttpRequest) -> HttpResponse:
     return render(request, "console/regions.html", {"rows": rows, "q": q})
 
 
+def _timeouts() -> progress.Timeouts:
+    """The fleet worker's state timeouts (``FEDINFER_FLEET_*_TIMEOUT_SECONDS``)."""
+    return progress.Timeouts(
+        loading_s=float(settings.FEDINFER_FLEET_LOADING_TIMEOUT_SECONDS),
+        warming_s=float(settings.FEDINFER_FLEET_WARMING_TIMEOUT_SECONDS),
+        drain_s=float(settings.FEDINFER_FLEET_DRAIN_TIMEOUT_SECONDS),
+    )
+
+
 @console_view(*STAFF)
 def region_detail(request: HttpRequest, code: str) -> HttpResponse:
+    """A region's pools, instances (live, with the progress of their long states) and edges."""
     region = get_object_or_404(inventory_selectors.region_list(), code=code)
     now = timezone.now()
+    timeouts = _timeouts()
     instances = [
-        (i, fleet.instance_load(i, now))
+        (
+            i,
+            fleet.instance_load(i, now),
+            progress.instance_progress(
+                state=i.state,
+                since=i.state_changed_at,
+                drain_reason=i.drain_reason,
+                in_flight=progress.fresh_in_flight(i.load, now),
+                now=now,
+                timeouts=timeouts,
+            ),
+        )
         for i in _instances()
         .filter(deployment__pool__region=region)
         .order_by("deployment__pool__name", "name")
     ]
-    context = {"region": region, "instances": instances, "now": now}
+    ramp = progress.ramp_progress(
+        status=region.status,
+        restored_at=region.restored_at,
+        recovered_at=region.recovered_at,
+        now=now,
+        policy=ramp_policy(),
+    )
+    context = {"region": region, "instances": instances, "ramp": ramp, "now": now}
     if _partial(request):
         return render(request, "console/partials/instances.html", context)
     context |= {
@@ -115,7 +145,8 @@ def region_detail(request: HttpRequest, code: str) -> HttpResponse:
 
 
 def _preview(**changes: Mapping[str, Any]) -> Preview:
-    snapshot = fleet_snapshot()
+    # Keys and budget leases do not decide where a request goes (``fleet_snapshot``).
+    snapshot = fleet_snapshot(keys_and_budgets=False)
     return preview(snapshot, snapshot_after(snapshot, **changes))
 
 

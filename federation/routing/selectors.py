@@ -6,6 +6,7 @@ import base64
 import operator
 from collections.abc import Mapping
 from datetime import datetime, timedelta
+from decimal import Decimal
 from functools import reduce
 from typing import Any
 
@@ -13,8 +14,9 @@ import msgspec
 import orjson
 from django.conf import settings
 from django.db import connection
-from django.db.models import Max, Q, QuerySet
+from django.db.models import Max, Q, QuerySet, TextField
 from django.db.models.expressions import RawSQL
+from django.db.models.functions import Cast
 from django.utils import timezone
 from django.utils.crypto import salted_hmac
 
@@ -89,22 +91,31 @@ def tenant_cache_salt(slug: str) -> str:
 
 
 def tenant_rows(
-    *, now: datetime | None = None, spend_usd: Mapping[str, float] | None = None
+    *,
+    now: datetime | None = None,
+    spend_usd: Mapping[str, float] | None = None,
+    keys_and_budgets: bool = True,
 ) -> tuple[TenantRow, ...]:
     """Active tenants with their residency policy, limits, budget and usable key hashes.
 
     ``spend_usd``: tenant slug -> spend this month (metered: ``fleet_snapshot`` reads it).
+    Without ``keys_and_budgets``, no key hashes and no budget leases (see ``fleet_snapshot``).
+    Every compile reads every tenant, so they are plain rows (not model instances), and the
+    few distinct jurisdiction lists are decoded once each rather than once per tenant.
     """
     keys: dict[int, list[KeyRow]] = {}
-    for entry in api_key_table_entries(now=now):
+    for entry in api_key_table_entries(now=now) if keys_and_budgets else ():
         keys.setdefault(entry.tenant_id, []).append(
             KeyRow(entry.key_hash, entry.valid_until, entry.scopes)
         )
     spend = spend_usd or {}
     tenants = list(
-        Tenant.objects.filter(is_active=True).only(
+        Tenant.objects.filter(is_active=True)
+        .order_by("slug")
+        .values_list(
+            "pk",
             "slug",
-            "allowed_jurisdictions",
+            Cast("allowed_jurisdictions", TextField()),
             "requests_per_minute",
             "tokens_per_minute",
             "monthly_budget_usd",
@@ -116,49 +127,60 @@ def tenant_rows(
     through = Tenant.allowed_regions.through.objects.values_list("tenant_id", "region__code")
     for tenant_id, code in through:
         allowed.setdefault(tenant_id, []).append(code)
-    budgets = budget_rows(tenants, now=now or timezone.now())
+    budgets = (
+        budget_rows(
+            {slug: budget for _, slug, _, _, _, budget, _ in tenants}, now=now or timezone.now()
+        )
+        if keys_and_budgets
+        else {}
+    )
+    policies: dict[tuple[str, tuple[str, ...]], ResidencyPolicy] = {}
     rows = []
-    for tenant in tenants:
+    for pk, slug, jurisdictions, rpm, tpm, budget, isolated in tenants:
+        regions = tuple(allowed.get(pk, ()))
+        policy = policies.get((jurisdictions, regions))
+        if policy is None:
+            policy = policies[(jurisdictions, regions)] = ResidencyPolicy.of(
+                orjson.loads(jurisdictions), regions
+            )
         rows.append(
             TenantRow(
-                slug=tenant.slug,
-                policy=ResidencyPolicy.of(tenant.allowed_jurisdictions, allowed.get(tenant.pk, ())),
-                requests_per_minute=tenant.requests_per_minute,
-                tokens_per_minute=tenant.tokens_per_minute,
-                monthly_budget_usd=None
-                if tenant.monthly_budget_usd is None
-                else float(tenant.monthly_budget_usd),
-                spend_usd=float(spend.get(tenant.slug, 0.0)),
-                keys=tuple(keys.get(tenant.pk, ())),
-                cache_salt=tenant_cache_salt(tenant.slug) if tenant.isolate_kv_cache else None,
-                budget=budgets.get(tenant.slug),
+                slug=slug,
+                policy=policy,
+                requests_per_minute=rpm,
+                tokens_per_minute=tpm,
+                monthly_budget_usd=None if budget is None else float(budget),
+                spend_usd=float(spend.get(slug, 0.0)),
+                keys=tuple(keys.get(pk, ())),
+                cache_salt=tenant_cache_salt(slug) if isolated else None,
+                budget=budgets.get(slug),
             )
         )
     return tuple(rows)
 
 
-def budget_rows(tenants: list[Tenant], *, now: datetime) -> dict[str, BudgetRow]:
+def budget_rows(budgets: Mapping[str, Decimal | None], *, now: datetime) -> dict[str, BudgetRow]:
     """Tenant slug -> its budget and this month's spend counted against it, in pico-USD, for
-    the ``tenants`` with a budget (three queries however many there are)."""
-    slugs = [t.slug for t in tenants if t.monthly_budget_usd is not None]
-    if not slugs:
+    the tenants of ``budgets`` (slug -> monthly budget, None for none) that have one (three
+    queries however many there are)."""
+    budgeted = {slug: usd for slug, usd in budgets.items() if usd is not None}
+    if not budgeted:
         return {}
     month = month_of(now)
     label = f"{month:%Y-%m}"
-    counted = counted_spend(month=month, tenants=slugs)
-    own_prices = prices_in_effect(now=now, tenants=slugs).tenant_prices
+    counted = counted_spend(month=month, tenants=list(budgeted))
+    own_prices = prices_in_effect(now=now, tenants=list(budgeted)).tenant_prices
     published, committed = budget_history(label)
     return {
-        tenant.slug: BudgetRow(
+        slug: BudgetRow(
             month=label,
-            budget=pico_usd(tenant.monthly_budget_usd),
-            counted={k: pico_usd(v) for k, v in counted.get(tenant.slug, {}).items()},
-            published=published.get(tenant.slug, {}),
-            committed=committed.get(tenant.slug, {}),
-            prices={m: table_price(p) for m, p in own_prices.get(tenant.slug, {}).items()},
+            budget=pico_usd(usd),
+            counted={k: pico_usd(v) for k, v in counted.get(slug, {}).items()},
+            published=published.get(slug, {}),
+            committed=committed.get(slug, {}),
+            prices={m: table_price(p) for m, p in own_prices.get(slug, {}).items()},
         )
-        for tenant in tenants
-        if tenant.monthly_budget_usd is not None
+        for slug, usd in budgeted.items()
     }
 
 
@@ -226,10 +248,19 @@ def table_price(price: Price) -> ModelPrice:
 
 
 def fleet_snapshot(
-    *, now: datetime | None = None, spend_usd: Mapping[str, float] | None = None
+    *,
+    now: datetime | None = None,
+    spend_usd: Mapping[str, float] | None = None,
+    keys_and_budgets: bool = True,
 ) -> FleetSnapshot:
     """Everything the compiler reads, at ``now`` (default: the current time). A tenant's
-    spend this month is what metering rolled up, unless ``spend_usd`` says otherwise."""
+    spend this month is what metering rolled up, unless ``spend_usd`` says otherwise.
+
+    ``keys_and_budgets=False`` leaves out tenants' key hashes and budget leases (and so the
+    prices that come with leases): what admits a request and how much it may spend at each
+    edge, not where it goes. Its tables decide every request's region as the full ones do (the
+    residency classes, budget states and the demand split are the same) at a fraction of the
+    cost: the console's previews of an action read it."""
     now = now or timezone.now()
     if spend_usd is None:
         spend_usd = {slug: float(usd) for slug, usd in tenant_month_spend(now=now).items()}
@@ -293,7 +324,7 @@ def fleet_snapshot(
         )
         for link in RegionLink.objects.select_related("source", "target")
     }
-    tenants = tenant_rows(now=now, spend_usd=spend_usd)
+    tenants = tenant_rows(now=now, spend_usd=spend_usd, keys_and_budgets=keys_and_budgets)
     list_prices = (
         prices_in_effect(now=now, tenants=()).list_prices
         if any(t.budget is not None for t in tenants)

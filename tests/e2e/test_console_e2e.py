@@ -4,9 +4,10 @@ Real PostgreSQL (committed rows: the subprocesses read them), Redis DB 4 for the
 the table nudges, ``fedinfer serve``, ``fedinfer worker`` (it publishes the tables after the
 evacuation, as in production) and one ``fedinfer edge`` in control-plane mode for eu-west (its
 heartbeats report the table version it applied). Headless Chromium logs in as an operator,
-finds a region, drains an instance and watches it change, previews then evacuates a region and
-sees the new table version reach its edge, creates a key and sees the secret once, reads a cost
-chart and exports it as CSV; a tenant viewer is refused another tenant's pages and actions.
+finds a region, drains an instance and watches it change and its requests in flight run out
+(us-east's edge reporting them), previews then evacuates a region and sees the new table
+version reach its edge, creates a key and sees the secret once, reads a cost chart and exports
+it as CSV; a tenant viewer is refused another tenant's pages and actions.
 Screenshots go to ``var/screenshots/``.
 """
 
@@ -150,6 +151,21 @@ def test_console_end_to_end(procs: Supervisor, browser: Browser, settings: Any) 
     expect(page.locator(f"#instance-{inst.name} [data-state]")).to_have_text("draining")
     inst.refresh_from_db()
     assert inst.state == "draining"
+    # Watch the drain progress, live: us-east's edge reports the requests still in flight.
+    progress = page.locator(f"#instance-{inst.name} .progress-text")
+    expect(progress).to_have_text("requests in flight unknown (no fresh heartbeat)")
+    for left, text in (
+        (3, "3 requests in flight to finish"),
+        (1, "1 request in flight to finish"),
+        (0, "drained: nothing in flight"),
+    ):
+        report = routing.InstanceReport(inst.name, True, {"in_flight": left, "tokens_per_s": 1.0})
+        routing.edge_heartbeat_record(
+            edge=edges["us-east"], applied_table_version=None, instances=[report]
+        )
+        expect(progress).to_have_text(text)
+        if left == 1:
+            shot(page, "drain-progress")
     inventory.instance_undrain(actor=None, instance=inst)  # another operator, elsewhere
     expect(page.locator(f"#instance-{inst.name} [data-state]")).to_have_text("ready")
 

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import csv
 import io
+import re
 from collections.abc import Callable
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 import pytest
@@ -17,10 +18,15 @@ from django.urls import reverse
 from django.utils import timezone
 
 from federation.api.throttles import login_cache
+from federation.core.audit import audit_record
 from federation.core.models import AuditEvent
-from federation.inventory.models import GPUPool, Instance, Region
+from federation.inventory.models import Edge, GPUPool, Instance, Region
 from federation.routing.models import RoutingTableVersion
-from federation.routing.services import routing_tables_publish
+from federation.routing.services import (
+    InstanceReport,
+    edge_heartbeat_record,
+    routing_tables_publish,
+)
 from federation.tenancy import services as tenancy
 from federation.tenancy.keys import hash_key
 from federation.tenancy.models import ApiKey, Tenant
@@ -210,6 +216,103 @@ def test_evacuation_preview_names_who_moves_and_who_is_refused(operator: Client)
     # Its traffic comes back in steps: the overview shows where the ramp stands.
     overview = operator.get(reverse("console:overview")).content.decode()
     assert "Coming back" in overview and "20 % of its traffic" in overview
+
+
+def _heartbeat(inst: Instance, in_flight: int, *, at: datetime | None = None) -> None:
+    """The region's edge reports ``inst`` (the service behind ``/api/v1/edges/heartbeat``)."""
+    edge = Edge.objects.get(region=inst.deployment.pool.region)
+    report = InstanceReport(inst.name, True, {"in_flight": in_flight, "tokens_per_s": 10.0})
+    edge_heartbeat_record(edge=edge, applied_table_version=None, instances=[report], at=at)
+
+
+def _instances_fragment(client: Client, region: str) -> str:
+    """The live instance table, as the page's htmx poll fetches it."""
+    url = reverse("console:region", args=[region])
+    return client.get(url, headers={"HX-Request": "true"}).content.decode()
+
+
+def test_a_drain_shows_the_requests_it_still_has_in_flight(operator: Client) -> None:
+    inst = a_ready_instance()
+    assert "in flight to finish" not in _instances_fragment(operator, "us-east")
+    operator.post(reverse("console:instance-drain", args=[inst.name]))
+    assert "requests in flight unknown (no fresh heartbeat)" in _instances_fragment(
+        operator, "us-east"
+    )
+    _heartbeat(inst, 3)
+    assert "3 requests in flight to finish" in _instances_fragment(operator, "us-east")
+    _heartbeat(inst, 1)
+    assert "1 request in flight to finish" in _instances_fragment(operator, "us-east")
+    _heartbeat(inst, 0)
+    row = _instances_fragment(operator, "us-east").split(f'id="instance-{inst.name}"')[1]
+    assert "drained: nothing in flight" in row.split("</tr>")[0]
+    # A report older than the heartbeat window is not taken for the present.
+    Instance.objects.filter(pk=inst.pk).update(
+        load={"in_flight": 0, "reported_at": (timezone.now() - timedelta(minutes=2)).isoformat()}
+    )
+    assert "in flight unknown (no fresh heartbeat)" in _instances_fragment(operator, "us-east")
+
+
+def test_scale_down_drains_and_warming_show_their_time_against_the_timeouts(
+    operator: Client, settings: Any
+) -> None:
+    settings.FEDINFER_FLEET_WARMING_TIMEOUT_SECONDS = 300
+    settings.FEDINFER_FLEET_DRAIN_TIMEOUT_SECONDS = 60
+    draining, warming = Instance.objects.filter(
+        deployment__pool__region__code="us-east", state="ready"
+    ).order_by("name")[:2]
+    now = timezone.now()
+    Instance.objects.filter(pk=draining.pk).update(
+        state="draining", drain_reason="scale_down", state_changed_at=now - timedelta(seconds=15)
+    )
+    Instance.objects.filter(pk=warming.pk).update(
+        state="warming", state_changed_at=now - timedelta(seconds=100)
+    )
+    _heartbeat(draining, 2)
+    page = _instances_fragment(operator, "us-east")
+    drain_row = page.split(f'id="instance-{draining.name}"')[1].split("</tr>")[0]
+    assert "2 requests in flight to finish; stopped when idle, or after 1 min 00 s" in drain_row
+    assert re.search(r'<progress value="1[5-9]" max="60"', drain_row)
+    warm_row = page.split(f'id="instance-{warming.name}"')[1].split("</tr>")[0]
+    assert "warming for 1 min 4" in warm_row and "of the 5 min 00 s allowed" in warm_row
+    assert re.search(r'<progress value="1\d\d" max="300"', warm_row)
+
+
+def test_a_restored_region_shows_its_ramp_against_the_schedule(
+    operator: Client, settings: Any
+) -> None:
+    settings.FEDINFER_RAMP_SECONDS = 120
+    settings.FEDINFER_RAMP_STEPS = 4
+    assert 'id="region-ramp"' not in _instances_fragment(operator, "eu-west")
+    operator.post(reverse("console:region-evacuate", args=["eu-west"]))
+    operator.post(reverse("console:region-restore", args=["eu-west"]))
+    ramp = _instances_fragment(operator, "eu-west").split('id="region-ramp"')[1].split("</div>")[0]
+    assert "ramping back: 20 % of its traffic, step 1 of 4, next step in" in ramp
+    assert re.search(r'<progress value="\d+" max="120"', ramp)
+    # Halfway through the window: step 3 of 4 (60 %), on the region page and the overview.
+    Region.objects.filter(code="eu-west").update(restored_at=timezone.now() - timedelta(seconds=65))
+    assert "60 % of its traffic, step 3 of 4" in _instances_fragment(operator, "eu-west")
+    overview = operator.get(reverse("console:overview"), headers={"HX-Request": "true"})
+    assert "60 % of its traffic, step 3 of 4" in overview.content.decode()
+    # Once the window has passed there is no ramp to show.
+    Region.objects.filter(code="eu-west").update(restored_at=timezone.now() - timedelta(hours=1))
+    assert 'id="region-ramp"' not in _instances_fragment(operator, "eu-west")
+
+
+def test_models_page_shows_scaling_and_failover_history(operator: Client) -> None:
+    inst = a_ready_instance("ap-southeast")
+    operator.post(reverse("console:instance-drain", args=[inst.name]))
+    operator.post(reverse("console:region-evacuate", args=["eu-west"]))
+    region = Region.objects.get(code="eu-west")
+    # What the fleet worker records when it fails a region over on its own.
+    audit_record(actor=None, action="fleet.region_restore", obj=region, changes={"reason": "up"})
+    audit_record(actor=None, action="region.update", obj=region, changes={"name": ["a", "b"]})
+    page = operator.get(reverse("console:models"))
+    actions = [e.action for e in page.context["history"]]
+    assert {"instance.transition", "region.evacuate", "fleet.region_restore"} <= set(actions)
+    assert "region.update" not in actions  # an edit of a region is not failover
+    assert actions[0] == "fleet.region_restore"  # newest first
+    history = page.content.decode().split('id="history"')[1]
+    assert "Scaling and failover history" in history and "eu-west" in history
 
 
 def test_cordon_preview_says_routing_does_not_change(operator: Client) -> None:

@@ -1,0 +1,311 @@
+"""The console's fast paths give the same answers as the plain ones, on PostgreSQL: the tenant
+rows of the routing snapshot (plain rows) equal the ones built from model instances; a preview
+compiled without keys and budget leases equals the one compiled with them; a usage report of
+only some sums equals the full report's columns; the usage page's chart and table equal those
+of full reports."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import astuple, replace
+from datetime import UTC, date, datetime, time, timedelta
+from decimal import Decimal
+from functools import partial
+from typing import Any
+
+import pytest
+from django.utils import timezone
+
+from console.charts import MAX_SERIES, chart_series
+from console.preview import Move, Preview, preview, snapshot_after
+from console.views.reports import MANY_GROUPS, TOTALS_SHOWN, _totals, _usage_view
+from federation.inventory import lifecycle
+from federation.inventory.models import Instance, Region
+from federation.metering.models import USAGE_SUMS, CountedSpend, UsageDay
+from federation.metering.selectors import UsageQuery, month_of, usage_report
+from federation.routing.compiler import KeyRow, TenantRow, fleet_plan
+from federation.routing.selectors import (
+    budget_rows,
+    fleet_snapshot,
+    tenant_cache_salt,
+    tenant_rows,
+)
+from federation.routing.services import routing_tables_publish
+from federation.tenancy import services as tenancy
+from federation.tenancy.models import ApiKey, Tenant
+from federation.tenancy.residency import ResidencyPolicy
+from federation.tenancy.selectors import api_key_table_entries
+from tests.integration.console_support import demo_fleet
+
+pytestmark = pytest.mark.django_db
+
+
+def _spend(tenant: str, usd: str) -> None:
+    CountedSpend.objects.create(
+        month=month_of(timezone.now()), tenant=tenant, key_prefix="", edge="", price_usd=usd
+    )
+
+
+@pytest.fixture
+def varied_fleet() -> Iterator[None]:
+    """The demo fleet with two days of usage, plus tenants of every kind the snapshot reads:
+    budgets ok, warned and exhausted, explicit regions, an isolated KV cache, limits, a key in
+    its rotation grace, a revoked key, and an inactive tenant."""
+    demo_fleet(usage_days=2)
+    eu, us = Region.objects.get(code="eu-west"), Region.objects.get(code="us-east")
+    kinds: list[dict[str, Any]] = [
+        {"slug": "fp-ok", "monthly_budget_usd": Decimal("100.00"), "allowed_jurisdictions": []},
+        {"slug": "fp-warn", "monthly_budget_usd": Decimal("10.00"), "allowed_jurisdictions": []},
+        {"slug": "fp-out", "monthly_budget_usd": Decimal("1.00"), "allowed_jurisdictions": ["EU"]},
+        {"slug": "fp-eu-only", "allowed_jurisdictions": ["EU"], "requests_per_minute": 60},
+        {"slug": "fp-salted", "allowed_jurisdictions": ["US"], "isolate_kv_cache": True},
+        {"slug": "fp-regions", "allowed_jurisdictions": ["EU", "US"], "tokens_per_minute": 9000},
+        {"slug": "fp-gone", "allowed_jurisdictions": []},
+    ]
+    for kind in kinds:
+        tenant = Tenant.objects.create(name=kind["slug"], **kind)
+        tenancy.api_key_create(actor=None, tenant=tenant, name="k")
+    tenancy.tenant_deactivate(actor=None, tenant=Tenant.objects.get(slug="fp-gone"))
+    Tenant.objects.get(slug="fp-regions").allowed_regions.set([eu, us])
+    Tenant.objects.get(slug="fp-out").allowed_regions.set([eu])
+    _spend("fp-warn", "9.00")
+    _spend("fp-out", "1.50")
+    _spend("fp-ok", "3.25")
+    rotated = ApiKey.objects.get(tenant__slug="fp-ok")
+    tenancy.api_key_rotate(actor=None, api_key=rotated, grace_seconds=3600)
+    revoked = ApiKey.objects.get(tenant__slug="fp-eu-only")
+    tenancy.api_key_revoke(actor=None, api_key=revoked)
+    routing_tables_publish()  # tables carrying budget leases, read back by the next snapshot
+    yield
+
+
+def _reference_tenant_rows(now: datetime, spend: dict[str, float]) -> tuple[TenantRow, ...]:
+    """The snapshot's tenant rows the plain way: model instances and their related rows."""
+    keys: dict[int, list[KeyRow]] = {}
+    for entry in api_key_table_entries(now=now):
+        keys.setdefault(entry.tenant_id, []).append(
+            KeyRow(entry.key_hash, entry.valid_until, entry.scopes)
+        )
+    tenants = list(Tenant.objects.filter(is_active=True).prefetch_related("allowed_regions"))
+    budgets = budget_rows({t.slug: t.monthly_budget_usd for t in tenants}, now=now)
+    return tuple(
+        TenantRow(
+            slug=t.slug,
+            policy=ResidencyPolicy.of(
+                t.allowed_jurisdictions, [r.code for r in t.allowed_regions.all()]
+            ),
+            requests_per_minute=t.requests_per_minute,
+            tokens_per_minute=t.tokens_per_minute,
+            monthly_budget_usd=(
+                None if t.monthly_budget_usd is None else float(t.monthly_budget_usd)
+            ),
+            spend_usd=spend.get(t.slug, 0.0),
+            keys=tuple(keys.get(t.pk, ())),
+            cache_salt=tenant_cache_salt(t.slug) if t.isolate_kv_cache else None,
+            budget=budgets.get(t.slug),
+        )
+        for t in tenants
+    )
+
+
+def test_tenant_rows_from_plain_rows_equal_those_from_model_instances(varied_fleet: None) -> None:
+    now = timezone.now()
+    spend = {"fp-warn": 9.0, "fp-out": 1.5, "fp-ok": 3.25}
+    rows = tenant_rows(now=now, spend_usd=spend)
+    assert rows == _reference_tenant_rows(now, spend)
+    by_slug = {r.slug: r for r in rows}
+    # The fixture's kinds are all there to compare: not a vacuous equality.
+    assert "fp-gone" not in by_slug
+    assert len(by_slug["fp-ok"].keys) == 2  # the current secret and the one in its grace
+    assert by_slug["fp-eu-only"].keys == ()  # its only key is revoked
+    assert by_slug["fp-salted"].cache_salt is not None
+    assert by_slug["fp-regions"].policy.regions == {"eu-west", "us-east"}
+    assert by_slug["fp-out"].budget is not None and by_slug["fp-out"].budget.published
+
+
+def _comparable(result: Preview) -> tuple[Any, ...]:
+    """Everything a preview shows. A group's representative policy is compared on what a
+    decision reads (its keys and leases are what the lean snapshot leaves out)."""
+
+    def move(m: Move) -> tuple[Any, ...]:
+        p = m.group.policy
+        rule = (p.tenant, p.allowed_regions, p.residency_class, p.budget_state)
+        return (rule, m.group.tenants, m.origin, m.model, astuple(m.before), astuple(m.after))
+
+    return (
+        [move(m) for m in result.moves],
+        result.leaving,
+        result.joining,
+        result.serving_usd_per_hour,
+        result.demand_usd_per_hour,
+        result.unserved_tokens_per_s,
+    )
+
+
+def _actions() -> dict[str, dict[str, Any]]:
+    ready_eu = Instance.objects.filter(
+        deployment__pool__region__code="eu-west", state=lifecycle.READY
+    )
+    one = Instance.objects.filter(deployment__pool__region__code="us-east", state="ready").first()
+    assert one is not None
+    return {
+        "evacuate eu-west": {
+            "region_status": {"eu-west": Region.Status.EVACUATED},
+            "instance_states": {i.name: lifecycle.DRAINING for i in ready_eu},
+        },
+        "drain one": {"instance_states": {one.name: lifecycle.DRAINING}},
+        "restore a region that was evacuated": {
+            "region_status": {"eu-west": Region.Status.ACTIVE},
+            "restored_at": {"eu-west": timezone.now()},
+        },
+        "cordon": {},
+    }
+
+
+def test_a_preview_without_keys_and_leases_equals_the_full_one(varied_fleet: None) -> None:
+    now = timezone.now()
+    full = fleet_snapshot(now=now)
+    lean = fleet_snapshot(now=now, keys_and_budgets=False)
+    # The full snapshot has what the lean one leaves out; the rest is the same.
+    assert any(t.keys for t in full.tenants) and any(t.budget for t in full.tenants)
+    assert not any(t.keys or t.budget for t in lean.tenants)
+    assert full.prices and not lean.prices
+    strip = {"keys": (), "budget": None}
+    assert tuple(replace(t, **strip) for t in full.tenants) == lean.tenants
+    assert (full.regions, full.instances, full.rtt_ms) == (
+        lean.regions,
+        lean.instances,
+        lean.rtt_ms,
+    )
+    for name, changes in _actions().items():
+        expected = preview(full, snapshot_after(full, **changes))
+        got = preview(lean, snapshot_after(lean, **changes))
+        assert _comparable(got) == _comparable(expected), name
+    evacuation = preview(lean, snapshot_after(lean, **_actions()["evacuate eu-west"]))
+    assert evacuation.moves and evacuation.refusals and evacuation.leaving
+    # Budget states decide requests: the lean snapshot's tenants carry all three.
+    states = {e.tenant: e.budget_state for e in fleet_plan(lean).tenant_entries}
+    assert (states["fp-ok"], states["fp-warn"], states["fp-out"]) == ("ok", "warn", "exhausted")
+
+
+def _range(days: int) -> tuple[datetime, datetime]:
+    end = datetime.combine(date.today() + timedelta(days=1), time(0), tzinfo=UTC)
+    return end - timedelta(days=days), end
+
+
+@pytest.mark.parametrize("with_cost", [True, False])
+@pytest.mark.parametrize(
+    ("group_by", "bucket", "hourly"),
+    [
+        (["tenant"], None, False),
+        (["model"], "day", False),
+        ([], "day", False),
+        (["region"], "hour", True),
+    ],
+)
+def test_a_report_of_some_sums_equals_the_full_reports_columns(
+    varied_fleet: None, with_cost: bool, group_by: list[str], bucket: Any, hourly: bool
+) -> None:
+    start, end = _range(3)
+    if hourly:  # not whole days: read from the hourly rollups
+        start += timedelta(hours=5)
+    query = partial(UsageQuery, start, end, group_by=group_by, bucket=bucket, with_cost=with_cost)
+    full = usage_report(query())
+    assert full and any(row["requests"] for row in full)
+    keys = [*([bucket] if bucket else []), *group_by]
+    for only in (["price_usd"], ["requests", "cached_tokens"], ["margin_usd"], ["cost_usd"]):
+        if not with_cost and set(only) <= {"margin_usd", "cost_usd"}:
+            with pytest.raises(ValueError, match="nothing to sum"):
+                usage_report(query(only=only))
+            continue
+        got = usage_report(query(only=only))
+        kept = [c for c in [*keys, *USAGE_SUMS, "margin_usd"] if c in got[0]]
+        assert set(kept) - set(keys) <= {*only, "price_usd", "cost_usd"}
+        assert got == [{c: row[c] for c in kept} for row in full], only
+    with pytest.raises(ValueError, match="no such usage sum"):
+        usage_report(query(only=["price"]))
+
+
+def _many_tenants_usage(days: int) -> None:
+    """70 more tenants' daily usage, many of them tied on every figure (ranks must agree)."""
+    today = datetime.now(UTC).date()
+    UsageDay.objects.bulk_create(
+        UsageDay(
+            day=today - timedelta(days=d),
+            tenant=f"fp-many-{i:02d}",
+            model="meta-llama/Llama-3.1-8B-Instruct",
+            region=("us-east", "eu-west")[i % 2],
+            pool="",
+            requests=10 * (i % 4 + 1),
+            cancelled=i % 2,
+            errors=0,
+            prompt_tokens=1_000 * (i % 3 + 1),
+            cached_tokens=100 * (i % 5),
+            completion_tokens=500 * (i % 4 + 1),
+            price_usd=Decimal("0.000123456789") * (i % 6 + 1),
+            cost_usd=Decimal("0.0001") * (i % 3 + 1),
+        )
+        for i in range(70)
+        for d in range(days)
+    )
+
+
+def _unoptimised_usage_view(
+    query: Any, filters: dict[Any, list[str]], data: dict[str, Any], metrics: list[str]
+) -> tuple[dict[str, Any], list[dict[str, Any]], int]:
+    """The usage page's figures as they were computed before: every sum of every tenant,
+    ranked in Python (the code this replaced, kept here as the reference)."""
+    group, bucket, metric = data["group_by"], data["bucket"], data["metric"]
+    if group not in MANY_GROUPS:
+        rows = usage_report(query(group_by=[group], bucket=bucket, filters=filters))
+        chart = chart_series(rows, time_key=bucket, group_key=group, metric=metric)
+        totals = _totals(rows, group, metrics)
+    else:
+        totals = [
+            {group: r[group] or "—", **{m: r.get(m) or 0 for m in metrics}}
+            for r in usage_report(query(group_by=[group], filters=filters))
+        ]
+        by_size = sorted(totals, key=lambda r: -float(r.get(metric, 0)))
+        shown = [r[group] for r in by_size[:MAX_SERIES]]
+        chart = chart_series(
+            usage_report(query(group_by=[group], bucket=bucket, filters={**filters, group: shown})),
+            time_key=bucket,
+            group_key=group,
+            metric=metric,
+            overall=usage_report(query(bucket=bucket, filters=filters)),
+            hidden=len(totals) - len(shown),
+        )
+    totals.sort(key=lambda r: (-float(r.get(metric, 0)), str(r[group])))
+    return chart, totals[:TOTALS_SHOWN], len(totals)
+
+
+@pytest.mark.parametrize(
+    ("group", "metric", "staff"),
+    [
+        ("tenant", "price_usd", True),
+        ("tenant", "margin_usd", True),
+        ("tenant", "requests", True),
+        ("tenant", "cached_tokens", False),
+        ("model", "requests", True),
+        ("region", "cost_usd", True),
+    ],
+)
+def test_the_usage_pages_chart_and_table_equal_the_unoptimised_ones(
+    varied_fleet: None, group: str, metric: str, staff: bool
+) -> None:
+    _many_tenants_usage(days=3)
+    start, end = _range(3)
+    metrics = ["requests", "prompt_tokens", "completion_tokens", "price_usd"]
+    metrics += ["cost_usd", "margin_usd"] if staff else []
+    metrics += [] if metric in metrics else [metric]
+    data = {"group_by": group, "bucket": "day", "metric": metric}
+    query = partial(UsageQuery, start, end, with_cost=staff)
+    fast = _usage_view(query, {}, data, metrics)
+    assert fast == _unoptimised_usage_view(query, {}, data, metrics)
+    chart, totals, groups = fast
+    assert totals and chart["series"] and chart["x"]
+    if group == "tenant":  # more tenants than the table lists, ties among them, an "other"
+        assert groups > TOTALS_SHOWN == len(totals)
+        assert chart["series"][-1]["label"] == f"other ({groups - MAX_SERIES})"
+        ranked = [float(r[metric]) for r in totals]
+        assert len(set(ranked)) < len(ranked)
