@@ -10,10 +10,14 @@ Standard library only: this is the region half, which never imports the control 
 from __future__ import annotations
 
 import contextlib
+import fcntl
+import json
 import os
+import random
 import signal
 import socket
 import subprocess
+import tempfile
 import threading
 import time
 import urllib.error
@@ -35,22 +39,68 @@ class StartupError(RuntimeError):
     """What was awaited did not happen: a watched process exited, or the time ran out."""
 
 
+#: Ports handed out stay reserved this long, machine-wide, so two processes picking at once
+#: never get the same one before either has bound it.
+PORT_HOLD_S = 120.0
+_PORT_LEDGER = Path(tempfile.gettempdir()) / "fedinfer-ports.json"
+_port_lock = threading.Lock()
+
+
 def free_port(host: str = LOOPBACK) -> int:
-    """A TCP port free on ``host`` now (asked of the OS, so parallel runs do not collide)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
+    """A TCP port free on ``host`` now and not handed to anyone else for :data:`PORT_HOLD_S`.
+
+    A port the OS picks (bind to 0) lies in the ephemeral range, where any outgoing connection
+    can take it between our close and the child's bind: a demo edge once failed with "address
+    already in use" that way. So ports come from below the ephemeral range, and a small ledger
+    under a file lock keeps parallel pickers (tests, workers' provisioners) apart.
+    """
+    return free_ports(1, host)[0]
 
 
 def free_ports(count: int, host: str = LOOPBACK) -> list[int]:
     """``count`` consecutive free ports (the simulator serves its engines on consecutive ports)."""
-    for _ in range(50):
-        base = free_port(host)
-        if base + count > 65000:
-            continue
-        if all(_bindable(host, port) for port in range(base, base + count)):
-            return list(range(base, base + count))
-    raise RuntimeError(f"no {count} consecutive free ports found on {host}")
+    low, high = _reservable_range()
+    with _port_lock, _PORT_LEDGER.open("a+") as ledger:
+        fcntl.flock(ledger, fcntl.LOCK_EX)
+        ledger.seek(0)
+        now = time.time()
+        held = {int(port): at for port, at in _read_ledger(ledger.read()).items()}
+        held = {port: at for port, at in held.items() if now - at < PORT_HOLD_S}
+        for _ in range(200):
+            base = random.randrange(low, high - count)
+            ports = list(range(base, base + count))
+            if any(port in held for port in ports):
+                continue
+            if all(_bindable(host, port) for port in ports):
+                held.update(dict.fromkeys(ports, now))
+                ledger.seek(0)
+                ledger.truncate()
+                ledger.write(json.dumps({str(port): at for port, at in held.items()}))
+                ledger.flush()
+                return ports
+    raise RuntimeError(f"no {count} consecutive free ports found on {host} in {low}-{high}")
+
+
+def _read_ledger(text: str) -> dict[str, float]:
+    try:
+        data = json.loads(text or "{}")
+    except ValueError:  # a ledger cut short by a killed writer is just forgotten
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _reservable_range() -> tuple[int, int]:
+    """Ports below the kernel's ephemeral range (outgoing connections never use them)."""
+    try:
+        first, _ = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    except (OSError, ValueError):
+        first = 32768
+    if first < 12_000:
+        raise RuntimeError(
+            f"the ephemeral port range starts at {first}: too low to pick listening ports "
+            "outside it; raise net.ipv4.ip_local_port_range"
+        )
+    return 10_000, first
 
 
 def _bindable(host: str, port: int) -> bool:

@@ -6,22 +6,19 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
 from pathlib import Path
 
 import redis
 
 from regions.edge.usage_shipper import RedisStreamSink, UsageShipper
 from regions.edge.usage_spool import UsageSpool
+from regions.supervisor import free_port
 
 REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/15")
 
 
 def _closed_port_url() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    return f"redis://127.0.0.1:{port}/0"
+    return f"redis://127.0.0.1:{free_port()}/0"
 
 
 def _stream(name: str) -> list[bytes]:
