@@ -12,6 +12,8 @@
     python -m bench failover [...]    engine death -> out of every table, region loss, load step
                                       -> new instance, on the real control plane with the local
                                       provisioner (python -m bench.failover -h)
+    python -m bench instructions [...]  metering's instructions per request at the edge, counted
+                                      by callgrind (load-independent; -m bench.instructions -h)
     python -m bench fleet-day [...]   a simulated day of follow-the-sun traffic: GPU-hours and TTFT
                                       of static, reactive and fedinfer scaling (-m bench.fleet_day)
 
@@ -53,6 +55,10 @@ def main(argv: list[str]) -> None:
         from bench import fleet_day
 
         fleet_day.main(argv[1:])
+    elif argv[0] == "instructions":
+        from bench import instructions
+
+        instructions.main(argv[1:])
     else:
         raise SystemExit(__doc__)
 

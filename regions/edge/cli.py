@@ -181,6 +181,9 @@ def _metering_flags(p: argparse.ArgumentParser) -> None:
     )
     _add(p, (
         ("--usage-spool-max-bytes", int, _METERING.max_bytes, "records not yet shipped, bytes"),
+        ("--usage-flush-interval", float, _METERING.flush_interval_s, "seconds between spool "
+         "writes (one fsync and one shipment each): what a crash can lose, against the cost of a "
+         "write per batch"),
     ))  # fmt: skip
 
 
@@ -239,8 +242,11 @@ def _metering_from_args(opts: argparse.Namespace, sync: SyncConfig | None) -> Me
         raise ValueError(
             "--usage-spool-dir needs --usage-redis-url, or --control-plane with --edge-name"
         )
+    if not 0.001 <= opts.usage_flush_interval <= 60.0:
+        raise ValueError("--usage-flush-interval must be between 0.001 and 60 seconds")
     return MeteringConfig(
         spool_dir=opts.usage_spool_dir,
+        flush_interval_s=opts.usage_flush_interval,
         max_bytes=opts.usage_spool_max_bytes,
         full_policy=opts.usage_spool_full,
         redis_url=opts.usage_redis_url,

@@ -23,7 +23,7 @@ from typing import Literal
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from regions.edge.usage_shipper import UsageShipper, UsageSink
+from regions.edge.usage_shipper import FLUSH_INTERVAL_S, UsageShipper, UsageSink
 from regions.edge.usage_spool import UsageSpool
 
 log = logging.getLogger("fedinfer.edge.usage")
@@ -43,6 +43,7 @@ class MeteringConfig:
     full_policy: FullPolicy = "refuse"
     #: Ship to this Redis's usage stream; None: to the control plane's usage endpoint.
     redis_url: str | None = None
+    flush_interval_s: float = FLUSH_INTERVAL_S
 
 
 class RequestIds:
@@ -63,7 +64,7 @@ class Meter:
         self.spool = UsageSpool(
             cfg.spool_dir, max_bytes=cfg.max_bytes, segment_bytes=min(SEGMENT_BYTES, cfg.max_bytes)
         )
-        self.shipper = UsageShipper(self.spool, sink)
+        self.shipper = UsageShipper(self.spool, sink, interval_s=cfg.flush_interval_s)
         self.ids = RequestIds()
         self.recorded = 0
         self.dropped = 0

@@ -1,7 +1,7 @@
 """The edge's usage spool: every usage record on local disk until the control plane has it.
 
 Records are appended to memory on the request path (no I/O there) and written to the current
-segment file with one ``fsync`` per small batch (``UsageShipper.flush``, from a background
+segment file with one ``fdatasync`` per small batch (``UsageShipper.flush``, from a background
 task). A shipper sends what is on disk and only then moves the *acknowledged* cursor, which is
 itself written atomically; segments wholly before it are deleted. So a record leaves the spool
 only once accepted, and a crash loses at most the batch not yet flushed; a batch shipped but not
@@ -59,6 +59,8 @@ class UsageSpool:
         self._disk_bytes = sum(self._size(s) for s in self._segments) - self.acked.offset
         #: Where the next write goes.
         self.end = Cursor(self._segments[-1], self._size(self._segments[-1]))
+        self._fd: int | None = None
+        self._fd_segment = -1
 
     # --- the request path ----------------------------------------------------------------
 
@@ -89,7 +91,7 @@ class UsageSpool:
         return records
 
     def write(self, records: list[bytes]) -> Cursor:
-        """Append ``records`` to the current segment and fsync (may run in a worker thread);
+        """Append ``records`` to the current segment and fdatasync (may run in a worker thread);
         the cursor after them."""
         if not records:
             return self.end
@@ -98,15 +100,22 @@ class UsageSpool:
         if end.offset >= self.segment_bytes:
             end = Cursor(end.segment + 1, 0)
             self._segments.append(end.segment)
-        with open(self._path(end.segment), "ab") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+        fd = self._segment_fd(end.segment)
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        os.fdatasync(fd)  # the data and the new size: what a reader after a crash needs
         if end.offset == 0:  # a new file: make its name durable too
             self._fsync_directory()
         self._disk_bytes += len(data)
         self.end = Cursor(end.segment, end.offset + len(data))
         return self.end
+
+    def close(self) -> None:
+        """Close the open segment (the spool stays usable: the next write reopens it)."""
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
 
     def read(self, limit: int, start: Cursor | None = None) -> Batch:
         """Up to ``limit`` records on disk from ``start`` (default: the acknowledged cursor)."""
@@ -156,6 +165,13 @@ class UsageSpool:
             self._path(self._segments.pop(0)).unlink(missing_ok=True)
 
     # --- files ---------------------------------------------------------------------------
+    def _segment_fd(self, segment: int) -> int:
+        """The segment's file, kept open for appending: one open per segment, not per batch."""
+        if self._fd_segment != segment or self._fd is None:
+            self.close()
+            self._fd = os.open(self._path(segment), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            self._fd_segment = segment
+        return self._fd
 
     def _path(self, segment: int) -> Path:
         return self.directory / f"usage-{segment:012d}.jsonl"

@@ -6,6 +6,10 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+import pytest
+
+from regions.edge.cli import build_parser, config_from_args
+from regions.edge.metering import Meter
 from regions.edge.usage_shipper import UsageShipper
 from regions.edge.usage_spool import UsageSpool
 
@@ -66,3 +70,17 @@ def test_a_batch_larger_than_the_sinks_goes_from_disk_in_pieces(tmp_path: Path) 
     asyncio.run(shipper.cycle())
     assert sink.batches == [[rec(0), rec(1)], [rec(2), rec(3)], [rec(4)]]
     assert spool.caught_up
+
+
+def test_the_flush_interval_flag_sets_the_shippers_interval(tmp_path: Path) -> None:
+    args = ["--region", "r1", "--table", "t.json", "--usage-spool-dir", str(tmp_path)]
+    args += ["--usage-redis-url", "redis://127.0.0.1:1/0"]
+    default = config_from_args(build_parser().parse_args(args))
+    assert default.metering is not None and default.metering.flush_interval_s == 0.2
+    opts = build_parser().parse_args([*args, "--usage-flush-interval", "0.5"])
+    cfg = config_from_args(opts).metering
+    assert cfg is not None
+    assert Meter(cfg, Sink()).shipper.interval_s == 0.5
+    for bad in ("0", "-1", "61"):
+        with pytest.raises(ValueError, match="--usage-flush-interval"):
+            config_from_args(build_parser().parse_args([*args, "--usage-flush-interval", bad]))
