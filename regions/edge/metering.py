@@ -68,17 +68,20 @@ class Meter:
         self.ids = RequestIds()
         self.recorded = 0
         self.dropped = 0
+        # Read per request: the policy as two flags, not a string compared every time.
+        self._refuse_when_full = cfg.full_policy == "refuse"
+        self._drop_when_full = not self._refuse_when_full
         self._task: asyncio.Task[None] | None = None
 
     def refuses(self) -> bool:
         """Whether a new request must be turned away: the spool is full and the policy is
         to refuse rather than serve unbilled."""
-        return self.cfg.full_policy == "refuse" and not self.spool.has_room()
+        return self._refuse_when_full and not self.spool.has_room()
 
     def record(self, record: bytes) -> None:
         """Spool one encoded record (requests already admitted are recorded even past the
         bound)."""
-        if self.cfg.full_policy == "serve" and not self.spool.has_room():
+        if self._drop_when_full and not self.spool.has_room():
             self.dropped += 1
             return
         self.spool.append(record)

@@ -30,7 +30,9 @@ CLIENT_GONE = 499
 
 
 class Recorder:
-    __slots__ = ("admission", "budgets", "learn_speeds", "loads", "meter", "metrics", "region")
+    __slots__ = (
+        "_new_id", "admission", "budgets", "learn_speeds", "loads", "meter", "metrics", "region",
+    )  # fmt: skip
 
     def __init__(
         self,
@@ -47,6 +49,7 @@ class Recorder:
         self.loads = loads
         self.region = region
         self.meter = meter
+        self._new_id = meter.ids.new if meter is not None else None
         self.budgets = budgets
         #: Learn each instance's prefill rate from streamed answers (``speed.py``).
         self.learn_speeds = learn_speeds
@@ -127,7 +130,7 @@ class Recorder:
 
     def usage(self, ctx: RequestContext, inst: Instance, tokens: Tokens, cancelled: bool) -> bytes:
         """The request's usage record, encoded (``regions/tables/usage.py``, schema 2)."""
-        assert self.meter is not None
+        assert self._new_id is not None
         req = ctx.req
         duration = time.perf_counter() - ctx.arrived
         tenant = ctx.tenant
@@ -135,7 +138,7 @@ class Recorder:
         return encode_usage(
             (
                 USAGE_SCHEMA_VERSION,
-                self.meter.ids.new(),
+                self._new_id(),
                 time.time() - duration,
                 self.region,
                 ctx.entry_region or self.region,

@@ -15,6 +15,8 @@ stream when it was upgraded.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import msgspec
 
 USAGE_SCHEMA_VERSION = 2
@@ -134,9 +136,9 @@ _decode_positional = msgspec.json.Decoder(_PositionalRecord).decode
 _decode_named = msgspec.json.Decoder(UsageRecord).decode
 
 
-def encode_usage(row: UsageRow) -> bytes:
-    """One schema-2 record from its row (the edge's request path: no object built)."""
-    return _encode(row)
+#: One schema-2 record from its row: the edge's request path, so the encoder itself, not a
+#: Python function around it (a call is a tenth of the record's cost).
+encode_usage: Callable[[UsageRow], bytes] = _encode
 
 
 def encode_record(record: UsageRecord) -> bytes:
