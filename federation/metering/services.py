@@ -157,7 +157,9 @@ def usage_ingest(
     result.accepted = len(records)
     tenants = {r.tenant for r in records if r.tenant}
     result.budgeted = bool(tenants) and (
-        Tenant.objects.filter(slug__in=tenants, monthly_budget_usd__isnull=False).exists()
+        Tenant.objects.filter(slug__in=tenants)
+        .filter(Q(monthly_budget_usd__isnull=False) | Q(api_keys__monthly_budget_usd__isnull=False))
+        .exists()
     )
     return result
 
