@@ -405,7 +405,7 @@ class InstanceInterval(models.Model):
         ]
 
     def __str__(self) -> str:
-        return f"{self.name} {self.started_at:%Y-%m-%d %H:%M}–{self.ended_at or ''}"
+        return f"{self.name} {self.started_at:%Y-%m-%d %H:%M} to {self.ended_at or ''}"
 
 
 class Edge(TimeStampedModel):

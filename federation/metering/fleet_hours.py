@@ -27,6 +27,7 @@ from federation.inventory.speed import decode_tokens_per_s, prefill_tokens_per_s
 from federation.metering.cost import HOUR_S
 from federation.metering.models import FleetHour
 
+
 @dataclass(frozen=True, slots=True)
 class PoolFacts:
     pool: str  # "<region>/<pool>", as in UsageRecord.pool

@@ -7,7 +7,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime
 from decimal import Decimal
-from typing import Any
+from typing import Any, cast
 
 from django.contrib.auth.models import User
 from django.db.models import Q, QuerySet
@@ -178,5 +178,6 @@ def api_key_budgets(*, tenants: Iterable[str], now: datetime) -> list[KeyBudgetE
     for pk, tenant, budget, prefix, previous, grace in rows:
         live = (prefix, previous) if previous and grace is not None and grace > now else (prefix,)
         prefixes = tuple(sorted({*live, *known.get(pk, ())}))
-        entries.append(KeyBudgetEntry(tenant, budget, live, prefixes))
+        # Filtered on a budget above: never None.
+        entries.append(KeyBudgetEntry(tenant, cast(Decimal, budget), live, prefixes))
     return entries

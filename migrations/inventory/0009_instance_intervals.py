@@ -35,38 +35,59 @@ def open_intervals(apps, schema_editor):
                     relative_speed=speed, tensor_parallel_size=tp, params_b=params_b
                 ),
                 started_at=inst.state_changed_at or inst.created_at,
-                ready_at=(inst.state_changed_at or inst.created_at) if inst.state == "ready" else None,
+                ready_at=(inst.state_changed_at or inst.created_at)
+                if inst.state == "ready"
+                else None,
             )
         )
     interval.objects.bulk_create(rows)
 
 
 class Migration(migrations.Migration):
-
     dependencies = [
-        ('inventory', '0008_deployment_autoscale'),
+        ("inventory", "0008_deployment_autoscale"),
     ]
 
     operations = [
         migrations.CreateModel(
-            name='InstanceInterval',
+            name="InstanceInterval",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('name', models.CharField(max_length=63)),
-                ('pool', models.CharField(max_length=130)),
-                ('gpus', models.PositiveSmallIntegerField()),
-                ('prefill_tokens_per_s', models.FloatField()),
-                ('decode_tokens_per_s', models.FloatField()),
-                ('started_at', models.DateTimeField()),
-                ('ready_at', models.DateTimeField(blank=True, null=True)),
-                ('ended_at', models.DateTimeField(blank=True, null=True)),
-                ('end_state', models.CharField(blank=True, default='', max_length=16)),
-                ('instance', models.ForeignKey(blank=True, null=True, on_delete=django.db.models.deletion.SET_NULL, related_name='intervals', to='inventory.instance')),
+                (
+                    "id",
+                    models.BigAutoField(
+                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
+                    ),
+                ),
+                ("name", models.CharField(max_length=63)),
+                ("pool", models.CharField(max_length=130)),
+                ("gpus", models.PositiveSmallIntegerField()),
+                ("prefill_tokens_per_s", models.FloatField()),
+                ("decode_tokens_per_s", models.FloatField()),
+                ("started_at", models.DateTimeField()),
+                ("ready_at", models.DateTimeField(blank=True, null=True)),
+                ("ended_at", models.DateTimeField(blank=True, null=True)),
+                ("end_state", models.CharField(blank=True, default="", max_length=16)),
+                (
+                    "instance",
+                    models.ForeignKey(
+                        blank=True,
+                        null=True,
+                        on_delete=django.db.models.deletion.SET_NULL,
+                        related_name="intervals",
+                        to="inventory.instance",
+                    ),
+                ),
             ],
             options={
-                'ordering': ['started_at', 'id'],
-                'indexes': [models.Index(fields=['started_at', 'ended_at'], name='interval_time')],
-                'constraints': [models.UniqueConstraint(condition=models.Q(('ended_at__isnull', True)), fields=('instance',), name='one_open_interval_per_instance')],
+                "ordering": ["started_at", "id"],
+                "indexes": [models.Index(fields=["started_at", "ended_at"], name="interval_time")],
+                "constraints": [
+                    models.UniqueConstraint(
+                        condition=models.Q(("ended_at__isnull", True)),
+                        fields=("instance",),
+                        name="one_open_interval_per_instance",
+                    )
+                ],
             },
         ),
         migrations.RunPython(open_intervals, migrations.RunPython.noop),

@@ -35,33 +35,56 @@ def record_prefixes(apps, schema_editor):
 
 
 class Migration(migrations.Migration):
-
     dependencies = [
-        ('tenancy', '0004_tenant_isolate_kv_cache'),
-        ('core', '0001_initial'),
+        ("tenancy", "0004_tenant_isolate_kv_cache"),
+        ("core", "0001_initial"),
     ]
 
     operations = [
         migrations.AddField(
-            model_name='apikey',
-            name='monthly_budget_usd',
-            field=models.DecimalField(blank=True, decimal_places=2, help_text="Empty = no budget of its own (the tenant's still applies).", max_digits=14, null=True, validators=[django.core.validators.MinValueValidator(0)]),
+            model_name="apikey",
+            name="monthly_budget_usd",
+            field=models.DecimalField(
+                blank=True,
+                decimal_places=2,
+                help_text="Empty = no budget of its own (the tenant's still applies).",
+                max_digits=14,
+                null=True,
+                validators=[django.core.validators.MinValueValidator(0)],
+            ),
         ),
         migrations.AddField(
-            model_name='apikey',
-            name='previous_prefix',
-            field=models.CharField(blank=True, default='', help_text='Prefix of the secret replaced by the last rotation (its requests carry it).', max_length=16),
+            model_name="apikey",
+            name="previous_prefix",
+            field=models.CharField(
+                blank=True,
+                default="",
+                help_text="Prefix of the secret replaced by the last rotation (its requests carry it).",
+                max_length=16,
+            ),
         ),
         migrations.CreateModel(
-            name='ApiKeyPrefix',
+            name="ApiKeyPrefix",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('prefix', models.CharField(max_length=16, unique=True)),
-                ('created_at', models.DateTimeField()),
-                ('api_key', models.ForeignKey(on_delete=django.db.models.deletion.CASCADE, related_name='prefixes', to='tenancy.apikey')),
+                (
+                    "id",
+                    models.BigAutoField(
+                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
+                    ),
+                ),
+                ("prefix", models.CharField(max_length=16, unique=True)),
+                ("created_at", models.DateTimeField()),
+                (
+                    "api_key",
+                    models.ForeignKey(
+                        on_delete=django.db.models.deletion.CASCADE,
+                        related_name="prefixes",
+                        to="tenancy.apikey",
+                    ),
+                ),
             ],
             options={
-                'ordering': ['api_key', 'created_at', 'id'],
+                "ordering": ["api_key", "created_at", "id"],
             },
         ),
         migrations.RunPython(record_prefixes, migrations.RunPython.noop),

@@ -94,8 +94,7 @@ def test_allocated_plus_unallocated_is_the_pools_cost_exactly(
     instances: list[tuple[int, float, float, dict[str, tuple[int, int]], float]],
 ) -> None:
     rows = [
-        InstanceHour(f"i{n}", g, p, d, u, held_s=h)
-        for n, (g, p, d, u, h) in enumerate(instances)
+        InstanceHour(f"i{n}", g, p, d, u, held_s=h) for n, (g, p, d, u, h) in enumerate(instances)
     ]
     gpus = gpus_free + sum(r.gpus for r in rows)
     cost = pool_hour_cost(gpus=gpus, price_per_gpu_hour=price, instances=rows)

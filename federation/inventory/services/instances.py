@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from datetime import datetime
 from typing import Any
 
 from django.core.exceptions import ValidationError
@@ -104,10 +105,10 @@ def locked_instance_transition(
     lifecycle.check_transition(instance.state, state)
     old = instance.state
     instance.state = state
-    instance.state_changed_at = timezone.now()
+    instance.state_changed_at = at = timezone.now()
     instance.drain_reason = reason if state == lifecycle.DRAINING else ""
     instance.save(update_fields=["state", "state_changed_at", "drain_reason", "updated_at"])
-    _record_interval(instance, old)
+    _record_interval(instance, old, at)
     audit_record(
         actor=actor,
         action="instance.transition",
@@ -117,11 +118,10 @@ def locked_instance_transition(
     return instance
 
 
-def _record_interval(instance: Instance, old: str) -> None:
+def _record_interval(instance: Instance, old: str, at: datetime) -> None:
     """Open the instance's GPU interval when it starts holding GPUs, note when it is first
     ready, close it when it lets them go (``InstanceInterval``: what past hours are costed
     with)."""
-    at = instance.state_changed_at
     holds, held = instance.state in lifecycle.GPU_STATES, old in lifecycle.GPU_STATES
     if holds and not held:
         InstanceInterval.objects.create(name=instance.name, started_at=at, **_cost_facts(instance))
@@ -135,9 +135,9 @@ def _record_interval(instance: Instance, old: str) -> None:
 
 def _cost_facts(instance: Instance) -> dict[str, Any]:
     """What an hour's cost needs of the instance: its pool, GPUs and speeds."""
-    dep = Deployment.objects.select_related(
-        "pool__region", "pool__accelerator", "model"
-    ).get(pk=instance.deployment_id)
+    dep = Deployment.objects.select_related("pool__region", "pool__accelerator", "model").get(
+        pk=instance.deployment_id
+    )
     tp, speed = dep.tensor_parallel_size, dep.pool.accelerator.relative_speed
     params_b = float(dep.model.parameter_count_b)
     return {
