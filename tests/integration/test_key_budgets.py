@@ -279,3 +279,19 @@ def test_a_key_is_stopped_at_its_budget_across_a_rotation_while_its_tenant_serve
     refused = send(world, world.other_secret)
     assert refused.status_code == 403, refused.text
     assert refused.json()["error"]["code"] == "budget_exhausted"
+
+
+def test_both_secrets_of_a_key_in_rotation_grace_spend_from_its_one_budget(world: World) -> None:
+    """During a rotation's grace the old and the new secret are both served, each under its
+    own prefix, and together spend no more than the key's budget."""
+    rotated = api_key_rotate(actor=None, api_key=world.budgeted, grace_seconds=600)
+    publish(world)
+    prefixes = {world.budgeted.prefix, rotated.api_key.prefix}
+    assert prefixes <= set(world.doc["tenants"][0]["budget"]["keys"])
+    spent, served = Decimal(0), {}
+    for secret in [rotated.plaintext, world.budgeted_secret] * 6:
+        more, n = spend(world, secret, served=1)
+        spent += more
+        served[secret] = served.get(secret, 0) + n
+    assert served[rotated.plaintext] >= 2 and served[world.budgeted_secret] >= 2
+    assert spent <= KEY_BUDGET
