@@ -16,6 +16,9 @@ back; the rest keep theirs. Whatever each edge holds or is newly granted adds up
 budget, so the overshoot is bounded by what requests in flight spend beyond the worst case
 their edge held (``docs/adr/0008-budget-leases.md``). Amounts are integers of pico-USD
 (``regions/tables/money.py``).
+
+A key's own budget is granted the same way to (key prefix, edge) pairs: the edge keeps an
+account per prefix, and a key in rotation grace is served under two (:func:`key_leases`).
 """
 
 from __future__ import annotations
