@@ -162,9 +162,11 @@ def tenant_rows(
 def budget_rows(budgets: Mapping[str, Decimal | None], *, now: datetime) -> dict[str, BudgetRow]:
     """Tenant slug -> its budgets (its own, its keys') and this month's spend counted against
     them, in pico-USD, for the tenants of ``budgets`` (slug -> monthly budget, None for none)
-    that have one or whose keys have one (five queries however many there are)."""
+    that have one or whose keys have one (a fixed number of queries however many there are)."""
     keys: dict[str, list[KeyBudget]] = {}
-    for entry in api_key_budgets(tenants=list(budgets), now=now):
+    for entry in api_key_budgets(now=now):
+        if entry.tenant not in budgets:
+            continue
         keys.setdefault(entry.tenant, []).append(
             KeyBudget(pico_usd(entry.budget_usd), entry.live, entry.prefixes)
         )

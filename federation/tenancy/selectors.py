@@ -3,7 +3,6 @@ built on them hides other tenants' objects: lists leave them out and details ans
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime
 from decimal import Decimal
@@ -147,13 +146,12 @@ class KeyBudgetEntry:
     prefixes: tuple[str, ...]
 
 
-def api_key_budgets(*, tenants: Iterable[str], now: datetime) -> list[KeyBudgetEntry]:
-    """The budgets of the keys of ``tenants`` (slugs) usable at ``now`` that have one (two
+def api_key_budgets(*, now: datetime) -> list[KeyBudgetEntry]:
+    """The budgets of the keys of active tenants usable at ``now`` that have one (two
     queries). A key's identity across rotations is the key itself: its prefixes are kept in
     ``ApiKeyPrefix``, so its spend this month is what was counted under any of them."""
     rows = list(
         ApiKey.objects.filter(
-            tenant__slug__in=list(tenants),
             tenant__is_active=True,
             revoked_at__isnull=True,
             monthly_budget_usd__isnull=False,

@@ -359,7 +359,7 @@ def test_a_key_budget_is_set_read_changed_and_kept_across_rotations(
         third["prefix"],
     }
     # Rotated without grace: only the current prefix is sent by a usable secret.
-    [budget] = selectors.api_key_budgets(tenants=["acme"], now=timezone.now())
+    [budget] = selectors.api_key_budgets(now=timezone.now())
     assert budget.live == (third["prefix"],)
     assert set(budget.prefixes) == {first, second["prefix"], third["prefix"]}
 
@@ -367,7 +367,7 @@ def test_a_key_budget_is_set_read_changed_and_kept_across_rotations(
         f"{KEYS}{key['id']}/", {"monthly_budget_usd": None}, format="json"
     )
     assert cleared.json()["monthly_budget_usd"] is None
-    assert selectors.api_key_budgets(tenants=["acme"], now=timezone.now()) == []
+    assert selectors.api_key_budgets(now=timezone.now()) == []
 
 
 def test_a_key_in_rotation_grace_is_budgeted_under_both_prefixes(
@@ -379,9 +379,9 @@ def test_a_key_in_rotation_grace_is_budgeted_under_both_prefixes(
     ).json()
     new = operator_client.post(f"{KEYS}{key['id']}/rotate/", {"grace_seconds": 300}).json()
     now = timezone.now()
-    [budget] = selectors.api_key_budgets(tenants=["acme"], now=now)
+    [budget] = selectors.api_key_budgets(now=now)
     assert budget.live == (new["prefix"], key["prefix"])
-    [later] = selectors.api_key_budgets(tenants=["acme"], now=now + timedelta(seconds=301))
+    [later] = selectors.api_key_budgets(now=now + timedelta(seconds=301))
     assert later.live == (new["prefix"],)
 
 
