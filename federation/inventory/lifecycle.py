@@ -32,6 +32,9 @@ TRANSITIONS: dict[str, frozenset[str]] = {
 
 # States that hold GPUs (count against a deployment's max_replicas).
 LIVE_STATES = frozenset({PENDING, LOADING, WARMING, READY, DRAINING})
+# States in which an instance holds its GPUs (its cost runs): from loading the weights until
+# it stops or fails. A pending instance has been asked for but holds none yet.
+GPU_STATES = frozenset({LOADING, WARMING, READY, DRAINING})
 # States in which an instance may be deleted: it holds no GPU and serves nothing.
 TERMINAL_STATES = frozenset({STOPPED, FAILED})
 

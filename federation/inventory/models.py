@@ -370,6 +370,44 @@ class Instance(TimeStampedModel):
         return self.name
 
 
+class InstanceInterval(models.Model):
+    """One stretch of an instance holding its GPUs: from the move into ``loading`` until it
+    stopped or failed (``ended_at`` empty while it holds them), with the facts its cost is
+    computed from as they were. Written by the lifecycle service on each transition; kept
+    when the instance is deleted, so an hour recomputed later (a late record, a rollup rerun)
+    is costed with the instances it really had, for the part of the hour each had them."""
+
+    instance = models.ForeignKey(
+        Instance, null=True, blank=True, on_delete=models.SET_NULL, related_name="intervals"
+    )
+    #: The instance's name (as usage records name it), kept when the instance is deleted.
+    name = models.CharField(max_length=63)
+    #: ``<region>/<pool>``, as in ``UsageRecord.pool``.
+    pool = models.CharField(max_length=130)
+    gpus = models.PositiveSmallIntegerField()
+    prefill_tokens_per_s = models.FloatField()
+    decode_tokens_per_s = models.FloatField()
+    started_at = models.DateTimeField()
+    ready_at = models.DateTimeField(null=True, blank=True)
+    ended_at = models.DateTimeField(null=True, blank=True)
+    #: ``stopped`` or ``failed`` once ended.
+    end_state = models.CharField(max_length=16, blank=True, default="")
+
+    class Meta:
+        ordering = ["started_at", "id"]
+        indexes = [models.Index(fields=["started_at", "ended_at"], name="interval_time")]
+        constraints = [
+            models.UniqueConstraint(
+                fields=["instance"],
+                condition=models.Q(ended_at__isnull=True),
+                name="one_open_interval_per_instance",
+            )
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.name} {self.started_at:%Y-%m-%d %H:%M} to {self.ended_at or ''}"
+
+
 class Edge(TimeStampedModel):
     """A registered edge router of a region."""
 

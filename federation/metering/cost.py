@@ -3,9 +3,11 @@
 The rule (``docs/metering.md``):
 
 1. A pool's hour costs its GPUs x its price per GPU-hour, busy or not.
-2. That cost is split over the pool's instances by their GPUs (tensor-parallel size); GPUs with
-   no instance are *idle*, their share is unallocated. (Instances that came and went within the
-   hour may add up to more GPUs than the pool has: then they share all of it, nothing idle.)
+2. That cost is split over the pool's instances by their GPU-seconds in the hour (tensor-
+   parallel size x the seconds of the hour they held their GPUs); the pool's GPU-seconds no
+   instance held are *idle*, their share is unallocated. (Instances that overlapped while one
+   replaced another may add up to more than the pool has: then they share all of it, nothing
+   idle.)
 3. An instance's share is split over the usage it served in the hour by *engine time*: each
    fresh (uncached) prompt token costs 1/prefill-rate seconds, each generated token
    1/decode-rate seconds, at the instance's speed. Warm but idle time is part of the instance's
@@ -25,6 +27,7 @@ from decimal import ROUND_DOWN, Decimal
 from typing import TypeVar
 
 QUANTUM = Decimal("1e-12")
+HOUR_S = 3600.0
 #: The part of a pool's GPUs no instance uses (instance names are never empty).
 _IDLE = ""
 ZERO = Decimal(0)
@@ -62,6 +65,8 @@ class InstanceHour:
     prefill_tokens_per_s: float
     decode_tokens_per_s: float
     usage: Mapping[Hashable, tuple[int, int]] = field(default_factory=dict)
+    #: Seconds of the hour it held its GPUs.
+    held_s: float = HOUR_S
 
     def engine_seconds(self) -> dict[Hashable, float]:
         """Engine time per group; groups that cost no engine time are left out."""
@@ -94,13 +99,15 @@ def pool_hour_cost(
 ) -> PoolHourCost:
     """Split one pool's hour (see the module's rule); ``gpus``: the pool's GPUs in all."""
     cost = (gpus * price_per_gpu_hour).quantize(QUANTUM)
-    used = sum(i.gpus for i in instances)
     result = PoolHourCost(cost=cost, allocated={})
     if cost == 0 or gpus == 0:
         return result
-    parts: dict[Hashable, float] = {i.instance: float(i.gpus) for i in instances if i.gpus}
-    if gpus > used:
-        parts[_IDLE] = float(gpus - used)
+    parts: dict[Hashable, float] = {
+        i.instance: i.gpus * i.held_s for i in instances if i.gpus and i.held_s > 0
+    }
+    used = sum(parts.values())
+    if gpus * HOUR_S > used:
+        parts[_IDLE] = gpus * HOUR_S - used
     shares = split_exactly(cost, parts)
     result.idle = shares.pop(_IDLE, ZERO)
     for inst in instances:

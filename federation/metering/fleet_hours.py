@@ -1,29 +1,31 @@
-"""The fleet an hour's cost is computed over: as it is now while the hour runs, frozen once the
-hour has ended (``FleetHour``).
+"""The fleet an hour's cost is computed over: from the instances' GPU intervals while the hour
+runs or until it is frozen, frozen once the hour has ended (``FleetHour``).
 
-Costs depend on the inventory — pool sizes and prices, which instances held GPUs, their speeds —
-which changes. Computing an old hour again with today's inventory would move money between
-hours and tenants after the statements went out. So the first rollup of an hour after its end
-takes the facts and stores them with the hour; every later rollup of that hour uses them. An
-instance that served records of the hour but was not in the facts (it stopped before the hour
-ended) is added with its facts as they are, then frozen too.
+Costs depend on the inventory — pool sizes and prices, which instances held GPUs and for how
+long, their speeds — which changes. Every instance's GPU-holding stretches are recorded as
+they happen (``InstanceInterval``, written by the lifecycle service), so an hour's instances
+are those whose intervals overlap it, each for the seconds of the hour it held its GPUs: an
+instance stopped ten minutes into an hour counts for ten minutes, whenever the hour is
+computed. The first rollup of an hour after its end stores those facts with the hour, with the
+pools' sizes and prices (which have no history); every later rollup of that hour uses them. An
+instance that served records of the hour but has no interval overlapping it (one started
+before intervals were recorded, or a record stamped by a skewed clock) is added for the whole
+hour with its last interval's facts, or the inventory's, then frozen too.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from datetime import datetime, timedelta
 from decimal import Decimal
 
 from django.db.models import Q
 
-from federation.inventory.models import GPUPool, Instance
+from federation.inventory.models import GPUPool, Instance, InstanceInterval
 from federation.inventory.speed import decode_tokens_per_s, prefill_tokens_per_s
+from federation.metering.cost import HOUR_S
 from federation.metering.models import FleetHour
-
-#: Instance states that hold their GPUs (a stopped or failed instance has released them).
-HOLDING_GPUS = ("loading", "warming", "ready", "draining")
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +42,8 @@ class InstanceFacts:
     gpus: int
     prefill_tokens_per_s: float
     decode_tokens_per_s: float
+    #: Seconds of the hour it held its GPUs (hours frozen before intervals: all of it).
+    held_s: float = HOUR_S
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,27 +56,66 @@ def fleet_for_hour(hour: datetime, served_by: Iterable[str], *, now: datetime) -
     """The facts to cost ``hour`` with; ``served_by``: the instances in its records."""
     served = set(served_by)
     if hour + timedelta(hours=1) > now:  # still running: nothing to freeze yet
-        return _fleet_now(served)
+        return _fleet_of(hour, served)
     frozen = FleetHour.objects.filter(hour=hour).first()
     if frozen is None:
-        fleet = _fleet_now(served)
+        fleet = _fleet_of(hour, served)
         FleetHour.objects.create(hour=hour, taken_at=now, **_document(fleet))
         return fleet
     fleet = _decode(frozen)
     missing = served - {i.instance for i in fleet.instances}
     if missing:
-        added = _instances_now(Q(name__in=missing))
-        fleet = Fleet(fleet.pools, fleet.instances + added)
+        fleet = Fleet(fleet.pools, fleet.instances + _whole_hour(missing))
         FleetHour.objects.filter(pk=frozen.pk).update(**_document(fleet))
     return fleet
 
 
-def _fleet_now(served: set[str]) -> Fleet:
+def _fleet_of(hour: datetime, served: set[str]) -> Fleet:
+    """Today's pools; the instances whose intervals overlap ``hour``, and those that served
+    it without one."""
     pools = [
         PoolFacts(f"{p.region.code}/{p.name}", p.total_gpus, p.price_per_gpu_hour)
         for p in GPUPool.objects.select_related("region").order_by("region__code", "name")
     ]
-    return Fleet(pools, _instances_now(Q(state__in=HOLDING_GPUS) | Q(name__in=served)))
+    instances = _held_in(hour)
+    missing = served - {i.instance for i in instances}
+    return Fleet(pools, instances + _whole_hour(missing) if missing else instances)
+
+
+def _held_in(hour: datetime) -> list[InstanceFacts]:
+    """Each instance's seconds of ``hour`` holding GPUs, from its intervals (an open one runs
+    to the end of the hour)."""
+    end = hour + timedelta(hours=1)
+    held: dict[str, float] = {}
+    facts: dict[str, InstanceFacts] = {}
+    for row in InstanceInterval.objects.filter(started_at__lt=end).filter(
+        Q(ended_at__isnull=True) | Q(ended_at__gt=hour)
+    ):
+        seconds = (min(row.ended_at or end, end) - max(row.started_at, hour)).total_seconds()
+        held[row.name] = held.get(row.name, 0.0) + seconds
+        facts[row.name] = _facts_of(row)
+    return [replace(facts[name], held_s=held[name]) for name in sorted(facts)]
+
+
+def _whole_hour(names: set[str]) -> list[InstanceFacts]:
+    """Facts of instances known to have served an hour but not when they held GPUs: their
+    last interval's, else the inventory's now; for the whole hour."""
+    found: dict[str, InstanceFacts] = {}
+    for row in InstanceInterval.objects.filter(name__in=names).order_by("started_at", "id"):
+        found[row.name] = _facts_of(row)
+    rest = names - set(found)
+    now = _instances_now(Q(name__in=rest)) if rest else []
+    return sorted([*found.values(), *now], key=lambda f: f.instance)
+
+
+def _facts_of(row: InstanceInterval) -> InstanceFacts:
+    return InstanceFacts(
+        instance=row.name,
+        pool=row.pool,
+        gpus=row.gpus,
+        prefill_tokens_per_s=row.prefill_tokens_per_s,
+        decode_tokens_per_s=row.decode_tokens_per_s,
+    )
 
 
 def _instances_now(which: Q) -> list[InstanceFacts]:

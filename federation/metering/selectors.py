@@ -29,7 +29,7 @@ from federation.metering.models import (
     UsageRecord,
 )
 from federation.metering.pricing import Price
-from federation.tenancy.models import Tenant
+from federation.tenancy.models import ApiKey, ApiKeyPrefix, Tenant
 
 Bucket = Literal["hour", "day"]
 
@@ -98,6 +98,43 @@ def usage_report(query: UsageQuery) -> list[dict[str, Any]]:
 
 
 @dataclass(frozen=True, slots=True)
+class KeySpend:
+    """What one API key spent in a month, under all the prefixes it had, and its own budget."""
+
+    key_id: int
+    name: str
+    prefix: str
+    spent_usd: Decimal
+    monthly_budget_usd: Decimal | None
+
+
+def key_month_spend(*, tenant: Tenant, month: date) -> list[KeySpend]:
+    """The month's spend of each key of ``tenant`` that spent or has a budget, as counted at
+    ingestion (three queries). Records name a key by the prefix its secret had, so a rotated
+    key's spend is summed over every prefix it had (``ApiKeyPrefix``)."""
+    by_prefix = dict(
+        CountedSpend.objects.filter(month=month, tenant=tenant.slug)
+        .exclude(key_prefix="")
+        .values("key_prefix")
+        .annotate(spent=Sum("price_usd"))
+        .values_list("key_prefix", "spent")
+    )
+    spent: dict[int, Decimal] = {}
+    owners = ApiKeyPrefix.objects.filter(prefix__in=list(by_prefix), api_key__tenant=tenant)
+    for key_id, prefix in owners.values_list("api_key_id", "prefix"):
+        spent[key_id] = spent.get(key_id, Decimal(0)) + by_prefix[prefix]
+    keys = ApiKey.objects.filter(tenant=tenant).filter(
+        Q(pk__in=list(spent)) | Q(monthly_budget_usd__isnull=False)
+    )
+    return [
+        KeySpend(
+            key.pk, key.name, key.prefix, spent.get(key.pk, Decimal(0)), key.monthly_budget_usd
+        )
+        for key in keys.order_by("name", "id")
+    ]
+
+
+@dataclass(frozen=True, slots=True)
 class Statement:
     """A tenant's bill for one UTC month: a line per model, the total, and its budget."""
 
@@ -108,6 +145,8 @@ class Statement:
     monthly_budget_usd: Decimal | None
     #: The month has ended and every hour of it is rolled up: the figures are final.
     final: bool
+    #: Its keys' spend (those that spent or have a budget of their own).
+    keys: list[KeySpend] = field(default_factory=list)
 
 
 def tenant_statement(*, tenant: Tenant, month: date, now: datetime) -> Statement:
@@ -127,6 +166,7 @@ def tenant_statement(*, tenant: Tenant, month: date, now: datetime) -> Statement
         total_usd=sum((line["price_usd"] for line in lines), start=Decimal(0)),
         monthly_budget_usd=tenant.monthly_budget_usd,
         final=now >= end and not stale,
+        keys=key_month_spend(tenant=tenant, month=month),
     )
 
 

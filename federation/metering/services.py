@@ -22,7 +22,7 @@ from django.db.models import Count, F, Q, QuerySet, Sum
 from django.utils import timezone
 
 from federation.core.audit import Actor, audit_record
-from federation.inventory.models import Instance, LanguageModel
+from federation.inventory.models import Instance, InstanceInterval, LanguageModel
 from federation.metering import partitions
 from federation.metering.cost import ZERO, InstanceHour, PoolHourCost, pool_hour_cost
 from federation.metering.fleet_hours import fleet_for_hour
@@ -157,7 +157,9 @@ def usage_ingest(
     result.accepted = len(records)
     tenants = {r.tenant for r in records if r.tenant}
     result.budgeted = bool(tenants) and (
-        Tenant.objects.filter(slug__in=tenants, monthly_budget_usd__isnull=False).exists()
+        Tenant.objects.filter(slug__in=tenants)
+        .filter(Q(monthly_budget_usd__isnull=False) | Q(api_keys__monthly_budget_usd__isnull=False))
+        .exists()
     )
     return result
 
@@ -284,11 +286,17 @@ def _insert_rows(cursor: Any, table: str, columns: str, rows: list[Row]) -> None
 
 
 def _pools_of(instances: set[str]) -> dict[str, str]:
-    """Instance name -> ``<region>/<pool>`` for the instances that still exist."""
+    """Instance name -> ``<region>/<pool>``: of the instances that still exist, else of the
+    last GPU interval of those deleted since (their records may arrive late)."""
     rows = Instance.objects.filter(name__in=instances).values_list(
         "name", "deployment__pool__region__code", "deployment__pool__name"
     )
-    return {name: f"{region}/{pool}" for name, region, pool in rows}
+    pools = {name: f"{region}/{pool}" for name, region, pool in rows}
+    gone = instances - set(pools)
+    if gone:
+        last = InstanceInterval.objects.filter(name__in=gone).order_by("started_at", "id")
+        pools.update(last.values_list("name", "pool"))
+    return pools
 
 
 def _mark_stale(hours: set[datetime]) -> None:
@@ -438,6 +446,7 @@ def _pool_costs(
                 prefill_tokens_per_s=inst.prefill_tokens_per_s,
                 decode_tokens_per_s=inst.decode_tokens_per_s,
                 usage=usage.get(inst.instance, {}),
+                held_s=inst.held_s,
             )
         )
     return {

@@ -16,14 +16,21 @@ back; the rest keep theirs. Whatever each edge holds or is newly granted adds up
 budget, so the overshoot is bounded by what requests in flight spend beyond the worst case
 their edge held (``docs/adr/0008-budget-leases.md``). Amounts are integers of pico-USD
 (``regions/tables/money.py``).
+
+A key's own budget is granted the same way to (key prefix, edge) pairs: the edge keeps an
+account per prefix, and a key in rotation grace is served under two (:func:`key_leases`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from regions.tables import schema
+
+#: Who a ceiling is granted to: an edge, or for a key's budget a (key prefix, edge) pair.
+H = TypeVar("H", bound=Hashable)
 
 #: Spend at or above this share of a monthly budget is published as ``warn``.
 BUDGET_WARN_SHARE = 0.8
@@ -36,6 +43,23 @@ class Published:
     counted: int
     ceiling: int
     prior: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class KeyBudget:
+    """An API key's own monthly budget, pico-USD. A rotation gives the key a new public prefix
+    (what usage records and the edges name it by), so it is one budget over all of them."""
+
+    budget: int
+    #: The prefixes its secrets are sent with now: the current one, and one still in rotation
+    #: grace. Each is leased (the edge keeps one account per prefix), all from this budget.
+    live: tuple[str, ...]
+    #: Every prefix it had this month (``live`` included; empty: just ``live``): spend counted
+    #: under any of them is the key's.
+    prefixes: tuple[str, ...] = ()
+
+    def known_as(self) -> frozenset[str]:
+        return frozenset((*self.live, *self.prefixes))
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,8 +78,8 @@ class BudgetRow:
     #: What an edge committed, as it reported while on the last published table (only edges
     #: that did; a budget it left out is at its counted spend).
     committed: Mapping[tuple[str, str], int] = field(default_factory=dict)
-    #: Key prefix -> that key's own monthly budget, pico-USD.
-    key_budgets: Mapping[str, int] = field(default_factory=dict)
+    #: The keys of the tenant that have a budget of their own.
+    key_budgets: Sequence[KeyBudget] = ()
     #: The tenant's own prices where they differ from the list prices.
     prices: Mapping[str, schema.ModelPrice] = field(default_factory=dict)
 
@@ -67,7 +91,7 @@ def budget_state(budget: float, spent: float) -> schema.BudgetState:
     return "warn" if spent >= BUDGET_WARN_SHARE * budget else "ok"
 
 
-def split_grant(grant: int, counted: Mapping[str, int], edges: Sequence[str]) -> list[int]:
+def split_grant(grant: int, counted: Mapping[H, int], edges: Sequence[H]) -> list[int]:
     """``grant`` split over ``edges``: half evenly, half by their share of the spend counted
     this month (all evenly while none has any), rounded down so the slices never add up to
     more. Evenly in part, so an edge the tenant's traffic moves to can start at once."""
@@ -98,32 +122,85 @@ def budget_leases(
     """One budget's leases, by edge: ``counted`` spend (every edge that served it, live or
     not), ``published`` leases of the last table, ``committed`` as reported on it, and the
     ``edges`` that are live and may serve it."""
+    found = ceilings(budget, counted, edges, published, committed)
+    return _budget(month, budget_state(budget, sum(counted.values())), found, counted)
+
+
+def ceilings(
+    budget: int,
+    counted: Mapping[H, int],
+    holders: Sequence[H],
+    published: Mapping[H, Published] | None = None,
+    committed: Mapping[H, int] | None = None,
+) -> dict[H, tuple[int, int]]:
+    """Holder -> (its new ceiling, what it held before) for one budget: every holder that
+    counted spend or was leased, and the live ``holders`` that may serve it now."""
     published = published or {}
     committed = committed or {}
     holds = {
-        e: _hold(counted.get(e, 0), published.get(e), committed.get(e))
-        for e in {*counted, *published}
+        h: _hold(counted.get(h, 0), published.get(h), committed.get(h))
+        for h in {*counted, *published}
     }
     free = budget - sum(holds.values())
     num, den = GRANT_SHARE
-    ceilings = dict(holds)
-    for edge, share in zip(edges, split_grant(free * num // den, counted, edges), strict=True):
-        reported = committed.get(edge)
-        base = holds.get(edge, 0) if reported is None else max(reported, counted.get(edge, 0))
-        ceilings[edge] = base + share
+    found = {h: (hold, hold) for h, hold in holds.items()}
+    for h, share in zip(holders, split_grant(free * num // den, counted, holders), strict=True):
+        reported = committed.get(h)
+        base = holds.get(h, 0) if reported is None else max(reported, counted.get(h, 0))
+        found[h] = (base + share, holds.get(h, 0))
+    return found
+
+
+def _budget(
+    month: str,
+    state: schema.BudgetState,
+    found: Mapping[str, tuple[int, int]],
+    counted: Mapping[str, int],
+) -> schema.Budget:
+    """The table's budget of what :func:`ceilings` found, by edge."""
     return schema.Budget(
         month=month,
-        state=budget_state(budget, sum(counted.values())),
+        state=state,
         leases={
             edge: schema.Lease(
-                counted=counted.get(edge, 0),
-                lease=ceiling - counted.get(edge, 0),
-                prior=holds.get(edge, 0),
+                counted=counted.get(edge, 0), lease=ceiling - counted.get(edge, 0), prior=prior
             )
-            for edge, ceiling in sorted(ceilings.items())
+            for edge, (ceiling, prior) in sorted(found.items())
             if edge  # records without an edge name count, but nobody leases under ""
         },
     )
+
+
+def key_leases(
+    month: str,
+    key: KeyBudget,
+    counted: Mapping[tuple[str, str], int],
+    edges: Sequence[str],
+    published: Mapping[tuple[str, str], Published],
+    committed: Mapping[tuple[str, str], int],
+) -> dict[str, schema.Budget]:
+    """A key's budget, leased per live prefix x live edge: during a rotation's grace both of
+    its secrets are served, each under its own prefix, from the one budget; the mappings are
+    keyed by (prefix, edge), the state is that of the key's spend under all its prefixes."""
+    mine = key.known_as()
+    counted = {h: v for h, v in counted.items() if h[0] in mine}
+    found = ceilings(
+        key.budget,
+        counted,
+        [(prefix, edge) for prefix in key.live for edge in edges],
+        {h: v for h, v in published.items() if h[0] in mine},
+        {h: v for h, v in committed.items() if h[0] in mine},
+    )
+    state = budget_state(key.budget, sum(counted.values()))
+    return {
+        prefix: _budget(
+            month,
+            state,
+            {edge: v for (of, edge), v in found.items() if of == prefix},
+            {edge: v for (of, edge), v in counted.items() if of == prefix},
+        )
+        for prefix in key.live
+    }
 
 
 def _hold(counted: int, published: Published | None, committed: int | None) -> int:
@@ -137,34 +214,25 @@ def _hold(counted: int, published: Published | None, committed: int | None) -> i
 
 def tenant_budget(row: BudgetRow, edges: Sequence[str]) -> schema.TenantBudget:
     """The table entry of a tenant's budgets, leased to the live ``edges``."""
-    counted: dict[str, dict[str, int]] = {}
-    for (key, edge), amount in row.counted.items():
-        total = counted.setdefault("", {})
-        total[edge] = total.get(edge, 0) + amount
-        if key:
-            counted.setdefault(key, {})[edge] = amount
-    published: dict[str, dict[str, Published]] = {}
-    for (key, edge), lease in row.published.items():
-        published.setdefault(key, {})[edge] = lease
-    committed: dict[str, dict[str, int]] = {}
-    for (key, edge), amount in row.committed.items():
-        committed.setdefault(key, {})[edge] = amount
+    counted: dict[str, int] = {}
+    for (_, edge), amount in row.counted.items():
+        counted[edge] = counted.get(edge, 0) + amount
     edges = sorted(edges)
-
-    def leases(key: str, budget: int) -> schema.Budget:
-        return budget_leases(
+    keys: dict[str, schema.Budget] = {}
+    for key in row.key_budgets:
+        keys.update(key_leases(row.month, key, row.counted, edges, row.published, row.committed))
+    tenant = None
+    if row.budget is not None:
+        tenant = budget_leases(
             row.month,
-            budget,
-            counted.get(key, {}),
+            row.budget,
+            counted,
             edges,
-            published.get(key, {}),
-            committed.get(key, {}),
+            {edge: lease for (key, edge), lease in row.published.items() if not key},
+            {edge: amount for (key, edge), amount in row.committed.items() if not key},
         )
-
     return schema.TenantBudget(
-        tenant=None if row.budget is None else leases("", row.budget),
-        prices=dict(sorted(row.prices.items())),
-        keys={key: leases(key, budget) for key, budget in sorted(row.key_budgets.items())},
+        tenant=tenant, prices=dict(sorted(row.prices.items())), keys=dict(sorted(keys.items()))
     )
 
 

@@ -36,11 +36,11 @@ from federation.routing.compiler import (
     RegionRow,
     TenantRow,
 )
-from federation.routing.leases import BudgetRow, Published, published_leases
+from federation.routing.leases import BudgetRow, KeyBudget, Published, published_leases
 from federation.routing.models import BudgetReport, RoutingTableVersion
 from federation.tenancy.models import Tenant
 from federation.tenancy.residency import ResidencyPolicy
-from federation.tenancy.selectors import api_key_table_entries
+from federation.tenancy.selectors import api_key_budgets, api_key_table_entries
 from regions.tables.money import micro_usd, pico_usd
 from regions.tables.schema import ModelPrice, TenantPolicy
 
@@ -160,28 +160,37 @@ def tenant_rows(
 
 
 def budget_rows(budgets: Mapping[str, Decimal | None], *, now: datetime) -> dict[str, BudgetRow]:
-    """Tenant slug -> its budget and this month's spend counted against it, in pico-USD, for
-    the tenants of ``budgets`` (slug -> monthly budget, None for none) that have one (three
-    queries however many there are)."""
-    budgeted = {slug: usd for slug, usd in budgets.items() if usd is not None}
+    """Tenant slug -> its budgets (its own, its keys') and this month's spend counted against
+    them, in pico-USD, for the tenants of ``budgets`` (slug -> monthly budget, None for none)
+    that have one or whose keys have one (a fixed number of queries however many there are)."""
+    keys: dict[str, list[KeyBudget]] = {}
+    for entry in api_key_budgets(now=now):
+        if entry.tenant not in budgets:
+            continue
+        keys.setdefault(entry.tenant, []).append(
+            KeyBudget(pico_usd(entry.budget_usd), entry.live, entry.prefixes)
+        )
+    budgeted = [slug for slug, usd in budgets.items() if usd is not None or slug in keys]
     if not budgeted:
         return {}
     month = month_of(now)
     label = f"{month:%Y-%m}"
-    counted = counted_spend(month=month, tenants=list(budgeted))
-    own_prices = prices_in_effect(now=now, tenants=list(budgeted)).tenant_prices
+    counted = counted_spend(month=month, tenants=budgeted)
+    own_prices = prices_in_effect(now=now, tenants=budgeted).tenant_prices
     published, committed = budget_history(label)
-    return {
-        slug: BudgetRow(
+    rows = {}
+    for slug in budgeted:
+        usd = budgets[slug]
+        rows[slug] = BudgetRow(
             month=label,
-            budget=pico_usd(usd),
+            budget=None if usd is None else pico_usd(usd),
             counted={k: pico_usd(v) for k, v in counted.get(slug, {}).items()},
             published=published.get(slug, {}),
             committed=committed.get(slug, {}),
+            key_budgets=tuple(keys.get(slug, ())),
             prices={m: table_price(p) for m, p in own_prices.get(slug, {}).items()},
         )
-        for slug, usd in budgeted.items()
-    }
+    return rows
 
 
 def budget_history(

@@ -75,7 +75,21 @@ class ApiKey(TimeStampedModel):
         help_text="Hash of the secret replaced by the last rotation; valid until the time below.",
     )
     previous_key_valid_until = models.DateTimeField(null=True, blank=True)
+    previous_prefix = models.CharField(
+        max_length=16,
+        blank=True,
+        default="",
+        help_text="Prefix of the secret replaced by the last rotation (its requests carry it).",
+    )
     scopes = models.JSONField(default=list)
+    monthly_budget_usd = models.DecimalField(
+        max_digits=14,
+        decimal_places=2,
+        null=True,
+        blank=True,
+        validators=[MinValueValidator(0)],
+        help_text="Empty = no budget of its own (the tenant's still applies).",
+    )
     expires_at = models.DateTimeField(null=True, blank=True)
     revoked_at = models.DateTimeField(null=True, blank=True)
     last_used_at = models.DateTimeField(null=True, blank=True)
@@ -100,6 +114,22 @@ class ApiKey(TimeStampedModel):
         if self.expires_at is not None and self.expires_at <= now:
             return "expired"
         return "active"
+
+
+class ApiKeyPrefix(models.Model):
+    """Every public prefix a key has had: usage records name a key by the prefix of the secret
+    that sent it, and a rotation changes it, so a key's spend is that of all its prefixes.
+    A prefix is never given to another key (``services._unused_key``)."""
+
+    api_key = models.ForeignKey(ApiKey, on_delete=models.CASCADE, related_name="prefixes")
+    prefix = models.CharField(max_length=16, unique=True)
+    created_at = models.DateTimeField()
+
+    class Meta:
+        ordering = ["api_key", "created_at", "id"]
+
+    def __str__(self) -> str:
+        return f"{self.prefix} ({self.api_key_id})"
 
 
 class Membership(TimeStampedModel):

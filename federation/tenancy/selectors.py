@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
+from decimal import Decimal
+from typing import Any, cast
 
 from django.contrib.auth.models import User
 from django.db.models import Q, QuerySet
@@ -14,7 +15,7 @@ from django.utils import timezone
 from federation.core.roles import TENANT_VIEWER, is_staff_role, role_of, tenant_id_of
 from federation.inventory.models import Region
 from federation.tenancy import keys, residency
-from federation.tenancy.models import ApiKey, AuthToken, Tenant
+from federation.tenancy.models import ApiKey, ApiKeyPrefix, AuthToken, Tenant
 
 
 def _visible(qs: QuerySet[Any], user: Any, tenant_field: str) -> QuerySet[Any]:
@@ -129,4 +130,52 @@ def api_key_table_entries(*, now: datetime | None = None) -> list[KeyTableEntry]
         if previous and grace is not None and grace > now:
             until = min(grace, expires) if expires else grace
             entries.append(KeyTableEntry(previous, pk, tenant_id, scopes, until))
+    return entries
+
+
+@dataclass(frozen=True, slots=True)
+class KeyBudgetEntry:
+    """A usable key's own monthly budget and the public prefixes it is known by."""
+
+    tenant: str
+    budget_usd: Decimal
+    #: The prefixes its usable secrets are sent with: the current one, then one still in
+    #: rotation grace.
+    live: tuple[str, ...]
+    #: Every prefix it has had, ``live`` included (its usage is recorded under them).
+    prefixes: tuple[str, ...]
+
+
+def api_key_budgets(*, now: datetime) -> list[KeyBudgetEntry]:
+    """The budgets of the keys of active tenants usable at ``now`` that have one (two
+    queries). A key's identity across rotations is the key itself: its prefixes are kept in
+    ``ApiKeyPrefix``, so its spend this month is what was counted under any of them."""
+    rows = list(
+        ApiKey.objects.filter(
+            tenant__is_active=True,
+            revoked_at__isnull=True,
+            monthly_budget_usd__isnull=False,
+        )
+        .filter(Q(expires_at__isnull=True) | Q(expires_at__gt=now))
+        .order_by("id")
+        .values_list(
+            "pk",
+            "tenant__slug",
+            "monthly_budget_usd",
+            "prefix",
+            "previous_prefix",
+            "previous_key_valid_until",
+        )
+    )
+    known: dict[int, list[str]] = {}
+    for key_id, prefix in ApiKeyPrefix.objects.filter(
+        api_key_id__in=[row[0] for row in rows]
+    ).values_list("api_key_id", "prefix"):
+        known.setdefault(key_id, []).append(prefix)
+    entries = []
+    for pk, tenant, budget, prefix, previous, grace in rows:
+        live = (prefix, previous) if previous and grace is not None and grace > now else (prefix,)
+        prefixes = tuple(sorted({*live, *known.get(pk, ())}))
+        # Filtered on a budget above: never None.
+        entries.append(KeyBudgetEntry(tenant, cast(Decimal, budget), live, prefixes))
     return entries

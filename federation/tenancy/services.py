@@ -33,7 +33,7 @@ from federation.core.services import (
 )
 from federation.inventory.models import Jurisdiction, Region
 from federation.tenancy import keys, residency
-from federation.tenancy.models import ApiKey, AuthToken, Membership, Tenant
+from federation.tenancy.models import ApiKey, ApiKeyPrefix, AuthToken, Membership, Tenant
 
 MAX_ROTATION_GRACE_SECONDS = 24 * 3600
 
@@ -223,10 +223,12 @@ def _expiry_errors(expires_at: datetime | None, now: datetime) -> list[str]:
 
 
 def _unused_key() -> keys.GeneratedKey:
-    """A fresh key whose prefix is not taken (the unique constraint remains the last guard)."""
+    """A fresh key whose prefix no key has or had (the unique constraints remain the last
+    guard): an old prefix given to another key would move spend between keys."""
     for _ in range(5):
         generated = keys.generate_key()
-        if not ApiKey.objects.filter(prefix=generated.prefix).exists():
+        taken = ApiKey.objects.filter(prefix=generated.prefix).exists()
+        if not taken and not ApiKeyPrefix.objects.filter(prefix=generated.prefix).exists():
             return generated
     raise RuntimeError("could not find an unused API key prefix in 5 attempts")
 
@@ -239,6 +241,7 @@ def api_key_create(
     name: str,
     scopes: Iterable[str] = (ApiKey.Scope.INFERENCE,),
     expires_at: datetime | None = None,
+    monthly_budget_usd: Decimal | None = None,
 ) -> IssuedKey:
     scope_list = sorted(set(scopes))
     errors: dict[str, list[str]] = {}
@@ -254,12 +257,14 @@ def api_key_create(
         key_hash=generated.key_hash,
         scopes=scope_list,
         expires_at=expires_at,
+        monthly_budget_usd=monthly_budget_usd,
         created_by=actor if isinstance(actor, User) else None,
     )
     model_validate(api_key, extra=errors)
     if not tenant.is_active:
         raise Conflict(f"Tenant {tenant.slug} is inactive; activate it first.", code="inactive")
     model_save(api_key)
+    ApiKeyPrefix.objects.create(api_key=api_key, prefix=api_key.prefix, created_at=timezone.now())
     audit_record(
         actor=actor,
         action="api_key.create",
@@ -270,6 +275,7 @@ def api_key_create(
             "prefix": api_key.prefix,
             "scopes": scope_list,
             "expires_at": expires_at,
+            "monthly_budget_usd": monthly_budget_usd,
         },
     )
     return IssuedKey(api_key=api_key, plaintext=generated.plaintext)
@@ -283,7 +289,7 @@ def _locked_usable_key(api_key: ApiKey, verb: str) -> ApiKey:
     return locked
 
 
-API_KEY_UPDATABLE = frozenset({"name", "scopes", "expires_at"})
+API_KEY_UPDATABLE = frozenset({"name", "scopes", "expires_at", "monthly_budget_usd"})
 
 
 @transaction.atomic
@@ -330,8 +336,10 @@ def api_key_revoke(*, actor: Actor, api_key: ApiKey) -> ApiKey:
 @transaction.atomic
 def api_key_rotate(*, actor: Actor, api_key: ApiKey, grace_seconds: int = 0) -> IssuedKey:
     """Issue a new secret (and prefix). The old secret stops working now, or after
-    ``grace_seconds`` so clients can switch over without an outage. The new tables are
-    published on commit by this request, not the worker."""
+    ``grace_seconds`` so clients can switch over without an outage. The key stays the same
+    key: its budget, and this month's spend under every prefix it had, carry over
+    (``ApiKeyPrefix``). The new tables are published on commit by this request, not the
+    worker."""
     if not 0 <= grace_seconds <= MAX_ROTATION_GRACE_SECONDS:
         raise ValidationError(
             {"grace_seconds": [f"Must be between 0 and {MAX_ROTATION_GRACE_SECONDS}."]}
@@ -343,12 +351,15 @@ def api_key_rotate(*, actor: Actor, api_key: ApiKey, grace_seconds: int = 0) -> 
     if grace_seconds:
         api_key.previous_key_hash = api_key.key_hash
         api_key.previous_key_valid_until = now + timedelta(seconds=grace_seconds)
+        api_key.previous_prefix = old_prefix
     else:
         api_key.previous_key_hash = ""
         api_key.previous_key_valid_until = None
+        api_key.previous_prefix = ""
     api_key.prefix = generated.prefix
     api_key.key_hash = generated.key_hash
     api_key.save()
+    ApiKeyPrefix.objects.create(api_key=api_key, prefix=api_key.prefix, created_at=now)
     audit_record(
         actor=actor,
         action="api_key.rotate",

@@ -94,6 +94,47 @@ def test_pool_costs_for_staff(usage: str, operator_client: APIClient) -> None:
     assert total == Decimal(row["cost_usd"]) == 16 * Decimal("2.5")
 
 
+def test_a_statement_shows_each_keys_spend_across_its_rotations(
+    fleet: str,  # noqa: F811
+    operator_client: APIClient,
+) -> None:
+    acme = Tenant.objects.get(slug="acme")
+    issued = tenancy.api_key_create(
+        actor=None, tenant=acme, name="batch", monthly_budget_usd=Decimal("2.00")
+    )
+    idle = tenancy.api_key_create(actor=None, tenant=acme, name="idle")
+    first = issued.api_key.prefix
+    usage_ingest(documents=[encode_record(doc(i, fleet, "acme", key_prefix=first)) for i in (1, 2)])
+    rotated = tenancy.api_key_rotate(actor=None, api_key=issued.api_key).api_key
+    usage_ingest(
+        documents=[
+            encode_record(doc(3, fleet, "acme", key_prefix=rotated.prefix)),
+            # Another tenant's record under a prefix of acme's key is not acme's key's spend.
+            encode_record(doc(4, fleet, "globex", key_prefix=first)),
+        ]
+    )
+    from federation.metering.models import UsageRecord
+
+    charged = sum(
+        r.price_usd
+        for r in UsageRecord.objects.filter(
+            tenant="acme", request_id__in=["req-1", "req-2", "req-3"]
+        )
+    )
+    body = get(operator_client, "usage/statement", tenant="acme", month="2026-11").json()
+    assert body["keys"] == [
+        {
+            "id": issued.api_key.pk,
+            "name": "batch",
+            "prefix": rotated.prefix,
+            "spent_usd": str(charged),
+            "monthly_budget_usd": "2.00",
+            "budget_used": pytest.approx(float(charged / 2)),
+        }
+    ]
+    assert idle.api_key.pk not in [k["id"] for k in body["keys"]]  # no spend, no budget
+
+
 @pytest.mark.parametrize(
     ("params", "field"),
     [

@@ -14,7 +14,7 @@ import redis
 from django.db import connection
 from rest_framework.test import APIClient
 
-from federation.inventory.models import GPUPool, Instance, Region
+from federation.inventory.models import GPUPool, Instance, InstanceInterval, Region
 from federation.metering.models import (
     FleetHour,
     PoolHour,
@@ -56,6 +56,8 @@ def fleet() -> str:
     model = make_model()
     deployment = make_deployment(model, make_pool(region, "h100"))
     make_instance(deployment, "us-1", state="ready")
+    # It has held its GPUs since well before the hours these tests cost.
+    InstanceInterval.objects.filter(name="us-1").update(started_at=HOUR - timedelta(days=1))
     Tenant.objects.create(slug="acme", name="Acme")
     Tenant.objects.create(slug="globex", name="Globex")
     model_price_set(actor=None, model=model, price=LIST, effective_from=HOUR - timedelta(days=1))

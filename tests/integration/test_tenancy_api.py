@@ -330,6 +330,79 @@ def test_rotate_with_grace_keeps_the_old_secret_until_the_grace_ends(
     assert selectors.api_key_authenticate(key=new["key"], now=now) is None
 
 
+def test_a_key_budget_is_set_read_changed_and_kept_across_rotations(
+    operator_client: APIClient, make_tenant: Callable[..., Tenant]
+) -> None:
+    make_tenant("acme")
+    key = operator_client.post(
+        KEYS, {"tenant": "acme", "name": "batch", "monthly_budget_usd": "12.50"}, format="json"
+    ).json()
+    assert key["monthly_budget_usd"] == "12.50"
+    assert operator_client.get(f"{KEYS}{key['id']}/").json()["monthly_budget_usd"] == "12.50"
+    changed = operator_client.patch(
+        f"{KEYS}{key['id']}/", {"monthly_budget_usd": 40}, format="json"
+    )
+    assert changed.status_code == 200, changed.content
+    assert changed.json()["monthly_budget_usd"] == "40.00"
+    audit = AuditEvent.objects.filter(action="api_key.update", object_id=str(key["id"])).get()
+    assert "monthly_budget_usd" in audit.changes
+
+    first = key["prefix"]
+    second = operator_client.post(f"{KEYS}{key['id']}/rotate/", {"grace_seconds": 60}).json()
+    third = operator_client.post(f"{KEYS}{key['id']}/rotate/", {}).json()
+    assert third["monthly_budget_usd"] == "40.00"
+    # Every prefix it had stays the key's (its spend under them is its spend).
+    stored = ApiKey.objects.get(pk=key["id"])
+    assert set(stored.prefixes.values_list("prefix", flat=True)) == {
+        first,
+        second["prefix"],
+        third["prefix"],
+    }
+    # Rotated without grace: only the current prefix is sent by a usable secret.
+    [budget] = selectors.api_key_budgets(now=timezone.now())
+    assert budget.live == (third["prefix"],)
+    assert set(budget.prefixes) == {first, second["prefix"], third["prefix"]}
+
+    cleared = operator_client.patch(
+        f"{KEYS}{key['id']}/", {"monthly_budget_usd": None}, format="json"
+    )
+    assert cleared.json()["monthly_budget_usd"] is None
+    assert selectors.api_key_budgets(now=timezone.now()) == []
+
+
+def test_a_key_in_rotation_grace_is_budgeted_under_both_prefixes(
+    operator_client: APIClient, make_tenant: Callable[..., Tenant]
+) -> None:
+    make_tenant("acme")
+    key = operator_client.post(
+        KEYS, {"tenant": "acme", "name": "k", "monthly_budget_usd": "5"}, format="json"
+    ).json()
+    new = operator_client.post(f"{KEYS}{key['id']}/rotate/", {"grace_seconds": 300}).json()
+    now = timezone.now()
+    [budget] = selectors.api_key_budgets(now=now)
+    assert budget.live == (new["prefix"], key["prefix"])
+    [later] = selectors.api_key_budgets(now=now + timedelta(seconds=301))
+    assert later.live == (new["prefix"],)
+
+
+@pytest.mark.parametrize("budget", [-1, "-0.01", "lots", "1.005", True, 10**13])
+def test_a_bad_key_budget_is_refused(
+    operator_client: APIClient, make_tenant: Callable[..., Tenant], budget: Any
+) -> None:
+    make_tenant("acme")
+    created = operator_client.post(
+        KEYS, {"tenant": "acme", "name": "k", "monthly_budget_usd": budget}, format="json"
+    )
+    assert created.status_code == 400
+    assert "monthly_budget_usd" in created.json()
+    key = operator_client.post(KEYS, {"tenant": "acme", "name": "k2"}).json()
+    patched = operator_client.patch(
+        f"{KEYS}{key['id']}/", {"monthly_budget_usd": budget}, format="json"
+    )
+    assert patched.status_code == 400
+    assert ApiKey.objects.get(pk=key["id"]).monthly_budget_usd is None
+
+
 @pytest.mark.parametrize("grace", [-1, 86401, "soon", "60", None])
 def test_rotate_refuses_bad_grace(
     operator_client: APIClient, make_tenant: Callable[..., Tenant], grace: Any

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from federation.routing.leases import (
     BudgetRow,
+    KeyBudget,
     Published,
     budget_leases,
     published_leases,
@@ -25,6 +26,7 @@ from regions.tables.money import request_pusd
 from regions.tables.schema import (
     BUDGET_SCHEMA_VERSION,
     Instance,
+    Lease,
     ModelPrice,
     RoutingTable,
     TenantBudget,
@@ -172,7 +174,9 @@ def test_an_edge_without_a_lease_serves_none_of_the_budget() -> None:
 
 
 def test_a_key_with_its_own_budget_is_held_on_both() -> None:
-    row = BudgetRow(month="2026-12", budget=10**12, key_budgets={"fi_Key00001": 18 * 10**8})
+    row = BudgetRow(
+        month="2026-12", budget=10**12, key_budgets=[KeyBudget(18 * 10**8, ("fi_Key00001",))]
+    )
     budgets = Budgets("a")
     budgets.load(table(tenant_budget(row, ["a"])))
     hold = budgets.reserve("acme", "fi_Key00001", "m", prompt_tokens=100, output_tokens=100)
@@ -181,6 +185,60 @@ def test_a_key_with_its_own_budget_is_held_on_both() -> None:
         budgets.reserve("acme", "fi_Key00001", "m", prompt_tokens=100, output_tokens=100)
     # Another key of the tenant is held on the tenant's budget only.
     assert budgets.reserve("acme", "fi_Other001", "m", prompt_tokens=100, output_tokens=100)
+
+
+def test_a_rotated_key_keeps_its_months_spend_and_its_budget() -> None:
+    """Spend counted under the prefix a rotation replaced is the key's: the new prefix gets
+    only what remains, and the state is the key's, not the new prefix's."""
+    key = KeyBudget(10**9, live=("fi_New00001",), prefixes=("fi_Old00001", "fi_New00001"))
+    counted = {("fi_Old00001", "a"): 8 * 10**8, ("fi_Other01", "a"): 5 * 10**8}
+    row = BudgetRow(month="2026-12", budget=None, counted=counted, key_budgets=[key])
+    found = tenant_budget(row, ["a"])
+    assert found.tenant is None
+    assert list(found.keys) == ["fi_New00001"]
+    new = found.keys["fi_New00001"]
+    assert new.state == "warn"  # 80 % of the key's budget, all of it under the old prefix
+    # Half of what remains (2 x 10^8) is granted; another key's spend does not count.
+    assert new.leases == {"a": Lease(counted=0, lease=10**8, prior=0)}
+    spent = BudgetRow(
+        month="2026-12",
+        budget=None,
+        counted={("fi_Old00001", "a"): 10**9},
+        key_budgets=[key],
+    )
+    assert tenant_budget(spent, ["a"]).keys["fi_New00001"].state == "exhausted"
+
+
+def test_both_secrets_of_a_key_in_rotation_grace_share_its_one_budget() -> None:
+    """During a rotation's grace both prefixes are leased, per edge, from the one budget: the
+    ceilings of both at every edge add up to at most the budget, across compiles."""
+    key = KeyBudget(10**9, live=("fi_New00001", "fi_Old00001"))
+    edges = ["a", "b"]
+    published: dict[tuple[str, str], Published] = {}
+    for _ in range(6):
+        row = BudgetRow(month="2026-12", budget=None, key_budgets=[key], published=published)
+        found = tenant_budget(row, edges)
+        assert set(found.keys) == {"fi_New00001", "fi_Old00001"}
+        published = {
+            (prefix, edge): Published(lease.counted, lease.counted + lease.lease, lease.prior)
+            for prefix, budget in found.keys.items()
+            for edge, lease in budget.leases.items()
+        }
+        assert len(published) == 4
+        assert sum(max(p.ceiling, p.prior) for p in published.values()) <= 10**9
+    # Once the grace is over only the new prefix is leased; the old one's ceiling stays held
+    # for one more compile (its edge may still be spending under it).
+    after = BudgetRow(
+        month="2026-12",
+        budget=None,
+        key_budgets=[KeyBudget(10**9, ("fi_New00001",), ("fi_New00001", "fi_Old00001"))],
+        published=published,
+    )
+    found = tenant_budget(after, edges)
+    assert list(found.keys) == ["fi_New00001"]
+    held_old = sum(p.ceiling for (prefix, _), p in published.items() if prefix == "fi_Old00001")
+    new_ceilings = sum(lease.lease for lease in found.keys["fi_New00001"].leases.values())
+    assert held_old > 0 and held_old + new_ceilings <= 10**9
 
 
 def test_counted_spend_moves_from_uncounted_to_counted_and_a_new_month_starts_afresh() -> None:

@@ -54,6 +54,19 @@ def test_instances_replaced_within_the_hour_share_the_pool_with_nothing_idle() -
     assert cost.unallocated == 0
 
 
+def test_an_instance_pays_for_the_part_of_the_hour_it_held_its_gpus() -> None:
+    """Stopped ten minutes in, one GPU: a sixth of a GPU-hour is its; the rest of that GPU's
+    hour is idle, unless a replacement held it."""
+    gone = InstanceHour("gone", 1, 1.0, 1.0, {"acme": (1, 0)}, held_s=600)
+    stayed = InstanceHour("stayed", 1, 1.0, 1.0, {"globex": (1, 0)})
+    cost = pool_hour_cost(gpus=2, price_per_gpu_hour=Decimal(6), instances=[gone, stayed])
+    assert cost.allocated == {"acme": Decimal(1), "globex": Decimal(6)}
+    assert cost.idle == Decimal(5) and cost.warm_idle == 0
+    late = InstanceHour("late", 1, 1.0, 1.0, {}, held_s=3000)  # started at minute ten
+    cost = pool_hour_cost(gpus=2, price_per_gpu_hour=Decimal(6), instances=[gone, stayed, late])
+    assert cost.idle == 0 and cost.warm_idle == Decimal(5)
+
+
 usage = st.dictionaries(
     st.sampled_from(["acme", "globex", "initech", "umbrella"]),
     st.tuples(st.integers(0, 10**7), st.integers(0, 10**6)),
@@ -65,16 +78,24 @@ usage = st.dictionaries(
     gpus_free=st.integers(0, 64),
     price=st.decimals(Decimal("0"), Decimal("40"), places=6),
     instances=st.lists(
-        st.tuples(st.integers(1, 8), st.floats(100, 50_000), st.floats(10, 5_000), usage),
+        st.tuples(
+            st.integers(1, 8),
+            st.floats(100, 50_000),
+            st.floats(10, 5_000),
+            usage,
+            st.floats(0, 3600),
+        ),
         max_size=6,
     ),
 )
 def test_allocated_plus_unallocated_is_the_pools_cost_exactly(
     gpus_free: int,
     price: Decimal,
-    instances: list[tuple[int, float, float, dict[str, tuple[int, int]]]],
+    instances: list[tuple[int, float, float, dict[str, tuple[int, int]], float]],
 ) -> None:
-    rows = [InstanceHour(f"i{n}", g, p, d, u) for n, (g, p, d, u) in enumerate(instances)]
+    rows = [
+        InstanceHour(f"i{n}", g, p, d, u, held_s=h) for n, (g, p, d, u, h) in enumerate(instances)
+    ]
     gpus = gpus_free + sum(r.gpus for r in rows)
     cost = pool_hour_cost(gpus=gpus, price_per_gpu_hour=price, instances=rows)
     assert cost.cost == gpus * price

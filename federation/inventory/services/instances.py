@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from datetime import datetime
 from typing import Any
 
 from django.core.exceptions import ValidationError
@@ -14,8 +15,9 @@ from federation.core.audit import Actor, audit_record
 from federation.core.errors import Conflict
 from federation.core.services import model_apply, model_lock, model_save, model_validate
 from federation.inventory import lifecycle
-from federation.inventory.models import Deployment, Instance, Region
+from federation.inventory.models import Deployment, Instance, InstanceInterval, Region
 from federation.inventory.services.pools import pool_accepts_placements_check
+from federation.inventory.speed import decode_tokens_per_s, prefill_tokens_per_s
 
 
 def _ensure_room_for_replica(deployment: Deployment) -> None:
@@ -103,9 +105,10 @@ def locked_instance_transition(
     lifecycle.check_transition(instance.state, state)
     old = instance.state
     instance.state = state
-    instance.state_changed_at = timezone.now()
+    instance.state_changed_at = at = timezone.now()
     instance.drain_reason = reason if state == lifecycle.DRAINING else ""
     instance.save(update_fields=["state", "state_changed_at", "drain_reason", "updated_at"])
+    _record_interval(instance, old, at)
     audit_record(
         actor=actor,
         action="instance.transition",
@@ -113,6 +116,41 @@ def locked_instance_transition(
         changes={"state": [old, state], **({"reason": reason} if reason else {})},
     )
     return instance
+
+
+def _record_interval(instance: Instance, old: str, at: datetime) -> None:
+    """Open the instance's GPU interval when it starts holding GPUs, note when it is first
+    ready, close it when it lets them go (``InstanceInterval``: what past hours are costed
+    with)."""
+    holds, held = instance.state in lifecycle.GPU_STATES, old in lifecycle.GPU_STATES
+    if holds and not held:
+        InstanceInterval.objects.create(name=instance.name, started_at=at, **_cost_facts(instance))
+        return
+    open_interval = InstanceInterval.objects.filter(instance=instance, ended_at__isnull=True)
+    if held and not holds:
+        open_interval.update(ended_at=at, end_state=instance.state)
+    elif instance.state == lifecycle.READY:
+        open_interval.filter(ready_at__isnull=True).update(ready_at=at)
+
+
+def _cost_facts(instance: Instance) -> dict[str, Any]:
+    """What an hour's cost needs of the instance: its pool, GPUs and speeds."""
+    dep = Deployment.objects.select_related("pool__region", "pool__accelerator", "model").get(
+        pk=instance.deployment_id
+    )
+    tp, speed = dep.tensor_parallel_size, dep.pool.accelerator.relative_speed
+    params_b = float(dep.model.parameter_count_b)
+    return {
+        "instance": instance,
+        "pool": f"{dep.pool.region.code}/{dep.pool.name}",
+        "gpus": tp,
+        "prefill_tokens_per_s": prefill_tokens_per_s(
+            relative_speed=speed, tensor_parallel_size=tp, params_b=params_b
+        ),
+        "decode_tokens_per_s": decode_tokens_per_s(
+            relative_speed=speed, tensor_parallel_size=tp, params_b=params_b
+        ),
+    }
 
 
 def _lock_region_of(instance: Instance) -> Region:

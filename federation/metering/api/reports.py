@@ -30,6 +30,7 @@ from federation.api.schema import FIELD_ERRORS, FORBIDDEN, UNAUTHENTICATED
 from federation.core.roles import TENANT_VIEWER, is_staff_role, role_of
 from federation.metering.models import DIMENSIONS
 from federation.metering.selectors import (
+    KeySpend,
     UsageQuery,
     pool_cost_report,
     tenant_statement,
@@ -237,7 +238,8 @@ class StatementInput(serializers.Serializer):
 
 class StatementView(APIView):
     """A tenant's statement for one month: requests, tokens and price by model, the total and
-    its budget; ``final`` once the month has ended and every hour of it is rolled up."""
+    its budget; ``final`` once the month has ended and every hour of it is rolled up; the spend
+    of each of its keys (over all the prefixes a rotated key had) with the key's own budget."""
 
     authentication_classes = [UsageKeyAuthentication, TokenAuthentication, SessionAuthentication]
     permission_classes = [CanReadUsage]
@@ -290,5 +292,18 @@ class StatementView(APIView):
                 "monthly_budget_usd": None if budget is None else str(budget),
                 "budget_used": None if not budget else float(statement.total_usd / budget),
                 "final": statement.final,
+                "keys": [_key_line(key) for key in statement.keys],
             }
         )
+
+
+def _key_line(key: KeySpend) -> dict[str, Any]:
+    budget = key.monthly_budget_usd
+    return {
+        "id": key.key_id,
+        "name": key.name,
+        "prefix": key.prefix,
+        "spent_usd": str(key.spent_usd),
+        "monthly_budget_usd": None if budget is None else str(budget),
+        "budget_used": None if not budget else float(key.spent_usd / budget),
+    }

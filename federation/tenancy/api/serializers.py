@@ -132,12 +132,18 @@ class ApiKeyCreateInput(InputSerializer):
     expires_at = UTCDateTimeField(
         required=False, allow_null=True, help_text="Must be in the future; null = never."
     )
+    monthly_budget_usd = MoneyField(
+        allow_null=True,
+        required=False,
+        help_text="This key's own monthly budget (the tenant's still applies); null = none.",
+    )
 
 
 class ApiKeyUpdateInput(InputSerializer):
     name = serializers.CharField(max_length=100, required=False)
     scopes = _scopes_field()
     expires_at = UTCDateTimeField(required=False, allow_null=True)
+    monthly_budget_usd = MoneyField(allow_null=True, required=False)
 
 
 class ApiKeyRotateInput(InputSerializer):
@@ -178,6 +184,7 @@ class ApiKeyOutput(OutputModelSerializer):
             "revoked_at",
             "last_used_at",
             "previous_secret_valid_until",
+            "monthly_budget_usd",
             "created_by",
             "created_at",
             "updated_at",
