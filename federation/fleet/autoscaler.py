@@ -2,8 +2,9 @@
 count out.
 
 A replica's *utilisation* is the highest of three pressures the edges report for it (the
-heartbeat, ``docs/distribution.md``): requests it runs or that wait for it against the
-requests it runs at once (``max-num-seqs``), its KV-cache usage, and its token throughput
+heartbeat, ``docs/distribution.md``): requests it runs or that wait for it — or that the edges
+sent to another region for want of a slot here (``overflow``) — against the requests it runs at
+once (``max-num-seqs``), its KV-cache usage, and its token throughput
 against what it sustains at full load. Their sum over the ready replicas is the deployment's
 *load* (in replicas' worth); the seeds' rule is to run at 60-70 %, not 100 %, so the count that
 brings it back to the target (65 %) is ``ceil(load / target)``.
@@ -63,12 +64,15 @@ class ReplicaLoad:
     max_concurrency: int
     #: Prompt plus generated tokens per second it sustains at full load.
     full_tokens_per_s: float
+    #: Its share of the requests the edges sent to other regions for want of capacity here:
+    #: demand that would queue for it if the edges could not spill.
+    overflow: int = 0
 
 
 def replica_utilisation(load: ReplicaLoad) -> float:
     """The highest of its concurrency, KV-cache and throughput pressure (1.0: saturated;
     above 1 when requests queue)."""
-    concurrency = (load.in_flight + load.queued) / max(1, load.max_concurrency)
+    concurrency = (load.in_flight + load.queued + load.overflow) / max(1, load.max_concurrency)
     throughput = load.tokens_per_s / load.full_tokens_per_s if load.full_tokens_per_s > 0 else 0.0
     return max(concurrency, min(1.0, max(0.0, load.kv_cache_usage)), throughput)
 

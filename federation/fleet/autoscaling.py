@@ -114,7 +114,7 @@ def _observe(deployment: Deployment, now: datetime, fresh_s: float) -> autoscale
         if seen is None:
             unreported += 1
             continue
-        in_flight, queued, kv, tokens = seen
+        in_flight, queued, kv, tokens, overflow = seen
         ready.append(
             autoscaler.ReplicaLoad(
                 in_flight=in_flight,
@@ -123,6 +123,7 @@ def _observe(deployment: Deployment, now: datetime, fresh_s: float) -> autoscale
                 tokens_per_s=tokens,
                 max_concurrency=int(max_seqs),
                 full_tokens_per_s=full,
+                overflow=overflow,
             )
         )
     return autoscaler.DeploymentLoad(

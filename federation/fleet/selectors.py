@@ -102,8 +102,8 @@ def edge_view(instance: Instance, now: datetime, fresh_s: float) -> tuple[bool, 
 
 def instance_load(
     instance: Instance, now: datetime, fresh_s: float
-) -> tuple[int, int, float, float] | None:
-    """(in flight, queued, KV-cache usage, tokens/s) the fresh edge reports made since the
+) -> tuple[int, int, float, float, int] | None:
+    """(in flight, queued, KV-cache usage, tokens/s, overflow) the fresh edge reports made since the
     instance's last state change say of it, summed over the edges (KV: the highest, each edge
     scrapes the same engine); None when no edge reported on it."""
     since = instance.state_changed_at or instance.created_at
@@ -115,6 +115,7 @@ def instance_load(
         int(sum(_number(r.get("queued")) for r in reports)),
         max(_number(r.get("kv_cache_usage")) for r in reports),
         sum(_number(r.get("tokens_per_s")) for r in reports),
+        int(sum(_number(r.get("overflow")) for r in reports)),
     )
 
 

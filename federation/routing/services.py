@@ -406,7 +406,7 @@ def _check_published(edge: Edge, version: int | None) -> None:
 
 
 #: Per-edge figures that add up across the edges of a region.
-SUMMED_LOAD_FIELDS = ("tokens_per_s", "in_flight", "queued")
+SUMMED_LOAD_FIELDS = ("tokens_per_s", "in_flight", "queued", "overflow")
 
 
 def _report_age_s(report: Any, now: datetime) -> float | None:

@@ -45,7 +45,7 @@ from regions.edge.record import CLIENT_GONE, Recorder
 from regions.edge.relay import JSON, Relay, respond
 from regions.edge.server import Receive, Scope, Send
 from regions.edge.sessions import SessionMap
-from regions.edge.spill import Remote, ramping, spill_plan
+from regions.edge.spill import Remote, overflow_shares, ramping, spill_plan
 from regions.edge.spill_over import SpillOver
 from regions.edge.split import Split, SplitCollector, split_plan
 from regions.edge.sync import TableSync
@@ -209,6 +209,7 @@ class Edge:
         previous = self._beat_tokens
         tokens: dict[str, int] = {}
         instances = []
+        overflow = overflow_shares(self.spill_over.overflow, self.by_model)
         for inst in self.table.instances:
             health = self.health.states.get(inst.id)
             load = self.loads.get(inst.id)
@@ -223,6 +224,7 @@ class Edge:
                     "queued": waiting + self.lines.targeted.get(inst.id, 0),
                     "kv_cache_usage": min(1.0, max(0.0, kv)),
                     "tokens_per_s": round(max(0, sent) / elapsed, 3),
+                    "overflow": overflow.get(inst.id, 0),
                 }
             )
         self._beat_tokens = tokens

@@ -241,4 +241,5 @@ class Placement:
         if not spill.targets:
             return False
         spill.why = "ttft" if winner is not None else decision.reason
+        spill.overflow = True
         return True

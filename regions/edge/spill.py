@@ -25,12 +25,13 @@ What one request may do is its :class:`Spill`; forwarding it is ``spill_over.py`
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import xxhash
 
-from regions.tables.schema import RemoteRegion, RoutingTable
+from regions.tables.schema import Instance, RemoteRegion, RoutingTable
 
 if TYPE_CHECKING:
     from regions.edge.split import Split
@@ -62,6 +63,7 @@ class Spill:
     __slots__ = (
         "allowed",
         "authorization",
+        "overflow",
         "point",
         "remotes",
         "session",
@@ -90,6 +92,9 @@ class Spill:
         self.split = split
         self.targets: list[Remote] = []
         self.why = ""
+        #: Sent away for want of local capacity (a remote answers sooner, or nothing here can
+        #: take it), not by the plan, residency or a ramp: demand the autoscaler must see.
+        self.overflow = False
 
 
 def spill_plan(table: RoutingTable) -> dict[str, tuple[Remote, ...]]:
@@ -186,3 +191,21 @@ def returning_remotes(
         return []
     permitted = [r for r in remotes if (allowed is None or r.code in allowed) and point < r.ramp]
     return _headroom_first(permitted)
+
+
+def overflow_shares(
+    overflow: Mapping[str, int], by_model: Mapping[str, Sequence[Instance]]
+) -> dict[str, int]:
+    """Instance id -> its share of the requests in flight in other regions for want of this
+    region's capacity (model -> count), spread evenly over the model's instances here: the
+    heartbeat reports them beside each instance's queue, so the control plane counts demand the
+    region could not serve and scales for it."""
+    shares: dict[str, int] = {}
+    for model, count in overflow.items():
+        instances = by_model.get(model, ())
+        if count <= 0 or not instances:
+            continue
+        each, extra = divmod(count, len(instances))
+        for i, inst in enumerate(instances):
+            shares[inst.id] = shares.get(inst.id, 0) + each + (1 if i < extra else 0)
+    return shares

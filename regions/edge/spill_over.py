@@ -32,7 +32,7 @@ EDGE_DOWN_S = 5.0
 
 
 class SpillOver:
-    __slots__ = ("_down_until", "_turn", "cfg", "fleet", "metrics", "relay")
+    __slots__ = ("_down_until", "_turn", "cfg", "fleet", "metrics", "overflow", "relay")
 
     def __init__(self, cfg: EdgeConfig, fleet: Fleet, relay: Relay, metrics: EdgeMetrics) -> None:
         self.cfg = cfg
@@ -42,12 +42,29 @@ class SpillOver:
         #: Remote edge URL -> monotonic time until which it is tried last.
         self._down_until: dict[str, float] = {}
         self._turn = 0
+        #: Model -> requests being served elsewhere for want of capacity here (``Spill.overflow``),
+        #: reported in the heartbeat (``spill.overflow_shares``).
+        self.overflow: dict[str, int] = {}
 
     async def forward(self, spill: Spill, ctx: RequestContext, fallback: bool) -> bool:
         """Forward to the first of ``spill.targets`` that answers before its first byte.
 
         False (nothing sent) when every remote failed and ``fallback``: serve locally instead.
         """
+        if not spill.overflow:
+            return await self._traced(spill, ctx, fallback)
+        model = ctx.req.model
+        overflow = self.overflow
+        overflow[model] = overflow.get(model, 0) + 1
+        try:
+            return await self._traced(spill, ctx, fallback)
+        finally:
+            if overflow[model] <= 1:
+                del overflow[model]
+            else:
+                overflow[model] -= 1
+
+    async def _traced(self, spill: Spill, ctx: RequestContext, fallback: bool) -> bool:
         trace = ctx.trace
         if trace is None:
             return await self._forward(spill, ctx, fallback, ctx.traceparent)

@@ -221,7 +221,7 @@ def test_edge_syncs_verifies_persists_and_survives_the_control_plane(
     assert beat["edge"] == "edge-r1" and beat["applied_table_version"] == 2
     assert beat["instances"][0]["id"] == "i-1" and beat["instances"][0]["healthy"] is True
     assert set(beat["instances"][0]) == {
-        "id", "healthy", "in_flight", "queued", "kv_cache_usage", "tokens_per_s",
+        "id", "healthy", "in_flight", "queued", "kv_cache_usage", "tokens_per_s", "overflow",
     }  # fmt: skip
 
     # Control plane down, edge restarted: it serves from the persisted table (static stability).

@@ -9,12 +9,13 @@ import msgspec
 from regions.edge.spill import (
     Remote,
     eligible_remotes,
+    overflow_shares,
     ramp_point,
     ramping,
     returning_remotes,
     spill_plan,
 )
-from regions.tables.schema import decode_table
+from regions.tables.schema import Instance, decode_table
 
 
 def table(**kw: Any) -> Any:
@@ -112,3 +113,13 @@ def test_a_region_coming_back_sends_points_above_its_ramp_where_they_went_meanwh
     # A remote that is itself coming back does not take points above its own ramp.
     both = ramped(own=0.4, eu=0.5, usw=0.5)
     assert returning_remotes(spill_plan(both)["llama"], None, 0.9, both.ramp) == []
+
+
+def test_overflow_is_spread_over_the_models_instances_here() -> None:
+    """What the edge sends away for want of capacity is reported beside the model's instances'
+    queues, adding up to the count (the control plane sums a deployment's instances)."""
+    llama = [Instance(id=f"l{i}", url=f"http://e:{i}", model="llama") for i in range(3)]
+    by_model = {"llama": llama, "qwen": [Instance(id="q0", url="http://e:9", model="qwen")]}
+    shares = overflow_shares({"llama": 5, "not-here": 3, "qwen": 0}, by_model)
+    assert shares == {"l0": 2, "l1": 2, "l2": 1}
+    assert overflow_shares({}, by_model) == {}

@@ -86,6 +86,19 @@ def test_every_slot_busy_scales_up_at_once_without_waiting_for_the_smoothing() -
     assert d.desired == 4 and "every slot busy" in d.reason
 
 
+def test_requests_spilled_for_want_of_a_slot_count_as_busy_slots() -> None:
+    """A region whose edges send what does not fit to other regions is full, not at 75 %: the
+    overflow its edges report makes every slot busy, so it scales up at once."""
+    calm = deployment([load(in_flight=2)])
+    spilling = deployment([replace(load(in_flight=8), overflow=2)])  # 8 of 10 here, 2 away
+    first = autoscale_step(calm, Memory(), now=0, policy=POLICY)
+    d = autoscale_step(spilling, first.memory, now=2, policy=POLICY)
+    assert d.desired == 2 and "every slot busy" in d.reason
+    # The same local load without its overflow is 80 %: it waits for the smoothing.
+    without = autoscale_step(deployment([load(in_flight=8)]), first.memory, now=2, policy=POLICY)
+    assert without.desired == 1
+
+
 def test_replicas_coming_count_so_a_persisting_load_starts_no_more() -> None:
     obs = deployment([load(in_flight=10)] * 2, coming=2)
     d = autoscale_step(obs, Memory(changed_at=0), now=5, policy=POLICY)

@@ -29,6 +29,14 @@ class InstanceReportInput(InputSerializer):
         help_text="Tokens per second this edge sent the instance lately (prompt + output): "
         "summed over the region's edges, the demand the table compiler splits.",
     )
+    overflow = serializers.IntegerField(
+        min_value=0,
+        max_value=1_000_000,
+        required=False,
+        help_text="Its share of the requests this edge is serving in other regions for want of "
+        "capacity here (the model's count spread over its instances): demand the autoscaler "
+        "counts with the queue.",
+    )
 
 
 class BudgetReportInput(InputSerializer):
