@@ -48,9 +48,10 @@ from regions.supervisor import free_port, free_ports, wait_http, wait_until
 LOGS = VAR / "failover-logs"
 
 
-def build(codes: list[str], edge_ports: list[int], slots: int) -> tuple[dict[str, str], str]:
-    """Regions with a ``local`` pool and a deployment of one replica each, edges, a tenant.
-    Returns the edges' credentials and the tenant's API key."""
+def build(codes: list[str], edge_ports: list[int], slots: int) -> tuple[dict[str, str], str, str]:
+    """Regions with a ``local`` pool and a deployment of one replica each, edges, two tenants:
+    one served anywhere, one held to the first region. Returns the edges' credentials and the
+    tenants' API keys (anywhere, first region only)."""
     from decimal import Decimal
 
     from federation.inventory import services as inv
@@ -104,8 +105,15 @@ def build(codes: list[str], edge_ports: list[int], slots: int) -> tuple[dict[str
         credentials[code] = routing.edge_credential_rotate(actor=None, edge=edge)
     tenant = tenancy.tenant_create(actor=None, slug="bench", name="Bench")
     key = tenancy.api_key_create(actor=None, tenant=tenant, name="k").plaintext
+    local = tenancy.tenant_create(
+        actor=None,
+        slug="bench-local",
+        name="Bench, first region",
+        allowed_regions=[regions[codes[0]]],
+    )
+    local_key = tenancy.api_key_create(actor=None, tenant=local, name="k").plaintext
     routing.routing_tables_publish()
-    return credentials, key
+    return credentials, key, local_key
 
 
 def ready_instance(code: str) -> str | None:
@@ -241,8 +249,10 @@ def region_loss(sent: list[Streamed], killed: float, until: float) -> dict[str, 
 
 
 def load_step(code: str, edge: str, key: str, slots: int) -> dict[str, Any]:
-    """Take every slot of ``code``'s one engine with long streams; the times from the step to
-    the autoscaler's decision, a new instance started, and it ready. Then let it scale down."""
+    """Take every slot of ``code``'s one engine with long streams of a tenant held to that
+    region (an open tenant's new sessions are shared with the other regions by the plan's split,
+    and they carry the step without a new replica); the times from the step to the
+    autoscaler's decision, a new instance started, and it ready. Then let it scale down."""
     from federation.core.models import AuditEvent
     from federation.inventory import services as inv
     from federation.inventory.models import Deployment, Instance
@@ -329,7 +339,7 @@ def run(
 
     codes = [f"r{i}" for i in range(n_regions)]
     edge_ports = [free_port() for _ in codes]
-    credentials, key = build(codes, edge_ports, slots)
+    credentials, key, local_key = build(codes, edge_ports, slots)
     env = {
         **os.environ,
         "FEDINFER_TABLES_REFRESH_SECONDS": "3600",  # only the failover publishes
@@ -397,7 +407,7 @@ def run(
                 streams.append(region_loss(sent, result["at"], result["at"] + result["replaced"]))
                 time.sleep(2)
             for _ in range(steps):
-                steps_done.append(load_step(codes[0], edges[codes[0]], key, slots))
+                steps_done.append(load_step(codes[0], edges[codes[0]], local_key, slots))
         finally:
             # The engines outlive the worker by design: stop the worker (which could start
             # more), then them.
