@@ -86,6 +86,7 @@ class Recorder:
             and ttft is not None
             and status == 200
             and ctx.req.stream
+            and ctx.req.endpoint.kind != "responses"
             and winner is not None
             and winner.instance == instance
             and not winner.wait
@@ -110,9 +111,10 @@ class Recorder:
         inst = ctx.served_by
         # An engine's refusal (4xx) is not usage; a stream cut after tokens reached the client
         # is, for what was relayed.
-        relayed = ctx.tap is not None and ctx.tap.events > 1
+        relayed = ctx.tap is not None and ctx.tap.relayed_tokens > 0
         delivered = 0 < ctx.status < 400 or (ctx.status >= 500 and relayed)
-        if inst is None or not (delivered or cancelled):
+        # The tokenizer's calls report no usage: not metered, nothing held.
+        if inst is None or not (delivered or cancelled) or not ctx.req.endpoint.metered:
             if ctx.hold is not None:
                 self.budgets.release(ctx.hold)
             return
@@ -173,5 +175,5 @@ def _tokens(ctx: RequestContext) -> Tokens:
     if prompt is not None and used is not None:
         return Tokens(prompt, min(ctx.cached_tokens or 0, prompt), used - prompt, True)
     # The role chunk that opens a chat stream carries no token.
-    relayed = max(ctx.tap.events - 1, 0) if ctx.tap is not None else 0
+    relayed = ctx.tap.relayed_tokens if ctx.tap is not None else 0
     return Tokens(ctx.req.prompt_tokens, 0, relayed, False)

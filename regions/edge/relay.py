@@ -17,7 +17,7 @@ from regions.edge.context import RequestContext
 from regions.edge.errors import EdgeError, UpstreamFailure, sse_error_event
 from regions.edge.health import HealthBoard
 from regions.edge.observability import EdgeMetrics, server_timing
-from regions.edge.parse import UsageTap, body_usage
+from regions.edge.parse import ResponsesTap, UsageTap, body_usage
 from regions.edge.record import Recorder
 from regions.edge.route import remote_route, route_header
 from regions.edge.scheduler import Decision
@@ -120,7 +120,10 @@ class Relay:
         ctx: RequestContext,
     ) -> bool:
         """Pass the SSE stream through; True when it ended cleanly with ``[DONE]``."""
-        tap = ctx.tap = UsageTap(ctx.req.strip_usage)
+        req = ctx.req
+        tap = ctx.tap = (
+            ResponsesTap() if req.endpoint.kind == "responses" else UsageTap(req.strip_usage)
+        )
         # Hold the response headers until the first bytes arrive, so a failure before then can
         # still be retried on another instance.
         first = b""
@@ -171,6 +174,9 @@ class Relay:
         await send({"type": "http.response.body", "body": tap.pending})
         if tap.prompt_tokens is not None and tap.completion_tokens is not None:
             ctx.used_tokens = tap.prompt_tokens + tap.completion_tokens
+        if isinstance(tap, ResponsesTap) and tap.first_token_at is not None:
+            # A Responses stream opens before its prefill: its first token is the first text.
+            ttft = tap.first_token_at - ctx.arrived
         self.health.success(inst.id)
         self.recorder.served(
             ctx, decision, inst.id, 200, ttft, tap.prompt_tokens, tap.cached_tokens

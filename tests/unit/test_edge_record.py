@@ -13,6 +13,7 @@ import pytest
 from regions.edge.admission import Admission
 from regions.edge.budget import Budgets
 from regions.edge.context import RequestContext
+from regions.edge.endpoints import CHAT
 from regions.edge.load import LoadBoard
 from regions.edge.metering import Meter, MeteringConfig
 from regions.edge.observability import EdgeMetrics
@@ -45,7 +46,7 @@ def ctx(model: str = "llama", stream: bool = False, **kw: Any) -> RequestContext
         model.encode(),
         b', "stream": true' if stream else b"",
     )
-    req = parse_request(body, chat=True, bytes_per_token=4.0)
+    req = parse_request(body, endpoint=CHAT, bytes_per_token=4.0)
     fields: dict[str, Any] = {"served_by": INST, **kw}
     return RequestContext(req=req, send=None, traceparent="", arrived=time.perf_counter(), **fields)  # type: ignore[arg-type]
 
