@@ -141,7 +141,7 @@ class Admit:
             _check_session(session, session_id is not None)
             if tenant is not None:
                 admission.policy(tenant, req.model)
-            if endpoint.generates and (
+            if endpoint.queued and (
                 req.cache_salt is not None or (tenant is not None and tenant.policy.cache_salt)
             ):
                 req = with_cache_salt(req, tenant.policy.cache_salt if tenant else None)

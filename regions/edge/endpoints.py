@@ -59,6 +59,7 @@ ENDPOINTS: dict[str, Endpoint] = {
         COMPLETIONS,
         RESPONSES,
         EMBEDDINGS,
+        Endpoint("/v2/embed", "embeddings"),  # Cohere's embed API, served by vLLM too
         TOKENIZE,
         DETOKENIZE,
         *(

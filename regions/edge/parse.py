@@ -181,25 +181,40 @@ def _batch(value: Any, param: str) -> int:
     return len(value)
 
 
+def _messages_tokens(messages: Any, bytes_per_token: float) -> int:
+    """A conversation (or a batch of them: embeddings of chat inputs) as rendered for chat."""
+    if isinstance(messages, list) and messages and all(isinstance(m, list) for m in messages):
+        _batch(messages, "messages")
+        return sum(_messages_tokens(m, bytes_per_token) for m in messages)
+    prompt, media = render_chat(messages)
+    return int(len(prompt) / bytes_per_token) + 1 + media * MEDIA_PART_TOKENS
+
+
+#: Where a pooling request keeps its inputs: one side (embeddings, classify, pooling; Cohere's
+#: ``/v2/embed``), or two paired sides (score, rerank) under vLLM's several names.
+_ONE_SIDE = ("input", "texts", "inputs", "images")
+_FIRST_SIDE = ("text_1", "query", "queries", "data_1")
+_SECOND_SIDE = ("text_2", "documents", "items", "data_2")
+
+
 def _pooling_tokens(doc: dict[str, Any], bytes_per_token: float) -> int:
     """Prompt tokens of an embeddings or pooling request (score and rerank: every pair)."""
-    if "messages" in doc and "input" not in doc:
-        prompt, media = render_chat(doc["messages"])
-        return int(len(prompt) / bytes_per_token) + 1 + media * MEDIA_PART_TOKENS
-    if "input" in doc:
-        _batch(doc["input"], "input")
-        return input_tokens(doc["input"], bytes_per_token)
-    # Score (text_1/text_2, queries/documents, data_1/data_2) and rerank (query/documents):
-    # the first side is paired with every input of the second.
-    first_name = next((k for k in ("text_1", "query", "queries", "data_1") if k in doc), None)
-    second_name = next((k for k in ("text_2", "documents", "data_2") if k in doc), None)
-    first = doc.get(first_name) if first_name else None
-    second = doc.get(second_name) if second_name else None
-    n1 = _batch(first, first_name or "query")
-    n2 = _batch(second, second_name or "documents")
-    tokens = input_tokens(first, bytes_per_token) + input_tokens(second, bytes_per_token)
+    if "messages" in doc:
+        return _messages_tokens(doc["messages"], bytes_per_token)
+    one = [name for name in _ONE_SIDE if name in doc]
+    if one:
+        for name in one:
+            _batch(doc[name], name)
+        return sum(input_tokens(doc[name], bytes_per_token) for name in one)
+    # The first side is paired with every input of the second.
+    first_name = next((k for k in _FIRST_SIDE if k in doc), "query")
+    second_name = next((k for k in _SECOND_SIDE if k in doc), "documents")
+    first, second = doc.get(first_name), doc.get(second_name)
+    n1, n2 = _batch(first, first_name), _batch(second, second_name)
+    first_tokens = input_tokens(first, bytes_per_token)
+    tokens = first_tokens + input_tokens(second, bytes_per_token)
     if n1 == 1 and n2 > 1:
-        tokens += input_tokens(first, bytes_per_token) * (n2 - 1)
+        tokens += first_tokens * (n2 - 1)
     return tokens
 
 
@@ -286,8 +301,7 @@ def _other_tokens(doc: dict[str, Any], kind: str, bytes_per_token: float) -> int
         return len(ids)
     if kind == "tokenize":
         if "messages" in doc:
-            prompt, media = render_chat(doc["messages"])
-            return int(len(prompt) / bytes_per_token) + 1 + media * MEDIA_PART_TOKENS
+            return _messages_tokens(doc["messages"], bytes_per_token)
         text = doc.get("prompt")
         if not isinstance(text, str):
             raise _bad("'prompt' (a string) or 'messages' is required", "prompt", "missing_prompt")
@@ -394,14 +408,27 @@ def usage_numbers(usage: Any) -> tuple[int | None, int | None, int | None]:
 
 
 def body_usage(body: bytes) -> tuple[int | None, int | None, int | None]:
-    """Usage of a non-streamed response; parsed only when the body mentions it."""
-    if b'"usage"' not in body:
+    """Usage of a non-streamed response; parsed only when the body mentions it (``usage``, or
+    Cohere's ``meta.billed_units`` on ``/v2/embed``)."""
+    cohere = b'"billed_units"' in body
+    if b'"usage"' not in body and not cohere:
         return None, None, None
     try:
         doc = orjson.loads(body)
     except orjson.JSONDecodeError:
         return None, None, None
-    return usage_numbers(doc.get("usage") if isinstance(doc, dict) else None)
+    if not isinstance(doc, dict):
+        return None, None, None
+    if "usage" in doc or not cohere:
+        return usage_numbers(doc.get("usage"))
+    meta = doc.get("meta")
+    billed = meta.get("billed_units") if isinstance(meta, dict) else None
+    if not isinstance(billed, dict):
+        return None, None, None
+    inputs = [_int(billed, name) for name in ("input_tokens", "image_tokens")]
+    if all(n is None for n in inputs):
+        return None, None, None
+    return sum(n or 0 for n in inputs), None, 0
 
 
 #: An SSE stream's events end with a blank line; beyond this many bytes without one the tap
