@@ -47,6 +47,8 @@ from regions.engines.simulator.http import (
     validation_error,
 )
 from regions.engines.simulator.kv_transfer import READ_PATH, request_params
+from regions.engines.simulator.pooling import PoolingApi
+from regions.engines.simulator.responses import ResponsesFormatter, responses_messages
 from regions.engines.simulator.scheduler import Request, Status
 from regions.engines.simulator.tokenizer import MAX_CHARS_PER_TOKEN
 
@@ -89,6 +91,8 @@ class _Generation:
     max_tokens: int | None
     max_tokens_param: str
     chat: bool
+    #: A Responses API request (``responses.py`` formats its answer).
+    responses: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,7 +166,10 @@ class EngineApp:
             "/reset_prefix_cache": ("POST", self.reset_prefix_cache),
             "/admin/faults": ("*", self.admin_faults),
             READ_PATH: ("POST", self.kv_read),
+            "/v1/responses": ("POST", self.responses),
         }
+        for path, handler in PoolingApi(engine, self._model).routes().items():
+            self.routes[path] = ("POST", handler)
         names = engine.served_model_names
         self._model_json = {name: orjson.dumps(name).decode() for name in names}
 
@@ -375,6 +382,33 @@ class EngineApp:
         )
         await self._generate(scope, receive, send, generation)
 
+    async def responses(self, scope: Scope, receive: Receive, send: Send) -> None:
+        body = await json_body(scope, receive)
+        fate = self.engine.faults.fate()
+        if fate.latency_s or fate.error or fate.hang:
+            await self._apply_fate(fate, receive, send)
+        model, lora = self._model(body)
+        try:
+            messages = responses_messages(body)
+            rendered = self.engine.tokenizer.apply_chat_template(messages, True)
+        except ValueError as exc:
+            raise bad_request(str(exc), "input") from None
+        self._check_chars(rendered)
+        prompt_ids = self.engine.tokenizer.encode(rendered)
+        max_tokens = int_field(body, "max_output_tokens")
+        generation = _Generation(
+            body,
+            fate,
+            model,
+            lora,
+            prompt_ids,
+            max_tokens,
+            "max_output_tokens",
+            chat=False,
+            responses=True,
+        )
+        await self._generate(scope, receive, send, generation)
+
     def _check_chars(self, text: str) -> None:
         """vLLM's cheap pre-check: text longer than limit x longest token cannot fit."""
         limit = self.engine.max_model_len
@@ -441,16 +475,20 @@ class EngineApp:
         max_tokens = self._max_output_tokens(generation)
         request, texts = await self._new_request(generation, max_tokens)
         chat = generation.chat
-        fmt = _Formatter(
-            _request_id(scope, generation.body, "chatcmpl-" if chat else "cmpl-"),
-            int(time.time()),
-            self._model_json.get(generation.model) or orjson.dumps(generation.model).decode(),
-            engine.system_fingerprint,
-            chat,
-            len(generation.prompt_ids),
-            shape.include_usage,
-            shape.continuous,
-        )
+        fmt: _Formatter | ResponsesFormatter
+        if generation.responses:
+            fmt = ResponsesFormatter(generation.model, generation.body, len(generation.prompt_ids))
+        else:
+            fmt = _Formatter(
+                _request_id(scope, generation.body, "chatcmpl-" if chat else "cmpl-"),
+                int(time.time()),
+                self._model_json.get(generation.model) or orjson.dumps(generation.model).decode(),
+                engine.system_fingerprint,
+                chat,
+                len(generation.prompt_ids),
+                shape.include_usage,
+                shape.continuous,
+            )
         handle = engine.submit(request, texts)
         fate = generation.fate
         if engine.config.zero_latency and fate.die_after_tokens is None:
@@ -538,7 +576,7 @@ class EngineApp:
         self,
         send: Send,
         handle: RequestStream,
-        fmt: _Formatter,
+        fmt: _Formatter | ResponsesFormatter,
         fate: Fate,
     ) -> None:
         request = handle.request
@@ -546,7 +584,11 @@ class EngineApp:
         await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
         # As vLLM: a chat stream's opening role chunk goes with the first token, once the
         # prompt is prefilled (vLLM sends it on the engine's first output), not before.
-        opening = fmt.first_chunk() if fmt.chat else b""
+        opening = fmt.opening()
+        if fmt.eager:
+            # A Responses stream says it was created before any token.
+            await send({"type": "http.response.body", "body": opening, "more_body": True})
+            opening = b""
         sent = 0
         while True:
             n = len(request.output_token_ids)
@@ -566,13 +608,15 @@ class EngineApp:
                     tail = [chunk]
                     if fmt.include_usage:
                         tail.append(fmt.usage_chunk(request))
-                    tail.append(DONE)
+                    tail.append(fmt.done)
                     await send({"type": "http.response.body", "body": b"".join(tail)})
                     return
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
             await handle.wait()
 
-    async def _full(self, send: Send, handle: RequestStream, fmt: _Formatter, fate: Fate) -> None:
+    async def _full(
+        self, send: Send, handle: RequestStream, fmt: _Formatter | ResponsesFormatter, fate: Fate
+    ) -> None:
         request = handle.request
         die_at = fate.die_after_tokens
         while request.status is not Status.FINISHED and not handle.cut:
@@ -644,6 +688,14 @@ class _Formatter:
         self.tail_fp = f',"system_fingerprint":"{fingerprint}"'
         self.chat = chat
         self.num_prompt = num_prompt
+
+    #: Chat and completions streams start with their first token, and end with ``[DONE]``.
+    eager = False
+    done = DONE
+
+    def opening(self) -> bytes:
+        """What a stream starts with: a chat stream's role chunk (with the first token)."""
+        return self.first_chunk() if self.chat else b""
 
     def first_chunk(self) -> bytes:
         usage = self._usage(0) if self.continuous else ""
@@ -796,15 +848,18 @@ async def _abort_on_disconnect(receive: Receive, engine: SimEngine, request_id: 
 
 
 async def _send_at_once(
-    send: Send, fmt: _Formatter, request: Request, texts: list[str], stream: bool
+    send: Send,
+    fmt: _Formatter | ResponsesFormatter,
+    request: Request,
+    texts: list[str],
+    stream: bool,
 ) -> None:
     """A finished answer (zero-latency mode) as one body, streamed or not."""
     if stream:
-        out = [fmt.first_chunk()] if fmt.chat else []
-        out.append(fmt.token_chunks(texts, 0, len(texts), request))
+        out = [fmt.opening(), fmt.token_chunks(texts, 0, len(texts), request)]
         if fmt.include_usage:
             out.append(fmt.usage_chunk(request))
-        out.append(DONE)
+        out.append(fmt.done)
         await _send_stream_once(send, b"".join(out))
     else:
         await send_raw_json(send, fmt.full_response(request, texts))
