@@ -5,9 +5,11 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import pytest
+
 from regions.engines.simulator.engine import SimEngine
 from regions.engines.simulator.server import EngineApp
-from tests.unit.test_sim_server import call, with_engine
+from tests.unit.test_sim_server import FIXTURES, call, needs_captures, with_engine
 
 MODEL = "tiny-llama"
 
@@ -142,3 +144,60 @@ def test_responses_whole_and_streamed_agree_with_usage_at_the_end() -> None:
 
     with_engine(check)
     with_engine(check, zero_latency=True)
+
+
+def first_shape(value: Any) -> Any:
+    """The structure of a JSON value (keys in order, value kinds; a list by its first item)."""
+    if isinstance(value, dict):
+        return [(k, first_shape(v)) for k, v in value.items()]
+    if isinstance(value, list):
+        return [first_shape(v) for v in value[:1]]
+    if value is None:
+        return None
+    return "number" if isinstance(value, int | float) else type(value).__name__
+
+
+@needs_captures
+@pytest.mark.parametrize(
+    "name",
+    [
+        "responses.json",
+        "tokenize.json",
+        "detokenize.json",
+        "embeddings.json",
+        "pooling.json",
+        "score.json",
+        "rerank.json",
+    ],
+)
+def test_route_answers_have_the_shape_of_real_vllm(name: str) -> None:
+    entry = json.loads((FIXTURES / "index.json").read_text())[name]
+    real = json.loads((FIXTURES / name).read_bytes())
+    request = dict(entry["request"]["json"])
+    if name == "responses.json":
+        request["ignore_eos"] = True  # stops at max_output_tokens, as the capture did
+    if name == "detokenize.json":
+        request["tokens"] = []  # the real tokenizer's ids mean nothing to the simulator
+
+    async def check(app: EngineApp, engine: SimEngine) -> None:
+        ours = await call(app, "POST", entry["request"]["path"], request)
+        assert ours.status == entry["status"]
+        assert first_shape(ours.json()) == first_shape(real)
+
+    with_engine(check)
+
+
+@needs_captures
+def test_responses_stream_has_the_events_of_real_vllm() -> None:
+    entry = json.loads((FIXTURES / "index.json").read_text())["responses_stream.txt"]
+    real = sse_events((FIXTURES / "responses_stream.txt").read_bytes())
+
+    async def check(app: EngineApp, engine: SimEngine) -> None:
+        body = {**entry["request"]["json"], "ignore_eos": True}
+        ours = sse_events((await call(app, "POST", "/v1/responses", body)).body)
+        # Real deltas are detokenizer steps, not one per token: compare each kind once.
+        assert list(dict.fromkeys(k for k, _ in ours)) == list(dict.fromkeys(k for k, _ in real))
+        shapes = {k: first_shape(e) for k, e in real}
+        assert {k: first_shape(e) for k, e in ours} == shapes
+
+    with_engine(check)

@@ -208,7 +208,7 @@ class PoolingApi:
             {"index": i, "object": "pooling", "data": _vector(ids, EMBED_DIMENSIONS)}
             for i, ids in enumerate(prompts)
         ]
-        await self._list(send, "pool", model, data, prompts)
+        await self._list(send, "pooling", model, data, prompts)
 
     async def classify(self, scope: Scope, receive: Receive, send: Send) -> None:
         body = await json_body(scope, receive)

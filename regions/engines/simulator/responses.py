@@ -50,8 +50,9 @@ def responses_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def _event(kind: str, seq: int, fields: dict[str, Any]) -> str:
-    data = orjson.dumps({**fields, "sequence_number": seq, "type": kind}).decode()
-    return f"event: {kind}\ndata: {data}\n\n"
+    # vLLM's event models list their fields in alphabetical order.
+    data = orjson.dumps(dict(sorted({**fields, "sequence_number": seq, "type": kind}.items())))
+    return f"event: {kind}\ndata: {data.decode()}\n\n"
 
 
 class ResponsesFormatter:
@@ -96,7 +97,7 @@ class ResponsesFormatter:
             "output": output,
             "parallel_tool_calls": body.get("parallel_tool_calls", True),
             "temperature": body.get("temperature", 1.0),
-            "tool_choice": body.get("tool_choice", "auto"),
+            "tool_choice": body.get("tool_choice", "auto" if body.get("tools") else "none"),
             "tools": body.get("tools", []),
             "top_p": body.get("top_p", 1.0),
             "background": False,
@@ -112,10 +113,12 @@ class ResponsesFormatter:
             "truncation": body.get("truncation", "disabled"),
             "usage": usage,
             "user": body.get("user"),
-            "presence_penalty": body.get("presence_penalty"),
-            "frequency_penalty": body.get("frequency_penalty"),
+            "presence_penalty": body.get("presence_penalty", 0.0),
+            "frequency_penalty": body.get("frequency_penalty", 0.0),
             "kv_transfer_params": None,
             "ec_transfer_params": None,
+            "input_messages": None,
+            "output_messages": None,
         }
 
     def _usage(self, request: Request) -> dict[str, Any]:
@@ -146,11 +149,12 @@ class ResponsesFormatter:
             "role": "assistant",
             "status": status,
             "type": "message",
+            "phase": None,
         }
 
     @staticmethod
-    def _text_part(text: str) -> dict[str, Any]:
-        return {"annotations": [], "text": text, "type": "output_text", "logprobs": None}
+    def _text_part(text: str, logprobs: list[Any] | None = None) -> dict[str, Any]:
+        return {"annotations": [], "text": text, "type": "output_text", "logprobs": logprobs}
 
     def opening(self) -> bytes:
         state = self.response("in_progress", [], None)
@@ -170,7 +174,9 @@ class ResponsesFormatter:
                 )
             )
             out.append(
-                self._next("response.content_part.added", {**place, "part": self._text_part("")})
+                self._next(
+                    "response.content_part.added", {**place, "part": self._text_part("", [])}
+                )
             )
         for i in range(start, end):
             out.append(
