@@ -10,7 +10,7 @@ and never queue), and whether the engine reports usage to meter. Dispatch is one
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 Kind = Literal[
@@ -23,25 +23,23 @@ COMPLETIONS_PATH = "/v1/completions"
 
 @dataclass(frozen=True, slots=True)
 class Endpoint:
-    """One route: ``path`` (the engine's, as the client called it) and its kind."""
+    """One route: ``path`` (the engine's, as the client called it), its kind, and what
+    follows from the kind (plain fields: read on every request)."""
 
     path: str
     kind: Kind
+    #: Decodes output tokens: the prompt's prefix is worth hashing, output is charged.
+    generates: bool = field(init=False)
+    #: Takes a slot of the instance (tokenizer calls go to any serving instance at once).
+    queued: bool = field(init=False)
+    #: The engine reports usage for it: usage records, budget holds and settlement.
+    metered: bool = field(init=False)
 
-    @property
-    def generates(self) -> bool:
-        """Decodes output tokens: the prompt's prefix is worth hashing, output is charged."""
-        return self.kind in ("chat", "completions", "responses")
-
-    @property
-    def queued(self) -> bool:
-        """Takes a slot of the instance (tokenizer calls go to any serving instance at once)."""
-        return self.kind not in ("tokenize", "detokenize")
-
-    @property
-    def metered(self) -> bool:
-        """The engine reports usage for it: usage records, budget holds and settlement."""
-        return self.queued
+    def __post_init__(self) -> None:
+        queued = self.kind not in ("tokenize", "detokenize")
+        object.__setattr__(self, "generates", self.kind in ("chat", "completions", "responses"))
+        object.__setattr__(self, "queued", queued)
+        object.__setattr__(self, "metered", queued)
 
 
 CHAT = Endpoint(CHAT_PATH, "chat")

@@ -119,7 +119,8 @@ class Relay:
         ctype: bytes,
         ctx: RequestContext,
     ) -> bool:
-        """Pass the SSE stream through; True when it ended cleanly with ``[DONE]``."""
+        """Pass the SSE stream through; True when it ended cleanly (``[DONE]``; a Responses
+        stream: ``response.completed``)."""
         req = ctx.req
         tap = ctx.tap = (
             ResponsesTap() if req.endpoint.kind == "responses" else UsageTap(req.strip_usage)
