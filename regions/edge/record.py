@@ -66,8 +66,13 @@ class Recorder:
         cached: int | None,
     ) -> None:
         """An instance's answer: its status, times and what the engine reported of the prompt
-        (``prompt``/``cached`` tokens, None when it did not say)."""
+        (``prompt``/``cached`` tokens, None when it did not say). A tokenizer call's times are
+        not an inference's: only its status is counted."""
         ctx.status = status
+        if not ctx.req.endpoint.queued:
+            statuses = self.metrics.series(ctx.req.model, instance).statuses
+            statuses[status] = statuses.get(status, 0) + 1
+            return
         ctx.ttft_s = ttft
         ctx.prompt_tokens = prompt
         ctx.cached_tokens = cached
