@@ -534,7 +534,7 @@ class ResponsesTap(UsageTap):
     Nothing is stripped (there is no ``include_usage`` to add). ``first_token_at`` is when the
     first output text arrived: the stream opens with ``response.created`` before any prefill."""
 
-    __slots__ = ("first_token_at",)
+    __slots__ = ("first_token_at", "relayed_events")
 
     END = b"event: response.completed\n"
     TOKEN_EVENT = b"event: response.output_text.delta\n"
@@ -543,11 +543,15 @@ class ResponsesTap(UsageTap):
     def __init__(self) -> None:
         super().__init__(False)
         self.first_token_at: float | None = None
+        #: Events passed on (the ``sequence_number`` an error event after them takes).
+        self.relayed_events = 0
 
     def feed(self, chunk: bytes) -> bytes:
         out = super().feed(chunk)
-        if self.first_token_at is None and self.events:
-            self.first_token_at = time.perf_counter()
+        if out:
+            self.relayed_events += out.count(b"event: ")
+            if self.first_token_at is None and self.events:
+                self.first_token_at = time.perf_counter()
         return out
 
     def _usage_events(self, complete: bytes) -> bytes:

@@ -14,7 +14,12 @@ import time
 from typing import Any
 
 from regions.edge.context import RequestContext
-from regions.edge.errors import EdgeError, UpstreamFailure, sse_error_event
+from regions.edge.errors import (
+    EdgeError,
+    UpstreamFailure,
+    responses_error_event,
+    sse_error_event,
+)
 from regions.edge.health import HealthBoard
 from regions.edge.observability import EdgeMetrics, server_timing
 from regions.edge.parse import ResponsesTap, UsageTap, body_usage
@@ -31,6 +36,7 @@ log = logging.getLogger("fedinfer.edge")
 JSON = b"application/json"
 _SSE = b"text/event-stream"
 _ROUTE = b"x-fedinfer-route"
+_CUT = "upstream_stream_cut"
 
 
 def may_retry(exc: UpstreamError) -> bool:
@@ -193,9 +199,12 @@ class Relay:
         log.warning("instance %s failed mid-stream: %s", inst.id, failure)
         message = "the engine failed mid-stream; the response is incomplete"
         ctx.complete = True
-        await ctx.send(
-            {"type": "http.response.body", "body": sse_error_event(message, "upstream_stream_cut")}
-        )
+        tap = ctx.tap
+        if isinstance(tap, ResponsesTap):
+            event = responses_error_event(message, _CUT, tap.relayed_events)
+        else:
+            event = sse_error_event(message, _CUT)
+        await ctx.send({"type": "http.response.body", "body": event})
         self.recorder.served(ctx, decision, inst.id, 502, ttft, None, None)
 
     async def remote(
@@ -257,12 +266,11 @@ class Relay:
             ctx.complete = True
             log.warning("remote region %s failed mid-stream: %s", remote.code, exc)
             message = f"region {remote.code} failed mid-stream; the response is incomplete"
-            await send(
-                {
-                    "type": "http.response.body",
-                    "body": sse_error_event(message, "upstream_stream_cut"),
-                }
-            )
+            if ctx.req.endpoint.kind == "responses":
+                event = responses_error_event(message, _CUT, None)
+            else:
+                event = sse_error_event(message, _CUT)
+            await send({"type": "http.response.body", "body": event})
             return 502
         ctx.complete = True
         await send({"type": "http.response.body", "body": b""})

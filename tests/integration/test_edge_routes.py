@@ -325,3 +325,27 @@ def test_responses_stream_is_relayed_faithfully_and_metered_from_response_comple
         usage["input_tokens"],
         usage["output_tokens"],
     )
+
+
+def test_a_responses_stream_cut_mid_way_ends_with_an_error_event(fed: Fed) -> None:
+    """The engine dies after three tokens: the client gets what was relayed and a Responses
+    ``error`` event (not a chat-style one), and the usage record charges the relayed deltas."""
+    since = time.time()
+    faults = [url + "/admin/faults" for url in fed.r1_engines.values()]
+    try:
+        for url in faults:
+            assert httpx.post(url, json={"die_after_tokens": 3}, timeout=5).status_code == 200
+        body = {"model": MODEL, "input": "cut me", "max_output_tokens": 20, "ignore_eos": True}
+        resp = post(fed.r1.url, "/v1/responses", {**body, "stream": True})
+    finally:
+        for url in faults:
+            httpx.post(url, json={"reset": True}, timeout=5)
+    assert resp.status_code == 200
+    events = sse_events(resp.content)
+    kinds = [e["type"] for e in events]
+    assert kinds[0] == "response.created" and kinds.count("response.output_text.delta") == 3
+    error = events[-1]
+    assert error["type"] == "error" and error["code"] == "upstream_stream_cut"
+    assert error["sequence_number"] == len(events) - 1 == events[-2]["sequence_number"] + 1
+    [cut] = wait_records(fed.stream, 1, since)
+    assert (cut.status, cut.usage_reported, cut.completion_tokens) == (502, False, 3)
