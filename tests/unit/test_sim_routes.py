@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
@@ -199,5 +200,27 @@ def test_responses_stream_has_the_events_of_real_vllm() -> None:
         assert list(dict.fromkeys(k for k, _ in ours)) == list(dict.fromkeys(k for k, _ in real))
         shapes = {k: first_shape(e) for k, e in real}
         assert {k: first_shape(e) for k, e in ours} == shapes
+
+    with_engine(check)
+
+
+def test_a_client_that_leaves_aborts_its_pooling_requests() -> None:
+    async def check(app: EngineApp, engine: SimEngine) -> None:
+        inputs = ["a long document to embed " * 150 for _ in range(48)]
+        r = await call(
+            app,
+            "POST",
+            "/v1/embeddings",
+            {"model": MODEL, "input": inputs},
+            disconnect_after_bodies=0,
+        )
+        assert r.status == 0  # nobody left to answer
+        await asyncio.sleep(0.02)
+        assert engine.kv.usage == 0.0 and not engine.scheduler.has_work()
+        aborted = (
+            'vllm:request_success_total{engine="0",finished_reason="abort",'
+            'model_name="tiny-llama"} 48.0'
+        )
+        assert aborted in engine.metrics_text().decode().splitlines()
 
     with_engine(check)

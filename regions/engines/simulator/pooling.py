@@ -22,9 +22,10 @@ from array import array
 from collections.abc import Callable
 from typing import Any
 
-from regions.engines.simulator.engine import SimEngine
+from regions.engines.simulator.engine import RequestStream, SimEngine
 from regions.engines.simulator.http import (
     ApiError,
+    Disconnected,
     Receive,
     Scope,
     Send,
@@ -33,6 +34,7 @@ from regions.engines.simulator.http import (
     int_field,
     json_body,
     send_json,
+    until_disconnect,
     validation_error,
 )
 from regions.engines.simulator.scheduler import Status
@@ -146,7 +148,7 @@ class PoolingApi:
         encoding = body.get("encoding_format", "float")
         if encoding not in ("float", "base64"):
             raise bad_request(f"encoding_format {encoding!r} is not supported", "encoding_format")
-        await self._run(prompts, body)
+        await self._run(prompts, body, receive)
         data = []
         for i, ids in enumerate(prompts):
             vector = _vector(ids, size)
@@ -174,7 +176,7 @@ class PoolingApi:
         if not isinstance(texts, list) or not texts or not all(isinstance(t, str) for t in texts):
             raise bad_request("the simulator embeds 'texts' (a list of strings)", "texts")
         prompts = [self._encode_text(t) for t in texts]
-        await self._run(prompts, body)
+        await self._run(prompts, body, receive)
         size = int_field(body, "output_dimension") or EMBED_DIMENSIONS
         await send_json(
             send,
@@ -203,7 +205,7 @@ class PoolingApi:
         body = await json_body(scope, receive)
         model, _ = self.model_of(body)
         prompts = self._inputs(body)
-        await self._run(prompts, body)
+        await self._run(prompts, body, receive)
         data = [
             {"index": i, "object": "pooling", "data": _vector(ids, EMBED_DIMENSIONS)}
             for i, ids in enumerate(prompts)
@@ -214,7 +216,7 @@ class PoolingApi:
         body = await json_body(scope, receive)
         model, _ = self.model_of(body)
         prompts = self._inputs(body)
-        await self._run(prompts, body)
+        await self._run(prompts, body, receive)
         data = []
         for i, ids in enumerate(prompts):
             p = _relevance(ids, [])
@@ -236,7 +238,7 @@ class PoolingApi:
             body, ("text_1", "queries", "data_1"), ("text_2", "documents", "items", "data_2")
         )
         prompts = [first + second for first, second, _ in pairs]
-        await self._run(prompts, body)
+        await self._run(prompts, body, receive)
         data = [
             {"index": i, "object": "score", "score": _relevance(first, second)}
             for i, (first, second, _) in enumerate(pairs)
@@ -248,7 +250,7 @@ class PoolingApi:
         model, _ = self.model_of(body)
         pairs = self._pairs(body, ("query",), ("documents",))
         prompts = [first + second for first, second, _ in pairs]
-        await self._run(prompts, body)
+        await self._run(prompts, body, receive)
         scores = [_relevance(first, second) for first, second, _ in pairs]
         order = sorted(range(len(pairs)), key=lambda i: -scores[i])
         results = [
@@ -370,24 +372,38 @@ class PoolingApi:
             (self._encode_text(a), self._encode_text(b), b) for a, b in zip(ones, twos, strict=True)
         ]
 
-    async def _run(self, prompts: list[list[int]], body: dict[str, Any]) -> None:
-        """Every input through the engine as a prefill, concurrently (as vLLM batches them)."""
+    async def _run(self, prompts: list[list[int]], body: dict[str, Any], receive: Receive) -> None:
+        """Every input through the engine as a prefill, concurrently (as vLLM batches them);
+        a client that leaves aborts them (their slots and blocks are freed at once)."""
         salt = body.get("cache_salt")
         cache_salt = salt if isinstance(salt, str) and salt else None
-        await asyncio.gather(*(self._prefill(ids, cache_salt) for ids in prompts))
-
-    async def _prefill(self, ids: list[int], cache_salt: str | None) -> None:
         engine = self.engine
-        request, texts = engine.new_request(ids, 1, cache_salt=cache_salt)
-        handle = engine.submit(request, texts)
-        while request.status is not Status.FINISHED and not handle.cut:
-            await handle.wait()
-        if handle.cut:
+        requests = [engine.new_request(ids, 1, cache_salt=cache_salt) for ids in prompts]
+        handles = [engine.submit(request, texts) for request, texts in requests]
+        work = asyncio.ensure_future(asyncio.gather(*(_finished(h) for h in handles)))
+        gone = asyncio.ensure_future(until_disconnect(receive))
+        try:
+            await asyncio.wait((work, gone), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+        if not work.done():
+            for handle in handles:
+                engine.abort(handle.request.request_id)
+            await work
+            raise Disconnected
+        if any(h.cut for h in handles):
             raise ApiError(
                 500,
                 "EngineCore encountered an issue. See stack trace (above) for the root cause.",
                 "InternalServerError",
             )
+
+
+async def _finished(handle: RequestStream) -> None:
+    """Until the engine finished the request (or was killed, or aborted it)."""
+    request = handle.request
+    while request.status is not Status.FINISHED and not handle.cut:
+        await handle.wait()
 
 
 def _is_ids(value: list[Any]) -> bool:
