@@ -17,6 +17,7 @@ from regions.edge.admission import Admission, TenantState, public_prefix
 from regions.edge.budget import Budgets, Hold
 from regions.edge.config import EdgeConfig
 from regions.edge.context import Fleet, RequestContext
+from regions.edge.endpoints import Endpoint
 from regions.edge.errors import EdgeError
 from regions.edge.hop import HOP_HEADER, HopVerifier
 from regions.edge.metering import Meter
@@ -96,7 +97,7 @@ def _check_session(session: bytes | None, from_header: bool) -> None:
 
 
 class Admit:
-    """The admit stage of one edge; ``await admit(scope, receive, send, chat)``."""
+    """The admit stage of one edge; ``await admit(scope, receive, send, endpoint)``."""
 
     __slots__ = ("admission", "budgets", "cfg", "fleet", "hops", "meter", "relay")
 
@@ -119,7 +120,7 @@ class Admit:
         self.budgets = budgets
 
     async def __call__(
-        self, scope: Scope, receive: Receive, send: Send, chat: bool
+        self, scope: Scope, receive: Receive, send: Send, endpoint: Endpoint
     ) -> RequestContext | None:
         """The admitted request; None when it was refused (and answered) or its client left."""
         arrived = time.perf_counter()
@@ -135,12 +136,14 @@ class Admit:
                 # Before the body: an unauthenticated client does not get 4 MB read for it.
                 tenant = admission.authenticate(authorization, time.time())
             raw = await read_body(scope, receive, self.cfg.max_body_bytes)
-            req = parse_request(raw, chat=chat, bytes_per_token=self.cfg.bytes_per_token)
+            req = parse_request(raw, endpoint=endpoint, bytes_per_token=self.cfg.bytes_per_token)
             session = session_id if session_id is not None else _user_bytes(req.user)
             _check_session(session, session_id is not None)
             if tenant is not None:
                 admission.policy(tenant, req.model)
-            if req.cache_salt is not None or (tenant is not None and tenant.policy.cache_salt):
+            if endpoint.queued and (
+                req.cache_salt is not None or (tenant is not None and tenant.policy.cache_salt)
+            ):
                 req = with_cache_salt(req, tenant.policy.cache_salt if tenant else None)
             # A request that already hopped is served here or refused: never forwarded again.
             point_key = session if session is not None else raw
@@ -152,7 +155,11 @@ class Admit:
                 if self.meter is not None or tenant.policy.budget is not None:
                     key_prefix = public_prefix(authorization)
                 # Held where it is served: a request that must go elsewhere is held there.
-                if tenant.policy.budget is not None and not (spill and spill.targets):
+                if (
+                    tenant.policy.budget is not None
+                    and endpoint.metered
+                    and not (spill and spill.targets)
+                ):
                     hold = self.budgets.reserve(
                         tenant.slug,
                         key_prefix,

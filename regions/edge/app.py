@@ -29,6 +29,7 @@ from regions.edge.budget import Budgets
 from regions.edge.config import EdgeConfig
 from regions.edge.context import AdmitStage, RequestContext
 from regions.edge.disagg import PdRouter
+from regions.edge.endpoints import ENDPOINTS, Endpoint
 from regions.edge.errors import EdgeError
 from regions.edge.forward import Forwarder
 from regions.edge.gateway_line import GatewayLines
@@ -38,7 +39,6 @@ from regions.edge.kv_events import KvEventHub
 from regions.edge.load import LoadBoard, SpeedCollector, scrape_loop
 from regions.edge.metering import Meter, UsageCollector
 from regions.edge.observability import EdgeMetrics
-from regions.edge.parse import CHAT_PATH, COMPLETIONS_PATH
 from regions.edge.placement import Placement
 from regions.edge.prefix_index import PrefixIndex
 from regions.edge.record import CLIENT_GONE, Recorder
@@ -402,11 +402,12 @@ class Edge:
             return
         path: str = scope["path"]
         method: str = scope["method"]
-        if path in (CHAT_PATH, COMPLETIONS_PATH):
+        endpoint = ENDPOINTS.get(path)
+        if endpoint is not None:
             if method != "POST":
                 await self.relay.error(send, EdgeError(405, "use POST", "method_not_allowed"))
                 return
-            await self._completion(scope, receive, send, path == CHAT_PATH)
+            await self._serve(scope, receive, send, endpoint)
         elif path == "/v1/models" and method == "GET":
             if self.admission.enabled:
                 auth = next((v for k, v in scope["headers"] if k == b"authorization"), None)
@@ -456,11 +457,14 @@ class Edge:
         # Always 200: the edge itself is alive; restarting it would not bring engines back.
         await respond(send, 200, body, JSON)
 
-    # ---------------------------------------------------------------- completions
+    # ---------------------------------------------------------------- requests
 
-    async def _completion(self, scope: Scope, receive: Receive, send: Send, chat: bool) -> None:
-        """admit → (another region first?) → place, queue, forward, relay → record."""
-        ctx = await self.admit_stage(scope, receive, send, chat)
+    async def _serve(self, scope: Scope, receive: Receive, send: Send, endpoint: Endpoint) -> None:
+        """admit → (another region first?) → place, queue, forward, relay → record.
+
+        Tokenizer calls skip the queue (any healthy instance of the model, no slot); routes
+        that do not generate skip prefix hashing and P/D."""
+        ctx = await self.admit_stage(scope, receive, send, endpoint)
         if ctx is None:
             return  # refused and answered, or the client left
         task = asyncio.current_task()
@@ -472,10 +476,16 @@ class Edge:
                 if await self.spill_over.forward(spill, ctx, fallback=spill.why == "ramp"):
                     return
                 ctx.spill = None
-            self.placement.hash_prompt(ctx)
-            # P/D disaggregation (disagg.py): prefill and decode instances serve it in two hops.
-            if not await self.pd.serve(ctx):
+            if not endpoint.queued:
+                await self.forwarder.serve_unqueued(ctx)
+            elif not endpoint.generates:
                 await self.forwarder.serve(ctx)
+            else:
+                self.placement.hash_prompt(ctx)
+                # P/D disaggregation (disagg.py): prefill and decode instances serve it in two
+                # hops (chat and completions: the legs are vLLM's proxy protocol).
+                if endpoint.kind == "responses" or not await self.pd.serve(ctx):
+                    await self.forwarder.serve(ctx)
         except asyncio.CancelledError:
             if not ctx.disconnected or task is None:
                 raise

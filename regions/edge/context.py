@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from regions.edge.admission import TenantState
 from regions.edge.budget import Hold
+from regions.edge.endpoints import Endpoint
 from regions.edge.observability import CacheView
 from regions.edge.parse import ParsedRequest, UsageTap
 from regions.edge.server import Receive, Scope, Send
@@ -99,9 +100,9 @@ class RequestContext:
     trace: RequestTrace | None = None
 
 
-#: The admit stage: ``await admit(scope, receive, send, chat)``, the admitted request or None
-#: (refused and answered, or the client left).
-AdmitStage = Callable[[Scope, Receive, Send, bool], Awaitable[RequestContext | None]]
+#: The admit stage: ``await admit(scope, receive, send, endpoint)``, the admitted request or
+#: None (refused and answered, or the client left).
+AdmitStage = Callable[[Scope, Receive, Send, Endpoint], Awaitable[RequestContext | None]]
 
 
 class Fleet(Protocol):

@@ -57,6 +57,19 @@ def sse_error_event(message: str, code: str) -> bytes:
     return b"data: " + error_body(message, 502, code) + b"\n\n"
 
 
+def responses_error_event(message: str, code: str, sequence_number: int | None) -> bytes:
+    """The same for a Responses API stream: its ``error`` event (``sequence_number``: the
+    events relayed before it; None when the edge did not count them)."""
+    doc = {
+        "code": code,
+        "message": message,
+        "param": None,
+        "sequence_number": sequence_number,
+        "type": "error",
+    }
+    return b"event: error\ndata: " + orjson.dumps(doc) + b"\n\n"
+
+
 class UpstreamFailure(Exception):
     """The chosen instance failed before the first byte reached the client.
 

@@ -103,6 +103,38 @@ class Forwarder:
                     exclude = exclude | {inst.id}
                     sticky = None
 
+    async def serve_unqueued(self, ctx: RequestContext) -> None:
+        """A call that takes no slot (the tokenizer's): to the least loaded healthy instance of
+        its model at once, never queued, not counted in any load; retried elsewhere like
+        :meth:`serve` while nothing reached the client."""
+        req = ctx.req
+        exclude: frozenset[str] = frozenset()
+        health = self.attempts.health
+        while True:
+            decision = self.placement.place_unqueued(req.model, exclude)
+            winner = decision.winner
+            if winner is None:
+                ctx.complete = True
+                await self.relay.no_capacity(ctx, decision)
+                return
+            inst = self.fleet.instances[winner.instance]
+            try:
+                await self.forward(inst, decision, ctx)
+                return
+            except UpstreamFailure as failure:
+                if failure.connect:
+                    health.connect_error(inst.id, failure.reason)
+                else:
+                    health.failure(inst.id, failure.reason)
+                ctx.last_failure = f"{inst.id}: {failure.reason}"
+                if ctx.retries >= self.cfg.max_retries or not failure.retry:
+                    ctx.complete = True
+                    await self.relay.upstream_failed(ctx, decision)
+                    return
+                ctx.retries += 1
+                self.metrics.retries.labels(req.model).inc()
+                exclude = exclude | {inst.id}
+
     async def forward(
         self,
         inst: Instance,

@@ -8,12 +8,14 @@ only frames it into SSE events to find the final usage chunk.
 
 from __future__ import annotations
 
+import time
 from array import array
 from dataclasses import dataclass
 from typing import Any
 
 import orjson
 
+from regions.edge.endpoints import Endpoint
 from regions.edge.errors import EdgeError
 
 #: Body fields only the edge may set: vLLM's P/D and encoder-cache transfer handles (a client
@@ -34,8 +36,13 @@ MEDIA_PART_TOKENS = 1024
 DEFAULT_OUTPUT_TOKENS = 1024
 #: ``n``/``best_of`` above this are refused: each is another full generation to charge.
 MAX_CHOICES = 128
-CHAT_PATH = "/v1/chat/completions"
-COMPLETIONS_PATH = "/v1/completions"
+#: Inputs one embeddings, pooling, score or rerank request may carry (OpenAI's embeddings
+#: limit), items of a Responses ``input``, token ids one ``/detokenize`` may name.
+MAX_BATCH_INPUTS = 2048
+MAX_INPUT_ITEMS = 2048
+MAX_DETOKENIZE_IDS = 1 << 17
+#: How deep the edge looks into a pooling input for text (a part's ``text`` is at depth 3).
+_MAX_DEPTH = 4
 #: A client's ``cache_salt``: vLLM takes at most 1,024 characters, and a tenant's salt (a
 #: base64 HMAC of 43) may be joined in front of it.
 MAX_CLIENT_SALT = 960
@@ -43,7 +50,7 @@ MAX_CLIENT_SALT = 960
 
 @dataclass(slots=True)
 class ParsedRequest:
-    chat: bool
+    endpoint: Endpoint
     model: str
     prompt: bytes
     #: Estimated prompt tokens (rendered bytes / bytes per token, or the exact id count), plus
@@ -55,7 +62,8 @@ class ParsedRequest:
     #: We asked the engine for a usage chunk the client did not want: strip it.
     strip_usage: bool
     user: str | None
-    #: Output tokens the request may generate: choices x ``max_tokens`` (or the default).
+    #: Output tokens the request may generate: choices x ``max_tokens`` (or the default); 0
+    #: for the routes that do not decode (embeddings, pooling, the tokenizer's).
     max_output_tokens: int = DEFAULT_OUTPUT_TOKENS
     #: vLLM's ``cache_salt`` as sent upstream (the client's, or the tenant's joined with it).
     cache_salt: str | None = None
@@ -63,7 +71,7 @@ class ParsedRequest:
     @property
     def path(self) -> str:
         """Where it goes upstream: the same endpoint it came in on."""
-        return CHAT_PATH if self.chat else COMPLETIONS_PATH
+        return self.endpoint.path
 
     @property
     def cost_tokens(self) -> int:
@@ -137,7 +145,171 @@ def render_completion(prompt: Any) -> tuple[bytes, int | None]:
     )
 
 
-def parse_request(raw: bytes, *, chat: bool, bytes_per_token: float) -> ParsedRequest:
+def _text_tokens(text: str, bytes_per_token: float) -> int:
+    return int(len(text) / bytes_per_token) + 1
+
+
+def input_tokens(value: Any, bytes_per_token: float, depth: int = 0) -> int:
+    """Estimated tokens of a pooling or tokenizer input: texts by size, token ids one each,
+    the ``text``/``content`` of parts and messages, :data:`MEDIA_PART_TOKENS` per media part."""
+    if isinstance(value, str):
+        return _text_tokens(value, bytes_per_token)
+    if isinstance(value, int) and not isinstance(value, bool):
+        return 1
+    if depth >= _MAX_DEPTH:
+        return 0
+    if isinstance(value, list):
+        return sum(input_tokens(v, bytes_per_token, depth + 1) for v in value)
+    if isinstance(value, dict):
+        texts = [value[k] for k in ("text", "content") if k in value]
+        if not texts:
+            return MEDIA_PART_TOKENS if value.get("type") not in (None, "text") else 0
+        return sum(input_tokens(t, bytes_per_token, depth + 1) for t in texts)
+    return 0
+
+
+def _batch(value: Any, param: str) -> int:
+    """How many inputs ``value`` is (a list of token ids is one), bounded."""
+    if not isinstance(value, list) or not value:
+        return 1
+    if all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        return 1
+    if len(value) > MAX_BATCH_INPUTS:
+        raise _bad(
+            f"'{param}' may hold at most {MAX_BATCH_INPUTS} inputs", param, "too_many_inputs"
+        )
+    return len(value)
+
+
+def _messages_tokens(messages: Any, bytes_per_token: float) -> int:
+    """A conversation (or a batch of them: embeddings of chat inputs) as rendered for chat."""
+    if isinstance(messages, list) and messages and all(isinstance(m, list) for m in messages):
+        _batch(messages, "messages")
+        return sum(_messages_tokens(m, bytes_per_token) for m in messages)
+    prompt, media = render_chat(messages)
+    return int(len(prompt) / bytes_per_token) + 1 + media * MEDIA_PART_TOKENS
+
+
+#: Where a pooling request keeps its inputs: one side (embeddings, classify, pooling; Cohere's
+#: ``/v2/embed``), or two paired sides (score, rerank) under vLLM's several names.
+_ONE_SIDE = ("input", "texts", "inputs", "images")
+_FIRST_SIDE = ("text_1", "query", "queries", "data_1")
+_SECOND_SIDE = ("text_2", "documents", "items", "data_2")
+
+
+def _pooling_tokens(doc: dict[str, Any], bytes_per_token: float) -> int:
+    """Prompt tokens of an embeddings or pooling request (score and rerank: every pair)."""
+    if "messages" in doc:
+        return _messages_tokens(doc["messages"], bytes_per_token)
+    one = [name for name in _ONE_SIDE if name in doc]
+    if one:
+        for name in one:
+            _batch(doc[name], name)
+        return sum(input_tokens(doc[name], bytes_per_token) for name in one)
+    # The first side is paired with every input of the second.
+    first_name = next((k for k in _FIRST_SIDE if k in doc), "query")
+    second_name = next((k for k in _SECOND_SIDE if k in doc), "documents")
+    first, second = doc.get(first_name), doc.get(second_name)
+    n1, n2 = _batch(first, first_name), _batch(second, second_name)
+    first_tokens = input_tokens(first, bytes_per_token)
+    tokens = first_tokens + input_tokens(second, bytes_per_token)
+    if n1 == 1 and n2 > 1:
+        tokens += first_tokens * (n2 - 1)
+    return tokens
+
+
+def render_responses(doc: dict[str, Any]) -> tuple[bytes, int]:
+    """A Responses request's ``instructions`` and ``input`` as :func:`render_chat` renders
+    messages: (bytes to hash, number of non-text parts)."""
+    inp = doc.get("input")
+    instructions = doc.get("instructions")
+    parts: list[str] = []
+    if isinstance(instructions, str):
+        parts.append(f"system\n{instructions}\n\n")
+    if isinstance(inp, str):
+        parts.append(f"user\n{inp}\n\n")
+        return "".join(parts).encode(), 0
+    if not isinstance(inp, list) or not inp:
+        raise _bad("'input' must be a string or a non-empty array", "input", "missing_input")
+    if len(inp) > MAX_INPUT_ITEMS:
+        raise _bad(f"'input' may hold at most {MAX_INPUT_ITEMS} items", "input", "too_many_inputs")
+    media = 0
+    for item in inp:
+        if not isinstance(item, dict):
+            raise _bad("each input item must be an object", "input")
+        role = item.get("role") or item.get("type")
+        parts.append(role if isinstance(role, str) else "")
+        parts.append("\n")
+        content = item.get("content", item.get("output", item.get("arguments")))
+        if isinstance(content, str):
+            parts.append(content)
+        elif isinstance(content, list):
+            for part in content:
+                if isinstance(part, dict) and isinstance(part.get("text"), str):
+                    parts.append(part["text"])
+                else:
+                    media += 1
+        parts.append("\n\n")
+    return "".join(parts).encode(), media
+
+
+#: Responses fields that name state kept inside one engine's memory, which another instance
+#: (or the same one after a restart) does not have.
+_ENGINE_STATE_FIELDS = ("previous_response_id", "background")
+
+
+def _generation(doc: dict[str, Any], kind: str, bytes_per_token: float) -> tuple[bytes, int, int]:
+    """(prompt bytes to hash, estimated prompt tokens, output limit) of a generating route."""
+    exact: int | None = None
+    media = 0
+    if kind == "chat":
+        prompt, media = render_chat(doc.get("messages"))
+        output = _output_tokens(doc)
+    elif kind == "completions":
+        prompt, exact = render_completion(doc.get("prompt"))
+        output = _output_tokens(doc)
+    else:
+        for name in _ENGINE_STATE_FIELDS:
+            if doc.get(name):
+                raise _bad(
+                    f"'{name}' is not served through the edge: a stored response lives in one "
+                    "engine's memory; send the conversation in 'input'",
+                    name,
+                    "unsupported_field",
+                )
+        prompt, media = render_responses(doc)
+        output = _positive_int(doc, "max_output_tokens", DEFAULT_OUTPUT_TOKENS) or 0
+    tokens = exact if exact is not None else int(len(prompt) / bytes_per_token) + 1
+    tokens += media * MEDIA_PART_TOKENS
+    tools = doc.get("tools")
+    if tools:
+        # Tool schemas are rendered into the prompt by the chat template.
+        tokens += int(len(orjson.dumps(tools)) / bytes_per_token)
+    return prompt, tokens, output
+
+
+def _other_tokens(doc: dict[str, Any], kind: str, bytes_per_token: float) -> int:
+    """Estimated prompt tokens of a route that does not generate."""
+    if kind == "detokenize":
+        ids = doc.get("tokens")
+        if not isinstance(ids, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) for t in ids
+        ):
+            raise _bad("'tokens' must be an array of token ids", "tokens", "missing_tokens")
+        if len(ids) > MAX_DETOKENIZE_IDS:
+            raise _bad(f"'tokens' may hold at most {MAX_DETOKENIZE_IDS} ids", "tokens")
+        return len(ids)
+    if kind == "tokenize":
+        if "messages" in doc:
+            return _messages_tokens(doc["messages"], bytes_per_token)
+        text = doc.get("prompt")
+        if not isinstance(text, str):
+            raise _bad("'prompt' (a string) or 'messages' is required", "prompt", "missing_prompt")
+        return _text_tokens(text, bytes_per_token)
+    return _pooling_tokens(doc, bytes_per_token)
+
+
+def parse_request(raw: bytes, *, endpoint: Endpoint, bytes_per_token: float) -> ParsedRequest:
     """Validate the fields the edge needs; leave the rest to the engine."""
     try:
         doc = orjson.loads(raw)
@@ -151,29 +323,24 @@ def parse_request(raw: bytes, *, chat: bool, bytes_per_token: float) -> ParsedRe
     for name in EDGE_ONLY_FIELDS:
         if name in doc:
             raise _bad(f"'{name}' is set by the edge only; remove it", name, "edge_only_field")
-    exact: int | None = None
-    media = 0
-    if chat:
-        prompt, media = render_chat(doc.get("messages"))
+    kind = endpoint.kind
+    if endpoint.generates:
+        prompt, tokens, output = _generation(doc, kind, bytes_per_token)
     else:
-        prompt, exact = render_completion(doc.get("prompt"))
-    tokens = exact if exact is not None else int(len(prompt) / bytes_per_token) + 1
-    tokens += media * MEDIA_PART_TOKENS
+        # Nothing to hash: pooling models' prefix caching is not what placement scores.
+        prompt, tokens, output = b"", _other_tokens(doc, kind, bytes_per_token), 0
     salt = doc.get("cache_salt")
     if salt is not None and not (isinstance(salt, str) and 0 < len(salt) <= MAX_CLIENT_SALT):
         raise _bad(
             f"'cache_salt' must be a non-empty string of at most {MAX_CLIENT_SALT} characters",
             "cache_salt",
         )
-    tools = doc.get("tools")
-    if tools:
-        # Tool schemas are rendered into the prompt by the chat template.
-        tokens += int(len(orjson.dumps(tools)) / bytes_per_token)
-    stream = doc.get("stream") is True
+    stream = doc.get("stream") is True and endpoint.generates
     user = doc.get("user")
     body = raw
     strip = False
-    if stream:
+    if stream and kind != "responses":
+        # The Responses API has no ``include_usage``: its usage is in ``response.completed``.
         opts = doc.get("stream_options")
         if not (isinstance(opts, dict) and opts.get("include_usage") is True):
             opts = dict(opts) if isinstance(opts, dict) else {}
@@ -182,7 +349,7 @@ def parse_request(raw: bytes, *, chat: bool, bytes_per_token: float) -> ParsedRe
             body = orjson.dumps(doc)
             strip = True
     return ParsedRequest(
-        chat=chat,
+        endpoint=endpoint,
         model=model,
         prompt=prompt,
         prompt_tokens=tokens,
@@ -190,7 +357,7 @@ def parse_request(raw: bytes, *, chat: bool, bytes_per_token: float) -> ParsedRe
         body=body,
         strip_usage=strip,
         user=user if isinstance(user, str) and user else None,
-        max_output_tokens=_output_tokens(doc),
+        max_output_tokens=output,
         cache_salt=salt,
     )
 
@@ -213,30 +380,55 @@ def with_cache_salt(req: ParsedRequest, tenant_salt: str | None) -> ParsedReques
     return req
 
 
+def _int(doc: dict[str, Any], *names: str) -> int | None:
+    for name in names:
+        value = doc.get(name)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    return None
+
+
 def usage_numbers(usage: Any) -> tuple[int | None, int | None, int | None]:
-    """(prompt_tokens, cached_tokens, completion_tokens) of an OpenAI ``usage`` object."""
+    """(prompt_tokens, cached_tokens, completion_tokens) of a ``usage`` object: OpenAI's
+    completions names, the Responses API's (``input_tokens``, ``output_tokens``), or a pooling
+    route's (no completion: 0; rerank reports only ``total_tokens``, all of it prompt)."""
     if not isinstance(usage, dict):
         return None, None, None
-    prompt = usage.get("prompt_tokens")
-    completion = usage.get("completion_tokens")
-    details = usage.get("prompt_tokens_details")
-    cached = details.get("cached_tokens") if isinstance(details, dict) else None
-    return (
-        prompt if isinstance(prompt, int) else None,
-        cached if isinstance(cached, int) else None,
-        completion if isinstance(completion, int) else None,
-    )
+    prompt = _int(usage, "prompt_tokens", "input_tokens")
+    completion = _int(usage, "completion_tokens", "output_tokens")
+    details = usage.get("prompt_tokens_details") or usage.get("input_tokens_details")
+    cached = _int(details, "cached_tokens") if isinstance(details, dict) else None
+    if completion is None:
+        total = _int(usage, "total_tokens")
+        if prompt is None and total is not None:
+            prompt, completion = total, 0
+        elif prompt is not None and total is not None and total >= prompt:
+            completion = total - prompt
+    return prompt, cached, completion
 
 
 def body_usage(body: bytes) -> tuple[int | None, int | None, int | None]:
-    """Usage of a non-streamed response; parsed only when the body mentions it."""
-    if b'"usage"' not in body:
+    """Usage of a non-streamed response; parsed only when the body mentions it (``usage``, or
+    Cohere's ``meta.billed_units`` on ``/v2/embed``)."""
+    cohere = b'"billed_units"' in body
+    if b'"usage"' not in body and not cohere:
         return None, None, None
     try:
         doc = orjson.loads(body)
     except orjson.JSONDecodeError:
         return None, None, None
-    return usage_numbers(doc.get("usage") if isinstance(doc, dict) else None)
+    if not isinstance(doc, dict):
+        return None, None, None
+    if "usage" in doc or not cohere:
+        return usage_numbers(doc.get("usage"))
+    meta = doc.get("meta")
+    billed = meta.get("billed_units") if isinstance(meta, dict) else None
+    if not isinstance(billed, dict):
+        return None, None, None
+    inputs = [_int(billed, name) for name in ("input_tokens", "image_tokens")]
+    if all(n is None for n in inputs):
+        return None, None, None
+    return sum(n or 0 for n in inputs), None, 0
 
 
 #: An SSE stream's events end with a blank line; beyond this many bytes without one the tap
@@ -263,6 +455,12 @@ class UsageTap:
         "strip",
     )
 
+    #: The event that ends a whole stream; what counts as a relayed token's event; events that
+    #: carry no token before the first one (a chat stream's role chunk).
+    END: bytes = b"[DONE]"
+    TOKEN_EVENT: bytes = b"data: "
+    OPENING: int = 1
+
     def __init__(self, strip: bool) -> None:
         self.strip = strip
         self.pending = b""
@@ -274,6 +472,11 @@ class UsageTap:
         #: ``data:`` events forwarded: about one per generated token (what a cut stream
         #: relayed, when the engine's usage chunk never came).
         self.events = 0
+
+    @property
+    def relayed_tokens(self) -> int:
+        """Tokens the client got, as far as the events tell (a cut stream's completion)."""
+        return max(self.events - self.OPENING, 0)
 
     def feed(self, chunk: bytes) -> bytes:
         """Bytes to forward now (whole events only; a partial event waits for its end)."""
@@ -290,8 +493,8 @@ class UsageTap:
             return b""
         complete = data[: cut + 2]
         self.pending = data[cut + 2 :]
-        self.events += complete.count(b"data: ")
-        if b"[DONE]" in complete:
+        self.events += complete.count(self.TOKEN_EVENT)
+        if self.END in complete:
             self.done = True
         if b'"usage"' not in complete:
             return complete
@@ -318,3 +521,54 @@ class UsageTap:
             out.append(event)
             out.append(b"\n\n")
         return b"".join(out)
+
+
+#: Events that end a Responses stream (``response.completed`` has the usage, and so do these).
+_RESPONSE_ENDS = frozenset({"response.completed", "response.incomplete", "response.failed"})
+
+
+class ResponsesTap(UsageTap):
+    """A Responses API stream (``event: <type>`` / ``data: {...}`` events, no ``[DONE]``):
+    usage is read from the event that ends it (``response.completed``, ``.incomplete``,
+    ``.failed``, whose ``response`` carries ``usage``), which also marks the stream whole.
+    Nothing is stripped (there is no ``include_usage`` to add). ``first_token_at`` is when the
+    first output text arrived: the stream opens with ``response.created`` before any prefill."""
+
+    __slots__ = ("first_token_at", "relayed_events")
+
+    END = b"event: response.completed\n"
+    TOKEN_EVENT = b"event: response.output_text.delta\n"
+    OPENING = 0
+
+    def __init__(self) -> None:
+        super().__init__(False)
+        self.first_token_at: float | None = None
+        #: Events passed on (the ``sequence_number`` an error event after them takes).
+        self.relayed_events = 0
+
+    def feed(self, chunk: bytes) -> bytes:
+        out = super().feed(chunk)
+        if out:
+            self.relayed_events += out.count(b"event: ")
+            if self.first_token_at is None and self.events:
+                self.first_token_at = time.perf_counter()
+        return out
+
+    def _usage_events(self, complete: bytes) -> bytes:
+        for event in complete.split(b"\n\n")[:-1]:
+            _, sep, data = event.partition(b"data: ")
+            if not sep or b'"usage"' not in data:
+                continue
+            try:
+                doc = orjson.loads(data)
+            except orjson.JSONDecodeError:
+                continue
+            if not isinstance(doc, dict) or doc.get("type") not in _RESPONSE_ENDS:
+                continue
+            self.done = True
+            response = doc.get("response")
+            usage = response.get("usage") if isinstance(response, dict) else None
+            prompt, cached, completion = usage_numbers(usage)
+            self.prompt_tokens, self.cached_tokens = prompt, cached
+            self.completion_tokens = completion
+        return complete

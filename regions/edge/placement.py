@@ -20,7 +20,7 @@ from regions.edge.health import HealthBoard
 from regions.edge.load import LoadBoard
 from regions.edge.observability import CacheView
 from regions.edge.prefix_index import PrefixIndex, SeenPrefixes, block_hashes, root_seed
-from regions.edge.scheduler import Candidate, Decision, RouteRequest, decide
+from regions.edge.scheduler import Candidate, Decision, RouteRequest, decide, decide_unqueued
 from regions.edge.spill import Spill, eligible_remotes
 from regions.edge.split import SplitCounts, planned_remote, split_point
 
@@ -122,6 +122,14 @@ class Placement:
                 )
             )
         return out
+
+    def place_unqueued(self, model: str, exclude: frozenset[str]) -> Decision:
+        """An instance for a call that takes no slot and never waits (``scheduler.py``,
+        :func:`~regions.edge.scheduler.decide_unqueued`)."""
+        self.turn += 1
+        return decide_unqueued(
+            self.candidates(model, (), time.monotonic()), model, exclude, self.turn
+        )
 
     async def place(
         self,

@@ -69,8 +69,13 @@ class Recorder:
         cached: int | None,
     ) -> None:
         """An instance's answer: its status, times and what the engine reported of the prompt
-        (``prompt``/``cached`` tokens, None when it did not say)."""
+        (``prompt``/``cached`` tokens, None when it did not say). A tokenizer call's times are
+        not an inference's: only its status is counted."""
         ctx.status = status
+        if not ctx.req.endpoint.queued:
+            statuses = self.metrics.series(ctx.req.model, instance).statuses
+            statuses[status] = statuses.get(status, 0) + 1
+            return
         ctx.ttft_s = ttft
         ctx.prompt_tokens = prompt
         ctx.cached_tokens = cached
@@ -89,6 +94,7 @@ class Recorder:
             and ttft is not None
             and status == 200
             and ctx.req.stream
+            and ctx.req.endpoint.kind != "responses"
             and winner is not None
             and winner.instance == instance
             and not winner.wait
@@ -113,9 +119,10 @@ class Recorder:
         inst = ctx.served_by
         # An engine's refusal (4xx) is not usage; a stream cut after tokens reached the client
         # is, for what was relayed.
-        relayed = ctx.tap is not None and ctx.tap.events > 1
+        relayed = ctx.tap is not None and ctx.tap.relayed_tokens > 0
         delivered = 0 < ctx.status < 400 or (ctx.status >= 500 and relayed)
-        if inst is None or not (delivered or cancelled):
+        # The tokenizer's calls report no usage: not metered, nothing held.
+        if inst is None or not (delivered or cancelled) or not ctx.req.endpoint.metered:
             if ctx.hold is not None:
                 self.budgets.release(ctx.hold)
             return
@@ -176,5 +183,5 @@ def _tokens(ctx: RequestContext) -> Tokens:
     if prompt is not None and used is not None:
         return Tokens(prompt, min(ctx.cached_tokens or 0, prompt), used - prompt, True)
     # The role chunk that opens a chat stream carries no token.
-    relayed = max(ctx.tap.events - 1, 0) if ctx.tap is not None else 0
+    relayed = ctx.tap.relayed_tokens if ctx.tap is not None else 0
     return Tokens(ctx.req.prompt_tokens, 0, relayed, False)

@@ -14,10 +14,15 @@ import time
 from typing import Any
 
 from regions.edge.context import RequestContext
-from regions.edge.errors import EdgeError, UpstreamFailure, sse_error_event
+from regions.edge.errors import (
+    EdgeError,
+    UpstreamFailure,
+    responses_error_event,
+    sse_error_event,
+)
 from regions.edge.health import HealthBoard
 from regions.edge.observability import EdgeMetrics, server_timing
-from regions.edge.parse import UsageTap, body_usage
+from regions.edge.parse import ResponsesTap, UsageTap, body_usage
 from regions.edge.record import Recorder
 from regions.edge.route import remote_route, route_header
 from regions.edge.scheduler import Decision
@@ -31,6 +36,7 @@ log = logging.getLogger("fedinfer.edge")
 JSON = b"application/json"
 _SSE = b"text/event-stream"
 _ROUTE = b"x-fedinfer-route"
+_CUT = "upstream_stream_cut"
 
 
 def may_retry(exc: UpstreamError) -> bool:
@@ -119,8 +125,12 @@ class Relay:
         ctype: bytes,
         ctx: RequestContext,
     ) -> bool:
-        """Pass the SSE stream through; True when it ended cleanly with ``[DONE]``."""
-        tap = ctx.tap = UsageTap(ctx.req.strip_usage)
+        """Pass the SSE stream through; True when it ended cleanly (``[DONE]``; a Responses
+        stream: ``response.completed``)."""
+        req = ctx.req
+        tap = ctx.tap = (
+            ResponsesTap() if req.endpoint.kind == "responses" else UsageTap(req.strip_usage)
+        )
         # Hold the response headers until the first bytes arrive, so a failure before then can
         # still be retried on another instance.
         first = b""
@@ -171,6 +181,9 @@ class Relay:
         await send({"type": "http.response.body", "body": tap.pending})
         if tap.prompt_tokens is not None and tap.completion_tokens is not None:
             ctx.used_tokens = tap.prompt_tokens + tap.completion_tokens
+        if isinstance(tap, ResponsesTap) and tap.first_token_at is not None:
+            # A Responses stream opens before its prefill: its first token is the first text.
+            ttft = tap.first_token_at - ctx.arrived
         self.health.success(inst.id)
         self.recorder.served(
             ctx, decision, inst.id, 200, ttft, tap.prompt_tokens, tap.cached_tokens
@@ -186,9 +199,12 @@ class Relay:
         log.warning("instance %s failed mid-stream: %s", inst.id, failure)
         message = "the engine failed mid-stream; the response is incomplete"
         ctx.complete = True
-        await ctx.send(
-            {"type": "http.response.body", "body": sse_error_event(message, "upstream_stream_cut")}
-        )
+        tap = ctx.tap
+        if isinstance(tap, ResponsesTap):
+            event = responses_error_event(message, _CUT, tap.relayed_events)
+        else:
+            event = sse_error_event(message, _CUT)
+        await ctx.send({"type": "http.response.body", "body": event})
         self.recorder.served(ctx, decision, inst.id, 502, ttft, None, None)
 
     async def remote(
@@ -250,12 +266,11 @@ class Relay:
             ctx.complete = True
             log.warning("remote region %s failed mid-stream: %s", remote.code, exc)
             message = f"region {remote.code} failed mid-stream; the response is incomplete"
-            await send(
-                {
-                    "type": "http.response.body",
-                    "body": sse_error_event(message, "upstream_stream_cut"),
-                }
-            )
+            if ctx.req.endpoint.kind == "responses":
+                event = responses_error_event(message, _CUT, None)
+            else:
+                event = sse_error_event(message, _CUT)
+            await send({"type": "http.response.body", "body": event})
             return 502
         ctx.complete = True
         await send({"type": "http.response.body", "body": b""})

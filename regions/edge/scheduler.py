@@ -232,3 +232,28 @@ def _best(scored: Sequence[Scored]) -> Scored | None:
         if best is None or s.ttft_s < best.ttft_s:
             best = s
     return best
+
+
+def decide_unqueued(
+    candidates: Sequence[Candidate], model: str, exclude: frozenset[str], turn: int = 0
+) -> Decision:
+    """An instance for a call that takes no slot (``/tokenize``, ``/detokenize``): any ready,
+    healthy instance serving ``model``, whatever its role and however full, the least loaded
+    (outstanding per slot; ties rotate with ``turn``). Its terms are zero: nothing is queued
+    or prefilled. Reason ``unqueued``; without a winner the same reasons as :func:`decide`."""
+    feasible: list[Candidate] = []
+    any_model = False
+    for c in candidates:
+        if not serves(c, model):
+            continue
+        any_model = True
+        if c.state == "ready" and c.healthy and c.id not in exclude:
+            feasible.append(c)
+    if not feasible:
+        return Decision(None, None, "no_healthy_instance" if any_model else "unknown_model")
+    n = len(feasible)
+    start = turn % n
+    order = feasible[start:] + feasible[:start]
+    ranked = sorted(order, key=lambda c: c.outstanding / c.max_concurrency)
+    picked = [Scored(c.id, 0.0, 0.0, 0.0, 0, c.outstanding) for c in ranked[:2]]
+    return Decision(picked[0], picked[1] if n > 1 else None, "unqueued")

@@ -35,6 +35,7 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 
 from regions.edge.config import TracingConfig
 from regions.edge.context import AdmitStage, RequestContext
+from regions.edge.endpoints import Endpoint
 from regions.edge.scheduler import Decision
 from regions.edge.server import Message, Receive, Scope, Send
 
@@ -110,14 +111,14 @@ class EdgeTracer:
         answer, a refusal included, then passes :meth:`RequestTrace.send`."""
 
         async def traced(
-            scope: Scope, receive: Receive, send: Send, chat: bool
+            scope: Scope, receive: Receive, send: Send, endpoint: Endpoint
         ) -> RequestContext | None:
             arrived = time.perf_counter()
             incoming = next((v for k, v in scope["headers"] if k == b"traceparent"), None)
             spans = self.start(
                 incoming.decode("latin-1") if incoming else None, arrived, scope["path"], send
             )
-            ctx = await admit(scope, receive, spans.send, chat)
+            ctx = await admit(scope, receive, spans.send, endpoint)
             if ctx is None:  # refused (the status passed spans.send), or the client left
                 spans.close(0, {"fedinfer.client_gone": not spans.status})
                 return None

@@ -30,6 +30,7 @@ from federation.routing.compiler import compile_fleet_tables
 from federation.routing.selectors import fleet_snapshot
 from federation.tenancy.models import Tenant
 from federation.tenancy.services import api_key_create
+from regions.edge.endpoints import CHAT
 from regions.edge.parse import parse_request
 from regions.edge.prefix_index import BYTES_PER_TOKEN
 from regions.supervisor import wait_until
@@ -75,7 +76,7 @@ def body(i: int) -> bytes:
 
 def worst_case(raw: bytes) -> Decimal:
     """What the edge holds for the request: its prompt estimate and max_tokens at the price."""
-    req = parse_request(raw, chat=True, bytes_per_token=BYTES_PER_TOKEN)
+    req = parse_request(raw, endpoint=CHAT, bytes_per_token=BYTES_PER_TOKEN)
     return request_price(
         PRICE,
         prompt_tokens=req.prompt_tokens,

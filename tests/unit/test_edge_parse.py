@@ -5,6 +5,7 @@ from __future__ import annotations
 import orjson
 import pytest
 
+from regions.edge.endpoints import CHAT, COMPLETIONS
 from regions.edge.errors import EdgeError
 from regions.edge.parse import (
     DEFAULT_OUTPUT_TOKENS,
@@ -33,7 +34,7 @@ def test_chat_request_renders_the_messages_in_order() -> None:
             ],
             user="u-1",
         ),
-        chat=True,
+        endpoint=CHAT,
         bytes_per_token=4.0,
     )
     assert p.model == "m" and p.prompt == b"system\nS\n\nuser\nU\n\n"
@@ -43,22 +44,26 @@ def test_chat_request_renders_the_messages_in_order() -> None:
 
 def test_non_streaming_body_is_forwarded_untouched() -> None:
     raw = chat()
-    assert parse_request(raw, chat=True, bytes_per_token=4.0).body is raw
+    assert parse_request(raw, endpoint=CHAT, bytes_per_token=4.0).body is raw
 
 
 def test_stream_gets_include_usage_and_remembers_to_strip_it() -> None:
-    p = parse_request(chat(stream=True), chat=True, bytes_per_token=4.0)
+    p = parse_request(chat(stream=True), endpoint=CHAT, bytes_per_token=4.0)
     assert p.stream and p.strip_usage
     assert orjson.loads(p.body)["stream_options"] == {"include_usage": True}
     raw = chat(stream=True, stream_options={"include_usage": True})
-    asked = parse_request(raw, chat=True, bytes_per_token=4.0)
+    asked = parse_request(raw, endpoint=CHAT, bytes_per_token=4.0)
     assert asked.body is raw and not asked.strip_usage
 
 
 def test_completion_prompts() -> None:
-    text = parse_request(b'{"model":"m","prompt":"abcd"}', chat=False, bytes_per_token=4.0)
+    text = parse_request(
+        b'{"model":"m","prompt":"abcd"}', endpoint=COMPLETIONS, bytes_per_token=4.0
+    )
     assert text.prompt == b"abcd"
-    ids = parse_request(b'{"model":"m","prompt":[1,2,3]}', chat=False, bytes_per_token=4.0)
+    ids = parse_request(
+        b'{"model":"m","prompt":[1,2,3]}', endpoint=COMPLETIONS, bytes_per_token=4.0
+    )
     assert ids.prompt_tokens == 3 and len(ids.prompt) == 12
 
 
@@ -79,7 +84,7 @@ def test_bad_requests_are_400_with_a_reason(
     raw: bytes, chat_: bool, code: str, param: str | None
 ) -> None:
     with pytest.raises(EdgeError) as info:
-        parse_request(raw, chat=chat_, bytes_per_token=4.0)
+        parse_request(raw, endpoint=CHAT if chat_ else COMPLETIONS, bytes_per_token=4.0)
     assert info.value.status == 400
     assert info.value.code == code and info.value.param == param
     err = orjson.loads(info.value.body())["error"]
@@ -144,43 +149,43 @@ def test_fields_only_the_edge_may_set_are_refused(field: str) -> None:
         (orjson.dumps({"model": "m", "prompt": "x", field: 1}), False),
     ):
         with pytest.raises(EdgeError) as info:
-            parse_request(raw, chat=chat_, bytes_per_token=4.0)
+            parse_request(raw, endpoint=CHAT if chat_ else COMPLETIONS, bytes_per_token=4.0)
         assert (info.value.status, info.value.code, info.value.param) == (
             400, "edge_only_field", field,
         )  # fmt: skip
 
 
 def test_cost_counts_every_choice_and_the_output_limit() -> None:
-    plain = parse_request(chat(max_tokens=100), chat=True, bytes_per_token=4.0)
+    plain = parse_request(chat(max_tokens=100), endpoint=CHAT, bytes_per_token=4.0)
     assert plain.max_output_tokens == 100
     assert plain.cost_tokens == plain.prompt_tokens + 100
-    n4 = parse_request(chat(max_tokens=100, n=4), chat=True, bytes_per_token=4.0)
+    n4 = parse_request(chat(max_tokens=100, n=4), endpoint=CHAT, bytes_per_token=4.0)
     assert n4.max_output_tokens == 400
-    newer = parse_request(chat(max_completion_tokens=50, n=2), chat=True, bytes_per_token=4.0)
+    newer = parse_request(chat(max_completion_tokens=50, n=2), endpoint=CHAT, bytes_per_token=4.0)
     assert newer.max_output_tokens == 100
     best = parse_request(
         orjson.dumps({"model": "m", "prompt": "x", "best_of": 3, "max_tokens": 10}),
-        chat=False,
+        endpoint=COMPLETIONS,
         bytes_per_token=4.0,
     )
     assert best.max_output_tokens == 30
-    unlimited = parse_request(chat(), chat=True, bytes_per_token=4.0)
+    unlimited = parse_request(chat(), endpoint=CHAT, bytes_per_token=4.0)
     assert unlimited.max_output_tokens == DEFAULT_OUTPUT_TOKENS
 
 
 def test_cost_counts_images_and_tool_schemas_in_the_prompt() -> None:
-    text_only = parse_request(chat(), chat=True, bytes_per_token=4.0)
+    text_only = parse_request(chat(), endpoint=CHAT, bytes_per_token=4.0)
     image = {"type": "image_url", "image_url": {"url": "data:image/png;base64," + "A" * 9000}}
     with_images = parse_request(
         chat(
             messages=[{"role": "user", "content": [{"type": "text", "text": "hi"}, image, image]}]
         ),
-        chat=True,
+        endpoint=CHAT,
         bytes_per_token=4.0,
     )
     assert with_images.prompt_tokens == text_only.prompt_tokens + 2 * MEDIA_PART_TOKENS
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"a": "b" * 400}}}]
-    with_tools = parse_request(chat(tools=tools), chat=True, bytes_per_token=4.0)
+    with_tools = parse_request(chat(tools=tools), endpoint=CHAT, bytes_per_token=4.0)
     assert with_tools.prompt_tokens >= text_only.prompt_tokens + 100
 
 
@@ -190,26 +195,26 @@ def test_cost_counts_images_and_tool_schemas_in_the_prompt() -> None:
 )
 def test_bad_output_limits_are_refused(extra: dict[str, object]) -> None:
     with pytest.raises(EdgeError) as info:
-        parse_request(chat(**extra), chat=True, bytes_per_token=4.0)
+        parse_request(chat(**extra), endpoint=CHAT, bytes_per_token=4.0)
     assert info.value.status == 400
 
 
 def test_cache_salts_are_namespaced_so_no_client_can_take_a_tenants() -> None:
-    plain = parse_request(chat(), chat=True, bytes_per_token=4.0)
+    plain = parse_request(chat(), endpoint=CHAT, bytes_per_token=4.0)
     assert with_cache_salt(plain, None) is plain and plain.cache_salt is None  # untouched
-    tenant = with_cache_salt(parse_request(chat(), chat=True, bytes_per_token=4.0), "T")
+    tenant = with_cache_salt(parse_request(chat(), endpoint=CHAT, bytes_per_token=4.0), "T")
     assert tenant.cache_salt == "t:T" and orjson.loads(tenant.body)["cache_salt"] == "t:T"
     both = with_cache_salt(
-        parse_request(chat(cache_salt="u1"), chat=True, bytes_per_token=4.0), "T"
+        parse_request(chat(cache_salt="u1"), endpoint=CHAT, bytes_per_token=4.0), "T"
     )
     assert both.cache_salt == "t:T:u1"
     forged = with_cache_salt(
-        parse_request(chat(cache_salt="t:T"), chat=True, bytes_per_token=4.0), None
+        parse_request(chat(cache_salt="t:T"), endpoint=CHAT, bytes_per_token=4.0), None
     )
     assert forged.cache_salt == "c:t:T"  # never equal to a tenant's salt
     for bad in ("", 7, "x" * 961):
         with pytest.raises(EdgeError):
-            parse_request(chat(cache_salt=bad), chat=True, bytes_per_token=4.0)
+            parse_request(chat(cache_salt=bad), endpoint=CHAT, bytes_per_token=4.0)
 
 
 def test_an_event_that_never_ends_stops_the_framing_but_not_the_bytes() -> None:

@@ -13,11 +13,13 @@ import pytest
 from regions.edge.admission import Admission
 from regions.edge.budget import Budgets
 from regions.edge.context import RequestContext
+from regions.edge.endpoints import CHAT, TOKENIZE
 from regions.edge.load import LoadBoard
 from regions.edge.metering import Meter, MeteringConfig
 from regions.edge.observability import EdgeMetrics
 from regions.edge.parse import UsageTap, parse_request
 from regions.edge.record import Recorder
+from regions.edge.scheduler import Decision, Scored
 from regions.tables.schema import Instance
 from regions.tables.usage import decode_record
 
@@ -45,7 +47,7 @@ def ctx(model: str = "llama", stream: bool = False, **kw: Any) -> RequestContext
         model.encode(),
         b', "stream": true' if stream else b"",
     )
-    req = parse_request(body, chat=True, bytes_per_token=4.0)
+    req = parse_request(body, endpoint=CHAT, bytes_per_token=4.0)
     fields: dict[str, Any] = {"served_by": INST, **kw}
     return RequestContext(req=req, send=None, traceparent="", arrived=time.perf_counter(), **fields)  # type: ignore[arg-type]
 
@@ -98,3 +100,21 @@ def test_a_full_spool_refuses_or_drops_by_policy(tmp_path: Path) -> None:
             recorder.finished(ctx(status=200, prompt_tokens=1, used_tokens=2))
     assert refuse.refuses() and refuse.recorded == 3  # admitted requests are still recorded
     assert not serve.refuses() and (serve.recorded, serve.dropped) == (1, 2)
+
+
+def test_a_tokenizer_call_counts_its_status_but_no_times_and_no_usage(
+    recorder: Recorder,
+) -> None:
+    body = b'{"model": "llama", "prompt": "hello there"}'
+    req = parse_request(body, endpoint=TOKENIZE, bytes_per_token=4.0)
+    c = RequestContext(
+        req=req, send=None, traceparent="", arrived=time.perf_counter(), served_by=INST
+    )  # type: ignore[arg-type]
+    decision = Decision(Scored("us-1", 0.0, 0.0, 0.0, 0, 0), None, "unqueued")
+    recorder.served(c, decision, "us-1", 200, 0.001, None, None)
+    series = recorder.metrics.series("llama", "us-1")
+    assert series.statuses == {200: 1}
+    assert sum(series.ttft.counts) == sum(series.e2e.counts) == 0
+    assert c.ttft_s is None
+    recorder.finished(c)
+    assert recorded(recorder) == []

@@ -1,9 +1,11 @@
 """Capture a real vLLM server's responses, byte for byte, into ``tests/fixtures/vllm/``.
 
 The simulator and the edge test their formats and parsers against these captures. Start one
-server as ``docs/real-vllm.md`` says, then (project venv):
+server as ``docs/real-vllm.md`` says (and, for the pooling routes, a second one with
+``--runner pooling``), then (project venv):
 
-    .venv/bin/python tests/vllm/capture_fixtures.py http://127.0.0.1:PORT tests/fixtures/vllm
+    .venv/bin/python tests/vllm/capture_fixtures.py http://127.0.0.1:PORT tests/fixtures/vllm \
+        [http://127.0.0.1:POOLING_PORT]
 
 Each body is written exactly as received; ``index.json`` records, per file, the request that
 produced it, the status code and the response's content type.
@@ -15,6 +17,7 @@ import json
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -69,9 +72,11 @@ def chat_body(user: str, *, system: str | None = None, **extra: Any) -> dict[str
     }
 
 
-def capture(base_url: str, out: Path) -> dict[str, Any]:
-    out.mkdir(parents=True, exist_ok=True)
-    index: dict[str, Any] = {}
+Recorder = Callable[..., bytes]
+
+
+def recorder(base_url: str, out: Path, index: dict[str, Any]) -> Recorder:
+    """``record(name, method, path, body, want)``: one request's answer into ``out/name``."""
 
     def record(name: str, method: str, path: str, body: dict[str, Any] | None, want: int) -> bytes:
         with httpx.Client(base_url=base_url, timeout=120.0) as client:
@@ -87,6 +92,33 @@ def capture(base_url: str, out: Path) -> dict[str, Any]:
         }
         return raw
 
+    return record
+
+
+def capture_routes(
+    base_url: str, pooling_url: str | None, out: Path, index: dict[str, Any]
+) -> None:
+    """The routes beyond completions: Responses (whole, streamed) and the tokenizer's from the
+    generating server; embeddings, pooling, score and rerank from a ``--runner pooling`` one."""
+    record = recorder(base_url, out, index)
+    ask = {"model": MODEL, "input": "Say hello.", "max_output_tokens": 8, "temperature": 0}
+    record("responses.json", "POST", "/v1/responses", ask, 200)
+    record("responses_stream.txt", "POST", "/v1/responses", {**ask, "stream": True}, 200)
+    record("tokenize.json", "POST", "/tokenize", {"model": MODEL, "prompt": "The edge routes"}, 200)
+    record("detokenize.json", "POST", "/detokenize", {"model": MODEL, "tokens": [450, 7636]}, 200)
+    if pooling_url is None:
+        return
+    pool = recorder(pooling_url, out, index)
+    pool("embeddings.json", "POST", "/v1/embeddings", {"model": MODEL, "input": ["a", "b c"]}, 200)
+    pool("pooling.json", "POST", "/pooling", {"model": MODEL, "input": "a"}, 200)
+    pool("score.json", "POST", "/score", {"model": MODEL, "text_1": "q", "text_2": ["a", "b"]}, 200)
+    pool("rerank.json", "POST", "/rerank", {"model": MODEL, "query": "q", "documents": ["a"]}, 200)
+
+
+def capture(base_url: str, out: Path, pooling_url: str | None = None) -> dict[str, Any]:
+    out.mkdir(parents=True, exist_ok=True)
+    index: dict[str, Any] = {}
+    record = recorder(base_url, out, index)
     record("health.txt", "GET", "/health", None, 200)
     record("models.json", "GET", "/v1/models", None, 200)
     record("chat.json", "POST", "/v1/chat/completions", chat_body("Say hello."), 200)
@@ -169,6 +201,7 @@ def capture(base_url: str, out: Path) -> dict[str, Any]:
     details = json.loads(cached)["usage"]["prompt_tokens_details"]
     if not details or not details["cached_tokens"]:
         raise RuntimeError(f"repeated prefix was not served from the prefix cache: {details}")
+    capture_routes(base_url, pooling_url, out, index)
     record("metrics.txt", "GET", "/metrics", None, 200)
     capture_busy_metrics(base_url, out, index)
     (out / "index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
@@ -217,9 +250,10 @@ def capture_busy_metrics(base_url: str, out: Path, index: dict[str, Any]) -> Non
 
 
 def main(argv: list[str]) -> None:
-    if len(argv) != 2:
-        raise SystemExit("usage: capture_fixtures.py BASE_URL OUTDIR")
-    index = capture(argv[0].rstrip("/"), Path(argv[1]))
+    if len(argv) not in (2, 3):
+        raise SystemExit("usage: capture_fixtures.py BASE_URL OUTDIR [POOLING_URL]")
+    pooling = argv[2].rstrip("/") if len(argv) == 3 else None
+    index = capture(argv[0].rstrip("/"), Path(argv[1]), pooling)
     for name, entry in index.items():
         print(f"{entry['status']} {name}")
 

@@ -11,12 +11,14 @@ import os
 import subprocess
 import sys
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from tests.vllm.servers import (
     EDGE_REGION,
+    POOLING_ARGS,
     ROOT,
     EdgeProcess,
     VllmServer,
@@ -41,24 +43,48 @@ def tiny_model() -> Path:
     return model_dir
 
 
+@dataclass
+class VllmServers:
+    """The session's servers: two generating ones, and one ``--runner pooling`` (embeddings,
+    score, rerank) serving :data:`POOLING_MODEL`."""
+
+    pair: tuple[VllmServer, VllmServer]
+    pooling: VllmServer
+
+
 @pytest.fixture(scope="session")
-def vllm_pair(tiny_model: Path) -> Iterator[tuple[VllmServer, VllmServer]]:
-    """Two real vLLM servers, one core each, started together and waited for together."""
+def vllm_servers(tiny_model: Path) -> Iterator[VllmServers]:
+    """Every server of the session, started together and waited for together (three took
+    224 s on this 2-core machine, two 177 s; one started after the others adds its whole
+    start, ~2 min)."""
     if not vllm_python().exists():
         raise FileNotFoundError(f"{vllm_python()} is missing: run `make vllm-env`")
     cpus = sorted(os.sched_getaffinity(0))
     servers = [
         start_server("vllm-a", tiny_model, cpus[0]),
         start_server("vllm-b", tiny_model, cpus[-1]),
+        start_server("vllm-pool", tiny_model, cpus[0], POOLING_ARGS),
     ]
     try:
         wait_healthy(servers)
         for server in servers:
             print(f"{server.name} healthy after {server.healthy_after_s:.1f} s", file=sys.stderr)
-        yield servers[0], servers[1]
+        yield VllmServers((servers[0], servers[1]), servers[2])
     finally:
         for server in servers:
             server.stop()
+
+
+@pytest.fixture(scope="session")
+def vllm_pair(vllm_servers: VllmServers) -> tuple[VllmServer, VllmServer]:
+    """Two real vLLM servers, one core each."""
+    return vllm_servers.pair
+
+
+@pytest.fixture(scope="session")
+def vllm_pooling(vllm_servers: VllmServers) -> VllmServer:
+    """A real vLLM server with ``--runner pooling`` (the tiny model as an embedding model)."""
+    return vllm_servers.pooling
 
 
 @pytest.fixture(scope="session")

@@ -60,6 +60,12 @@ def server_argv(model_dir: Path, port: int) -> list[str]:
     ]
 
 
+#: The tiny model as an embedding model: vLLM's pooling runner (``/v1/embeddings``, ``/pooling``,
+#: ``/score``, ``/rerank``; no generation), under its own name.
+POOLING_MODEL = "tiny-llama-embed"
+POOLING_ARGS = ("--runner", "pooling", "--served-model-name", POOLING_MODEL)
+
+
 def server_env(cpu: int) -> dict[str, str]:
     env = dict(os.environ)
     env.update(

@@ -14,7 +14,7 @@ import asyncio
 import logging
 import random
 import time
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,17 +28,30 @@ from regions.engines.simulator.engine import (
     SimEngine,
 )
 from regions.engines.simulator.faults import Fate
+from regions.engines.simulator.http import (
+    JSON_HEADERS,
+    SSE_HEADERS,
+    ApiError,
+    Disconnected,
+    Receive,
+    Scope,
+    Send,
+    bad_request,
+    bool_field,
+    int_field,
+    json_body,
+    send_json,
+    send_raw_json,
+    send_text,
+    until_disconnect,
+    validation_error,
+)
 from regions.engines.simulator.kv_transfer import READ_PATH, request_params
+from regions.engines.simulator.pooling import PoolingApi
+from regions.engines.simulator.responses import ResponsesFormatter, responses_messages
 from regions.engines.simulator.scheduler import Request, Status
 from regions.engines.simulator.tokenizer import MAX_CHARS_PER_TOKEN
 
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
-
-JSON_HEADERS = [(b"content-type", b"application/json")]
-SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8")]
 DONE = b"data: [DONE]\n\n"
 CUT_MESSAGE = "ASGI callable returned without completing response."
 
@@ -63,55 +76,6 @@ class CutConnectionFilter(logging.Filter):
 CUT_FILTER = CutConnectionFilter()
 
 
-class ApiError(Exception):
-    """An error response in vLLM's shape."""
-
-    def __init__(self, status: int, message: str, err_type: str, param: str | None = None):
-        super().__init__(message)
-        self.status = status
-        self.body = {
-            "error": {"message": message, "type": err_type, "param": param, "code": status}
-        }
-
-
-def _validation_error(kind: str, loc: str, msg: str, value: Any) -> ApiError:
-    """FastAPI/pydantic request validation failure, formatted as vLLM's handler does."""
-    if isinstance(value, list | tuple | dict | set):
-        shown: Any = f"<{type(value).__name__} of {len(value)} items>"
-    else:
-        shown = value
-    detail = {"type": kind, "loc": loc, "msg": msg, "input": shown}
-    return ApiError(400, f"1 validation error:\n  {detail}", "Bad Request", loc)
-
-
-def _bad_request(message: str, param: str | None = None) -> ApiError:
-    if param is not None:
-        message = f"{message} (parameter={param})"
-    return ApiError(400, message, "BadRequestError", param)
-
-
-def _int_field(body: dict[str, Any], name: str) -> int | None:
-    value = body.get(name)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise _validation_error(
-            "int_type", f"body.{name}", "Input should be a valid integer", value
-        )
-    return value
-
-
-def _bool_field(body: dict[str, Any], name: str, default: bool) -> bool:
-    value = body.get(name, default)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise _validation_error(
-            "bool_type", f"body.{name}", "Input should be a valid boolean", value
-        )
-    return value
-
-
 @dataclass(frozen=True, slots=True)
 class _Generation:
     """A chat or completions request once its endpoint's own fields are read: what the path
@@ -127,6 +91,8 @@ class _Generation:
     max_tokens: int | None
     max_tokens_param: str
     chat: bool
+    #: A Responses API request (``responses.py`` formats its answer).
+    responses: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,16 +106,16 @@ class _ResponseShape:
 
 def _response_shape(body: dict[str, Any]) -> _ResponseShape:
     """``n``, ``stream`` and ``stream_options``, checked as vLLM checks them."""
-    n = _int_field(body, "n")
+    n = int_field(body, "n")
     if n is not None and n != 1:
-        raise _bad_request("the simulator generates one choice per request (n=1)", "n")
-    stream = _bool_field(body, "stream", False)
+        raise bad_request("the simulator generates one choice per request (n=1)", "n")
+    stream = bool_field(body, "stream", False)
     options = body.get("stream_options")
     if options is not None:
         if not stream:
-            raise _bad_request("Stream options can only be defined when `stream=True`.")
+            raise bad_request("Stream options can only be defined when `stream=True`.")
         if not isinstance(options, dict):
-            raise _validation_error(
+            raise validation_error(
                 "model_type", "body.stream_options", "Input should be an object", options
             )
     include_usage = bool(options and options.get("include_usage"))
@@ -164,7 +130,7 @@ def _cache_salt(body: dict[str, Any]) -> str | None:
         return None
     if isinstance(value, str) and 0 < len(value) <= 1024:
         return value
-    raise _validation_error(
+    raise validation_error(
         "string_type", "body.cache_salt", "Input should be a valid string", value
     )
 
@@ -174,7 +140,7 @@ def _kv_transfer_params(body: dict[str, Any]) -> dict[str, Any] | None:
     try:
         return request_params(body)
     except ValueError:
-        raise _validation_error(
+        raise validation_error(
             "dict_type",
             "body.kv_transfer_params",
             "Input should be a valid dictionary",
@@ -200,7 +166,10 @@ class EngineApp:
             "/reset_prefix_cache": ("POST", self.reset_prefix_cache),
             "/admin/faults": ("*", self.admin_faults),
             READ_PATH: ("POST", self.kv_read),
+            "/v1/responses": ("POST", self.responses),
         }
+        for path, handler in PoolingApi(engine, self._model).routes().items():
+            self.routes[path] = ("POST", handler)
         names = engine.served_model_names
         self._model_json = {name: orjson.dumps(name).decode() for name in names}
 
@@ -216,16 +185,16 @@ class EngineApp:
             return
         route = self.routes.get(scope["path"])
         if route is None:
-            await _send_json(send, 404, {"detail": "Not Found"})
+            await send_json(send, 404, {"detail": "Not Found"})
             return
         method, handler = route
         if method != "*" and scope["method"] != method:
-            await _send_json(send, 405, {"detail": "Method Not Allowed"})
+            await send_json(send, 405, {"detail": "Method Not Allowed"})
             return
         try:
             await handler(scope, receive, send)
         except ApiError as err:
-            await _send_json(send, err.status, err.body)
+            await send_json(send, err.status, err.body)
 
     # -- simple endpoints ----------------------------------------------------------------
 
@@ -236,7 +205,7 @@ class EngineApp:
         await send({"type": "http.response.body", "body": b""})
 
     async def version(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await _send_json(send, 200, {"version": VLLM_VERSION})
+        await send_json(send, 200, {"version": VLLM_VERSION})
 
     async def metrics(self, scope: Scope, receive: Receive, send: Send) -> None:
         body = self.engine.metrics_text()
@@ -255,26 +224,26 @@ class EngineApp:
             _model_card(name, path, engine.served_model_names[0], None, created)
             for name, path in engine.loras.items()
         ]
-        await _send_json(send, 200, {"object": "list", "data": cards})
+        await send_json(send, 200, {"object": "list", "data": cards})
 
     async def reset_prefix_cache(self, scope: Scope, receive: Receive, send: Send) -> None:
         """vLLM's dev endpoint (benchmarks start cold): 200 either way; the cache is only
         dropped when no request holds blocks, as in vLLM."""
         self.engine.kv.reset_prefix_cache()
-        await _send_text(send, 200, "")
+        await send_text(send, 200, "")
 
     async def kv_read(self, scope: Scope, receive: Receive, send: Send) -> None:
         """Simulator side channel (``kv_transfer.py``): a decode engine reads a held prefill's
         blocks; 404 when this engine holds nothing under that id (expired, or restarted)."""
-        body = await _json_body(scope, receive)
+        body = await json_body(scope, receive)
         tokens = self.engine.read_held(body.get("remote_engine_id"), body.get("remote_request_id"))
         if tokens is None:
-            await _send_json(send, 404, {"detail": "no such held request"})
+            await send_json(send, 404, {"detail": "no such held request"})
             return
-        await _send_json(send, 200, {"num_tokens": tokens})
+        await send_json(send, 200, {"num_tokens": tokens})
 
     async def load_lora(self, scope: Scope, receive: Receive, send: Send) -> None:
-        body = await _json_body(scope, receive)
+        body = await json_body(scope, receive)
         name, path = body.get("lora_name"), body.get("lora_path")
         if not name or not path or not isinstance(name, str) or not isinstance(path, str):
             raise ApiError(
@@ -295,10 +264,10 @@ class EngineApp:
                 "InvalidUserInput",
             )
         engine.load_lora(name, path)
-        await _send_text(send, 200, f"Success: LoRA adapter '{name}' added successfully.")
+        await send_text(send, 200, f"Success: LoRA adapter '{name}' added successfully.")
 
     async def unload_lora(self, scope: Scope, receive: Receive, send: Send) -> None:
-        body = await _json_body(scope, receive)
+        body = await json_body(scope, receive)
         name = body.get("lora_name")
         if not name or not isinstance(name, str):
             raise ApiError(
@@ -309,13 +278,13 @@ class EngineApp:
         if name not in self.engine.loras:
             raise ApiError(404, f"The lora adapter '{name}' cannot be found.", "NotFoundError")
         del self.engine.loras[name]
-        await _send_text(send, 200, f"Success: LoRA adapter '{name}' removed successfully.")
+        await send_text(send, 200, f"Success: LoRA adapter '{name}' removed successfully.")
 
     async def admin_faults(self, scope: Scope, receive: Receive, send: Send) -> None:
         engine = self.engine
         kill = False
         if scope["method"] == "POST":
-            body = await _json_body(scope, receive)
+            body = await json_body(scope, receive)
             update = dict(body)
             kill = bool(update.pop("kill", False))
             if update.pop("reset", False):
@@ -323,11 +292,11 @@ class EngineApp:
             try:
                 engine.faults.update(update)
             except ValueError as exc:
-                raise _bad_request(str(exc)) from None
+                raise bad_request(str(exc)) from None
         elif scope["method"] != "GET":
-            await _send_json(send, 405, {"detail": "Method Not Allowed"})
+            await send_json(send, 405, {"detail": "Method Not Allowed"})
             return
-        await _send_json(
+        await send_json(
             send,
             200,
             {
@@ -349,45 +318,45 @@ class EngineApp:
     # -- generation ----------------------------------------------------------------------
 
     async def chat_completions(self, scope: Scope, receive: Receive, send: Send) -> None:
-        body = await _json_body(scope, receive)
+        body = await json_body(scope, receive)
         fate = self.engine.faults.fate()
         if fate.latency_s or fate.error or fate.hang:
             await self._apply_fate(fate, receive, send)
         messages = body.get("messages")
         if messages is None:
-            raise _validation_error("missing", "body.messages", "Field required", body)
+            raise validation_error("missing", "body.messages", "Field required", body)
         if not isinstance(messages, list):
-            raise _validation_error(
+            raise validation_error(
                 "list_type", "body.messages", "Input should be a valid list", messages
             )
         for i, message in enumerate(messages):
             if not isinstance(message, dict):
-                raise _validation_error(
+                raise validation_error(
                     "model_type", f"body.messages.{i}", "Input should be an object", message
                 )
         model, lora = self._model(body)
-        add_generation_prompt = _bool_field(body, "add_generation_prompt", True)
+        add_generation_prompt = bool_field(body, "add_generation_prompt", True)
         try:
             rendered = self.engine.tokenizer.apply_chat_template(messages, add_generation_prompt)
         except ValueError as exc:
-            raise _bad_request(str(exc)) from None
+            raise bad_request(str(exc)) from None
         self._check_chars(rendered)
         prompt_ids = self.engine.tokenizer.encode(rendered)
-        max_tokens = _int_field(body, "max_completion_tokens")
+        max_tokens = int_field(body, "max_completion_tokens")
         param = "max_completion_tokens"
         if max_tokens is None:
-            max_tokens, param = _int_field(body, "max_tokens"), "max_tokens"
+            max_tokens, param = int_field(body, "max_tokens"), "max_tokens"
         generation = _Generation(body, fate, model, lora, prompt_ids, max_tokens, param, chat=True)
         await self._generate(scope, receive, send, generation)
 
     async def completions(self, scope: Scope, receive: Receive, send: Send) -> None:
-        body = await _json_body(scope, receive)
+        body = await json_body(scope, receive)
         fate = self.engine.faults.fate()
         if fate.latency_s or fate.error or fate.hang:
             await self._apply_fate(fate, receive, send)
         prompt = body.get("prompt")
         if prompt is None:
-            raise _validation_error("missing", "body.prompt", "Field required", body)
+            raise validation_error("missing", "body.prompt", "Field required", body)
         model, lora = self._model(body)
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
             prompt = prompt[0]  # a batch of one
@@ -399,17 +368,44 @@ class EngineApp:
         ):
             prompt_ids = list(prompt)
         else:
-            raise _bad_request(
+            raise bad_request(
                 "the simulator serves one prompt per request: a string or a list of token ids",
                 "prompt",
             )
         if not prompt_ids:
-            raise _bad_request("Prompt cannot be empty", "prompt")
-        max_tokens = _int_field(body, "max_tokens")
+            raise bad_request("Prompt cannot be empty", "prompt")
+        max_tokens = int_field(body, "max_tokens")
         if "max_tokens" not in body:
             max_tokens = 16  # vLLM's CompletionRequest default
         generation = _Generation(
             body, fate, model, lora, prompt_ids, max_tokens, "max_tokens", chat=False
+        )
+        await self._generate(scope, receive, send, generation)
+
+    async def responses(self, scope: Scope, receive: Receive, send: Send) -> None:
+        body = await json_body(scope, receive)
+        fate = self.engine.faults.fate()
+        if fate.latency_s or fate.error or fate.hang:
+            await self._apply_fate(fate, receive, send)
+        model, lora = self._model(body)
+        try:
+            messages = responses_messages(body)
+            rendered = self.engine.tokenizer.apply_chat_template(messages, True)
+        except ValueError as exc:
+            raise bad_request(str(exc), "input") from None
+        self._check_chars(rendered)
+        prompt_ids = self.engine.tokenizer.encode(rendered)
+        max_tokens = int_field(body, "max_output_tokens")
+        generation = _Generation(
+            body,
+            fate,
+            model,
+            lora,
+            prompt_ids,
+            max_tokens,
+            "max_output_tokens",
+            chat=False,
+            responses=True,
         )
         await self._generate(scope, receive, send, generation)
 
@@ -431,7 +427,7 @@ class EngineApp:
     def _model(self, body: dict[str, Any]) -> tuple[str, str | None]:
         name = body.get("model")
         if name is not None and not isinstance(name, str):
-            raise _validation_error(
+            raise validation_error(
                 "string_type", "body.model", "Input should be a valid string", name
             )
         try:
@@ -456,7 +452,7 @@ class EngineApp:
                 "InternalServerError",
             )
         if fate.hang:
-            gone = asyncio.ensure_future(_until_disconnect(receive))
+            gone = asyncio.ensure_future(until_disconnect(receive))
             killed = asyncio.ensure_future(self.engine.killed_event.wait())
             try:
                 await asyncio.wait((gone, killed), return_when=asyncio.FIRST_COMPLETED)
@@ -467,7 +463,7 @@ class EngineApp:
                 # Died while hanging: headers, then the connection drops.
                 CUT_FILTER.expected += 1
                 await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
-            raise _Disconnected
+            raise Disconnected
 
     async def _generate(
         self, scope: Scope, receive: Receive, send: Send, generation: _Generation
@@ -479,16 +475,20 @@ class EngineApp:
         max_tokens = self._max_output_tokens(generation)
         request, texts = await self._new_request(generation, max_tokens)
         chat = generation.chat
-        fmt = _Formatter(
-            _request_id(scope, generation.body, "chatcmpl-" if chat else "cmpl-"),
-            int(time.time()),
-            self._model_json.get(generation.model) or orjson.dumps(generation.model).decode(),
-            engine.system_fingerprint,
-            chat,
-            len(generation.prompt_ids),
-            shape.include_usage,
-            shape.continuous,
-        )
+        fmt: _Formatter | ResponsesFormatter
+        if generation.responses:
+            fmt = ResponsesFormatter(generation.model, generation.body, len(generation.prompt_ids))
+        else:
+            fmt = _Formatter(
+                _request_id(scope, generation.body, "chatcmpl-" if chat else "cmpl-"),
+                int(time.time()),
+                self._model_json.get(generation.model) or orjson.dumps(generation.model).decode(),
+                engine.system_fingerprint,
+                chat,
+                len(generation.prompt_ids),
+                shape.include_usage,
+                shape.continuous,
+            )
         handle = engine.submit(request, texts)
         fate = generation.fate
         if engine.config.zero_latency and fate.die_after_tokens is None:
@@ -512,7 +512,7 @@ class EngineApp:
         max_tokens = generation.max_tokens
         if max_tokens is not None and max_tokens > limit:
             param = generation.max_tokens_param
-            raise _bad_request(
+            raise bad_request(
                 f"{param}={max_tokens} cannot be greater than max_model_len={limit}. "
                 "Please request fewer output tokens.",
                 param,
@@ -532,7 +532,7 @@ class EngineApp:
             limit - num_prompt if max_tokens is None else min(max_tokens, limit - num_prompt)
         )
         if effective < 1:
-            raise _bad_request(f"max_tokens must be at least 1, got {effective}.", "max_tokens")
+            raise bad_request(f"max_tokens must be at least 1, got {effective}.", "max_tokens")
         return effective
 
     async def _new_request(
@@ -541,8 +541,8 @@ class EngineApp:
         """The engine's request and its planned answer texts, from the sampling fields; a
         P/D leg is prepared before the engine sees it."""
         body = generation.body
-        min_tokens = _int_field(body, "min_tokens") or 0
-        ignore_eos = _bool_field(body, "ignore_eos", False)
+        min_tokens = int_field(body, "min_tokens") or 0
+        ignore_eos = bool_field(body, "ignore_eos", False)
         cache_salt = _cache_salt(body)
         kv_params = _kv_transfer_params(body)
         request, texts = self.engine.new_request(
@@ -576,7 +576,7 @@ class EngineApp:
         self,
         send: Send,
         handle: RequestStream,
-        fmt: _Formatter,
+        fmt: _Formatter | ResponsesFormatter,
         fate: Fate,
     ) -> None:
         request = handle.request
@@ -584,7 +584,11 @@ class EngineApp:
         await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
         # As vLLM: a chat stream's opening role chunk goes with the first token, once the
         # prompt is prefilled (vLLM sends it on the engine's first output), not before.
-        opening = fmt.first_chunk() if fmt.chat else b""
+        opening = fmt.opening()
+        if fmt.eager:
+            # A Responses stream says it was created before any token.
+            await send({"type": "http.response.body", "body": opening, "more_body": True})
+            opening = b""
         sent = 0
         while True:
             n = len(request.output_token_ids)
@@ -604,13 +608,15 @@ class EngineApp:
                     tail = [chunk]
                     if fmt.include_usage:
                         tail.append(fmt.usage_chunk(request))
-                    tail.append(DONE)
+                    tail.append(fmt.done)
                     await send({"type": "http.response.body", "body": b"".join(tail)})
                     return
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
             await handle.wait()
 
-    async def _full(self, send: Send, handle: RequestStream, fmt: _Formatter, fate: Fate) -> None:
+    async def _full(
+        self, send: Send, handle: RequestStream, fmt: _Formatter | ResponsesFormatter, fate: Fate
+    ) -> None:
         request = handle.request
         die_at = fate.die_after_tokens
         while request.status is not Status.FINISHED and not handle.cut:
@@ -635,16 +641,11 @@ class EngineApp:
             )
             self._cut(request)
             return
-        await _send_raw_json(send, body)
+        await send_raw_json(send, body)
 
     def _cut(self, request: Request) -> None:
         CUT_FILTER.expected += 1
         self.engine.abort(request.request_id)
-
-
-class _Disconnected(ApiError):
-    def __init__(self) -> None:
-        super().__init__(499, "client disconnected", "ClientDisconnected")
 
 
 class _Formatter:
@@ -687,6 +688,14 @@ class _Formatter:
         self.tail_fp = f',"system_fingerprint":"{fingerprint}"'
         self.chat = chat
         self.num_prompt = num_prompt
+
+    #: Chat and completions streams start with their first token, and end with ``[DONE]``.
+    eager = False
+    done = DONE
+
+    def opening(self) -> bytes:
+        """What a stream starts with: a chat stream's role chunk (with the first token)."""
+        return self.first_chunk() if self.chat else b""
 
     def first_chunk(self) -> bytes:
         usage = self._usage(0) if self.continuous else ""
@@ -833,94 +842,27 @@ def _model_card(
     }
 
 
-async def _json_body(scope: Scope, receive: Receive) -> dict[str, Any]:
-    """The request's JSON object, or the 400 vLLM gives for a wrong content type or bad JSON."""
-    content_type = b""
-    for key, value in scope["headers"]:
-        if key == b"content-type":
-            content_type = value
-            break
-    if content_type.split(b";", 1)[0].strip().lower() != b"application/json":
-        raise ApiError(
-            400,
-            "1 validation error:\n  Unsupported Media Type: Only 'application/json' is allowed",
-            "Bad Request",
-        )
-    chunks = []
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            raise _Disconnected
-        chunks.append(message.get("body", b""))
-        if not message.get("more_body"):
-            break
-    raw = chunks[0] if len(chunks) == 1 else b"".join(chunks)
-    try:
-        body = orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
-        detail = {
-            "type": "json_invalid",
-            "loc": "body.0",
-            "msg": "JSON decode error",
-            "input": {},
-            "ctx": {"error": exc.msg},
-        }
-        raise ApiError(400, f"1 validation error:\n  {detail}", "Bad Request", "body.0") from None
-    if not isinstance(body, dict):
-        raise _validation_error(
-            "model_attributes_type",
-            "body",
-            "Input should be a valid dictionary or object to extract fields from",
-            body,
-        )
-    return body
-
-
-async def _until_disconnect(receive: Receive) -> None:
-    while (await receive())["type"] != "http.disconnect":
-        pass
-
-
 async def _abort_on_disconnect(receive: Receive, engine: SimEngine, request_id: str) -> None:
-    await _until_disconnect(receive)
+    await until_disconnect(receive)
     engine.abort(request_id)
 
 
-async def _send_json(send: Send, status: int, obj: Any) -> None:
-    if status == 499:
-        return  # the client is gone; nobody to answer
-    body = orjson.dumps(obj)
-    headers = [*JSON_HEADERS, (b"content-length", str(len(body)).encode())]
-    await send({"type": "http.response.start", "status": status, "headers": headers})
-    await send({"type": "http.response.body", "body": body})
-
-
-async def _send_raw_json(send: Send, body: bytes) -> None:
-    headers = [*JSON_HEADERS, (b"content-length", str(len(body)).encode())]
-    await send({"type": "http.response.start", "status": 200, "headers": headers})
-    await send({"type": "http.response.body", "body": body})
-
-
-async def _send_text(send: Send, status: int, text: str) -> None:
-    body = text.encode()
-    headers = [(b"content-length", str(len(body)).encode())]
-    await send({"type": "http.response.start", "status": status, "headers": headers})
-    await send({"type": "http.response.body", "body": body})
-
-
 async def _send_at_once(
-    send: Send, fmt: _Formatter, request: Request, texts: list[str], stream: bool
+    send: Send,
+    fmt: _Formatter | ResponsesFormatter,
+    request: Request,
+    texts: list[str],
+    stream: bool,
 ) -> None:
     """A finished answer (zero-latency mode) as one body, streamed or not."""
     if stream:
-        out = [fmt.first_chunk()] if fmt.chat else []
-        out.append(fmt.token_chunks(texts, 0, len(texts), request))
+        out = [fmt.opening(), fmt.token_chunks(texts, 0, len(texts), request)]
         if fmt.include_usage:
             out.append(fmt.usage_chunk(request))
-        out.append(DONE)
+        out.append(fmt.done)
         await _send_stream_once(send, b"".join(out))
     else:
-        await _send_raw_json(send, fmt.full_response(request, texts))
+        await send_raw_json(send, fmt.full_response(request, texts))
 
 
 async def _send_stream_once(send: Send, body: bytes) -> None:

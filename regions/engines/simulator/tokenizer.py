@@ -69,6 +69,9 @@ class Tokenizer:
     def __init__(self) -> None:
         self._cache: dict[str, int] = dict(SPECIAL_TOKENS)
         self._cache_limit = 1 << 18
+        #: id -> piece of every piece cached (what ``/detokenize`` can turn back into text;
+        #: ids are hashes, so the first piece seen keeps an id two pieces share).
+        self._pieces: dict[int, str] = {tid: piece for piece, tid in SPECIAL_TOKENS.items()}
         # Output vocabulary: (id, text) of each word with and without a leading space.
         self.words: tuple[tuple[int, str], ...] = tuple(
             (self.piece_id(" " + w), " " + w) for w in _WORDS
@@ -84,7 +87,22 @@ class Tokenizer:
             tid = 256 + xxhash.xxh32_intdigest(piece.encode()) % _ORDINARY_IDS
             if len(self._cache) < self._cache_limit:
                 self._cache[piece] = tid
+                self._pieces.setdefault(tid, piece)
         return tid
+
+    def piece(self, tid: int) -> str | None:
+        """The text of token ``tid`` (None: an id this tokenizer never produced)."""
+        return self._pieces.get(tid)
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """The text of token ids it produced; :class:`ValueError` names the first unknown id."""
+        out = []
+        for tid in ids:
+            piece = self._pieces.get(tid)
+            if piece is None:
+                raise ValueError(f"token id {tid} is out of vocabulary")
+            out.append(piece)
+        return "".join(out)
 
     def encode(self, text: str) -> list[int]:
         get = self._cache.get
