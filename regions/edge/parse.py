@@ -43,9 +43,10 @@ MAX_INPUT_ITEMS = 2048
 MAX_DETOKENIZE_IDS = 1 << 17
 #: How deep the edge looks into a pooling input for text (a part's ``text`` is at depth 3).
 _MAX_DEPTH = 4
-#: A client's ``cache_salt``: vLLM takes at most 1,024 characters, and a tenant's salt (a
-#: base64 HMAC of 43) may be joined in front of it.
-MAX_CLIENT_SALT = 960
+#: A client's ``cache_salt``: vLLM (0.32) takes at most 128 characters without ``@ / \\`` or NUL,
+#: and the edge sends ``t:<tenant salt, 43>:<client's>`` (or ``c:<client's>``): 128 - 46.
+MAX_CLIENT_SALT = 82
+_SALT_FORBIDDEN = frozenset("@/\\\x00")
 
 
 @dataclass(slots=True)
@@ -330,9 +331,14 @@ def parse_request(raw: bytes, *, endpoint: Endpoint, bytes_per_token: float) -> 
         # Nothing to hash: pooling models' prefix caching is not what placement scores.
         prompt, tokens, output = b"", _other_tokens(doc, kind, bytes_per_token), 0
     salt = doc.get("cache_salt")
-    if salt is not None and not (isinstance(salt, str) and 0 < len(salt) <= MAX_CLIENT_SALT):
+    if salt is not None and not (
+        isinstance(salt, str)
+        and 0 < len(salt) <= MAX_CLIENT_SALT
+        and _SALT_FORBIDDEN.isdisjoint(salt)
+    ):
         raise _bad(
-            f"'cache_salt' must be a non-empty string of at most {MAX_CLIENT_SALT} characters",
+            f"'cache_salt' must be a non-empty string of at most {MAX_CLIENT_SALT} characters "
+            "without '@', '/', '\\' or NUL",
             "cache_salt",
         )
     stream = doc.get("stream") is True and endpoint.generates

@@ -11,6 +11,7 @@ from regions.edge.parse import (
     DEFAULT_OUTPUT_TOKENS,
     EDGE_ONLY_FIELDS,
     MAX_CHOICES,
+    MAX_CLIENT_SALT,
     MEDIA_PART_TOKENS,
     UsageTap,
     body_usage,
@@ -212,9 +213,19 @@ def test_cache_salts_are_namespaced_so_no_client_can_take_a_tenants() -> None:
         parse_request(chat(cache_salt="t:T"), endpoint=CHAT, bytes_per_token=4.0), None
     )
     assert forged.cache_salt == "c:t:T"  # never equal to a tenant's salt
-    for bad in ("", 7, "x" * 961):
-        with pytest.raises(EdgeError):
+    for bad in ("", 7, "x" * (MAX_CLIENT_SALT + 1), "a@b", "a/b", "a\\b", "a\x00b"):
+        with pytest.raises(EdgeError, match="cache_salt"):
             parse_request(chat(cache_salt=bad), endpoint=CHAT, bytes_per_token=4.0)
+
+
+def test_the_longest_client_salt_joined_with_a_tenants_is_one_vllm_accepts() -> None:
+    """vLLM 0.32 refuses a cache_salt over 128 characters or with '@ / \\' or NUL: what the
+    edge lets through, joined with a tenant's salt (43 characters of URL-safe base64), never
+    is."""
+    longest = "k" * MAX_CLIENT_SALT
+    req = parse_request(chat(cache_salt=longest), endpoint=CHAT, bytes_per_token=4.0)
+    salted = with_cache_salt(req, "T" * 43)
+    assert salted.cache_salt is not None and len(salted.cache_salt) <= 128
 
 
 def test_an_event_that_never_ends_stops_the_framing_but_not_the_bytes() -> None:
