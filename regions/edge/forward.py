@@ -102,6 +102,9 @@ class Forwarder:
                     self.metrics.retries.labels(req.model).inc()
                     exclude = exclude | {inst.id}
                     sticky = None
+                    # Placed again as a new request: the failed instance may have been the
+                    # region's last, and another region may take it now.
+                    first_pass = spill
 
     async def serve_unqueued(self, ctx: RequestContext) -> None:
         """A call that takes no slot (the tokenizer's): to the least loaded healthy instance of

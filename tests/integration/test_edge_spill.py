@@ -221,3 +221,43 @@ def test_a_spilled_request_is_rate_charged_once_where_it_entered(fed: Fed) -> No
     assert post(captured) == 429
     assert post(hop("r3")) == 429
     assert post(hop("r2", b"Bearer fi_any")) == 429
+
+
+def test_a_request_whose_engine_just_died_is_served_by_another_region(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """The region's only engine dies between two health probes: the request that finds it
+    dead (connection refused, nothing sent) is placed again, and with no local instance left
+    it goes to the other region instead of failing (the failover bench's region loss saw one
+    such request fail)."""
+    tmp = tmp_path_factory.mktemp("dead-engine")
+    hop_file = tmp / "hop-keys"
+    hop_file.write_text(HOP_KEYS)
+    procs = []
+    try:
+        e1, e2 = spawn_engine(tmp, "e1"), spawn_engine(tmp, "e2")
+        procs += [e1.proc, e2.proc]
+        for e in (e1, e2):
+            wait_http(e.url + "/health", watch=e.proc)
+        (tmp / "r2").mkdir()
+        t2 = table_doc("r2", 1, [instance(e2)])
+        t2["tenants"] = TENANTS
+        r2 = start_edge(tmp / "r2", t2, "--hop-keys-file", str(hop_file))
+        procs.append(r2.proc)
+        (tmp / "r1").mkdir()
+        t1 = table_doc("r1", 1, [instance(e1)])
+        t1["tenants"] = TENANTS
+        t1["remote_regions"] = [
+            {"code": "r2", "edge_url": r2.url, "rtt_ms": 5, "models": ["llama"], "headroom": 0.5}
+        ]
+        r1 = start_edge(tmp / "r1", t1, "--hop-keys-file", str(hop_file), "--probe-interval", "60")
+        procs.append(r1.proc)
+        first = chat(r1.url, "fi_any")
+        assert first.status_code == 200 and route_of(first.headers)["region"] == "r1"
+        e1.proc.stop()
+        r = chat(r1.url, "fi_any")
+        assert r.status_code == 200, r.text
+        assert route_of(r.headers)["region"] == "r2"
+    finally:
+        for p in reversed(procs):
+            p.stop()
