@@ -13,6 +13,7 @@ from django.shortcuts import get_object_or_404, render
 from console.access import STAFF, console_view
 from console.explain import decide, request_point
 from console.forms import InspectForm, TableDiffForm
+from console.tablediff import SCALARS, SECTIONS, diff_from_changes
 from console.tablediff import table_diff as diff_documents
 from federation.inventory import selectors as inventory_selectors
 from federation.routing import distribution
@@ -69,20 +70,30 @@ def region_table(request: HttpRequest, code: str) -> HttpResponse:
 @console_view(*STAFF)
 def table_diff(request: HttpRequest, code: str) -> HttpResponse:
     region = get_object_or_404(inventory_selectors.region_list(), code=code)
-    latest = _version(region, None)
+    latest = distribution.routing_table_latest_version(region_id=region.pk)
+    if latest is None:
+        raise Http404("No routing table has been published for this region.")
     if "old" in request.GET or "new" in request.GET:
         form = TableDiffForm(request.GET)
     else:
-        form = TableDiffForm({"old": max(latest.version - 1, 1), "new": latest.version})
+        form = TableDiffForm({"old": max(latest - 1, 1), "new": latest})
     diff = old = new = None
     if form.is_valid():
-        old = distribution.routing_table_at(region=region, version=form.cleaned_data["old"])
-        new = distribution.routing_table_at(region=region, version=form.cleaned_data["new"])
+        data = form.cleaned_data
+        old = distribution.routing_table_at(region=region, version=data["old"], document=False)
+        new = distribution.routing_table_at(region=region, version=data["new"], document=False)
         for name, found in (("old", old), ("new", new)):
             if found is None:
-                form.add_error(name, f"{region.code} has no version {form.cleaned_data[name]}.")
+                form.add_error(name, f"{region.code} has no version {data[name]}.")
         if old is not None and new is not None:
-            diff = diff_documents(old.document, new.document)
+            changes = distribution.routing_table_changes(
+                old=old, new=new, sections=SECTIONS, scalars=SCALARS
+            )
+            diff = (
+                diff_documents(old.document, new.document)  # not PostgreSQL: whole documents
+                if changes is None
+                else diff_from_changes(*changes)
+            )
     context = {"region": region, "form": form, "diff": diff, "old": old, "new": new}
     return render(request, "console/routing_diff.html", context)
 

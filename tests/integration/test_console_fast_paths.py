@@ -2,7 +2,8 @@
 rows of the routing snapshot (plain rows) equal the ones built from model instances; a preview
 compiled without keys and budget leases equals the one compiled with them; a usage report of
 only some sums equals the full report's columns; the usage page's chart and table equal those
-of full reports."""
+of full reports; a routing diff PostgreSQL computes from the stored documents equals the
+one computed from the decoded documents."""
 
 from __future__ import annotations
 
@@ -18,12 +19,15 @@ from django.utils import timezone
 
 from console.charts import MAX_SERIES, chart_series
 from console.preview import Move, Preview, preview, snapshot_after
+from console.tablediff import SCALARS, SECTIONS, TableDiff, diff_from_changes, table_diff
 from console.views.reports import MANY_GROUPS, TOTALS_SHOWN, _totals, _usage_view
 from federation.inventory import lifecycle
 from federation.inventory.models import Instance, Region
 from federation.metering.models import USAGE_SUMS, CountedSpend, UsageDay
 from federation.metering.selectors import UsageQuery, month_of, usage_report
+from federation.routing import distribution
 from federation.routing.compiler import KeyRow, TenantRow, fleet_plan
+from federation.routing.models import RoutingTableVersion
 from federation.routing.selectors import (
     budget_rows,
     fleet_snapshot,
@@ -309,3 +313,91 @@ def test_the_usage_pages_chart_and_table_equal_the_unoptimised_ones(
         assert chart["series"][-1]["label"] == f"other ({groups - MAX_SERIES})"
         ranked = [float(r[metric]) for r in totals]
         assert len(set(ranked)) < len(ranked)
+
+
+def _stored(region: Region, version: int, document: dict[str, Any]) -> RoutingTableVersion:
+    return RoutingTableVersion.objects.create(
+        region=region, version=version, document=document, body_hash=f"h{version}"
+    )
+
+
+def _odd_documents() -> tuple[dict[str, Any], dict[str, Any]]:
+    """Two documents with what a diff must get right beyond the compiler's tables: entries
+    added, removed and changed in several sections, equal numbers written differently (1 and
+    1.0), objects with their keys in another order, duplicate keys (the last counts), entries
+    that are not objects or lack a string key, and a section that is not a list."""
+    old = {
+        "schema_version": 3,
+        "ramp": 1,
+        "instances": [
+            {"id": "a", "weight": 0.5, "adapters": ["x"]},
+            {"id": "b", "weight": 0.5},
+            {"id": "dup", "weight": 1},
+            {"id": "dup", "weight": 2},
+            "not an entry",
+            {"weight": 3},
+            {"id": 7, "weight": 4},
+        ],
+        "routes": [{"model": "m", "remotes": [{"code": "r", "weight": 1}]}],
+        "remote_regions": {"not": "a list"},
+        "tenants": [{"tenant": f"t{i}", "budget_state": "ok", "rps": 1} for i in range(30)],
+    }
+    new = {
+        "schema_version": 4,
+        "ramp": 1.0,
+        "instances": [
+            {"weight": 0.5, "id": "a", "adapters": ["x", "y"]},
+            {"id": "c", "weight": 0.0},
+            {"id": "dup", "weight": 2.0},
+            {"id": 7, "weight": 5},
+        ],
+        "routes": [{"model": "m", "remotes": [{"weight": 1.0, "code": "r"}]}],
+        "remote_regions": [{"code": "eu", "rtt_ms": 80}],
+        "tenants": [
+            {"tenant": f"t{i}", "budget_state": "warn" if i == 3 else "ok", "rps": 1.0}
+            for i in range(1, 31)
+        ],
+    }
+    return old, new
+
+
+def _sql_diff(old: RoutingTableVersion, new: RoutingTableVersion) -> TableDiff:
+    found = distribution.routing_table_changes(old=old, new=new, sections=SECTIONS, scalars=SCALARS)
+    assert found is not None  # PostgreSQL
+    return diff_from_changes(*found)
+
+
+def test_a_routing_diff_postgresql_computes_equals_the_diff_of_the_documents(
+    varied_fleet: None,
+) -> None:
+    us = Region.objects.get(code="us-east")
+    last = RoutingTableVersion.objects.filter(region=us).order_by("-version").first()
+    assert last is not None
+    drained = Instance.objects.filter(deployment__pool__region=us, state="ready").first()
+    assert drained is not None
+    tenancy.tenant_create(actor=None, slug="fp-new", name="fp-new", requests_per_minute=60)
+    Instance.objects.filter(pk=drained.pk).update(state=lifecycle.DRAINING)
+    routing_tables_publish(regions=["us-east"])
+    newest = RoutingTableVersion.objects.filter(region=us).order_by("-version").first()
+    assert newest is not None and newest.version > last.version
+    odd_old, odd_new = _odd_documents()
+    pairs = [
+        (last, newest),
+        (newest, last),
+        (newest, newest),
+        (_stored(us, 1_000, odd_old), _stored(us, 1_001, odd_new)),
+    ]
+    for old, new in pairs:
+        assert _sql_diff(old, new) == table_diff(old.document, new.document), (old, new)
+    sections = {s.name: s for s in _sql_diff(last, newest).sections}
+    assert "fp-new" in sections["tenants"].added and drained.name in sections["instances"].removed
+    assert sections["routes"].changed
+    odd = _sql_diff(*pairs[3])
+    sections = {s.name: s for s in odd.sections}
+    assert odd.scalars == [("schema_version", 3, 4)]  # ramp 1 == 1.0
+    assert (sections["instances"].added, sections["instances"].removed) == (["c"], ["b"])
+    assert [c.key for c in sections["instances"].changed] == ["a"]  # dup: 2 == 2.0
+    assert not sections["routes"]
+    assert sections["remote_regions"].added == ["eu"]
+    assert (sections["tenants"].added, sections["tenants"].removed) == (["t30"], ["t0"])
+    assert [c.key for c in sections["tenants"].changed] == ["t3"]
