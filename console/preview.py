@@ -132,7 +132,8 @@ def _costs(plan: FleetPlan) -> tuple[float, float, float]:
 def preview(before: FleetSnapshot, after: FleetSnapshot) -> Preview:
     """Every decision that differs between the tables of ``before`` and ``after``."""
     plan_b = fleet_plan(before)
-    plan_a = plan_b if after == before else fleet_plan(after)  # e.g. a cordon
+    # The same tenants: their classes and entries are computed once (``fleet_plan`` checks).
+    plan_a = plan_b if after == before else fleet_plan(after, reuse=plan_b.tenant_plan)
     tables_b, tables_a = _tables(before, plan_b), _tables(after, plan_a)
     spill_b = {c: spill_plan(t) for c, t in tables_b.items()}
     spill_a = {c: spill_plan(t) for c, t in tables_a.items()}

@@ -24,9 +24,14 @@ from console.views.reports import MANY_GROUPS, TOTALS_SHOWN, _totals, _usage_vie
 from federation.inventory import lifecycle
 from federation.inventory.models import Instance, Region
 from federation.metering.models import USAGE_SUMS, CountedSpend, UsageDay
-from federation.metering.selectors import UsageQuery, month_of, usage_report
+from federation.metering.selectors import (
+    UsageQuery,
+    month_of,
+    usage_report,
+    usage_report_by_group_and_bucket,
+)
 from federation.routing import distribution
-from federation.routing.compiler import KeyRow, TenantRow, fleet_plan
+from federation.routing.compiler import KeyRow, TenantRow, compile_region_table, fleet_plan
 from federation.routing.models import RoutingTableVersion
 from federation.routing.selectors import (
     budget_rows,
@@ -192,6 +197,34 @@ def test_a_preview_without_keys_and_leases_equals_the_full_one(varied_fleet: Non
     assert (states["fp-ok"], states["fp-warn"], states["fp-out"]) == ("ok", "warn", "exhausted")
 
 
+def _documents(snapshot: Any, plan: Any) -> dict[str, dict[str, Any]]:
+    return {
+        r.code: compile_region_table(snapshot, region=r.code, version=1, generated_at="", plan=plan)
+        for r in snapshot.regions
+    }
+
+
+@pytest.mark.parametrize("lean", [False, True])
+def test_a_plan_reusing_the_tenants_of_another_equals_a_fresh_one(
+    varied_fleet: None, lean: bool
+) -> None:
+    """The preview compiles the fleet after an action reusing the tenants' part of the plan
+    before it; ``fleet_plan`` takes it only when computed from the same inputs, so the tables
+    are those of a fresh plan — and budget leases follow an evacuated region's edges."""
+    before = fleet_snapshot(now=timezone.now(), keys_and_budgets=not lean)
+    plan_b = fleet_plan(before)
+    for name, changes in _actions().items():
+        after = snapshot_after(before, **changes)
+        reused, fresh = fleet_plan(after, reuse=plan_b.tenant_plan), fleet_plan(after)
+        assert _documents(after, reused) == _documents(after, fresh), name
+        # Taken unless an evacuation moves the leases of budgeted tenants (the full snapshot).
+        moved_leases = not lean and name == "evacuate eu-west"
+        assert (reused.tenant_plan is plan_b.tenant_plan) is not moved_leases, name
+    other = replace(before, tenants=before.tenants[1:], plans={})
+    assert fleet_plan(other, reuse=plan_b.tenant_plan).tenant_plan is not plan_b.tenant_plan
+    assert _documents(before, plan_b) == _documents(before, fleet_plan(before, reuse=None))
+
+
 def _range(days: int) -> tuple[datetime, datetime]:
     end = datetime.combine(date.today() + timedelta(days=1), time(0), tzinfo=UTC)
     return end - timedelta(days=days), end
@@ -252,6 +285,42 @@ def _many_tenants_usage(days: int) -> None:
         for i in range(70)
         for d in range(days)
     )
+
+
+@pytest.mark.parametrize(
+    ("group", "bucket", "hourly", "only", "with_cost", "filters"),
+    [
+        ("tenant", "day", False, ["price_usd"], True, {}),
+        ("tenant", "day", False, ["margin_usd"], True, {"region": ["us-east"]}),
+        ("tenant", "hour", False, ["requests", "cached_tokens"], False, {}),
+        ("model", "day", True, [], True, {}),
+        ("pool", "day", True, ["prompt_tokens"], False, {"tenant": ["fp-many-03", "acme-us"]}),
+    ],
+)
+def test_one_pass_by_group_and_by_bucket_equals_two_reports(
+    varied_fleet: None,
+    group: Any,
+    bucket: Any,
+    hourly: bool,
+    only: list[str],
+    with_cost: bool,
+    filters: dict[Any, list[str]],
+) -> None:
+    _many_tenants_usage(days=3)
+    start, end = _range(3)
+    if hourly:  # not whole days: read from the hourly rollups
+        start += timedelta(hours=5)
+    query = partial(UsageQuery, start, end, only=only, with_cost=with_cost, filters=filters)
+    groups, buckets = usage_report_by_group_and_bucket(query(bucket=bucket), group)
+    expected_groups = usage_report(query(group_by=[group]))
+    expected_buckets = usage_report(query(bucket=bucket))
+    assert groups and buckets and len(groups) > 1
+    assert groups == expected_groups and buckets == expected_buckets
+    # The same types too (an int sum is not handed on as a Decimal, nor the reverse).
+    typed = [[(k, type(v)) for k, v in row.items()] for row in groups + buckets]
+    assert typed == [
+        [(k, type(v)) for k, v in row.items()] for row in expected_groups + expected_buckets
+    ]
 
 
 def _unoptimised_usage_view(
