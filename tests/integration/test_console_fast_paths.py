@@ -20,6 +20,7 @@ from django.utils import timezone
 from console.charts import MAX_SERIES, chart_series
 from console.preview import Move, Preview, preview, snapshot_after
 from console.tablediff import SCALARS, SECTIONS, TableDiff, diff_from_changes, table_diff
+from console.views import fleet as fleet_views
 from console.views.reports import MANY_GROUPS, TOTALS_SHOWN, _totals, _usage_view
 from federation.inventory import lifecycle
 from federation.inventory.models import Instance, Region
@@ -132,6 +133,46 @@ def test_tenant_rows_from_plain_rows_equal_those_from_model_instances(varied_fle
     assert by_slug["fp-out"].budget is not None and by_slug["fp-out"].budget.published
 
 
+def test_tenant_rows_are_handed_back_until_something_they_are_built_from_changes(
+    varied_fleet: None,
+) -> None:
+    """The same rows (the same tuple) while nothing changed; after any change to what they
+    are built from, new rows equal to those built the plain way."""
+    now = timezone.now()
+    spend = {"fp-warn": 9.0, "fp-out": 1.5, "fp-ok": 3.25}
+    first = tenant_rows(now=now, spend_usd=spend)
+    assert tenant_rows(now=now, spend_usd=spend) is first
+    lean = tenant_rows(now=now, spend_usd=spend, keys_and_budgets=False)
+    assert lean is not first and lean != first
+    eu = Region.objects.get(code="eu-west")
+    regions = Tenant.objects.get(slug="fp-regions")
+    changes: dict[str, Any] = {
+        "a limit": lambda: Tenant.objects.filter(slug="fp-ok").update(requests_per_minute=7),
+        "a jurisdiction": lambda: Tenant.objects.filter(slug="fp-ok").update(
+            allowed_jurisdictions=["US"]
+        ),
+        "an allowed region": lambda: regions.allowed_regions.set([eu]),
+        "an isolated cache": lambda: Tenant.objects.filter(slug="fp-ok").update(
+            isolate_kv_cache=True
+        ),
+        "a new key": lambda: tenancy.api_key_create(
+            actor=None, tenant=Tenant.objects.get(slug="fp-warn"), name="k2"
+        ),
+        "a tenant gone": lambda: Tenant.objects.filter(slug="fp-salted").update(is_active=False),
+        "the spend": lambda: spend.update({"fp-ok": 99.0}),
+        "the spend counted against a budget": lambda: CountedSpend.objects.filter(
+            tenant="fp-ok"
+        ).update(price_usd="50.00"),
+    }
+    previous = tenant_rows(now=now, spend_usd=spend)
+    for name, change in changes.items():
+        change()
+        rows = tenant_rows(now=now, spend_usd=spend)
+        assert rows is not previous and rows != previous, name
+        assert rows == _reference_tenant_rows(now, spend), name
+        previous = rows
+
+
 def _comparable(result: Preview) -> tuple[Any, ...]:
     """Everything a preview shows. A group's representative policy is compared on what a
     decision reads (its keys and leases are what the lean snapshot leaves out)."""
@@ -223,6 +264,24 @@ def test_a_plan_reusing_the_tenants_of_another_equals_a_fresh_one(
     other = replace(before, tenants=before.tenants[1:], plans={})
     assert fleet_plan(other, reuse=plan_b.tenant_plan).tenant_plan is not plan_b.tenant_plan
     assert _documents(before, plan_b) == _documents(before, fleet_plan(before, reuse=None))
+
+
+def test_a_preview_after_a_change_is_not_the_last_ones(varied_fleet: None) -> None:
+    """The console keeps the last preview's tenant plan for the next: a preview after
+    tenants changed equals one computed afresh, not the last."""
+    evacuate = _actions()["evacuate eu-west"]
+    first = fleet_views._preview(**evacuate)
+    assert first.moves and fleet_views._last_preview.tenant_plan is first.tenant_plan
+    again = fleet_views._preview(**evacuate)
+    assert again.tenant_plan is first.tenant_plan  # nothing changed: reused
+    assert _comparable(again) == _comparable(first)
+    # fp-eu-only may now be served anywhere: it moves with the others, no longer refused.
+    Tenant.objects.filter(slug="fp-eu-only").update(allowed_jurisdictions=[])
+    changed = fleet_views._preview(**evacuate)
+    snapshot = fleet_snapshot(keys_and_budgets=False)
+    fresh = preview(snapshot, snapshot_after(snapshot, **evacuate))
+    assert changed.tenant_plan is not first.tenant_plan
+    assert _comparable(changed) == _comparable(fresh) != _comparable(first)
 
 
 def _range(days: int) -> tuple[datetime, datetime]:
