@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import orjson
 from django.core.paginator import Paginator
 from django.http import Http404, HttpRequest, HttpResponse
 from django.shortcuts import get_object_or_404, render
@@ -17,7 +16,6 @@ from console.tablediff import SCALARS, SECTIONS, diff_from_changes
 from console.tablediff import table_diff as diff_documents
 from federation.inventory import selectors as inventory_selectors
 from federation.routing import distribution
-from federation.routing.models import RoutingTableVersion
 from federation.tenancy.selectors import tenant_list
 from regions.tables.schema import RoutingTable, decode_table
 
@@ -31,17 +29,6 @@ def routing_index(request: HttpRequest) -> HttpResponse:
     )
 
 
-def _version(region: Any, number: int | None) -> RoutingTableVersion:
-    table = (
-        distribution.routing_table_latest(region=region)
-        if number is None
-        else distribution.routing_table_at(region=region, version=number)
-    )
-    if table is None:
-        raise Http404("No such routing table version.")
-    return table
-
-
 def _int(value: str | None) -> int | None:
     return int(value) if value and value.isdigit() else None
 
@@ -49,17 +36,21 @@ def _int(value: str | None) -> int | None:
 @console_view(*STAFF)
 def region_table(request: HttpRequest, code: str) -> HttpResponse:
     region = get_object_or_404(inventory_selectors.region_list(), code=code)
-    table = _version(region, _int(request.GET.get("v")))
-    doc = table.document
+    found = distribution.routing_table_without_tenants(
+        region=region, version=_int(request.GET.get("v"))
+    )
+    if found is None:
+        raise Http404("No such routing table version.")
+    table, doc, tenant_count = found
     q = request.GET.get("q", "").strip()
-    tenants = [t for t in doc.get("tenants") or () if q in t["tenant"]]
+    tenants = distribution.table_tenants(table, contains=q)
     page = Paginator(tenants, TENANTS_PER_PAGE).get_page(request.GET.get("page"))
     context = {
         "region": region,
         "table": table,
         "doc": doc,
         "tenants": page,
-        "tenant_count": len(doc.get("tenants") or ()),
+        "tenant_count": tenant_count,
         "q": q,
         "version_query": f"v={table.version}",
         "versions": distribution.routing_table_versions(region=region)[:50],
@@ -98,9 +89,11 @@ def table_diff(request: HttpRequest, code: str) -> HttpResponse:
     return render(request, "console/routing_diff.html", context)
 
 
-def _table_of(region: Any) -> RoutingTable | None:
-    stored = distribution.routing_table_latest(region=region)
-    return None if stored is None else decode_table(orjson.dumps(stored.document))
+def _table_of(region: Any, tenant: str) -> RoutingTable | None:
+    """The region's latest table with ``tenant``'s entry alone among its tenants: a decision
+    reads the tenant's policy, the routes, remotes and classes, never the other tenants."""
+    stored = distribution.routing_table_for_tenant(region=region, tenant=tenant)
+    return None if stored is None else decode_table(stored[1])
 
 
 @console_view(*STAFF)
@@ -118,7 +111,7 @@ def inspect(request: HttpRequest) -> HttpResponse:
         data = form.cleaned_data
         tenant = tenant_list(user=request.user).filter(slug=data["tenant"]).first()
         origin = next(r for r in regions if r.code == data["origin"])
-        table = _table_of(origin)
+        table = _table_of(origin, data["tenant"])
         policy = None
         if tenant is None:
             form.add_error("tenant", f"No tenant {data['tenant']!r}.")

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import hmac
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, overload
 
 import orjson
 from django.conf import settings
 from django.db import connection
 from django.db.models import OuterRef, Prefetch, QuerySet, Subquery
+from django.db.models.expressions import RawSQL
 
 from federation.inventory.models import Edge, Region
 from federation.routing.models import RoutingTableVersion
@@ -86,6 +87,112 @@ def routing_table_versions(*, region: Region) -> QuerySet[RoutingTableVersion]:
         .order_by("-version")
         .only("id", "region_id", "version", "created_at", "body_hash")
     )
+
+
+def _latest_or(region: Region, version: int | None) -> QuerySet[RoutingTableVersion]:
+    rows = RoutingTableVersion.objects.filter(region=region).select_related("region")
+    rows = rows.filter(version=version) if version is not None else rows.order_by("-version")
+    return rows.defer("document")
+
+
+#: A stored document without its tenants, and how many it has.
+_WITHOUT_TENANTS = "(document - 'tenants')::text"
+_TENANT_COUNT = "coalesce(jsonb_array_length(document -> 'tenants'), 0)"
+#: The document with only the entry of the tenant named by the parameter among its tenants.
+_ONE_TENANT = """(jsonb_set(document, '{tenants}', coalesce((
+    SELECT jsonb_agg(e ORDER BY i) FROM jsonb_array_elements(document -> 'tenants')
+    WITH ORDINALITY AS t(e, i) WHERE e ->> 'tenant' = %s), '[]'::jsonb)))::text"""
+
+
+def routing_table_without_tenants(
+    *, region: Region, version: int | None = None
+) -> tuple[RoutingTableVersion, dict[str, Any], int] | None:
+    """A version (the latest by default, ``document`` deferred), its document without the
+    tenants, and how many tenants it has: a page that shows a few of thousands of tenants
+    does not decode them all (``table_tenants`` reads the few)."""
+    rows = _latest_or(region, version)
+    if connection.vendor != "postgresql":
+        found = rows.first()
+        if found is None:
+            return None
+        document = dict(found.document)
+        return found, document, len(document.pop("tenants", None) or ())
+    annotated = rows.annotate(rest=RawSQL(_WITHOUT_TENANTS, []), tenants=RawSQL(_TENANT_COUNT, []))
+    table = annotated.first()
+    return None if table is None else (table, orjson.loads(table.rest), table.tenants)
+
+
+class TableTenants(Sequence[dict[str, Any]]):
+    """The tenant entries of a stored table whose name contains ``contains``, in the table's
+    order, for a paginator: PostgreSQL counts and slices them out of the stored document."""
+
+    _FROM = (
+        "FROM routing_routingtableversion v, jsonb_array_elements(v.document -> 'tenants') "
+        "WITH ORDINALITY AS t(e, i) WHERE v.id = %s AND strpos(e ->> 'tenant', %s) > 0"
+    )
+
+    def __init__(self, table_id: int, contains: str) -> None:
+        self.table_id, self.contains = table_id, contains
+
+    def __len__(self) -> int:
+        with connection.cursor() as cursor:
+            cursor.execute(f"SELECT count(*) {self._FROM}", [self.table_id, self.contains])
+            return int(cursor.fetchone()[0])
+
+    def _slice(self, start: int, stop: int) -> list[dict[str, Any]]:
+        with connection.cursor() as cursor:
+            cursor.execute(
+                f"SELECT e::text {self._FROM} ORDER BY i OFFSET %s LIMIT %s",
+                [self.table_id, self.contains, start, max(stop - start, 0)],
+            )
+            return [orjson.loads(text) for (text,) in cursor.fetchall()]
+
+    @overload
+    def __getitem__(self, index: int) -> dict[str, Any]: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[dict[str, Any]]: ...
+
+    def __getitem__(self, index: int | slice) -> dict[str, Any] | list[dict[str, Any]]:
+        if isinstance(index, slice):
+            start, stop, step = index.start or 0, index.stop, index.step or 1
+            if start < 0 or stop is None or stop < 0:  # counted only when it must be
+                start, stop, step = index.indices(len(self))
+            assert step == 1, "pages are contiguous"
+            return self._slice(start, stop)
+        found = self._slice(index, index + 1) if index >= 0 else []
+        if not found:
+            raise IndexError(index)
+        return found[0]
+
+
+def table_tenants(
+    table: RoutingTableVersion, *, contains: str = ""
+) -> TableTenants | list[dict[str, Any]]:
+    """The table's tenant entries whose name contains ``contains``, for a paginator; read
+    by PostgreSQL a page at a time, from the decoded document elsewhere."""
+    if connection.vendor == "postgresql":
+        return TableTenants(table.pk, contains)
+    entries = table.document.get("tenants") or ()
+    return [t for t in entries if contains in t["tenant"]]
+
+
+def routing_table_for_tenant(
+    *, region: Region, tenant: str
+) -> tuple[RoutingTableVersion, bytes] | None:
+    """The latest version (``document`` deferred) and its document as JSON with the entry
+    of ``tenant`` alone among its tenants (none if absent): what deciding that tenant's
+    requests reads, without decoding thousands of entries."""
+    rows = _latest_or(region, None)
+    if connection.vendor != "postgresql":
+        found = rows.first()
+        if found is None:
+            return None
+        document = found.document
+        entries = [t for t in document.get("tenants") or () if t.get("tenant") == tenant]
+        return found, orjson.dumps({**document, "tenants": entries})
+    table = rows.annotate(one=RawSQL(_ONE_TENANT, [tenant])).first()
+    return None if table is None else (table, table.one.encode())
 
 
 def routing_table_at(

@@ -14,8 +14,11 @@ from decimal import Decimal
 from functools import partial
 from typing import Any
 
+import orjson
 import pytest
+from django.core.paginator import Paginator
 from django.utils import timezone
+from msgspec.structs import replace as replace_struct
 
 from console.charts import MAX_SERIES, chart_series
 from console.preview import Move, Preview, preview, snapshot_after
@@ -45,6 +48,7 @@ from federation.tenancy import services as tenancy
 from federation.tenancy.models import ApiKey, Tenant
 from federation.tenancy.residency import ResidencyPolicy
 from federation.tenancy.selectors import api_key_table_entries
+from regions.tables.schema import decode_table
 from tests.integration.console_support import demo_fleet
 
 pytestmark = pytest.mark.django_db
@@ -529,3 +533,47 @@ def test_a_routing_diff_postgresql_computes_equals_the_diff_of_the_documents(
     assert sections["remote_regions"].added == ["eu"]
     assert (sections["tenants"].added, sections["tenants"].removed) == (["t30"], ["t0"])
     assert [c.key for c in sections["tenants"].changed] == ["t3"]
+
+
+def test_a_table_read_in_parts_by_postgresql_equals_the_decoded_document(
+    varied_fleet: None,
+) -> None:
+    """The routing table page reads the document without its tenants and a page of those,
+    the inspector the document with one tenant's entry: all as the whole document has them."""
+    for tenant in range(60):
+        Tenant.objects.create(slug=f"fp-page-{tenant:02d}", name=f"p{tenant}")
+    routing_tables_publish()
+    us = Region.objects.get(code="us-east")
+    stored = RoutingTableVersion.objects.filter(region=us).order_by("-version").first()
+    assert stored is not None
+    document = stored.document
+    entries = document["tenants"]
+    assert len(entries) > 60
+    found = distribution.routing_table_without_tenants(region=us)
+    assert found is not None
+    table, rest, count = found
+    assert table.pk == stored.pk and count == len(entries)
+    assert rest == {k: v for k, v in document.items() if k != "tenants"}
+    first = distribution.routing_table_without_tenants(region=us, version=1)
+    assert first is not None and first[0].version == 1
+    assert distribution.routing_table_without_tenants(region=us, version=10_000) is None
+    for q in ("", "fp-page-", "fp-page-1", "acme", "P", "nobody"):
+        lazy = distribution.table_tenants(table, contains=q)
+        assert isinstance(lazy, distribution.TableTenants)  # PostgreSQL's
+        plain = [t for t in entries if q in t["tenant"]]
+        assert len(lazy) == len(plain), q
+        fast, slow = Paginator(lazy, 25), Paginator(plain, 25)
+        assert fast.num_pages == slow.num_pages, q
+        for number in fast.page_range:
+            assert list(fast.page(number)) == list(slow.page(number)), (q, number)
+        if plain:
+            assert (lazy[0], lazy[len(plain) - 1], lazy[-2:]) == (plain[0], plain[-1], plain[-2:])
+    with pytest.raises(IndexError):
+        distribution.table_tenants(table, contains="nobody")[0]
+    whole = decode_table(orjson.dumps(document))
+    for slug in ("fp-regions", "fp-page-07", "nobody"):
+        one = distribution.routing_table_for_tenant(region=us, tenant=slug)
+        assert one is not None and one[0].pk == stored.pk
+        cut = decode_table(one[1])
+        assert cut.tenants == tuple(t for t in whole.tenants or () if t.tenant == slug)
+        assert replace_struct(cut, tenants=whole.tenants) == whole
