@@ -98,8 +98,8 @@ class _TenantRowsMemo:
     they are handed back as they are — the same tuple, which lets ``fleet_plan`` see at once
     that its tenants are those of the last plan (``reuse``)."""
 
-    inputs: tuple[Any, ...] | None = None
-    rows: tuple[TenantRow, ...] = ()
+    #: (inputs, rows), replaced as one so that a thread never reads a mismatched pair.
+    last: tuple[tuple[Any, ...], tuple[TenantRow, ...]] | None = None
 
 
 _last_tenant_rows = _TenantRowsMemo()
@@ -151,8 +151,9 @@ def tenant_rows(
         else {}
     )
     inputs = (tenants, allowed, keys, budgets, dict(spend), settings.SECRET_KEY)
-    if _last_tenant_rows.inputs == inputs:
-        return _last_tenant_rows.rows
+    last = _last_tenant_rows.last
+    if last is not None and last[0] == inputs:
+        return last[1]
     policies: dict[tuple[str, tuple[str, ...]], ResidencyPolicy] = {}
     rows = []
     for pk, slug, jurisdictions, rpm, tpm, budget, isolated in tenants:
@@ -175,8 +176,9 @@ def tenant_rows(
                 budget=budgets.get(slug),
             )
         )
-    _last_tenant_rows.inputs, _last_tenant_rows.rows = inputs, tuple(rows)
-    return _last_tenant_rows.rows
+    built = tuple(rows)
+    _last_tenant_rows.last = (inputs, built)
+    return built
 
 
 def budget_rows(budgets: Mapping[str, Decimal | None], *, now: datetime) -> dict[str, BudgetRow]:
