@@ -43,7 +43,7 @@ def region_table(request: HttpRequest, code: str) -> HttpResponse:
         raise Http404("No such routing table version.")
     table, doc, tenant_count = found
     q = request.GET.get("q", "").strip()
-    tenants = distribution.table_tenants(table, contains=q)
+    tenants = distribution.table_tenants(table, contains=q, total=tenant_count)
     page = Paginator(tenants, TENANTS_PER_PAGE).get_page(request.GET.get("page"))
     context = {
         "region": region,

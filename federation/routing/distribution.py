@@ -131,15 +131,28 @@ class TableTenants(Sequence[dict[str, Any]]):
         "WITH ORDINALITY AS t(e, i) WHERE v.id = %s AND strpos(e ->> 'tenant', %s) > 0"
     )
 
-    def __init__(self, table_id: int, contains: str) -> None:
-        self.table_id, self.contains = table_id, contains
+    def __init__(self, table_id: int, contains: str, total: int) -> None:
+        """``total``: how many tenants the table has (all of them match an empty filter)."""
+        self.table_id, self.contains, self.total = table_id, contains, total
 
     def __len__(self) -> int:
+        if not self.contains:
+            return self.total
         with connection.cursor() as cursor:
             cursor.execute(f"SELECT count(*) {self._FROM}", [self.table_id, self.contains])
             return int(cursor.fetchone()[0])
 
     def _slice(self, start: int, stop: int) -> list[dict[str, Any]]:
+        if stop <= start:
+            return []
+        if not self.contains:  # the slice alone, not every entry expanded and skipped
+            with connection.cursor() as cursor:
+                cursor.execute(
+                    "SELECT jsonb_path_query_array(document, %s::jsonpath)::text "
+                    "FROM routing_routingtableversion WHERE id = %s",
+                    [f"$.tenants[{int(start)} to {int(stop) - 1}]", self.table_id],
+                )
+                return list(orjson.loads(cursor.fetchone()[0]))
         with connection.cursor() as cursor:
             cursor.execute(
                 f"SELECT e::text {self._FROM} ORDER BY i OFFSET %s LIMIT %s",
@@ -167,12 +180,13 @@ class TableTenants(Sequence[dict[str, Any]]):
 
 
 def table_tenants(
-    table: RoutingTableVersion, *, contains: str = ""
+    table: RoutingTableVersion, *, contains: str = "", total: int
 ) -> TableTenants | list[dict[str, Any]]:
     """The table's tenant entries whose name contains ``contains``, for a paginator; read
-    by PostgreSQL a page at a time, from the decoded document elsewhere."""
+    by PostgreSQL a page at a time, from the decoded document elsewhere. ``total``: how many
+    tenants it has (``routing_table_without_tenants``)."""
     if connection.vendor == "postgresql":
-        return TableTenants(table.pk, contains)
+        return TableTenants(table.pk, contains, total)
     entries = table.document.get("tenants") or ()
     return [t for t in entries if contains in t["tenant"]]
 

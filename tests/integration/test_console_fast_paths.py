@@ -558,7 +558,7 @@ def test_a_table_read_in_parts_by_postgresql_equals_the_decoded_document(
     assert first is not None and first[0].version == 1
     assert distribution.routing_table_without_tenants(region=us, version=10_000) is None
     for q in ("", "fp-page-", "fp-page-1", "acme", "P", "nobody"):
-        lazy = distribution.table_tenants(table, contains=q)
+        lazy = distribution.table_tenants(table, contains=q, total=count)
         assert isinstance(lazy, distribution.TableTenants)  # PostgreSQL's
         plain = [t for t in entries if q in t["tenant"]]
         assert len(lazy) == len(plain), q
@@ -569,7 +569,7 @@ def test_a_table_read_in_parts_by_postgresql_equals_the_decoded_document(
         if plain:
             assert (lazy[0], lazy[len(plain) - 1], lazy[-2:]) == (plain[0], plain[-1], plain[-2:])
     with pytest.raises(IndexError):
-        distribution.table_tenants(table, contains="nobody")[0]
+        distribution.table_tenants(table, contains="nobody", total=count)[0]
     whole = decode_table(orjson.dumps(document))
     for slug in ("fp-regions", "fp-page-07", "nobody"):
         one = distribution.routing_table_for_tenant(region=us, tenant=slug)
