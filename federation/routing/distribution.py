@@ -95,12 +95,14 @@ def _latest_or(region: Region, version: int | None) -> QuerySet[RoutingTableVers
     return rows.defer("document")
 
 
+#: The stored document (qualified: the queries join the region).
+_DOCUMENT = '"routing_routingtableversion"."document"'
 #: A stored document without its tenants, and how many it has.
-_WITHOUT_TENANTS = "(document - 'tenants')::text"
-_TENANT_COUNT = "coalesce(jsonb_array_length(document -> 'tenants'), 0)"
+_WITHOUT_TENANTS = f"({_DOCUMENT} - 'tenants')::text"
+_TENANT_COUNT = f"coalesce(jsonb_array_length({_DOCUMENT} -> 'tenants'), 0)"
 #: The document with only the entry of the tenant named by the parameter among its tenants.
-_ONE_TENANT = """(jsonb_set(document, '{tenants}', coalesce((
-    SELECT jsonb_agg(e ORDER BY i) FROM jsonb_array_elements(document -> 'tenants')
+_ONE_TENANT = f"""(jsonb_set({_DOCUMENT}, '{{tenants}}', coalesce((
+    SELECT jsonb_agg(e ORDER BY i) FROM jsonb_array_elements({_DOCUMENT} -> 'tenants')
     WITH ORDINALITY AS t(e, i) WHERE e ->> 'tenant' = %s), '[]'::jsonb)))::text"""
 
 
@@ -156,7 +158,7 @@ class TableTenants(Sequence[dict[str, Any]]):
         with connection.cursor() as cursor:
             cursor.execute(
                 f"SELECT e::text {self._FROM} ORDER BY i OFFSET %s LIMIT %s",
-                [self.table_id, self.contains, start, max(stop - start, 0)],
+                [self.table_id, self.contains, start, stop - start],
             )
             return [orjson.loads(text) for (text,) in cursor.fetchall()]
 
