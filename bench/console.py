@@ -62,11 +62,25 @@ def build(tenants: int, days: int) -> None:
         pass
     add_tenants(tenants, days)
     routing_tables_publish()
+    second_version()
     # A month of rows in a live database has planner statistics (autovacuum's ANALYZE); rows
     # bulk-inserted a moment ago do not, and PostgreSQL would plan as if the tables were empty.
     with connection.cursor() as cursor:
         cursor.execute("ANALYZE")
     print(f"fleet: {len(records):,} demo requests over {days} days, {tenants:,} more tenants")
+
+
+def second_version() -> None:
+    """Every table again after an ordinary change — a tenant signed up, another's rate limit
+    raised — so that the routing diff compares two versions that differ by a few entries."""
+    from federation.routing.services import routing_tables_publish
+    from federation.tenancy import services as tenancy
+    from federation.tenancy.models import Tenant
+
+    tenancy.tenant_create(actor=None, slug="newcomer", name="Newcomer", requests_per_minute=600)
+    raised = Tenant.objects.get(slug="t00042")
+    tenancy.tenant_update(actor=None, tenant=raised, data={"requests_per_minute": 1_200})
+    routing_tables_publish()
 
 
 def add_tenants(n: int, days: int) -> None:

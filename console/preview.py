@@ -17,7 +17,13 @@ from dataclasses import dataclass, field
 from datetime import datetime
 
 from console.explain import Decision, decide
-from federation.routing.compiler import FleetPlan, FleetSnapshot, fleet_plan, region_table
+from federation.routing.compiler import (
+    FleetPlan,
+    FleetSnapshot,
+    TenantPlan,
+    fleet_plan,
+    region_table,
+)
 from regions.edge.spill import spill_plan
 from regions.tables.schema import RoutingTable, TenantPolicy
 
@@ -82,6 +88,8 @@ class Move:
 
 @dataclass(slots=True)
 class Preview:
+    #: The tenants' part of the plan before the action, for the next preview to reuse.
+    tenant_plan: TenantPlan | None = field(default=None, compare=False, repr=False)
     moves: list[Move] = field(default_factory=list)
     #: Instances that stop or start receiving traffic.
     leaving: list[str] = field(default_factory=list)
@@ -129,17 +137,24 @@ def _costs(plan: FleetPlan) -> tuple[float, float, float]:
     return serving, demand, unserved
 
 
-def preview(before: FleetSnapshot, after: FleetSnapshot) -> Preview:
-    """Every decision that differs between the tables of ``before`` and ``after``."""
-    plan_b = fleet_plan(before)
-    plan_a = plan_b if after == before else fleet_plan(after)  # e.g. a cordon
+def preview(
+    before: FleetSnapshot, after: FleetSnapshot, *, reuse: TenantPlan | None = None
+) -> Preview:
+    """Every decision that differs between the tables of ``before`` and ``after``.
+
+    ``reuse``: the tenants' part of an earlier plan (an earlier preview's ``tenant_plan``),
+    which ``fleet_plan`` takes only if it was computed from the same tenants and regions.
+    """
+    plan_b = fleet_plan(before, reuse=reuse)
+    # The same tenants: their classes and entries are computed once (``fleet_plan`` checks).
+    plan_a = plan_b if after == before else fleet_plan(after, reuse=plan_b.tenant_plan)
     tables_b, tables_a = _tables(before, plan_b), _tables(after, plan_a)
     spill_b = {c: spill_plan(t) for c, t in tables_b.items()}
     spill_a = {c: spill_plan(t) for c, t in tables_a.items()}
     models = sorted(set(plan_b.serving) | set(plan_a.serving))
     # Requests reach regions that have an edge (all of them when none is registered yet).
     origins = [r.code for r in before.regions if r.edge_url] or [r.code for r in before.regions]
-    result = Preview()
+    result = Preview(tenant_plan=plan_b.tenant_plan)
     for group in _groups(plan_b.tenant_entries):
         for origin in sorted(origins):
             for model in models:

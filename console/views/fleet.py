@@ -8,6 +8,7 @@ inventory service, which validates, audits and schedules the recompile, like the
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -30,7 +31,7 @@ from federation.inventory import selectors as inventory_selectors
 from federation.inventory import services as inventory
 from federation.inventory.models import GPUPool, Instance, Region
 from federation.metering.selectors import recent_requests
-from federation.routing.compiler import TARGET_UTILISATION
+from federation.routing.compiler import TARGET_UTILISATION, TenantPlan
 from federation.routing.distribution import routing_table_overview
 from federation.routing.selectors import fleet_snapshot, ramp_policy
 
@@ -144,10 +145,24 @@ def region_detail(request: HttpRequest, code: str) -> HttpResponse:
 # --- actions -------------------------------------------------------------------------------
 
 
+@dataclass(slots=True)
+class _LastPreview:
+    """The tenants' part of the last preview's plan: the next one reuses it when the
+    tenants and regions are the same (``fleet_plan`` compares; with unchanged tenants the
+    snapshot hands back the very same rows, so that is quick)."""
+
+    tenant_plan: TenantPlan | None = None
+
+
+_last_preview = _LastPreview()
+
+
 def _preview(**changes: Mapping[str, Any]) -> Preview:
     # Keys and budget leases do not decide where a request goes (``fleet_snapshot``).
     snapshot = fleet_snapshot(keys_and_budgets=False)
-    return preview(snapshot, snapshot_after(snapshot, **changes))
+    result = preview(snapshot, snapshot_after(snapshot, **changes), reuse=_last_preview.tenant_plan)
+    _last_preview.tenant_plan = result.tenant_plan
+    return result
 
 
 def _act(

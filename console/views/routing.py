@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import orjson
 from django.core.paginator import Paginator
 from django.http import Http404, HttpRequest, HttpResponse
 from django.shortcuts import get_object_or_404, render
@@ -13,10 +12,10 @@ from django.shortcuts import get_object_or_404, render
 from console.access import STAFF, console_view
 from console.explain import decide, request_point
 from console.forms import InspectForm, TableDiffForm
+from console.tablediff import SCALARS, SECTIONS, diff_from_changes
 from console.tablediff import table_diff as diff_documents
 from federation.inventory import selectors as inventory_selectors
 from federation.routing import distribution
-from federation.routing.models import RoutingTableVersion
 from federation.tenancy.selectors import tenant_list
 from regions.tables.schema import RoutingTable, decode_table
 
@@ -30,17 +29,6 @@ def routing_index(request: HttpRequest) -> HttpResponse:
     )
 
 
-def _version(region: Any, number: int | None) -> RoutingTableVersion:
-    table = (
-        distribution.routing_table_latest(region=region)
-        if number is None
-        else distribution.routing_table_at(region=region, version=number)
-    )
-    if table is None:
-        raise Http404("No such routing table version.")
-    return table
-
-
 def _int(value: str | None) -> int | None:
     return int(value) if value and value.isdigit() else None
 
@@ -48,17 +36,21 @@ def _int(value: str | None) -> int | None:
 @console_view(*STAFF)
 def region_table(request: HttpRequest, code: str) -> HttpResponse:
     region = get_object_or_404(inventory_selectors.region_list(), code=code)
-    table = _version(region, _int(request.GET.get("v")))
-    doc = table.document
+    found = distribution.routing_table_without_tenants(
+        region=region, version=_int(request.GET.get("v"))
+    )
+    if found is None:
+        raise Http404("No such routing table version.")
+    table, doc, tenant_count = found
     q = request.GET.get("q", "").strip()
-    tenants = [t for t in doc.get("tenants") or () if q in t["tenant"]]
+    tenants = distribution.table_tenants(table, contains=q, total=tenant_count)
     page = Paginator(tenants, TENANTS_PER_PAGE).get_page(request.GET.get("page"))
     context = {
         "region": region,
         "table": table,
         "doc": doc,
         "tenants": page,
-        "tenant_count": len(doc.get("tenants") or ()),
+        "tenant_count": tenant_count,
         "q": q,
         "version_query": f"v={table.version}",
         "versions": distribution.routing_table_versions(region=region)[:50],
@@ -69,27 +61,39 @@ def region_table(request: HttpRequest, code: str) -> HttpResponse:
 @console_view(*STAFF)
 def table_diff(request: HttpRequest, code: str) -> HttpResponse:
     region = get_object_or_404(inventory_selectors.region_list(), code=code)
-    latest = _version(region, None)
+    latest = distribution.routing_table_latest_version(region_id=region.pk)
+    if latest is None:
+        raise Http404("No routing table has been published for this region.")
     if "old" in request.GET or "new" in request.GET:
         form = TableDiffForm(request.GET)
     else:
-        form = TableDiffForm({"old": max(latest.version - 1, 1), "new": latest.version})
+        form = TableDiffForm({"old": max(latest - 1, 1), "new": latest})
     diff = old = new = None
     if form.is_valid():
-        old = distribution.routing_table_at(region=region, version=form.cleaned_data["old"])
-        new = distribution.routing_table_at(region=region, version=form.cleaned_data["new"])
+        data = form.cleaned_data
+        old = distribution.routing_table_at(region=region, version=data["old"], document=False)
+        new = distribution.routing_table_at(region=region, version=data["new"], document=False)
         for name, found in (("old", old), ("new", new)):
             if found is None:
-                form.add_error(name, f"{region.code} has no version {form.cleaned_data[name]}.")
+                form.add_error(name, f"{region.code} has no version {data[name]}.")
         if old is not None and new is not None:
-            diff = diff_documents(old.document, new.document)
+            changes = distribution.routing_table_changes(
+                old=old, new=new, sections=SECTIONS, scalars=SCALARS
+            )
+            diff = (
+                diff_documents(old.document, new.document)  # not PostgreSQL: whole documents
+                if changes is None
+                else diff_from_changes(*changes)
+            )
     context = {"region": region, "form": form, "diff": diff, "old": old, "new": new}
     return render(request, "console/routing_diff.html", context)
 
 
-def _table_of(region: Any) -> RoutingTable | None:
-    stored = distribution.routing_table_latest(region=region)
-    return None if stored is None else decode_table(orjson.dumps(stored.document))
+def _table_of(region: Any, tenant: str) -> RoutingTable | None:
+    """The region's latest table with ``tenant``'s entry alone among its tenants: a decision
+    reads the tenant's policy, the routes, remotes and classes, never the other tenants."""
+    stored = distribution.routing_table_for_tenant(region=region, tenant=tenant)
+    return None if stored is None else decode_table(stored[1])
 
 
 @console_view(*STAFF)
@@ -107,7 +111,7 @@ def inspect(request: HttpRequest) -> HttpResponse:
         data = form.cleaned_data
         tenant = tenant_list(user=request.user).filter(slug=data["tenant"]).first()
         origin = next(r for r in regions if r.code == data["origin"])
-        table = _table_of(origin)
+        table = _table_of(origin, data["tenant"])
         policy = None
         if tenant is None:
             form.add_error("tenant", f"No tenant {data['tenant']!r}.")

@@ -8,13 +8,15 @@ Amounts are exact decimals: a report's total is the sum of its rows to the last 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, date, datetime, time, timedelta
 from decimal import Decimal
 from typing import Any, Literal
 
-from django.db.models import Q, QuerySet, Sum
+from django.db import connection
+from django.db.models import DecimalField, Q, QuerySet, Sum
 from django.db.models.functions import TruncDate
 
 from federation.metering.models import (
@@ -57,9 +59,10 @@ def _midnight(moment: datetime) -> bool:
     return moment.astimezone(UTC).time() == time(0)
 
 
-def usage_report(query: UsageQuery) -> list[dict[str, Any]]:
-    """Usage summed by ``group_by`` (and time bucket), ordered by them. Whole UTC days not
-    bucketed by hour are read from the daily rollups, anything else from the hourly ones."""
+def _usage_rows(query: UsageQuery) -> tuple[QuerySet[Any], list[str]]:
+    """The rollup rows ``query`` reads, filtered, and its time key (none, or its bucket).
+    Whole UTC days not bucketed by hour are read from the daily rollups, anything else from
+    the hourly ones."""
     if query.bucket != "hour" and _midnight(query.start) and _midnight(query.end):
         rows: QuerySet[Any] = UsageDay.objects.filter(
             day__gte=query.start.astimezone(UTC).date(), day__lt=query.end.astimezone(UTC).date()
@@ -72,7 +75,11 @@ def usage_report(query: UsageQuery) -> list[dict[str, Any]]:
         time_keys = [query.bucket] if query.bucket else []
     for dimension, values in query.filters.items():
         rows = rows.filter(**{f"{dimension}__in": list(values)})
-    keys = [*time_keys, *query.group_by]
+    return rows, time_keys
+
+
+def _summed(query: UsageQuery) -> tuple[list[str], bool]:
+    """(the rollup columns ``query`` sums, whether it adds the margin)."""
     unknown = set(query.only) - REPORT_SUMS
     if unknown:
         raise ValueError(f"no such usage sum: {', '.join(sorted(unknown))}")
@@ -80,13 +87,20 @@ def usage_report(query: UsageQuery) -> list[dict[str, Any]]:
     margin = query.with_cost and "margin_usd" in wanted
     if margin:
         wanted |= {"price_usd", "cost_usd"}
-    sums: dict[str, Any] = {
-        name: Sum(name, default=0)
-        for name in USAGE_SUMS
-        if name in wanted and (query.with_cost or name != "cost_usd")
-    }
-    if not sums:
+    columns = [
+        name for name in USAGE_SUMS if name in wanted and (query.with_cost or name != "cost_usd")
+    ]
+    if not columns:
         raise ValueError("nothing to sum: cost and margin are for reports with cost")
+    return columns, margin
+
+
+def usage_report(query: UsageQuery) -> list[dict[str, Any]]:
+    """Usage summed by ``group_by`` (and time bucket), ordered by them (``_usage_rows``)."""
+    rows, time_keys = _usage_rows(query)
+    keys = [*time_keys, *query.group_by]
+    columns, margin = _summed(query)
+    sums: dict[str, Any] = {name: Sum(name, default=0) for name in columns}
     if keys:
         report = list(rows.values(*keys).annotate(**sums).order_by(*keys))
     else:
@@ -95,6 +109,43 @@ def usage_report(query: UsageQuery) -> list[dict[str, Any]]:
         for row in report:
             row["margin_usd"] = row["price_usd"] - row["cost_usd"]
     return report
+
+
+def usage_report_by_group_and_bucket(
+    query: UsageQuery, group: Dimension
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """``usage_report`` of ``query`` (with its bucket) by ``group`` alone and by bucket alone,
+    from one pass over the rollups (PostgreSQL's ``GROUPING SETS``): ranking thousands of
+    tenants and charting their total over time read the month's rows once, not twice. Two
+    reports when the two read different rollups (whole days by hour) or on another database."""
+    assert query.bucket is not None and not query.group_by, "a bucket and no group_by"
+    by_group = dataclasses.replace(query, group_by=[group], bucket=None)
+    rows, (time_key,) = _usage_rows(query)
+    if connection.vendor != "postgresql" or rows.model is not _usage_rows(by_group)[0].model:
+        return usage_report(by_group), usage_report(query)
+    columns, margin = _summed(query)
+    inner, params = rows.order_by().values(time_key, group, *columns).query.sql_with_params()
+    # The inner query's columns are named after the fields (group, columns from fixed lists).
+    sums = ", ".join(f'COALESCE(SUM(u."{c}"), 0) AS "{c}"' for c in columns)
+    sql = (
+        f'SELECT GROUPING(u."{group}") AS by_bucket, u."{time_key}", u."{group}", {sums} '
+        f'FROM ({inner}) AS u GROUP BY GROUPING SETS ((u."{group}"), (u."{time_key}")) '
+        f'ORDER BY 1, u."{group}", u."{time_key}"'
+    )
+    integer = {c for c in columns if not isinstance(UsageDay._meta.get_field(c), DecimalField)}
+    groups: list[dict[str, Any]] = []
+    buckets: list[dict[str, Any]] = []
+    with connection.cursor() as cursor:
+        cursor.execute(sql, params)
+        for by_bucket, bucket, value, *totals in cursor.fetchall():
+            row = {c: int(t) if c in integer else t for c, t in zip(columns, totals, strict=True)}
+            if margin:
+                row["margin_usd"] = row["price_usd"] - row["cost_usd"]
+            if by_bucket:  # GROUPING(group) = 1: summed over the groups
+                buckets.append({time_key: bucket, **row})
+            else:
+                groups.append({group: value, **row})
+    return groups, buckets
 
 
 @dataclass(frozen=True, slots=True)

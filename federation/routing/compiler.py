@@ -240,6 +240,15 @@ class ResidencyClass:
     tenants: int
 
 
+@dataclass(frozen=True, slots=True)
+class TenantPlan:
+    """The tenants' part of a plan, and the inputs it was computed from."""
+
+    inputs: tuple[Any, ...]
+    classes: list[ResidencyClass]
+    entries: tuple[schema.TenantPolicy, ...]
+
+
 @dataclass(slots=True)
 class FleetPlan:
     """Everything the per-region documents share, computed once per snapshot."""
@@ -260,6 +269,8 @@ class FleetPlan:
     split: DemandSplit
     latency_penalty: float
     tenant_entries: tuple[schema.TenantPolicy, ...]
+    #: The same with the classes and their inputs, for a plan of the same tenants to reuse.
+    tenant_plan: TenantPlan
     instance_entries: dict[str, tuple[schema.Instance, ...]]
     #: (region, served name) -> its offer as :func:`_offer` rounds it (filled on first use).
     offers: dict[tuple[str, str], tuple[float, float, float, float]]
@@ -339,9 +350,10 @@ def _instance_entries(rows: Iterable[InstanceRow]) -> tuple[schema.Instance, ...
 
 
 def _tenant_entry(
-    tenant: TenantRow, allowed: frozenset[str], class_id: str, edges: Sequence[str]
+    tenant: TenantRow, allowed: tuple[str, ...], class_id: str, edges: Sequence[str]
 ) -> schema.TenantPolicy:
-    """``edges``: the live edges of the regions it may be served in (its budgets' leases)."""
+    """``allowed``: its regions, sorted; ``edges``: the live edges of the active ones (its
+    budgets' leases). Both are its residency class's, computed once per class."""
     keys = sorted((k for k in tenant.keys if INFERENCE_SCOPE in k.scopes), key=lambda k: k.key_hash)
     return schema.TenantPolicy(
         tenant=tenant.slug,
@@ -349,7 +361,7 @@ def _tenant_entry(
         key_valid_until={
             k.key_hash: _rfc3339(k.valid_until) for k in keys if k.valid_until is not None
         },
-        allowed_regions=tuple(sorted(allowed)),
+        allowed_regions=allowed,
         residency_class=class_id,
         requests_per_s=None
         if tenant.requests_per_minute is None
@@ -365,12 +377,70 @@ def _tenant_entry(
     )
 
 
+def _tenant_inputs(
+    snapshot: FleetSnapshot, regions: Mapping[str, RegionRow], active: set[str]
+) -> tuple[Any, ...]:
+    """What the tenants' part of a plan depends on: the tenants, where the regions are, and
+    — when some tenant has a budget, whose leases they are — the live edges of the active
+    regions."""
+    budgeted = any(t.budget is not None for t in snapshot.tenants)
+    return (
+        snapshot.tenants,
+        tuple((c, r.jurisdiction) for c, r in regions.items()),
+        tuple((c, regions[c].edges) for c in sorted(active)) if budgeted else None,
+    )
+
+
+def _tenant_plan(
+    snapshot: FleetSnapshot,
+    regions: Mapping[str, RegionRow],
+    active: set[str],
+    *,
+    reuse: TenantPlan | None,
+) -> TenantPlan:
+    """Residency classes (tenants grouped by the regions they may be served in) and the
+    tenant entries; ``reuse``'s when it was computed from the same inputs. What is the same
+    for a whole class — its regions, id, leased edges — is computed once per distinct
+    policy or class, not once per tenant."""
+    inputs = _tenant_inputs(snapshot, regions, active)
+    if reuse is not None and reuse.inputs == inputs:
+        return reuse
+    jurisdiction = {c: r.jurisdiction for c, r in regions.items()}
+    allowed_by_policy: dict[ResidencyPolicy, frozenset[str]] = {}
+    by_allowed: dict[frozenset[str], list[TenantRow]] = {}
+    for tenant in snapshot.tenants:
+        allowed = allowed_by_policy.get(tenant.policy)
+        if allowed is None:
+            allowed = allowed_by_policy[tenant.policy] = frozenset(
+                c for c in regions if region_allowed(tenant.policy, c, jurisdiction[c])
+            )
+        by_allowed.setdefault(allowed, []).append(tenant)
+    ids = {a: _class_id(a) for a in by_allowed}
+    classes = sorted(
+        (ResidencyClass(ids[a], a, len(t)) for a, t in by_allowed.items()), key=lambda c: c.id
+    )
+    entries: list[schema.TenantPolicy] = []
+    for allowed, group in by_allowed.items():
+        regions_of = tuple(sorted(allowed))
+        # Budgets are leased to the live edges of the active regions a tenant may be served in.
+        edges = [e for c in sorted(allowed & active) for e in regions[c].edges]
+        entries.extend(_tenant_entry(t, regions_of, ids[allowed], edges) for t in group)
+    entries.sort(key=lambda e: e.tenant)
+    return TenantPlan(inputs, classes, tuple(entries))
+
+
 def fleet_plan(
     snapshot: FleetSnapshot,
     *,
     latency_penalty: float = DEFAULT_LATENCY_PENALTY_USD_PER_MTOK_PER_MS,
+    reuse: TenantPlan | None = None,
 ) -> FleetPlan:
-    """The fleet-wide part of every table: compute once, then cut per region."""
+    """The fleet-wide part of every table: compute once, then cut per region.
+
+    ``reuse``: the tenants' part of another plan (``FleetPlan.tenant_plan``), taken when it
+    was computed from the same tenants, regions and live edges (checked here), as for the
+    fleet before and after an action on its instances.
+    """
     regions = {r.code: r for r in snapshot.regions}
     active = {c for c, r in regions.items() if r.status != EVACUATED}
     routable = [
@@ -422,28 +492,8 @@ def fleet_plan(
             if rtt is not None:
                 reach[origin][other] = rtt
 
-    # Residency classes: tenants grouped by the regions they may be served in.
-    jurisdiction = {c: r.jurisdiction for c, r in regions.items()}
-    by_allowed: dict[frozenset[str], list[TenantRow]] = {}
-    for tenant in snapshot.tenants:
-        allowed = frozenset(c for c in regions if region_allowed(tenant.policy, c, jurisdiction[c]))
-        by_allowed.setdefault(allowed, []).append(tenant)
-    classes = sorted(
-        (ResidencyClass(_class_id(a), a, len(t)) for a, t in by_allowed.items()),
-        key=lambda c: c.id,
-    )
-    # Budgets are leased to the live edges of the active regions a tenant may be served in.
-    edges_of = {a: [e for c in sorted(a & active) for e in regions[c].edges] for a in by_allowed}
-    tenant_entries = tuple(
-        sorted(
-            (
-                _tenant_entry(t, allowed, _class_id(allowed), edges_of[allowed])
-                for allowed, group in by_allowed.items()
-                for t in group
-            ),
-            key=lambda e: e.tenant,
-        )
-    )
+    tenant_plan = _tenant_plan(snapshot, regions, active, reuse=reuse)
+    classes, tenant_entries = tenant_plan.classes, tenant_plan.entries
 
     # Expected demand per (origin, served name), attributed to residency classes by
     # _origin_shares (until metering attributes demand to tenants).
@@ -484,6 +534,7 @@ def fleet_plan(
         split=split,
         latency_penalty=latency_penalty,
         tenant_entries=tenant_entries,
+        tenant_plan=tenant_plan,
         budgeted=any(t.budget is not None for t in tenant_entries),
         instance_entries={c: _instance_entries(rows) for c, rows in by_region.items()},
         offers={},

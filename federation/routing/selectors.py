@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import operator
 from collections.abc import Mapping
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 from decimal import Decimal
 from functools import reduce
@@ -90,6 +91,20 @@ def tenant_cache_salt(slug: str) -> str:
     return base64.urlsafe_b64encode(digest).decode().rstrip("=")
 
 
+@dataclass(slots=True)
+class _TenantRowsMemo:
+    """The last rows :func:`tenant_rows` built and everything it built them from (the rows
+    read, the spend, the secret key of the cache salts). Equal inputs give the same rows, so
+    they are handed back as they are — the same tuple, which lets ``fleet_plan`` see at once
+    that its tenants are those of the last plan (``reuse``)."""
+
+    #: (inputs, rows), replaced as one so that a thread never reads a mismatched pair.
+    last: tuple[tuple[Any, ...], tuple[TenantRow, ...]] | None = None
+
+
+_last_tenant_rows = _TenantRowsMemo()
+
+
 def tenant_rows(
     *,
     now: datetime | None = None,
@@ -101,7 +116,8 @@ def tenant_rows(
     ``spend_usd``: tenant slug -> spend this month (metered: ``fleet_snapshot`` reads it).
     Without ``keys_and_budgets``, no key hashes and no budget leases (see ``fleet_snapshot``).
     Every compile reads every tenant, so they are plain rows (not model instances), and the
-    few distinct jurisdiction lists are decoded once each rather than once per tenant.
+    few distinct jurisdiction lists are decoded once each rather than once per tenant; when
+    nothing they are built from changed since the last call, that call's rows are returned.
     """
     keys: dict[int, list[KeyRow]] = {}
     for entry in api_key_table_entries(now=now) if keys_and_budgets else ():
@@ -134,6 +150,10 @@ def tenant_rows(
         if keys_and_budgets
         else {}
     )
+    inputs = (tenants, allowed, keys, budgets, dict(spend), settings.SECRET_KEY)
+    last = _last_tenant_rows.last
+    if last is not None and last[0] == inputs:
+        return last[1]
     policies: dict[tuple[str, tuple[str, ...]], ResidencyPolicy] = {}
     rows = []
     for pk, slug, jurisdictions, rpm, tpm, budget, isolated in tenants:
@@ -156,7 +176,9 @@ def tenant_rows(
                 budget=budgets.get(slug),
             )
         )
-    return tuple(rows)
+    built = tuple(rows)
+    _last_tenant_rows.last = (inputs, built)
+    return built
 
 
 def budget_rows(budgets: Mapping[str, Decimal | None], *, now: datetime) -> dict[str, BudgetRow]:

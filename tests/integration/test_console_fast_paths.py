@@ -2,7 +2,8 @@
 rows of the routing snapshot (plain rows) equal the ones built from model instances; a preview
 compiled without keys and budget leases equals the one compiled with them; a usage report of
 only some sums equals the full report's columns; the usage page's chart and table equal those
-of full reports."""
+of full reports; a routing diff PostgreSQL computes from the stored documents equals the
+one computed from the decoded documents."""
 
 from __future__ import annotations
 
@@ -13,17 +14,29 @@ from decimal import Decimal
 from functools import partial
 from typing import Any
 
+import orjson
 import pytest
+from django.core.paginator import Paginator
 from django.utils import timezone
+from msgspec.structs import replace as replace_struct
 
 from console.charts import MAX_SERIES, chart_series
 from console.preview import Move, Preview, preview, snapshot_after
+from console.tablediff import SCALARS, SECTIONS, TableDiff, diff_from_changes, table_diff
+from console.views import fleet as fleet_views
 from console.views.reports import MANY_GROUPS, TOTALS_SHOWN, _totals, _usage_view
 from federation.inventory import lifecycle
 from federation.inventory.models import Instance, Region
 from federation.metering.models import USAGE_SUMS, CountedSpend, UsageDay
-from federation.metering.selectors import UsageQuery, month_of, usage_report
-from federation.routing.compiler import KeyRow, TenantRow, fleet_plan
+from federation.metering.selectors import (
+    UsageQuery,
+    month_of,
+    usage_report,
+    usage_report_by_group_and_bucket,
+)
+from federation.routing import distribution
+from federation.routing.compiler import KeyRow, TenantRow, compile_region_table, fleet_plan
+from federation.routing.models import RoutingTableVersion
 from federation.routing.selectors import (
     budget_rows,
     fleet_snapshot,
@@ -35,6 +48,7 @@ from federation.tenancy import services as tenancy
 from federation.tenancy.models import ApiKey, Tenant
 from federation.tenancy.residency import ResidencyPolicy
 from federation.tenancy.selectors import api_key_table_entries
+from regions.tables.schema import decode_table
 from tests.integration.console_support import demo_fleet
 
 pytestmark = pytest.mark.django_db
@@ -123,6 +137,46 @@ def test_tenant_rows_from_plain_rows_equal_those_from_model_instances(varied_fle
     assert by_slug["fp-out"].budget is not None and by_slug["fp-out"].budget.published
 
 
+def test_tenant_rows_are_handed_back_until_something_they_are_built_from_changes(
+    varied_fleet: None,
+) -> None:
+    """The same rows (the same tuple) while nothing changed; after any change to what they
+    are built from, new rows equal to those built the plain way."""
+    now = timezone.now()
+    spend = {"fp-warn": 9.0, "fp-out": 1.5, "fp-ok": 3.25}
+    first = tenant_rows(now=now, spend_usd=spend)
+    assert tenant_rows(now=now, spend_usd=spend) is first
+    lean = tenant_rows(now=now, spend_usd=spend, keys_and_budgets=False)
+    assert lean is not first and lean != first
+    eu = Region.objects.get(code="eu-west")
+    regions = Tenant.objects.get(slug="fp-regions")
+    changes: dict[str, Any] = {
+        "a limit": lambda: Tenant.objects.filter(slug="fp-ok").update(requests_per_minute=7),
+        "a jurisdiction": lambda: Tenant.objects.filter(slug="fp-ok").update(
+            allowed_jurisdictions=["US"]
+        ),
+        "an allowed region": lambda: regions.allowed_regions.set([eu]),
+        "an isolated cache": lambda: Tenant.objects.filter(slug="fp-ok").update(
+            isolate_kv_cache=True
+        ),
+        "a new key": lambda: tenancy.api_key_create(
+            actor=None, tenant=Tenant.objects.get(slug="fp-warn"), name="k2"
+        ),
+        "a tenant gone": lambda: Tenant.objects.filter(slug="fp-salted").update(is_active=False),
+        "the spend": lambda: spend.update({"fp-ok": 99.0}),
+        "the spend counted against a budget": lambda: CountedSpend.objects.filter(
+            tenant="fp-ok"
+        ).update(price_usd="50.00"),
+    }
+    previous = tenant_rows(now=now, spend_usd=spend)
+    for name, change in changes.items():
+        change()
+        rows = tenant_rows(now=now, spend_usd=spend)
+        assert rows is not previous and rows != previous, name
+        assert rows == _reference_tenant_rows(now, spend), name
+        previous = rows
+
+
 def _comparable(result: Preview) -> tuple[Any, ...]:
     """Everything a preview shows. A group's representative policy is compared on what a
     decision reads (its keys and leases are what the lean snapshot leaves out)."""
@@ -188,6 +242,52 @@ def test_a_preview_without_keys_and_leases_equals_the_full_one(varied_fleet: Non
     assert (states["fp-ok"], states["fp-warn"], states["fp-out"]) == ("ok", "warn", "exhausted")
 
 
+def _documents(snapshot: Any, plan: Any) -> dict[str, dict[str, Any]]:
+    return {
+        r.code: compile_region_table(snapshot, region=r.code, version=1, generated_at="", plan=plan)
+        for r in snapshot.regions
+    }
+
+
+@pytest.mark.parametrize("lean", [False, True])
+def test_a_plan_reusing_the_tenants_of_another_equals_a_fresh_one(
+    varied_fleet: None, lean: bool
+) -> None:
+    """The preview compiles the fleet after an action reusing the tenants' part of the plan
+    before it; ``fleet_plan`` takes it only when computed from the same inputs, so the tables
+    are those of a fresh plan — and budget leases follow an evacuated region's edges."""
+    before = fleet_snapshot(now=timezone.now(), keys_and_budgets=not lean)
+    plan_b = fleet_plan(before)
+    for name, changes in _actions().items():
+        after = snapshot_after(before, **changes)
+        reused, fresh = fleet_plan(after, reuse=plan_b.tenant_plan), fleet_plan(after)
+        assert _documents(after, reused) == _documents(after, fresh), name
+        # Taken unless an evacuation moves the leases of budgeted tenants (the full snapshot).
+        moved_leases = not lean and name == "evacuate eu-west"
+        assert (reused.tenant_plan is plan_b.tenant_plan) is not moved_leases, name
+    other = replace(before, tenants=before.tenants[1:], plans={})
+    assert fleet_plan(other, reuse=plan_b.tenant_plan).tenant_plan is not plan_b.tenant_plan
+    assert _documents(before, plan_b) == _documents(before, fleet_plan(before, reuse=None))
+
+
+def test_a_preview_after_a_change_is_not_the_last_ones(varied_fleet: None) -> None:
+    """The console keeps the last preview's tenant plan for the next: a preview after
+    tenants changed equals one computed afresh, not the last."""
+    evacuate = _actions()["evacuate eu-west"]
+    first = fleet_views._preview(**evacuate)
+    assert first.moves and fleet_views._last_preview.tenant_plan is first.tenant_plan
+    again = fleet_views._preview(**evacuate)
+    assert again.tenant_plan is first.tenant_plan  # nothing changed: reused
+    assert _comparable(again) == _comparable(first)
+    # fp-eu-only may now be served anywhere: it moves with the others, no longer refused.
+    Tenant.objects.filter(slug="fp-eu-only").update(allowed_jurisdictions=[])
+    changed = fleet_views._preview(**evacuate)
+    snapshot = fleet_snapshot(keys_and_budgets=False)
+    fresh = preview(snapshot, snapshot_after(snapshot, **evacuate))
+    assert changed.tenant_plan is not first.tenant_plan
+    assert _comparable(changed) == _comparable(fresh) != _comparable(first)
+
+
 def _range(days: int) -> tuple[datetime, datetime]:
     end = datetime.combine(date.today() + timedelta(days=1), time(0), tzinfo=UTC)
     return end - timedelta(days=days), end
@@ -250,6 +350,42 @@ def _many_tenants_usage(days: int) -> None:
     )
 
 
+@pytest.mark.parametrize(
+    ("group", "bucket", "hourly", "only", "with_cost", "filters"),
+    [
+        ("tenant", "day", False, ["price_usd"], True, {}),
+        ("tenant", "day", False, ["margin_usd"], True, {"region": ["us-east"]}),
+        ("tenant", "hour", False, ["requests", "cached_tokens"], False, {}),
+        ("model", "day", True, [], True, {}),
+        ("pool", "day", True, ["prompt_tokens"], False, {"tenant": ["fp-many-03", "acme-us"]}),
+    ],
+)
+def test_one_pass_by_group_and_by_bucket_equals_two_reports(
+    varied_fleet: None,
+    group: Any,
+    bucket: Any,
+    hourly: bool,
+    only: list[str],
+    with_cost: bool,
+    filters: dict[Any, list[str]],
+) -> None:
+    _many_tenants_usage(days=3)
+    start, end = _range(3)
+    if hourly:  # not whole days: read from the hourly rollups
+        start += timedelta(hours=5)
+    query = partial(UsageQuery, start, end, only=only, with_cost=with_cost, filters=filters)
+    groups, buckets = usage_report_by_group_and_bucket(query(bucket=bucket), group)
+    expected_groups = usage_report(query(group_by=[group]))
+    expected_buckets = usage_report(query(bucket=bucket))
+    assert groups and buckets and len(groups) > 1
+    assert groups == expected_groups and buckets == expected_buckets
+    # The same types too (an int sum is not handed on as a Decimal, nor the reverse).
+    typed = [[(k, type(v)) for k, v in row.items()] for row in groups + buckets]
+    assert typed == [
+        [(k, type(v)) for k, v in row.items()] for row in expected_groups + expected_buckets
+    ]
+
+
 def _unoptimised_usage_view(
     query: Any, filters: dict[Any, list[str]], data: dict[str, Any], metrics: list[str]
 ) -> tuple[dict[str, Any], list[dict[str, Any]], int]:
@@ -309,3 +445,135 @@ def test_the_usage_pages_chart_and_table_equal_the_unoptimised_ones(
         assert chart["series"][-1]["label"] == f"other ({groups - MAX_SERIES})"
         ranked = [float(r[metric]) for r in totals]
         assert len(set(ranked)) < len(ranked)
+
+
+def _stored(region: Region, version: int, document: dict[str, Any]) -> RoutingTableVersion:
+    return RoutingTableVersion.objects.create(
+        region=region, version=version, document=document, body_hash=f"h{version}"
+    )
+
+
+def _odd_documents() -> tuple[dict[str, Any], dict[str, Any]]:
+    """Two documents with what a diff must get right beyond the compiler's tables: entries
+    added, removed and changed in several sections, equal numbers written differently (1 and
+    1.0), objects with their keys in another order, duplicate keys (the last counts), entries
+    that are not objects or lack a string key, and a section that is not a list."""
+    old = {
+        "schema_version": 3,
+        "ramp": 1,
+        "instances": [
+            {"id": "a", "weight": 0.5, "adapters": ["x"]},
+            {"id": "b", "weight": 0.5},
+            {"id": "dup", "weight": 1},
+            {"id": "dup", "weight": 2},
+            "not an entry",
+            {"weight": 3},
+            {"id": 7, "weight": 4},
+        ],
+        "routes": [{"model": "m", "remotes": [{"code": "r", "weight": 1}]}],
+        "remote_regions": {"not": "a list"},
+        "tenants": [{"tenant": f"t{i}", "budget_state": "ok", "rps": 1} for i in range(30)],
+    }
+    new = {
+        "schema_version": 4,
+        "ramp": 1.0,
+        "instances": [
+            {"weight": 0.5, "id": "a", "adapters": ["x", "y"]},
+            {"id": "c", "weight": 0.0},
+            {"id": "dup", "weight": 2.0},
+            {"id": 7, "weight": 5},
+        ],
+        "routes": [{"model": "m", "remotes": [{"weight": 1.0, "code": "r"}]}],
+        "remote_regions": [{"code": "eu", "rtt_ms": 80}],
+        "tenants": [
+            {"tenant": f"t{i}", "budget_state": "warn" if i == 3 else "ok", "rps": 1.0}
+            for i in range(1, 31)
+        ],
+    }
+    return old, new
+
+
+def _sql_diff(old: RoutingTableVersion, new: RoutingTableVersion) -> TableDiff:
+    found = distribution.routing_table_changes(old=old, new=new, sections=SECTIONS, scalars=SCALARS)
+    assert found is not None  # PostgreSQL
+    return diff_from_changes(*found)
+
+
+def test_a_routing_diff_postgresql_computes_equals_the_diff_of_the_documents(
+    varied_fleet: None,
+) -> None:
+    us = Region.objects.get(code="us-east")
+    last = RoutingTableVersion.objects.filter(region=us).order_by("-version").first()
+    assert last is not None
+    drained = Instance.objects.filter(deployment__pool__region=us, state="ready").first()
+    assert drained is not None
+    tenancy.tenant_create(actor=None, slug="fp-new", name="fp-new", requests_per_minute=60)
+    Instance.objects.filter(pk=drained.pk).update(state=lifecycle.DRAINING)
+    routing_tables_publish(regions=["us-east"])
+    newest = RoutingTableVersion.objects.filter(region=us).order_by("-version").first()
+    assert newest is not None and newest.version > last.version
+    odd_old, odd_new = _odd_documents()
+    pairs = [
+        (last, newest),
+        (newest, last),
+        (newest, newest),
+        (_stored(us, 1_000, odd_old), _stored(us, 1_001, odd_new)),
+    ]
+    for old, new in pairs:
+        assert _sql_diff(old, new) == table_diff(old.document, new.document), (old, new)
+    sections = {s.name: s for s in _sql_diff(last, newest).sections}
+    assert "fp-new" in sections["tenants"].added and drained.name in sections["instances"].removed
+    assert sections["routes"].changed
+    odd = _sql_diff(*pairs[3])
+    sections = {s.name: s for s in odd.sections}
+    assert odd.scalars == [("schema_version", 3, 4)]  # ramp 1 == 1.0
+    assert (sections["instances"].added, sections["instances"].removed) == (["c"], ["b"])
+    assert [c.key for c in sections["instances"].changed] == ["a"]  # dup: 2 == 2.0
+    assert not sections["routes"]
+    assert sections["remote_regions"].added == ["eu"]
+    assert (sections["tenants"].added, sections["tenants"].removed) == (["t30"], ["t0"])
+    assert [c.key for c in sections["tenants"].changed] == ["t3"]
+
+
+def test_a_table_read_in_parts_by_postgresql_equals_the_decoded_document(
+    varied_fleet: None,
+) -> None:
+    """The routing table page reads the document without its tenants and a page of those,
+    the inspector the document with one tenant's entry: all as the whole document has them."""
+    for tenant in range(60):
+        Tenant.objects.create(slug=f"fp-page-{tenant:02d}", name=f"p{tenant}")
+    routing_tables_publish()
+    us = Region.objects.get(code="us-east")
+    stored = RoutingTableVersion.objects.filter(region=us).order_by("-version").first()
+    assert stored is not None
+    document = stored.document
+    entries = document["tenants"]
+    assert len(entries) > 60
+    found = distribution.routing_table_without_tenants(region=us)
+    assert found is not None
+    table, rest, count = found
+    assert table.pk == stored.pk and count == len(entries)
+    assert rest == {k: v for k, v in document.items() if k != "tenants"}
+    first = distribution.routing_table_without_tenants(region=us, version=1)
+    assert first is not None and first[0].version == 1
+    assert distribution.routing_table_without_tenants(region=us, version=10_000) is None
+    for q in ("", "fp-page-", "fp-page-1", "acme", "P", "nobody"):
+        lazy = distribution.table_tenants(table, contains=q, total=count)
+        assert isinstance(lazy, distribution.TableTenants)  # PostgreSQL's
+        plain = [t for t in entries if q in t["tenant"]]
+        assert len(lazy) == len(plain), q
+        fast, slow = Paginator(lazy, 25), Paginator(plain, 25)
+        assert fast.num_pages == slow.num_pages, q
+        for number in fast.page_range:
+            assert list(fast.page(number)) == list(slow.page(number)), (q, number)
+        if plain:
+            assert (lazy[0], lazy[len(plain) - 1], lazy[-2:]) == (plain[0], plain[-1], plain[-2:])
+    with pytest.raises(IndexError):
+        distribution.table_tenants(table, contains="nobody", total=count)[0]
+    whole = decode_table(orjson.dumps(document))
+    for slug in ("fp-regions", "fp-page-07", "nobody"):
+        one = distribution.routing_table_for_tenant(region=us, tenant=slug)
+        assert one is not None and one[0].pk == stored.pk
+        cut = decode_table(one[1])
+        assert cut.tenants == tuple(t for t in whole.tenants or () if t.tenant == slug)
+        assert replace_struct(cut, tenants=whole.tenants) == whole
