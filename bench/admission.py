@@ -15,6 +15,7 @@ import time
 import msgspec
 
 from regions.edge.admission import Admission
+from regions.edge.endpoints import CHAT
 from regions.edge.parse import parse_request
 from regions.tables.schema import decode_table
 
@@ -70,7 +71,7 @@ def main(argv: list[str]) -> None:
 
     def parse(n: int) -> None:
         for _ in range(n):
-            parse_request(BODY, chat=True, bytes_per_token=4.0)
+            parse_request(BODY, endpoint=CHAT, bytes_per_token=4.0)
 
     a = _cpu_us(admit, opts.n)
     b = _cpu_us(parse, opts.n)

@@ -30,6 +30,7 @@ from federation.routing.compiler import compile_fleet_tables
 from federation.routing.selectors import fleet_snapshot
 from federation.tenancy.models import ApiKey, Tenant
 from federation.tenancy.services import api_key_create, api_key_rotate, api_key_update
+from regions.edge.endpoints import CHAT
 from regions.edge.parse import parse_request
 from regions.edge.prefix_index import BYTES_PER_TOKEN
 from regions.supervisor import wait_until
@@ -80,7 +81,7 @@ def body(i: int) -> bytes:
 
 
 def worst_case() -> Decimal:
-    req = parse_request(body(0), chat=True, bytes_per_token=BYTES_PER_TOKEN)
+    req = parse_request(body(0), endpoint=CHAT, bytes_per_token=BYTES_PER_TOKEN)
     return request_price(
         PRICE, prompt_tokens=req.prompt_tokens, cached_tokens=0, completion_tokens=MAX_TOKENS
     )
