@@ -266,7 +266,8 @@ def test_the_project_runs_vllm_with_the_flags_the_manifests_use() -> None:
     """The manifests' flags are those of tests/vllm/servers.py (the real vLLM the tests run)."""
     source = (ROOT / "tests" / "vllm" / "servers.py").read_text()
     start = source.index("def server_argv")
-    used = set(re.findall(r'"(--[a-z-]+)"', source[start : source.index("def ", start + 10)]))
+    body = source[start : source.index("\n\n\n", start)]  # to the function's end
+    used = set(re.findall(r'"(--[a-z-]+)"', body))
     assert used - {"--model", "--dtype"} == VLLM_FLAGS - {"--tensor-parallel-size"}
 
 
