@@ -37,6 +37,9 @@ _MTOK_PER_HOUR = 3600 / 1e6
 #: Replicas and tokens/s below these are solver noise, not decisions.
 _EPS = 1e-6
 
+#: Utilisation a replica is planned at (the autoscaler's band centre).
+TARGET_UTILISATION = 0.65
+
 RESIDENCY = "residency"
 NO_FITTING_POOL = "no_fitting_pool"
 NO_FREE_GPUS = "no_free_gpus"
@@ -115,7 +118,7 @@ class PlacementInput:
 class PlannerPolicy:
     #: Utilisation a replica is planned at, and the band around it within which the replicas
     #: running now are kept (the autoscaler's: ``federation.fleet.autoscaler``).
-    target: float = 0.65
+    target: float = TARGET_UTILISATION
     low: float = 0.60
     high: float = 0.70
     #: A replica added or removed costs this share of one hour of its GPUs (a cold start and
@@ -391,7 +394,9 @@ def _add_packing(prog: _Programme, options: Sequence[_Option], n: Sequence[int])
             terms = [(n[j], 1.0) for j in members if options[j].tp == size]
             terms += [(k[p_i], -float(p[s_i])) for p_i, p in enumerate(patterns) if p[s_i]]
             prog.row(terms, -np.inf, 0.0)
-        spanning = [(n[j], float(options[j].tp // per_node)) for j in members if options[j].tp > per_node]
+        spanning = [
+            (n[j], float(options[j].tp // per_node)) for j in members if options[j].tp > per_node
+        ]
         prog.row([(col, 1.0) for col in k] + spanning, -np.inf, float(pool.free_nodes))
         layout[key] = (k, patterns, sizes)
     return layout
@@ -496,9 +501,14 @@ def plan_placement(data: PlacementInput, policy: PlannerPolicy | None = None) ->
     slack: dict[Commodity, int] = {}
     for c in ordered:
         origin, model, targets = c
-        y = {r: prog.column(0.0 if r == origin else remote, 0, np.inf, integer=False) for r in sorted(targets)}
+        y = {
+            r: prog.column(0.0 if r == origin else remote, 0, np.inf, integer=False)
+            for r in sorted(targets)
+        }
         slack[c] = prog.column(unserved_cost, 0, np.inf, integer=False)
-        prog.row([(col, 1.0) for col in y.values()] + [(slack[c], 1.0)], commodities[c], commodities[c])
+        prog.row(
+            [(col, 1.0) for col in y.values()] + [(slack[c], 1.0)], commodities[c], commodities[c]
+        )
         for r, col in y.items():
             flows[(r, model)].append((col, c))
     running: dict[tuple[str, str], list[tuple[int, _Option]]] = defaultdict(list)
@@ -528,7 +538,9 @@ def plan_placement(data: PlacementInput, policy: PlannerPolicy | None = None) ->
                 served[key] += float(x[col])
     short = {c: float(x[col]) for c, col in slack.items() if x[col] > _EPS}
     unserved = dropped + [
-        Unserved(cls, origin, model, _share(data, member, (cls, origin, model), short), NO_FREE_GPUS)
+        Unserved(
+            cls, origin, model, _share(data, member, (cls, origin, model), short), NO_FREE_GPUS
+        )
         for (cls, origin, model), c in sorted(member.items())
         if c in short
     ]

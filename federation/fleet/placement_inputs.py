@@ -9,8 +9,8 @@ static pools are the operator's and count as fixed capacity of their region.
 Demand, tokens per second per (residency class, region, model), comes from the usage rollups
 of the last ``window_hours`` (``UsageHour``, per tenant: each tenant's tokens are placed only
 where its residency allows) when there are any; otherwise from the edges' heartbeats (the
-tokens/s each ready instance served), which name no tenant, so that demand may be served only
-in the region that saw it.
+tokens/s each ready instance served, as fresh as the autoscaler reads them), which name no
+tenant, so that demand may be served only in the region that saw it.
 """
 
 from __future__ import annotations
@@ -22,15 +22,16 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
+from django.conf import settings
 from django.db.models import F, Sum
 
-from federation.fleet import placement
+from federation.fleet import placement, selectors
 from federation.inventory import lifecycle
 from federation.inventory.models import Deployment, GPUPool, Instance, LanguageModel, Region
 from federation.inventory.services.fit_checks import model_spec, pool_spec
 from federation.inventory.speed import replica_tokens_per_s
 from federation.metering.models import UsageHour
-from federation.routing.selectors import _load_tokens_per_s, tenant_rows
+from federation.routing.selectors import tenant_rows
 from federation.tenancy.residency import RegionRef, region_allowed
 
 MIXED = Deployment.Role.MIXED
@@ -76,8 +77,14 @@ def fleet_fingerprint() -> str:
     """SHA-256 of what a plan depends on: every deployment's placement and counts, every
     pool's size and status and its region's status."""
     deps = Deployment.objects.order_by("pk").values_list(
-        "pk", "model_id", "pool_id", "role", "tensor_parallel_size", "min_replicas",
-        "desired_replicas", "max_replicas",
+        "pk",
+        "model_id",
+        "pool_id",
+        "role",
+        "tensor_parallel_size",
+        "min_replicas",
+        "desired_replicas",
+        "max_replicas",
     )
     pools = GPUPool.objects.order_by("pk").values_list(
         "pk", "node_count", "gpus_per_node", "status", "provisioner", "region__status"
@@ -116,13 +123,13 @@ def measured_demand(
         cls = of_tenant.get(row["tenant"], local_class(row["region"]))
         sums[(cls, row["region"], row["model"])] += row["tokens"] / seconds
     if not sums:
-        ready = Instance.objects.filter(
-            state=lifecycle.READY, deployment__role=MIXED
-        ).values_list("deployment__pool__region__code", "deployment__model__name", "load")
-        for region, model, load in ready:
-            tokens = _load_tokens_per_s(load)
-            if tokens:
-                sums[(local_class(region), region, model)] += tokens
+        fresh_s = settings.FEDINFER_FLEET_REPORT_FRESH_SECONDS
+        ready = Instance.objects.filter(state=lifecycle.READY, deployment__role=MIXED)
+        for inst in ready.select_related("deployment__model", "deployment__pool__region"):
+            seen = selectors.instance_load(inst, now, fresh_s)
+            if seen is not None and seen[3] > 0:
+                region = inst.deployment.pool.region.code
+                sums[(local_class(region), region, inst.deployment.model.name)] += seen[3]
     return [placement.Demand(c, r, m, t) for (c, r, m), t in sorted(sums.items()) if t > 0]
 
 
@@ -131,14 +138,15 @@ def placement_input(
     now: datetime,
     window_hours: int = 3,
     override: Iterable[DemandOverride] | None = None,
-    target: float = placement.PlannerPolicy.target,
+    target: float = placement.TARGET_UTILISATION,
 ) -> placement.PlacementInput:
     """The planner's input read from the database (``override``: the demand to plan for
     instead of the measured one)."""
     regions = [RegionRef(r.code, r.jurisdiction) for r in Region.objects.order_by("code")]
     classes, of_tenant = _classes(regions)
     pools = managed_pools()
-    offers, reserved = [], defaultdict(int)
+    offers: list[placement.PoolOffer] = []
+    reserved: dict[int, int] = defaultdict(int)
     for dep in Deployment.objects.filter(pool__in=pools).exclude(role=MIXED):
         reserved[dep.pool_id] += dep.tensor_parallel_size * dep.desired_replicas
     for pool in pools:
@@ -161,7 +169,10 @@ def placement_input(
     ]
     current = [
         placement.Current(
-            d.model.name, pool_key(d.pool), d.tensor_parallel_size, d.desired_replicas,
+            d.model.name,
+            pool_key(d.pool),
+            d.tensor_parallel_size,
+            d.desired_replicas,
             d.min_replicas,
         )
         for d in managed_deployments(pools)
@@ -171,8 +182,12 @@ def placement_input(
     else:
         demand = [
             placement.Demand(
-                of_tenant.get(o.tenant, local_class(o.region)) if o.tenant else local_class(o.region),
-                o.region, o.model, o.tokens_per_s,
+                of_tenant.get(o.tenant, local_class(o.region))
+                if o.tenant
+                else local_class(o.region),
+                o.region,
+                o.model,
+                o.tokens_per_s,
             )
             for o in override
         ]

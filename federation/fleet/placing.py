@@ -28,9 +28,7 @@ def _who(actor: Actor) -> str:
 
 def plan_document(plan: placement.Plan) -> dict[str, Any]:
     """The plan as the API returns it and ``PlacementPlan.document`` keeps it."""
-    changes = [
-        {"action": p.action, **asdict(p)} for p in plan.placements if p.action != "keep"
-    ]
+    changes = [{"action": p.action, **asdict(p)} for p in plan.placements if p.action != "keep"]
     changes.sort(key=lambda c: (_ORDER[c["action"]], c["pool"], c["model"]))
     return {
         "changes": changes,

@@ -5,10 +5,12 @@ and the worker's reconcile pass then starts the planned replicas (real engine-si
 from __future__ import annotations
 
 import time
+from datetime import timedelta
 from decimal import Decimal
 from typing import Any
 
 import pytest
+from django.utils import timezone
 from rest_framework.test import APIClient
 
 from federation.core.models import AuditEvent
@@ -17,10 +19,12 @@ from federation.fleet.models import PlacementPlan
 from federation.fleet.policy import FailoverPolicy, HealthPolicy, Timeouts
 from federation.inventory import services as inventory
 from federation.inventory.models import Deployment, Instance
+from federation.metering.models import UsageHour
 from tests.integration.fleet_support import engines  # noqa: F401
 from tests.integration.inventory_factories import (
     LLAMA_8B,
     make_deployment,
+    make_instance,
     make_model,
     make_pool,
     make_region,
@@ -46,7 +50,11 @@ def fleet_rows(db: None) -> dict[str, Any]:
 def fleet_state() -> tuple[list[tuple[Any, ...]], int, int]:
     deps = list(
         Deployment.objects.order_by("pk").values_list(
-            "pk", "pool_id", "tensor_parallel_size", "min_replicas", "desired_replicas",
+            "pk",
+            "pool_id",
+            "tensor_parallel_size",
+            "min_replicas",
+            "desired_replicas",
             "max_replicas",
         )
     )
@@ -67,7 +75,9 @@ def test_only_staff_may_plan_or_apply(
     assert PlacementPlan.objects.count() == 0
 
 
-def test_input_is_strict_and_bounded(fleet_rows: dict[str, Any], operator_client: APIClient) -> None:
+def test_input_is_strict_and_bounded(
+    fleet_rows: dict[str, Any], operator_client: APIClient
+) -> None:
     bad = [
         {"demand": [demand("us-east", 10)], "extra": 1},
         {"demand": [{**demand("us-east", 10), "typo": 1}]},
@@ -102,8 +112,13 @@ def test_a_plan_is_a_dry_run_and_reports_unserved_demand(
     assert ("us-east/h100", "create", 3) in changes
     assert all(c["pool"] != "eu-west/h100" for c in doc["changes"])  # kept for the EU tenant
     assert doc["unserved"] == [
-        {"residency_class": "region:us-east", "origin": "us-east", "model": "nobody/serves-this",
-         "tokens_per_s": 5.0, "reason": "no_fitting_pool"}
+        {
+            "residency_class": "region:us-east",
+            "origin": "us-east",
+            "model": "nobody/serves-this",
+            "tokens_per_s": 5.0,
+            "reason": "no_fitting_pool",
+        }
     ]
     assert doc["cost"]["usd_per_hour_before"] == 4.0
     assert doc["cost"]["usd_per_hour_after"] == 4.0 + 3 * 2.0
@@ -111,7 +126,9 @@ def test_a_plan_is_a_dry_run_and_reports_unserved_demand(
 
 
 def test_apply_goes_through_the_services_once_and_the_worker_acts(
-    fleet_rows: dict[str, Any], operator_client: APIClient, engines: LocalProvisioner  # noqa: F811
+    fleet_rows: dict[str, Any],
+    operator_client: APIClient,
+    engines: LocalProvisioner,  # noqa: F811
 ) -> None:
     r = operator_client.post(PLAN, {"demand": [demand("us-east", 2 * ONE_REPLICA)]}, format="json")
     plan_id = r.json()["id"]
@@ -148,21 +165,80 @@ def test_apply_is_refused_when_the_fleet_changed_since_the_plan(
     fleet_rows: dict[str, Any], operator_client: APIClient
 ) -> None:
     r = operator_client.post(PLAN, {"demand": [demand("us-east", 2 * ONE_REPLICA)]}, format="json")
-    inventory.deployment_update(
-        actor=None, deployment=fleet_rows["dep"], data={"max_replicas": 2}
-    )
+    inventory.deployment_update(actor=None, deployment=fleet_rows["dep"], data={"max_replicas": 2})
     state = fleet_state()
     r = operator_client.post(APPLY, {"plan": r.json()["id"]}, format="json")
     assert r.status_code == 409, r.content
     assert fleet_state() == state
 
 
-def test_plan_and_apply_at_once_from_measured_heartbeats(
+def heartbeat(instance: Instance, tokens_per_s: float) -> None:
+    now = timezone.now()
+    report = {
+        "tokens_per_s": tokens_per_s,
+        "in_flight": 1,
+        "queued": 0,
+        "kv_cache_usage": 0.1,
+        "healthy": True,
+        "reported_at": now.isoformat(),
+    }
+    Instance.objects.filter(pk=instance.pk).update(
+        load={
+            "tokens_per_s": tokens_per_s,
+            "healthy": True,
+            "reported_at": now.isoformat(),
+            "edges": {"edge-1": report},
+        },
+        last_heartbeat_at=now,
+    )
+
+
+def test_plan_and_apply_at_once_from_the_edges_heartbeats(
     fleet_rows: dict[str, Any], operator_client: APIClient
 ) -> None:
-    """No usage rolled up: the demand is what the edges report of ready instances."""
+    """No usage rolled up: the demand is what the edges report of ready instances, and it
+    stays in the region that saw it (no tenant is known), dear as that region is."""
+    instance = make_instance(fleet_rows["dep"], "eu-1", "ready")
+    heartbeat(instance, 2.5 * ONE_REPLICA)
     r = operator_client.post(APPLY, {}, format="json")
     assert r.status_code == 201, r.content
-    # nothing measured: the EU replica (min 0) is not needed
-    assert r.json()["document"]["changes"][0]["action"] == "remove"
-    assert Deployment.objects.get(pk=fleet_rows["dep"].pk).desired_replicas == 0
+    doc = r.json()["document"]
+    assert [(c["pool"], c["action"], c["after"]) for c in doc["changes"]] == [
+        ("eu-west/h100", "resize", 3)
+    ]
+    assert Deployment.objects.get(pk=fleet_rows["dep"].pk).desired_replicas == 3
+    # the traffic stops: nothing is needed any more, the replicas go (min_replicas 0)
+    heartbeat(instance, 0.0)
+    doc = operator_client.post(PLAN, {}, format="json").json()["document"]
+    assert [(c["action"], c["after"]) for c in doc["changes"]] == [("remove", 0)]
+
+
+def test_usage_rollups_place_each_tenants_tokens_where_its_residency_allows(
+    fleet_rows: dict[str, Any], operator_client: APIClient, make_tenant: Any
+) -> None:
+    """An hour of usage per tenant: the EU tenant's tokens stay in the EU pool (dear), the
+    other tenant's go to the cheap US pool whatever region they arrived in."""
+    make_tenant("eu-co", allowed_jurisdictions=["EU"])
+    make_tenant("anywhere")
+    hour = timezone.now().replace(minute=0, second=0, microsecond=0) - timedelta(hours=1)
+    tokens = int(2 * ONE_REPLICA * 3600 * 3)  # 2 replicas' worth over the 3-hour window
+    for tenant in ("eu-co", "anywhere"):
+        UsageHour.objects.create(
+            hour=hour,
+            tenant=tenant,
+            model=LLAMA,
+            region="eu-west",
+            pool="eu-west/h100",
+            requests=1,
+            cancelled=0,
+            errors=0,
+            prompt_tokens=tokens,
+            cached_tokens=0,
+            completion_tokens=0,
+            price_usd=Decimal(0),
+            cost_usd=Decimal(0),
+        )
+    doc = operator_client.post(PLAN, {}, format="json").json()["document"]
+    after = {c["pool"]: c["after"] for c in doc["placements"]}
+    assert after == {"eu-west/h100": 2, "us-east/h100": 2}, doc
+    assert not doc["unserved"]

@@ -15,8 +15,8 @@ from federation.fleet.placement import (
     RESIDENCY,
     Current,
     Demand,
-    Plan,
     PlacementInput,
+    Plan,
     PlannedModel,
     PlannerPolicy,
     PoolOffer,
@@ -123,7 +123,9 @@ def check_plan(data: PlacementInput, plan: Plan, target: float = 0.65) -> None:
     for key, tokens in plan.served.items():
         assert tokens <= capacity[key] + 1e-6
     unserved = sum(u.tokens_per_s for u in plan.unserved)
-    assert abs(sum(plan.served.values()) + unserved - sum(d.tokens_per_s for d in data.demand)) < 1e-3
+    assert (
+        abs(sum(plan.served.values()) + unserved - sum(d.tokens_per_s for d in data.demand)) < 1e-3
+    )
     for key, tokens in plan.served.items():
         region, name = key
         allowed_here = sum(
@@ -136,7 +138,10 @@ def check_plan(data: PlacementInput, plan: Plan, target: float = 0.65) -> None:
 
 def test_covers_demand_at_the_target_on_the_cheapest_fitting_pool() -> None:
     data = PlacementInput(
-        pools=[pool("us", "h100", price=3.0), pool("us", "l40s", memory=48, interconnect="pcie", speed=0.45, price=1.0)],
+        pools=[
+            pool("us", "h100", price=3.0),
+            pool("us", "l40s", memory=48, interconnect="pcie", speed=0.45, price=1.0),
+        ],
         models=[SMALL],
         demand=[Demand("any", "us", "small-8b", 20_000)],
         classes=CLASSES,
@@ -155,13 +160,17 @@ def test_large_model_gets_a_tp_group_within_one_node() -> None:
     assert smallest_fitting_tp(LARGE, offer) == 2
     assert smallest_fitting_tp(LARGE, pool("us", "l4", memory=24, interconnect="pcie")) is None
     data = PlacementInput(
-        pools=[offer], models=[LARGE, SMALL],
+        pools=[offer],
+        models=[LARGE, SMALL],
         demand=[Demand("any", "us", "large-70b", 3000), Demand("any", "us", "small-8b", 3000)],
         classes=CLASSES,
     )
     plan = plan_placement(data)
     check_plan(data, plan)
-    assert {(p.model, p.tensor_parallel_size) for p in plan.placements} == {("large-70b", 2), ("small-8b", 1)}
+    assert {(p.model, p.tensor_parallel_size) for p in plan.placements} == {
+        ("large-70b", 2),
+        ("small-8b", 1),
+    }
 
 
 def test_bin_packing_respects_nodes_not_just_gpu_count() -> None:
@@ -169,7 +178,9 @@ def test_bin_packing_respects_nodes_not_just_gpu_count() -> None:
     offer = pool("us", per_node=6, nodes=3)
     big = dataclasses.replace(LARGE, spec=dataclasses.replace(LARGE.spec, weight_size_gib=200))
     assert smallest_fitting_tp(big, offer) == 4
-    data = PlacementInput(pools=[offer], models=[big], demand=[Demand("any", "us", "large-70b", 1e6)], classes=CLASSES)
+    data = PlacementInput(
+        pools=[offer], models=[big], demand=[Demand("any", "us", "large-70b", 1e6)], classes=CLASSES
+    )
     plan = plan_placement(data)
     check_plan(data, plan)
     assert plan.placements[0].after == 3  # 18 GPUs would hold 4 groups of 4 by count alone
@@ -191,7 +202,10 @@ def test_residency_keeps_eu_demand_in_the_eu_and_reports_the_rest() -> None:
     check_plan(data, plan)
     assert [p.pool for p in plan.placements if p.after] == ["eu/h100"]  # not the cheap US pool
     reasons = {(u.model, u.residency_class): u.reason for u in plan.unserved}
-    assert reasons == {("small-8b", "ap-only"): RESIDENCY, ("unknown-model", "any"): NO_FITTING_POOL}
+    assert reasons == {
+        ("small-8b", "ap-only"): RESIDENCY,
+        ("unknown-model", "any"): NO_FITTING_POOL,
+    }
 
 
 def test_node_patterns_are_maximal() -> None:
@@ -205,18 +219,42 @@ def test_node_patterns_are_maximal() -> None:
 def _churn_fleet(factor: float) -> PlacementInput:
     # Runs today on the dearer pool of each region; the cheaper one is 10 % cheaper.
     regions = ("us", "eu", "ap")
-    pools = [pool(r, "a", price=3.3, nodes=4) for r in regions] + [pool(r, "b", price=3.0, nodes=4) for r in regions]
-    demand = [Demand("any", r, m.name, factor * t) for r in regions for m, t in ((SMALL, 9000), (LARGE, 2500))]
-    plan = plan_placement(PlacementInput(pools=[p for p in pools if p.key.endswith("/a")], models=[SMALL, LARGE], demand=demand, classes=CLASSES))
-    current = [Current(p.model, p.pool, p.tensor_parallel_size, p.after) for p in plan.placements if p.after]
+    pools = [pool(r, "a", price=3.3, nodes=4) for r in regions] + [
+        pool(r, "b", price=3.0, nodes=4) for r in regions
+    ]
+    demand = [
+        Demand("any", r, m.name, factor * t)
+        for r in regions
+        for m, t in ((SMALL, 9000), (LARGE, 2500))
+    ]
+    plan = plan_placement(
+        PlacementInput(
+            pools=[p for p in pools if p.key.endswith("/a")],
+            models=[SMALL, LARGE],
+            demand=demand,
+            classes=CLASSES,
+        )
+    )
+    current = [
+        Current(p.model, p.pool, p.tensor_parallel_size, p.after)
+        for p in plan.placements
+        if p.after
+    ]
     base = [Demand("any", r, m.name, t) for r in regions for m, t in ((SMALL, 9000), (LARGE, 2500))]
-    return PlacementInput(pools=pools, models=[SMALL, LARGE], demand=base, classes=CLASSES, current=current)
+    return PlacementInput(
+        pools=pools, models=[SMALL, LARGE], demand=base, classes=CLASSES, current=current
+    )
 
 
 def test_five_percent_more_demand_changes_nothing() -> None:
     fleet = _churn_fleet(1.0)  # today's fleet was planned for today's demand
     for factor in (0.95, 1.0, 1.05):
-        data = dataclasses.replace(fleet, demand=[dataclasses.replace(d, tokens_per_s=d.tokens_per_s * factor) for d in fleet.demand])
+        data = dataclasses.replace(
+            fleet,
+            demand=[
+                dataclasses.replace(d, tokens_per_s=d.tokens_per_s * factor) for d in fleet.demand
+            ],
+        )
         plan = plan_placement(data)
         check_plan(data, plan)
         assert plan.changes == 0, (factor, [p for p in plan.placements if p.action != "keep"])
@@ -224,7 +262,10 @@ def test_five_percent_more_demand_changes_nothing() -> None:
 
 def test_a_bigger_change_moves_the_minimum() -> None:
     fleet = _churn_fleet(1.0)
-    data = dataclasses.replace(fleet, demand=[dataclasses.replace(d, tokens_per_s=d.tokens_per_s * 1.5) for d in fleet.demand])
+    data = dataclasses.replace(
+        fleet,
+        demand=[dataclasses.replace(d, tokens_per_s=d.tokens_per_s * 1.5) for d in fleet.demand],
+    )
     plan = plan_placement(data)
     check_plan(data, plan)
     assert not plan.unserved
@@ -234,7 +275,9 @@ def test_a_bigger_change_moves_the_minimum() -> None:
     added = sum(p.after - p.before for p in plan.placements)
     # the fewest GPUs that cover the new demand on top of what runs now
     assert added <= without_churn.changes
-    assert plan.changes < sum(p.after for p in fresh.placements) + sum(c.replicas for c in fleet.current)
+    assert plan.changes < sum(p.after for p in fresh.placements) + sum(
+        c.replicas for c in fleet.current
+    )
 
 
 def test_without_churn_penalty_the_cheaper_pools_win() -> None:
@@ -269,8 +312,13 @@ demand_st = st.builds(
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(pools=st.lists(pool_st, max_size=5, unique_by=lambda p: p.key), demand=st.lists(demand_st, max_size=8))
-def test_every_plan_fits_packs_and_respects_residency(pools: list[PoolOffer], demand: list[Demand]) -> None:
+@given(
+    pools=st.lists(pool_st, max_size=5, unique_by=lambda p: p.key),
+    demand=st.lists(demand_st, max_size=8),
+)
+def test_every_plan_fits_packs_and_respects_residency(
+    pools: list[PoolOffer], demand: list[Demand]
+) -> None:
     data = PlacementInput(pools=pools, models=[SMALL, LARGE], demand=demand, classes=CLASSES)
     plan = plan_placement(data)
     check_plan(data, plan)

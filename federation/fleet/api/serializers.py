@@ -3,6 +3,8 @@ bounded (a plan request names at most ``MAX_DEMAND_ROWS`` demands)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from rest_framework import serializers
 
 from federation.api.serializers import InputSerializer
@@ -27,8 +29,8 @@ class DemandInput(InputSerializer):
 
 
 class PlanInput(InputSerializer):
-    demand = DemandInput(
-        many=True,
+    demand: serializers.ListSerializer[dict[str, Any]] = serializers.ListSerializer(
+        child=DemandInput(),
         required=False,
         max_length=MAX_DEMAND_ROWS,
         help_text="Plan for this demand instead of the measured one (usage of the last "
@@ -44,7 +46,7 @@ class ApplyInput(PlanInput):
         help_text="Id of a plan to apply; without it a plan is computed and applied at once.",
     )
 
-    def validate(self, attrs: dict) -> dict:
+    def validate(self, attrs: dict[str, Any]) -> dict[str, Any]:
         if "plan" in attrs and ("demand" in attrs or "window_hours" in self.initial_data):
             raise serializers.ValidationError(
                 {"plan": ["Give either a plan id or what to plan for, not both."]}
