@@ -23,7 +23,7 @@ import math
 import time
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
@@ -43,6 +43,8 @@ TARGET_UTILISATION = 0.65
 RESIDENCY = "residency"
 NO_FITTING_POOL = "no_fitting_pool"
 NO_FREE_GPUS = "no_free_gpus"
+#: Allowed regions fit the model, but no link reaches them from the origin.
+UNREACHABLE = "unreachable"
 
 
 class PlacementError(RuntimeError):
@@ -112,6 +114,10 @@ class PlacementInput:
     #: ``(region, model)`` -> tokens/s served by capacity the planner does not manage (static
     #: pools), already at the target utilisation.
     fixed_capacity: Mapping[tuple[str, str], float] = field(default_factory=dict)
+    #: ``(origin, region)`` -> round trip, ms (the region links). None: every region is
+    #: reachable from every other at ``remote_usd_per_mtok``; given: only the origin and the
+    #: listed pairs, at ``latency_usd_per_mtok_per_ms`` per millisecond.
+    rtt_ms: Mapping[tuple[str, str], float] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,6 +133,8 @@ class PlannerPolicy:
     #: Serving a token outside its origin region, USD per million tokens (75 ms of RTT at the
     #: demand split's lambda): local capacity is preferred at equal price.
     remote_usd_per_mtok: float = 0.015
+    #: The demand split's lambda (``federation.routing.demand``), when RTTs are given.
+    latency_usd_per_mtok_per_ms: float = 0.0002
     #: A token/s left unserved costs this many times the dearest replica's hourly price, so
     #: the solver leaves demand unserved only when no replica can take it.
     unserved_weight: float = 10.0
@@ -324,26 +332,77 @@ class _Programme:
         self.row_lower.append(lower)
         self.row_upper.append(upper)
 
-    def solve(self, policy: PlannerPolicy) -> tuple[np.ndarray, str, float]:
+    def solve(
+        self, policy: PlannerPolicy, fixed: Mapping[int, float] | None = None
+    ) -> _Solution | None:
+        """The best solution HiGHS finds (``fixed``: columns held at a value); None when
+        there is none (only possible with ``fixed``)."""
         if not self.cost:  # nothing to place, nothing to serve
-            return np.zeros(0), "optimal", 0.0
+            return _Solution(np.zeros(0), "optimal", 0.0, 0.0)
+        lower, upper = np.array(self.lower), np.array(self.upper)
+        for col, value in (fixed or {}).items():
+            lower[col] = upper[col] = value
         matrix = coo_matrix(
             (self.vals, (self.rows, self.cols)), shape=(len(self.row_lower), len(self.cost))
         ).tocsr()
         result = milp(
             c=np.array(self.cost),
             integrality=np.array(self.integer),
-            bounds=Bounds(np.array(self.lower), np.array(self.upper)),
+            bounds=Bounds(lower, upper),
             constraints=[LinearConstraint(matrix, self.row_lower, self.row_upper)],
             options={"time_limit": policy.time_limit_s, "mip_rel_gap": policy.mip_rel_gap},
         )
         if result.x is None:
-            raise PlacementError(f"HiGHS found no placement: {result.message}")
+            return None
         gap = float(getattr(result, "mip_gap", 0.0) or 0.0)
-        return result.x, "optimal" if result.status == 0 else "time_limit", gap
+        status = "optimal" if result.status == 0 else "time_limit"
+        return _Solution(result.x, status, gap, float(result.fun))
+
+
+@dataclass(frozen=True, slots=True)
+class _Solution:
+    x: np.ndarray
+    status: str
+    gap: float
+    objective: float
+
+
+def _solve(
+    prog: _Programme, policy: PlannerPolicy, options: Sequence[_Option], n: Sequence[int]
+) -> _Solution:
+    """The programme's best solution, or the fleet as it is when that is at least as good.
+
+    HiGHS stops within ``mip_rel_gap`` of the optimum, and on a large fleet that slack is
+    worth more than a few replicas' churn: a plan may move replicas that a slightly better
+    one would keep. So the fleet as it runs (replica counts held, the rest re-solved, fast)
+    is the incumbent the plan has to beat."""
+    found = prog.solve(policy)
+    keep = None
+    if any(o.current for o in options):
+        keep = prog.solve(policy, {n[j]: float(o.current) for j, o in enumerate(options)})
+    if found is None and keep is None:
+        raise PlacementError("HiGHS found no placement in time")
+    if found is None or (keep is not None and keep.objective <= found.objective + _EPS):
+        assert keep is not None
+        # As close to the bound as the solver's plan, or closer: its status and gap stand.
+        return keep if found is None else replace(keep, status=found.status, gap=found.gap)
+    return found
 
 
 Commodity = tuple[str, str, frozenset[str]]  # (origin, model, regions it may be served in)
+
+
+def _reachable(data: PlacementInput, origin: str, region: str) -> bool:
+    return region == origin or data.rtt_ms is None or (origin, region) in data.rtt_ms
+
+
+def _flow_cost(data: PlacementInput, policy: PlannerPolicy, origin: str, region: str) -> float:
+    """USD per hour of one token/s from ``origin`` served in ``region``."""
+    if region == origin:
+        return 0.0
+    if data.rtt_ms is None:
+        return policy.remote_usd_per_mtok * _MTOK_PER_HOUR
+    return policy.latency_usd_per_mtok_per_ms * data.rtt_ms[(origin, region)] * _MTOK_PER_HOUR
 
 
 def _commodities(
@@ -364,10 +423,11 @@ def _commodities(
             continue
         if d.residency_class not in data.classes:
             raise ValueError(f"unknown residency class {d.residency_class!r}")
-        targets = frozenset(data.classes[d.residency_class] & fits_in[d.model])
+        allowed = data.classes[d.residency_class] & fits_in[d.model]
+        targets = frozenset(r for r in allowed if _reachable(data, d.origin, r))
         key = (d.residency_class, d.origin, d.model)
         if not targets:
-            reason = RESIDENCY if fits_in[d.model] else NO_FITTING_POOL
+            reason = UNREACHABLE if allowed else RESIDENCY if fits_in[d.model] else NO_FITTING_POOL
             unplaceable[(*key, reason)] += d.tokens_per_s
             continue
         commodity = (d.origin, d.model, targets)
@@ -495,14 +555,13 @@ def plan_placement(data: PlacementInput, policy: PlannerPolicy | None = None) ->
         minus = prog.column(policy.churn_weight * o.usd_per_hour, 0, np.inf, integer=False)
         prog.row([(n[j], 1.0), (plus, -1.0), (minus, 1.0)], o.current, o.current)
     layout = _add_packing(prog, options, n)
-    remote = policy.remote_usd_per_mtok * _MTOK_PER_HOUR
     ordered = sorted(commodities, key=lambda c: (c[0], c[1], sorted(c[2])))
     flows: dict[tuple[str, str], list[tuple[int, Commodity]]] = defaultdict(list)
     slack: dict[Commodity, int] = {}
     for c in ordered:
         origin, model, targets = c
         y = {
-            r: prog.column(0.0 if r == origin else remote, 0, np.inf, integer=False)
+            r: prog.column(_flow_cost(data, policy, origin, r), 0, np.inf, integer=False)
             for r in sorted(targets)
         }
         slack[c] = prog.column(unserved_cost, 0, np.inf, integer=False)
@@ -515,7 +574,8 @@ def plan_placement(data: PlacementInput, policy: PlannerPolicy | None = None) ->
     for j, o in enumerate(options):
         running[(o.pool.region, o.model)].append((n[j], o))
     _add_capacity(prog, policy, data, commodities, flows, running)
-    x, status, gap = prog.solve(policy)
+    solution = _solve(prog, policy, options, n)
+    x, status, gap = solution.x, solution.status, solution.gap
     replicas = [round(x[j]) for j in n]
     placements = tuple(
         Placement(
