@@ -472,11 +472,12 @@ def _add_band(
 ) -> int | None:
     """Capacity rows of one (region, model): what flows there is carried by its replicas.
 
-    New capacity is sized at the target. Where replicas run now, the count stays as long as
-    their utilisation stays inside the autoscaler's band: it grows (binary ``g``) only past
-    ``high`` and then to the target, and shrinks (binary ``z``) only when the rest would run
-    at ``low`` or under. A few per cent of demand either way changes nothing. Returns the
-    shrink binary (None where nothing runs now)."""
+    New capacity is planned at the target. Replicas that run now may run up to the band's top
+    (``high``) before one is added, so the count grows only once their utilisation leaves the
+    autoscaler's band (a linear row: ``target`` on all the capacity plus ``high - target`` on
+    what runs now). It shrinks (binary ``z``) only when the rest would run at ``low`` or
+    under. A few per cent of demand either way changes nothing. Returns the shrink binary
+    (None where nothing runs now)."""
     now = sum(o.current for _, o in running)
 
     def capacity(share: float) -> list[tuple[int, float]]:
@@ -485,14 +486,14 @@ def _add_band(
     if now == 0:
         prog.row(flow + capacity(policy.target), -np.inf, fixed)
         return None
-    bound = float(sum(o.pool.spec.total_gpus // o.tp for _, o in running))
-    grow = prog.column(0.0, 0, 1, integer=True)
+    running_now = sum(o.cap * o.current for _, o in running)
+    prog.row(flow + capacity(policy.high), -np.inf, fixed)
+    prog.row(
+        flow + capacity(policy.target), -np.inf, fixed + (policy.high - policy.target) * running_now
+    )
     shrink = prog.column(0.0, 0, 1, integer=True)
     count = [(col, 1.0) for col, _ in running]
-    prog.row([*count, (grow, -bound)], -np.inf, float(now))  # more replicas only if growing
-    prog.row([*count, (shrink, bound)], float(now), np.inf)  # fewer only if shrinking
-    prog.row(flow + capacity(policy.high), -np.inf, fixed)
-    prog.row(flow + capacity(policy.target) + [(grow, most)], -np.inf, fixed + most)
+    prog.row([*count, (shrink, float(now))], float(now), np.inf)  # fewer only if shrinking
     prog.row(flow + capacity(policy.low) + [(shrink, most)], -np.inf, fixed + most)
     return shrink
 

@@ -11,6 +11,9 @@ of the last ``window_hours`` (``UsageHour``, per tenant: each tenant's tokens ar
 where its residency allows) when there are any; otherwise from the edges' heartbeats (the
 tokens/s each ready instance served, as fresh as the autoscaler reads them), which name no
 tenant, so that demand may be served only in the region that saw it.
+
+Demand may go from its region only where a region link leads (as in the routing tables: an
+edge spills only to the regions it reaches), priced by the link's RTT.
 """
 
 from __future__ import annotations
@@ -27,7 +30,14 @@ from django.db.models import F, Sum
 
 from federation.fleet import placement, selectors
 from federation.inventory import lifecycle
-from federation.inventory.models import Deployment, GPUPool, Instance, LanguageModel, Region
+from federation.inventory.models import (
+    Deployment,
+    GPUPool,
+    Instance,
+    LanguageModel,
+    Region,
+    RegionLink,
+)
 from federation.inventory.services.fit_checks import model_spec, pool_spec
 from federation.inventory.speed import replica_tokens_per_s
 from federation.metering.models import UsageHour
@@ -191,7 +201,14 @@ def placement_input(
             )
             for o in override
         ]
+    rtt = {
+        (link.source.code, link.target.code): (
+            link.measured_rtt_ms if link.measured_rtt_ms is not None else link.rtt_ms
+        )
+        for link in RegionLink.objects.select_related("source", "target")
+    }
     return placement.PlacementInput(
+        rtt_ms=rtt,
         pools=offers,
         models=models,
         demand=demand,

@@ -44,6 +44,8 @@ def fleet_rows(db: None) -> dict[str, Any]:
     dear = make_pool(eu, "h100", provisioner="local", price_per_gpu_hour=Decimal("4.00"))
     model = make_model()
     dep = make_deployment(model, dear, min_replicas=0, desired_replicas=1, max_replicas=1)
+    inventory.region_link_set(actor=None, source=us, target=eu, rtt_ms=75.0)
+    inventory.region_link_set(actor=None, source=eu, target=us, rtt_ms=75.0)
     return {"us": us, "eu": eu, "cheap": cheap, "dear": dear, "model": model, "dep": dep}
 
 
@@ -217,7 +219,7 @@ def test_usage_rollups_place_each_tenants_tokens_where_its_residency_allows(
     fleet_rows: dict[str, Any], operator_client: APIClient, make_tenant: Any
 ) -> None:
     """An hour of usage per tenant: the EU tenant's tokens stay in the EU pool (dear), the
-    other tenant's go to the cheap US pool whatever region they arrived in."""
+    other tenant's go over the region link to the cheap US pool."""
     make_tenant("eu-co", allowed_jurisdictions=["EU"])
     make_tenant("anywhere")
     hour = timezone.now().replace(minute=0, second=0, microsecond=0) - timedelta(hours=1)

@@ -13,6 +13,7 @@ from federation.fleet.placement import (
     NO_FITTING_POOL,
     NO_FREE_GPUS,
     RESIDENCY,
+    UNREACHABLE,
     Current,
     Demand,
     PlacementInput,
@@ -108,20 +109,19 @@ def check_plan(data: PlacementInput, plan: Plan, target: float = 0.65) -> None:
                 placed[(key + name, tp)] += times
     for p in plan.placements:
         assert placed[(p.pool + p.model, p.tensor_parallel_size)] == p.after
-    # demand covered within residency: at the target where the replica count changes, within
-    # the band's top (70 %) where it stays
-    before: dict[tuple[str, str], int] = defaultdict(int)
-    after: dict[tuple[str, str], int] = defaultdict(int)
+    # demand covered within residency: new capacity at the target, what ran before up to the
+    # band's top (70 %)
+    after: dict[tuple[str, str], float] = defaultdict(float)
+    before: dict[tuple[str, str], float] = defaultdict(float)
     for p in plan.placements:
-        before[(p.region, p.model)] += p.before
-        after[(p.region, p.model)] += p.after
-    capacity: dict[tuple[str, str], float] = defaultdict(float)
-    for p in plan.placements:
-        key = (p.region, p.model)
-        share = 0.70 if before[key] == after[key] else target
-        capacity[key] += share * p.replica_tokens_per_s * p.after
+        after[(p.region, p.model)] += p.replica_tokens_per_s * p.after
+        before[(p.region, p.model)] += p.replica_tokens_per_s * p.before
+    capacity = {
+        key: min(0.70 * after[key], target * after[key] + (0.70 - target) * before[key])
+        for key in after
+    }
     for key, tokens in plan.served.items():
-        assert tokens <= capacity[key] + 1e-6
+        assert tokens <= capacity.get(key, 0.0) + 1e-6
     unserved = sum(u.tokens_per_s for u in plan.unserved)
     assert (
         abs(sum(plan.served.values()) + unserved - sum(d.tokens_per_s for d in data.demand)) < 1e-3
@@ -323,4 +323,19 @@ def test_every_plan_fits_packs_and_respects_residency(
     plan = plan_placement(data)
     check_plan(data, plan)
     for u in plan.unserved:
-        assert u.reason in {RESIDENCY, NO_FITTING_POOL, NO_FREE_GPUS}
+        assert u.reason in {RESIDENCY, NO_FITTING_POOL, NO_FREE_GPUS, UNREACHABLE}
+
+
+def test_demand_goes_only_where_a_region_link_reaches() -> None:
+    pools = [pool("us", price=1.0), pool("eu", price=3.0)]
+    demand = [Demand("any", "ap", "small-8b", 1000)]
+    linked = PlacementInput(
+        pools=pools, models=[SMALL], demand=demand, classes=CLASSES, rtt_ms={("ap", "eu"): 150.0}
+    )
+    plan = plan_placement(linked)
+    check_plan(linked, plan)
+    assert [p.pool for p in plan.placements] == ["eu/h100"]  # the cheap US is out of reach
+    alone = dataclasses.replace(linked, rtt_ms={})
+    assert [(u.reason, u.tokens_per_s) for u in plan_placement(alone).unserved] == [
+        (UNREACHABLE, 1000)
+    ]
