@@ -339,3 +339,34 @@ def test_demand_goes_only_where_a_region_link_reaches() -> None:
     assert [(u.reason, u.tokens_per_s) for u in plan_placement(alone).unserved] == [
         (UNREACHABLE, 1000)
     ]
+
+
+def test_static_capacity_counts_before_any_replica_is_added() -> None:
+    data = PlacementInput(
+        pools=[pool("us")],
+        models=[SMALL],
+        demand=[Demand("any", "us", "small-8b", 5000)],
+        classes=CLASSES,
+        fixed_capacity={("us", "small-8b"): 6000.0},
+    )
+    assert plan_placement(data).placements == ()
+    more = dataclasses.replace(data, demand=[Demand("any", "us", "small-8b", 9000)])
+    assert [p.after for p in plan_placement(more).placements] == [1]
+
+
+def test_a_tp_group_spans_nodes_only_over_rdma() -> None:
+    huge = dataclasses.replace(LARGE, spec=dataclasses.replace(LARGE.spec, weight_size_gib=300))
+    plain = pool("us", per_node=4, nodes=4)
+    assert smallest_fitting_tp(huge, plain) is None
+    linked = dataclasses.replace(plain, spec=dataclasses.replace(plain.spec, rdma=True))
+    assert smallest_fitting_tp(huge, linked) == 8
+    data = PlacementInput(
+        pools=[linked],
+        models=[huge],
+        demand=[Demand("any", "us", "large-70b", 1e6)],
+        classes=CLASSES,
+    )
+    plan = plan_placement(data)
+    check_plan(data, plan)
+    assert plan.placements[0].after == 2  # two groups of two whole nodes each
+    assert [u.count for u in plan.nodes["us/h100"]] == [2, 2]
