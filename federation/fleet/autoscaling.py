@@ -37,7 +37,7 @@ class AutoscaleConfig:
     #: Edge reports older than this say nothing about a replica's load.
     report_fresh_s: float = 10.0
     #: Warm preloading: the forecast (plus warm spare) is a floor under ``desired_replicas``.
-    forecast: forecast.ForecastPolicy = field(default_factory=forecast.ForecastPolicy)
+    preload: forecast.ForecastPolicy = field(default_factory=forecast.ForecastPolicy)
 
 
 def autoscale_config() -> AutoscaleConfig:
@@ -64,7 +64,7 @@ def fleet_autoscale(*, config: AutoscaleConfig | None = None) -> list[str]:
     done: list[str] = []
     deployments = list(selectors.autoscaled_deployments())
     floors = forecasting.forecast_floors(
-        deployments, now=timezone.now(), policy=config.forecast, target=config.policy.target
+        deployments, now=timezone.now(), policy=config.preload, target=config.policy.target
     )
     for deployment in deployments:
         with advisory_lock(deployment.pk) as held:
@@ -110,7 +110,7 @@ def deployment_autoscale(
     if floor is not None and decision.desired == forecast_min > deployment.desired_replicas:
         why = (
             f"forecast floor: {forecast_min} replicas for {floor.tokens_per_s:.0f} tokens/s "
-            f"expected within {config.forecast.lead_time_s:.0f} s "
+            f"expected within {config.preload.lead_time_s:.0f} s "
             f"({floor.spare_tokens_per_s:.0f} of them warm spare)"
         )
         decision = replace(decision, reason=why)

@@ -25,7 +25,7 @@ from tests.integration.inventory_factories import (
 )
 
 LLAMA = LLAMA_8B["name"]
-CONFIG = autoscaling.AutoscaleConfig(forecast=forecast.ForecastPolicy(lead_time_s=1800))
+CONFIG = autoscaling.AutoscaleConfig(preload=forecast.ForecastPolicy(lead_time_s=1800))
 
 
 def day_curve(hour: int) -> float:
