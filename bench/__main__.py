@@ -16,6 +16,8 @@
                                       by callgrind (load-independent; -m bench.instructions -h)
     python -m bench fleet-day [...]   a simulated day of follow-the-sun traffic: GPU-hours and TTFT
                                       of static, reactive and fedinfer scaling (-m bench.fleet_day)
+    python -m bench placement [...]   the placement planner's solve time on a synthetic fleet
+                                      (-m bench.placement -h)
 
 Results are printed as Markdown tables and written as JSON under ``var/bench/``.
 """
@@ -51,6 +53,10 @@ def main(argv: list[str]) -> None:
         from bench import failover
 
         failover.main(argv[1:])
+    elif argv[0] == "placement":
+        from bench import placement
+
+        placement.main(argv[1:])
     elif argv[0] == "fleet-day":
         from bench import fleet_day
 

@@ -27,6 +27,7 @@ api_v1: list[URLPattern | URLResolver] = [
     path("", include("federation.core.api.urls")),
     path("", include("federation.routing.api.urls")),
     path("", include("federation.metering.api.urls")),
+    path("", include("federation.fleet.api.urls")),
 ]
 
 urlpatterns = [

@@ -7,7 +7,7 @@ service when the policy says so (audited); the reconcile pass then starts or dra
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 
 from django.conf import settings
@@ -17,7 +17,7 @@ from django.utils import timezone
 
 from federation.core.audit import audit_record
 from federation.core.errors import Conflict
-from federation.fleet import autoscaler, selectors
+from federation.fleet import autoscaler, forecast, forecasting, selectors
 from federation.fleet.locks import advisory_lock
 from federation.fleet.models import DeploymentAutoscale
 from federation.inventory import lifecycle
@@ -36,6 +36,8 @@ class AutoscaleConfig:
     policy: autoscaler.AutoscalePolicy = field(default_factory=autoscaler.AutoscalePolicy)
     #: Edge reports older than this say nothing about a replica's load.
     report_fresh_s: float = 10.0
+    #: Warm preloading: the forecast (plus warm spare) is a floor under ``desired_replicas``.
+    preload: forecast.ForecastPolicy = field(default_factory=forecast.ForecastPolicy)
 
 
 def autoscale_config() -> AutoscaleConfig:
@@ -60,21 +62,43 @@ def fleet_autoscale(*, config: AutoscaleConfig | None = None) -> list[str]:
     the changes made, one line each."""
     config = config or autoscale_config()
     done: list[str] = []
-    for deployment in selectors.autoscaled_deployments():
+    deployments = list(selectors.autoscaled_deployments())
+    floors = forecasting.forecast_floors(
+        deployments, now=timezone.now(), policy=config.preload, target=config.policy.target
+    )
+    for deployment in deployments:
         with advisory_lock(deployment.pk) as held:
             if not held:
                 continue
-            line = deployment_autoscale(deployment=deployment, config=config, now=timezone.now())
+            line = deployment_autoscale(
+                deployment=deployment,
+                config=config,
+                now=timezone.now(),
+                floor=floors.get(deployment.pk),
+            )
             if line:
                 done.append(line)
     return done
 
 
-def deployment_autoscale(*, deployment: Deployment, config: AutoscaleConfig, now: datetime) -> str:
+def deployment_autoscale(
+    *,
+    deployment: Deployment,
+    config: AutoscaleConfig,
+    now: datetime,
+    floor: forecasting.Floor | None = None,
+) -> str:
     """Observe, decide, and set ``desired_replicas`` when it changes; what was done ('' when
-    nothing). The caller holds the deployment's lock."""
+    nothing). The caller holds the deployment's lock. ``floor``: the forecast's replicas, a
+    raised minimum for the policy (within ``max_replicas`` and the pool's free GPUs)."""
     deployment.refresh_from_db(fields=["desired_replicas", "min_replicas", "max_replicas"])
     obs = _observe(deployment, now, config.report_fresh_s)
+    forecast_min = 0
+    if floor is not None:
+        room = obs.desired + max(0, obs.free_gpus) // max(1, obs.gpus_per_replica)
+        forecast_min = min(floor.replicas, obs.max_replicas, max(obs.desired, room))
+        if forecast_min > obs.min_replicas:
+            obs = replace(obs, min_replicas=forecast_min)
     state = DeploymentAutoscale.objects.filter(deployment=deployment).first()
     memory = autoscaler.Memory(
         low_since=_seconds(state.low_since) if state else None,
@@ -83,6 +107,13 @@ def deployment_autoscale(*, deployment: Deployment, config: AutoscaleConfig, now
         observed_at=_seconds(state.observed_at) if state else None,
     )
     decision = autoscaler.autoscale_step(obs, memory, now=now.timestamp(), policy=config.policy)
+    if floor is not None and decision.desired == forecast_min > deployment.desired_replicas:
+        why = (
+            f"forecast floor: {forecast_min} replicas for {floor.tokens_per_s:.0f} tokens/s "
+            f"expected within {config.preload.lead_time_s:.0f} s "
+            f"({floor.spare_tokens_per_s:.0f} of them warm spare)"
+        )
+        decision = replace(decision, reason=why)
     before = deployment.desired_replicas
     line = ""
     if decision.changed(before):

@@ -68,3 +68,24 @@ class DeploymentAutoscale(models.Model):
 
     def __str__(self) -> str:
         return f"autoscale of {self.deployment_id}"
+
+
+class PlacementPlan(models.Model):
+    """A plan of the placement planner (``federation.fleet.placement``): the diff it proposes
+    and the fleet it was computed against, kept so that it can be applied by id, once, and
+    only to that fleet."""
+
+    created_at = models.DateTimeField(auto_now_add=True)
+    created_by = models.CharField(max_length=150, blank=True, default="")
+    #: SHA-256 of the deployments and pools the plan was computed from.
+    fleet_fingerprint = models.CharField(max_length=64)
+    #: The plan as the API returns it (placements, unserved demand, costs, solver status).
+    document = models.JSONField()
+    applied_at = models.DateTimeField(null=True, blank=True)
+    applied_by = models.CharField(max_length=150, blank=True, default="")
+
+    class Meta:
+        ordering = ["-created_at", "-pk"]
+
+    def __str__(self) -> str:
+        return f"placement plan {self.pk}"

@@ -1,0 +1,71 @@
+"""``POST /api/v1/placement/plan/`` (a dry run: the diff the planner proposes) and
+``POST /api/v1/placement/apply/`` (apply a plan by id, or plan and apply at once). Admins and
+operators only."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from drf_spectacular.utils import extend_schema
+from rest_framework import status
+from rest_framework.generics import get_object_or_404
+from rest_framework.permissions import BasePermission
+from rest_framework.request import Request
+from rest_framework.response import Response
+from rest_framework.views import APIView
+
+from federation.core.roles import is_staff_role
+from federation.fleet import placing
+from federation.fleet.api.serializers import ApplyInput, PlanInput, PlanOutput
+from federation.fleet.models import PlacementPlan
+from federation.fleet.placement_inputs import DemandOverride
+
+
+class IsStaff(BasePermission):
+    message = "Only admins and operators may plan the fleet's placement."
+
+    def has_permission(self, request: Any, view: Any) -> bool:
+        return is_staff_role(request.user)
+
+
+def _override(data: dict[str, Any]) -> list[DemandOverride] | None:
+    if "demand" not in data:
+        return None
+    return [DemandOverride(**row) for row in data["demand"]]
+
+
+class PlacementPlanView(APIView):
+    permission_classes = [IsStaff]
+
+    @extend_schema(request=PlanInput, responses={201: PlanOutput})
+    def post(self, request: Request) -> Response:
+        """Plan the placement against the fleet as it is now; nothing in the fleet changes."""
+        ser = PlanInput(data=request.data)
+        ser.is_valid(raise_exception=True)
+        plan = placing.placement_plan(
+            actor=request.user,
+            override=_override(ser.validated_data),
+            window_hours=ser.validated_data["window_hours"],
+        )
+        return Response(PlanOutput(plan).data, status=status.HTTP_201_CREATED)
+
+
+class PlacementApplyView(APIView):
+    permission_classes = [IsStaff]
+
+    @extend_schema(request=ApplyInput, responses={200: PlanOutput, 201: PlanOutput})
+    def post(self, request: Request) -> Response:
+        """Apply a plan (200; again: nothing more happens), or plan and apply at once (201);
+        409 when the fleet changed since the plan."""
+        ser = ApplyInput(data=request.data)
+        ser.is_valid(raise_exception=True)
+        if "plan" in ser.validated_data:
+            plan = get_object_or_404(PlacementPlan, pk=ser.validated_data["plan"])
+            plan, _ = placing.placement_apply(actor=request.user, plan=plan)
+            return Response(PlanOutput(plan).data)
+        plan = placing.placement_plan_and_apply(
+            actor=request.user,
+            override=_override(ser.validated_data),
+            window_hours=ser.validated_data["window_hours"],
+        )
+        return Response(PlanOutput(plan).data, status=status.HTTP_201_CREATED)
