@@ -93,18 +93,27 @@ class Forwarder:
                     return
                 except UpstreamFailure as failure:
                     attempt.failed(failure)
-                    ctx.last_failure = f"{inst.id}: {failure.reason}"
-                    if ctx.retries >= self.cfg.max_retries or not failure.retry:
-                        ctx.complete = True
-                        await self.relay.upstream_failed(ctx, decision)
+                    if not await self._may_retry(ctx, inst.id, failure, decision):
                         return
-                    ctx.retries += 1
-                    self.metrics.retries.labels(req.model).inc()
                     exclude = exclude | {inst.id}
                     sticky = None
                     # Placed again as a new request: the failed instance may have been the
                     # region's last, and another region may take it now.
                     first_pass = spill
+
+    async def _may_retry(
+        self, ctx: RequestContext, instance: str, failure: UpstreamFailure, decision: Decision
+    ) -> bool:
+        """After ``instance`` failed before anything reached the client: True to try another,
+        False once the retries are spent or it may have run (the error is then answered)."""
+        ctx.last_failure = f"{instance}: {failure.reason}"
+        if ctx.retries >= self.cfg.max_retries or not failure.retry:
+            ctx.complete = True
+            await self.relay.upstream_failed(ctx, decision)
+            return False
+        ctx.retries += 1
+        self.metrics.retries.labels(ctx.req.model).inc()
+        return True
 
     async def serve_unqueued(self, ctx: RequestContext) -> None:
         """A call that takes no slot (the tokenizer's): to the least loaded healthy instance of
@@ -129,13 +138,8 @@ class Forwarder:
                     health.connect_error(inst.id, failure.reason)
                 else:
                     health.failure(inst.id, failure.reason)
-                ctx.last_failure = f"{inst.id}: {failure.reason}"
-                if ctx.retries >= self.cfg.max_retries or not failure.retry:
-                    ctx.complete = True
-                    await self.relay.upstream_failed(ctx, decision)
+                if not await self._may_retry(ctx, inst.id, failure, decision):
                     return
-                ctx.retries += 1
-                self.metrics.retries.labels(req.model).inc()
                 exclude = exclude | {inst.id}
 
     async def forward(
