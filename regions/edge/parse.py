@@ -97,16 +97,25 @@ def render_chat(messages: Any) -> tuple[bytes, int]:
         parts.append(role if isinstance(role, str) else "")
         parts.append("\n")
         content = m.get("content")
-        if isinstance(content, str):
-            parts.append(content)
-        elif isinstance(content, list):
-            for part in content:
-                if isinstance(part, dict) and isinstance(part.get("text"), str):
-                    parts.append(part["text"])
-                else:
-                    media += 1
+        media += _content_text(content, parts)
         parts.append("\n\n")
     return "".join(parts).encode(), media
+
+
+def _content_text(content: Any, parts: list[str]) -> int:
+    """Append a message's (or input item's) text to ``parts``: a string, or the ``text`` of
+    each part of a list; the number of other parts (images, audio) is returned."""
+    if isinstance(content, str):
+        parts.append(content)
+        return 0
+    media = 0
+    if isinstance(content, list):
+        for part in content:
+            if isinstance(part, dict) and isinstance(part.get("text"), str):
+                parts.append(part["text"])
+            else:
+                media += 1
+    return media
 
 
 def _positive_int(doc: dict[str, Any], name: str, default: int | None) -> int | None:
@@ -242,14 +251,7 @@ def render_responses(doc: dict[str, Any]) -> tuple[bytes, int]:
         parts.append(role if isinstance(role, str) else "")
         parts.append("\n")
         content = item.get("content", item.get("output", item.get("arguments")))
-        if isinstance(content, str):
-            parts.append(content)
-        elif isinstance(content, list):
-            for part in content:
-                if isinstance(part, dict) and isinstance(part.get("text"), str):
-                    parts.append(part["text"])
-                else:
-                    media += 1
+        media += _content_text(content, parts)
         parts.append("\n\n")
     return "".join(parts).encode(), media
 
