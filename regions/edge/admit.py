@@ -130,7 +130,8 @@ class Admit:
         hold: Hold | None = None
         key_prefix: str | None = None
         try:
-            if self.meter is not None and self.meter.refuses():
+            meter = self.meter  # a full spool under --usage-spool-full refuse: 503
+            if meter is not None and meter.spool.full and meter.refuse_when_full:
                 raise _SPOOL_FULL
             if admission.enabled:
                 # Before the body: an unauthenticated client does not get 4 MB read for it.

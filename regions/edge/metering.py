@@ -1,11 +1,13 @@
 """Metering at the edge: one usage record per served request, spooled and shipped.
 
-The record stage calls :meth:`Meter.record` once a response has ended (streamed or not, cut or
-complete) with the encoded record; that only appends it to memory. The spool and its shipper do
-the I/O in the background (``usage_spool.py``, ``usage_shipper.py``). When the spool is full —
-the control plane or Redis away for long — the policy decides: ``refuse`` (the default) turns
-new requests away with 503 until records drain, because a request served and not billed is
-lost for good; ``serve`` keeps serving and counts each record it drops.
+The record stage appends the record's row to the spool's memory once a response has ended
+(streamed or not, cut or complete) — or, when the spool is full and the policy is to serve,
+counts it dropped (``Recorder.finished``); the shipper encodes a batch's rows in one call. The
+spool and its shipper do the I/O in the background (``usage_spool.py``, ``usage_shipper.py``).
+When the spool is full — the control plane or Redis away for long — the policy decides:
+``refuse`` (the default) turns new requests away with 503 until records drain, because a
+request served and not billed is lost for good; ``serve`` keeps serving and counts each record
+it drops.
 """
 
 from __future__ import annotations
@@ -47,18 +49,24 @@ class MeteringConfig:
 
 
 class RequestIds:
-    """Unique request ids without a syscall per request: a random per-process prefix and a
-    counter (``<12 hex>-<n hex>``), unique across edges and restarts."""
+    """Unique request ids without a syscall or a string per request: a random per-process
+    prefix and a counter, written apart (schema 3) and read as ``<12 hex>-<n hex>``, unique
+    across edges and restarts."""
+
+    __slots__ = ("next_seq", "prefix")
 
     def __init__(self) -> None:
-        self._prefix = secrets.token_hex(6) + "-"
-        self._next = itertools.count(1)
-
-    def new(self) -> str:
-        return f"{self._prefix}{next(self._next):x}"
+        self.prefix = secrets.token_hex(6) + "-"
+        #: The next sequence number (``next_seq()``).
+        self.next_seq = itertools.count(1).__next__
 
 
 class Meter:
+    # Slots: the record stage reads ``spool``, ``ids`` and the policy flags per request.
+    __slots__ = (
+        "_task", "cfg", "drop_when_full", "dropped", "ids", "refuse_when_full", "shipper", "spool",
+    )  # fmt: skip
+
     def __init__(self, cfg: MeteringConfig, sink: UsageSink) -> None:
         self.cfg = cfg
         self.spool = UsageSpool(
@@ -66,26 +74,17 @@ class Meter:
         )
         self.shipper = UsageShipper(self.spool, sink, interval_s=cfg.flush_interval_s)
         self.ids = RequestIds()
-        self.recorded = 0
         self.dropped = 0
-        # Read per request: the policy as two flags, not a string compared every time.
-        self._refuse_when_full = cfg.full_policy == "refuse"
-        self._drop_when_full = not self._refuse_when_full
+        # Read per request, with ``spool.full`` (admission refuses when both are true; the
+        # record stage drops): the policy as two flags, not a string compared every time.
+        self.refuse_when_full = cfg.full_policy == "refuse"
+        self.drop_when_full = not self.refuse_when_full
         self._task: asyncio.Task[None] | None = None
 
-    def refuses(self) -> bool:
-        """Whether a new request must be turned away: the spool is full and the policy is
-        to refuse rather than serve unbilled."""
-        return self._refuse_when_full and not self.spool.has_room()
-
-    def record(self, record: bytes) -> None:
-        """Spool one encoded record (requests already admitted are recorded even past the
-        bound)."""
-        if self._drop_when_full and not self.spool.has_room():
-            self.dropped += 1
-            return
-        self.spool.append(record)
-        self.recorded += 1
+    @property
+    def recorded(self) -> int:
+        """Records spooled (buffered or written) since the edge started."""
+        return self.spool.appended
 
     async def start(self) -> None:
         self._task = asyncio.create_task(self.shipper.run(), name="usage-shipper")
@@ -133,11 +132,11 @@ class UsageCollector(Collector):
         )
         yield GaugeMetricFamily(
             "fedinfer_edge_usage_unshipped_bytes",
-            "Bytes of usage records not yet accepted by the sink (spooled or buffered)",
+            "Bytes of usage records on disk not yet accepted by the sink",
             value=meter.spool.unshipped_bytes,
         )
         yield GaugeMetricFamily(
             "fedinfer_edge_usage_spool_full",
             "1 while the spool is full (new requests refused or served unmetered)",
-            value=0 if meter.spool.has_room() else 1,
+            value=1 if meter.spool.full else 0,
         )

@@ -44,10 +44,10 @@ SINK_AWAY = (OSError, redis.RedisError, httpx.HTTPError, SinkRefused)
 
 
 class UsageSink(Protocol):
-    """Where records go; ``send`` returns only once all of them are accepted, else raises one
-    of :data:`SINK_AWAY`."""
+    """Where records go; ``send`` takes a batch (records as newline-terminated lines) and
+    returns only once all of them are accepted, else raises one of :data:`SINK_AWAY`."""
 
-    async def send(self, records: list[bytes]) -> None: ...
+    async def send(self, data: bytes) -> None: ...
 
     async def close(self) -> None: ...
 
@@ -63,8 +63,8 @@ class RedisStreamSink:
             url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s
         )
 
-    async def send(self, records: list[bytes]) -> None:
-        await self._redis.xadd(self.stream, {USAGE_FIELD: b"\n".join(records)})
+    async def send(self, data: bytes) -> None:
+        await self._redis.xadd(self.stream, {USAGE_FIELD: data})
 
     async def close(self) -> None:
         await self._redis.aclose()
@@ -85,8 +85,8 @@ class ControlPlaneSink:
             },
         )
 
-    async def send(self, records: list[bytes]) -> None:
-        resp = await self._client.post(self.url, content=b"\n".join(records))
+    async def send(self, data: bytes) -> None:
+        resp = await self._client.post(self.url, content=data)
         if resp.status_code >= 300:
             raise SinkRefused(f"usage refused ({resp.status_code}): {resp.text[:200]}")
 
@@ -138,30 +138,30 @@ class UsageShipper:
         if written is None:
             if not direct:
                 await self.ship()  # a backlog, or a sink to try again
-        elif direct and len(written.records) <= self.batch:
+        elif direct and written.count <= self.batch:
             await self._send(written)
         else:
             await self.ship()
 
     async def flush(self) -> Batch | None:
-        """Write what the requests buffered (one fsync); what was written, or None."""
-        records = self.spool.take_buffer()
-        if not records:
+        """Encode and write what the requests buffered (one call, one fsync); what was written,
+        or None."""
+        rows = self.spool.take_buffer()
+        if not rows:
             return None
-        end = await asyncio.to_thread(self.spool.write, records)
-        return Batch(records, end)
+        return await asyncio.to_thread(self.spool.write, rows)
 
     async def ship(self) -> None:
         """Send what is on disk, batch after batch, until it is all sent or a send fails."""
         while True:
             batch = await asyncio.to_thread(self.spool.read, self.batch)
-            if not batch.records or not await self._send(batch):
+            if not batch.count or not await self._send(batch):
                 return
 
     async def _send(self, batch: Batch) -> bool:
         """Send one batch; acknowledge it in the spool once the sink has accepted it."""
         try:
-            await self.sink.send(batch.records)
+            await self.sink.send(batch.data)
         except SINK_AWAY as exc:  # keep the records, retry later
             self.stats.failures += 1
             self.stats.failing_for += 1
@@ -172,7 +172,7 @@ class UsageShipper:
             log.info("usage shipping resumed after %d failures", self.stats.failing_for)
         self.stats.failing_for = 0
         self.spool.ack(batch.end)
-        self.stats.shipped += len(batch.records)
+        self.stats.shipped += batch.count
         now = time.monotonic()
         if now - self._persisted_at >= self.persist_s:
             self._persisted_at = now

@@ -1,23 +1,29 @@
 """The edge's usage spool: every usage record on local disk until the control plane has it.
 
-Records are appended to memory on the request path (no I/O there) and written to the current
-segment file with one ``fdatasync`` per small batch (``UsageShipper.flush``, from a background
-task). A shipper sends what is on disk and only then moves the *acknowledged* cursor, which is
-itself written atomically; segments wholly before it are deleted. So a record leaves the spool
-only once accepted, and a crash loses at most the batch not yet flushed; a batch shipped but not
-yet acknowledged when the edge stops is shipped again after the restart (ingestion is
-idempotent on the request id).
+Records are appended to memory on the request path as rows (no I/O, no encoding there), and
+encoded in one call and written to the current segment file with one ``fdatasync`` per small
+batch (``UsageShipper.flush``, from a background task). A shipper sends what is on disk and
+only then moves the *acknowledged* cursor, which is itself written atomically; segments wholly
+before it are deleted. So a record leaves the spool only once accepted, and a crash loses at
+most the batch not yet flushed; a batch shipped but not yet acknowledged when the edge stops is
+shipped again after the restart (ingestion is idempotent on the request id).
 
 Format: ``usage-<12-digit sequence>.jsonl``, one JSON record per line. A line cut by a crash (no
 final newline) is truncated away on open. The spool is bounded (``max_bytes``); what the edge
-does when it is full is its policy (``--usage-spool-full``), not the spool's.
+does when it is full is its policy (``--usage-spool-full``), not the spool's. The bound is
+checked when bytes reach or leave the disk (a flush, an acknowledgement), not per request: a
+request reads one flag, and the spool may pass its bound by the rows of one flush interval.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+from regions.tables.usage import encode_usage_lines
 
 SEGMENT_GLOB = "usage-*.jsonl"
 ACKED_FILE = "acked"
@@ -33,16 +39,35 @@ class Cursor:
 
 @dataclass(frozen=True, slots=True)
 class Batch:
-    records: list[bytes]
+    #: The records, each a line ending in a newline (what a sink sends as it is).
+    data: bytes
+    count: int
     #: Where the spool continues after these records (what :meth:`UsageSpool.ack` takes).
     end: Cursor
+
+    @property
+    def records(self) -> list[bytes]:
+        """The records one by one, without their newlines."""
+        return self.data.splitlines()
 
 
 class UsageSpool:
     """Append-only, bounded, crash-safe store of encoded usage records (one process owns it)."""
 
+    # Slots: every request reads ``full`` and calls ``append``.
+    __slots__ = (
+        "_buffer", "_disk_bytes", "_encode_lines", "_fd", "_fd_segment", "_persisted",
+        "_segments", "_taken", "acked", "append", "directory", "end", "full", "max_bytes",
+        "segment_bytes",
+    )  # fmt: skip
+
     def __init__(
-        self, directory: Path, *, max_bytes: int = 256 << 20, segment_bytes: int = 8 << 20
+        self,
+        directory: Path,
+        *,
+        max_bytes: int = 256 << 20,
+        segment_bytes: int = 8 << 20,
+        encode_lines: Callable[[list[Any]], bytes] = encode_usage_lines,
     ) -> None:
         if max_bytes < segment_bytes or segment_bytes < 1:
             raise ValueError("max_bytes must be at least one segment (segment_bytes >= 1)")
@@ -50,13 +75,20 @@ class UsageSpool:
         self.max_bytes = max_bytes
         self.segment_bytes = segment_bytes
         directory.mkdir(parents=True, exist_ok=True)
-        self._buffer: list[bytes] = []
-        self._buffered_bytes = 0
+        self._encode_lines = encode_lines
+        self._buffer: list[Any] = []
+        #: Buffer one record's row, encoded and written by the next flush: the list's own
+        #: ``append``, so a request pays for no Python call (:meth:`take_buffer` keeps the list).
+        self.append: Callable[[Any], None] = self._buffer.append
+        #: Rows handed to :meth:`write` so far.
+        self._taken = 0
         self.acked = self._read_acked()
         self._persisted = self.acked
         self._segments = self._recover()
-        #: Bytes on disk from the acknowledged cursor on (what the bound counts, with the buffer).
+        #: Bytes on disk from the acknowledged cursor on (what the bound counts).
         self._disk_bytes = sum(self._size(s) for s in self._segments) - self.acked.offset
+        #: The records not yet acknowledged fill ``max_bytes`` (updated as that changes).
+        self.full = self._disk_bytes >= max_bytes
         #: Where the next write goes.
         self.end = Cursor(self._segments[-1], self._size(self._segments[-1]))
         self._fd: int | None = None
@@ -64,18 +96,15 @@ class UsageSpool:
 
     # --- the request path ----------------------------------------------------------------
 
-    def append(self, record: bytes) -> None:
-        """Buffer one encoded record (a single line of JSON); written by the next flush."""
-        self._buffer.append(record)
-        self._buffered_bytes += len(record) + 1
-
-    def has_room(self) -> bool:
-        """False once the records not yet acknowledged fill ``max_bytes``."""
-        return self._disk_bytes + self._buffered_bytes < self.max_bytes
-
     @property
     def unshipped_bytes(self) -> int:
-        return self._disk_bytes + self._buffered_bytes
+        """Bytes on disk not yet acknowledged (rows in memory are not encoded yet)."""
+        return self._disk_bytes
+
+    @property
+    def appended(self) -> int:
+        """Rows appended since the spool was opened."""
+        return self._taken + len(self._buffer)
 
     @property
     def caught_up(self) -> bool:
@@ -84,18 +113,19 @@ class UsageSpool:
 
     # --- the background task -------------------------------------------------------------
 
-    def take_buffer(self) -> list[bytes]:
-        """Hand the buffered records to :meth:`write` (call on the thread that appends)."""
-        records, self._buffer = self._buffer, []
-        self._buffered_bytes -= sum(len(r) + 1 for r in records)
-        return records
+    def take_buffer(self) -> list[Any]:
+        """Hand the buffered rows to :meth:`write` (call on the thread that appends)."""
+        rows = self._buffer.copy()
+        self._buffer.clear()
+        self._taken += len(rows)
+        return rows
 
-    def write(self, records: list[bytes]) -> Cursor:
-        """Append ``records`` to the current segment and fdatasync (may run in a worker thread);
-        the cursor after them."""
-        if not records:
-            return self.end
-        data = b"\n".join(records) + b"\n"
+    def write(self, rows: list[Any]) -> Batch:
+        """Encode ``rows`` (one call for all), append them to the current segment and fdatasync
+        (may run in a worker thread): what was written, and the cursor after it."""
+        if not rows:
+            return Batch(b"", 0, self.end)
+        data = self._encode_lines(rows)
         end = self.end
         if end.offset >= self.segment_bytes:
             end = Cursor(end.segment + 1, 0)
@@ -108,8 +138,9 @@ class UsageSpool:
         if end.offset == 0:  # a new file: make its name durable too
             self._fsync_directory()
         self._disk_bytes += len(data)
+        self.full = self._disk_bytes >= self.max_bytes
         self.end = Cursor(end.segment, end.offset + len(data))
-        return self.end
+        return Batch(data, len(rows), self.end)
 
     def close(self) -> None:
         """Close the open segment (the spool stays usable: the next write reopens it)."""
@@ -120,7 +151,7 @@ class UsageSpool:
     def read(self, limit: int, start: Cursor | None = None) -> Batch:
         """Up to ``limit`` records on disk from ``start`` (default: the acknowledged cursor)."""
         cursor = start or self.acked
-        records: list[bytes] = []
+        records: list[bytes] = []  # each with its newline
         for segment in self._segments:
             if segment < cursor.segment or len(records) >= limit:
                 continue
@@ -133,18 +164,19 @@ class UsageSpool:
                 for line in f:
                     if not line.endswith(b"\n"):
                         break  # being written right now: the next read gets it
-                    records.append(line[:-1])
+                    records.append(line)
                     offset += len(line)
                     if len(records) >= limit:
                         break
             cursor = Cursor(segment, offset)
-        return Batch(records, cursor)
+        return Batch(b"".join(records), len(records), cursor)
 
     def ack(self, cursor: Cursor) -> None:
         """Everything before ``cursor`` was accepted (in memory: :meth:`persist` writes it)."""
         if cursor <= self.acked:
             return
         self._disk_bytes -= self._bytes_between(self.acked, cursor)
+        self.full = self._disk_bytes >= self.max_bytes
         self.acked = cursor
 
     def persist(self) -> None:

@@ -5,21 +5,26 @@ request to its spool and ships it to the control plane, which prices it and attr
 Ingestion is idempotent on ``request_id``, so a record shipped twice (an edge that restarts
 before it learns its batch was accepted) is counted once. Pure: no Django, no I/O.
 
-Two wire forms, one meaning. Schema 2 (what edges write) is a JSON array — the version, then the
-fields in :data:`POSITIONAL_FIELDS` order — built straight from the request's values, with no
-object per request: the edge's metering budget is a few microseconds, and naming every field in
-every record cost more than half of it (and doubled the bytes spooled and shipped). Schema 1, a
-JSON object with named fields, is still read: records an older edge left in its spool or in the
-stream when it was upgraded.
+Three wire forms, one meaning. Schema 3 (what edges write) is a JSON array — the version, the
+request id as a prefix and a sequence number, then the other fields in :data:`POSITIONAL_FIELDS`
+order — built straight from the request's values, with no object per request and no string
+formatted per request: the edge's metering budget is a few microseconds, and naming every field
+in every record cost more than half of it (and doubled the bytes spooled and shipped), and
+formatting the id a fifth. Schema 2 (the id one string) and schema 1 (a JSON object with named
+fields) are still read: records an older edge left in its spool or in the stream when it was
+upgraded.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import msgspec
 
-USAGE_SCHEMA_VERSION = 2
+USAGE_SCHEMA_VERSION = 3
+#: The schema of positional records whose id is one string (read, no longer written).
+WHOLE_ID_SCHEMA_VERSION = 2
 #: The schema of named-field records (read, no longer written).
 NAMED_SCHEMA_VERSION = 1
 #: The Redis stream edges append records to — one entry per shipped batch, its records as
@@ -69,43 +74,39 @@ class UsageRecord(msgspec.Struct, frozen=True, forbid_unknown_fields=True, gc=Fa
     schema_version: int = USAGE_SCHEMA_VERSION
 
 
-#: A schema-2 record's fields after its version, in array order (every field, no defaults).
+#: A record's fields in array order after its version (schema 2; schema 3 splits ``request_id``
+#: into :data:`SPLIT_ID_FIELDS`). Every field, no defaults.
 POSITIONAL_FIELDS: tuple[str, ...] = tuple(
     f for f in UsageRecord.__struct_fields__ if f != "schema_version"
 )
+#: Schema 3's request id: a per-process prefix and a sequence number (null: the prefix is the
+#: whole id), joined as ``prefix + hex(seq)`` by whoever reads it, not by the edge per request.
+SPLIT_ID_FIELDS = ("request_id_prefix", "request_id_seq")
 
 
-class _PositionalRecord(msgspec.Struct, array_like=True, frozen=True, gc=False):
-    """Schema 2 as it travels: ``[2, request_id, started_at, …, edge]`` (see
-    :data:`POSITIONAL_FIELDS`); decoded with the same types and then made a :class:`UsageRecord`."""
-
-    schema_version: int
-    request_id: str
-    started_at: float
-    region: str
-    entry_region: str
-    instance: str
-    model: str
-    adapter: str | None
-    tenant: str | None
-    key_prefix: str | None
-    prompt_tokens: int
-    cached_tokens: int
-    completion_tokens: int
-    ttft_ms: float | None
-    duration_ms: float
-    status: int
-    streamed: bool
-    cancelled: bool
-    usage_reported: bool
-    edge: str | None
+def _positional(name: str, head: list[tuple[str, Any]]) -> type[msgspec.Struct]:
+    """A positional wire form: its head, then every field after ``request_id`` with the types
+    :class:`UsageRecord` gives them (one list of fields, so the forms cannot drift apart)."""
+    rest = [(f.name, f.type) for f in msgspec.structs.fields(UsageRecord)[1:-1]]
+    return msgspec.defstruct(name, head + rest, array_like=True, frozen=True, gc=False)
 
 
-#: A schema-2 record as the edge builds it: the version, then :data:`POSITIONAL_FIELDS` in order
-#: (typed, so a misplaced value of another type fails the type check).
+#: Schema 3 as it travels: ``[3, request_id_prefix, request_id_seq, started_at, …, edge]``.
+_SplitIdRecord = _positional(
+    "_SplitIdRecord",
+    [("schema_version", int), ("request_id_prefix", str), ("request_id_seq", int | None)],
+)
+#: Schema 2 as it travels: ``[2, request_id, started_at, …, edge]``.
+_WholeIdRecord = _positional("_WholeIdRecord", [("schema_version", int), ("request_id", str)])
+
+
+#: A schema-3 record as the edge builds it: the version, the id's prefix and sequence number,
+#: then :data:`POSITIONAL_FIELDS` after ``request_id`` in order (typed, so a misplaced value of
+#: another type fails the type check).
 UsageRow = tuple[
     int,  # schema_version
-    str,  # request_id
+    str,  # request_id_prefix
+    int | None,  # request_id_seq
     float,  # started_at
     str,  # region
     str,  # entry_region
@@ -131,19 +132,32 @@ class UsageRecordError(ValueError):
     """Not a usage record this version reads."""
 
 
-_encode = msgspec.json.Encoder().encode
-_decode_positional = msgspec.json.Decoder(_PositionalRecord).decode
+_encoder = msgspec.json.Encoder()
+_encode = _encoder.encode
+_decode_split_id = msgspec.json.Decoder(_SplitIdRecord).decode
+_decode_whole_id = msgspec.json.Decoder(_WholeIdRecord).decode
 _decode_named = msgspec.json.Decoder(UsageRecord).decode
 
 
-#: One schema-2 record from its row: the edge's request path, so the encoder itself, not a
-#: Python function around it (a call is a tenth of the record's cost).
-encode_usage: Callable[[UsageRow], bytes] = _encode
+#: A batch of schema-3 rows as newline-terminated lines, in one call: the edge's shipper encodes
+#: each batch so, not each request (``usage_spool.py``).
+encode_usage_lines: Callable[[list[UsageRow]], bytes] = _encoder.encode_lines
+
+
+def request_id(prefix: str, seq: int | None) -> str:
+    """The id a schema-3 record names: ``prefix + hex(seq)``, or the prefix alone."""
+    return prefix if seq is None else f"{prefix}{seq:x}"
 
 
 def encode_record(record: UsageRecord) -> bytes:
-    """A record as an edge writes it (schema 2)."""
-    return _encode((USAGE_SCHEMA_VERSION, *(getattr(record, f) for f in POSITIONAL_FIELDS)))
+    """A record as an edge writes it (schema 3, its id whole in the prefix)."""
+    rest = (getattr(record, f) for f in POSITIONAL_FIELDS[1:])
+    return _encode((USAGE_SCHEMA_VERSION, record.request_id, None, *rest))
+
+
+def encode_whole_id_record(record: UsageRecord) -> bytes:
+    """A record as schema-2 edges wrote it (what ingestion still reads)."""
+    return _encode((WHOLE_ID_SCHEMA_VERSION, *(getattr(record, f) for f in POSITIONAL_FIELDS)))
 
 
 def encode_named_record(record: UsageRecord) -> bytes:
@@ -152,21 +166,10 @@ def encode_named_record(record: UsageRecord) -> bytes:
 
 
 def decode_record(data: bytes) -> UsageRecord:
-    """Decode and check one record of either schema; raise :class:`UsageRecordError` on any
+    """Decode and check one record of any schema; raise :class:`UsageRecordError` on any
     defect."""
     try:
-        if data[:1] == b"[":
-            row = _decode_positional(data)
-            if row.schema_version != USAGE_SCHEMA_VERSION:
-                raise UsageRecordError(f"unsupported usage schema_version {row.schema_version}")
-            record = UsageRecord(**msgspec.structs.asdict(row))
-        else:
-            record = _decode_named(data)
-            if record.schema_version != NAMED_SCHEMA_VERSION:
-                raise UsageRecordError(
-                    f"unsupported usage schema_version {record.schema_version}"
-                    " (named-field records are schema 1)"
-                )
+        record = _decode_positional(data) if data[:1] == b"[" else _decode_named_checked(data)
     except msgspec.DecodeError as exc:
         raise UsageRecordError(f"usage record does not decode: {exc}") from exc
     if not record.request_id or not record.region or not record.instance or not record.model:
@@ -174,4 +177,34 @@ def decode_record(data: bytes) -> UsageRecord:
     counts = (record.prompt_tokens, record.cached_tokens, record.completion_tokens)
     if min(counts) < 0 or record.cached_tokens > record.prompt_tokens:
         raise UsageRecordError("token counts must be >= 0, cached within the prompt")
+    return record
+
+
+def _decode_positional(data: bytes) -> UsageRecord:
+    """Schema 3 or 2, told apart by the version that opens the array."""
+    lead = data[1:].lstrip()[:2]
+    row: Any
+    if lead[:1] == b"3" and not lead[1:].isdigit():
+        row = _decode_split_id(data)
+        values = msgspec.structs.asdict(row)
+        rid = request_id(values.pop("request_id_prefix"), values.pop("request_id_seq"))
+    elif lead[:1] == b"2" and not lead[1:].isdigit():
+        row = _decode_whole_id(data)
+        values = msgspec.structs.asdict(row)
+        rid = values.pop("request_id")
+    else:
+        version = msgspec.json.decode(data)
+        raise UsageRecordError(
+            f"unsupported usage schema_version {version[0] if version else None}"
+        )
+    return UsageRecord(request_id=rid, **values)
+
+
+def _decode_named_checked(data: bytes) -> UsageRecord:
+    record = _decode_named(data)
+    if record.schema_version != NAMED_SCHEMA_VERSION:
+        raise UsageRecordError(
+            f"unsupported usage schema_version {record.schema_version}"
+            " (named-field records are schema 1)"
+        )
     return record

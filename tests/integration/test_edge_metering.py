@@ -113,7 +113,7 @@ def stream_chat(
 def records(client: redis.Redis, n: int) -> list[Any]:
     def stored() -> list[Any]:
         entries = client.xrange(USAGE_STREAM)
-        return [decode_record(r) for _, f in entries for r in f[USAGE_FIELD].split(b"\n")]
+        return [decode_record(r) for _, f in entries for r in f[USAGE_FIELD].splitlines()]
 
     wait_until(lambda: len(stored()) >= n, what=f"{n} usage records", timeout=20)
     return stored()

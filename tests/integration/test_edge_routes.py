@@ -119,7 +119,7 @@ def post(url: str, path: str, body: Any, key: str | None = "fi_eu") -> httpx.Res
 def records(client: redis.Redis, since: float) -> list[Any]:
     """Usage records of requests that started after ``since`` (epoch seconds)."""
     entries = client.xrange(USAGE_STREAM)
-    found = [decode_record(r) for _, f in entries for r in f[USAGE_FIELD].split(b"\n")]
+    found = [decode_record(r) for _, f in entries for r in f[USAGE_FIELD].splitlines()]
     return [r for r in found if r.started_at >= since]
 
 

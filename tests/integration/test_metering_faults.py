@@ -21,7 +21,7 @@ import redis
 from federation.metering.models import UsageRecord
 from federation.metering.stream import GROUP, usage_stream_consume
 from regions.supervisor import Process, free_port, start_process, wait_until
-from regions.tables.usage import USAGE_STREAM
+from regions.tables.usage import USAGE_STREAM, decode_record
 from tests.integration.inventory_factories import (
     make_deployment,
     make_instance,
@@ -71,7 +71,7 @@ def private_redis(tmp_path: Path) -> Iterator[PrivateRedis]:
     server.stop()
 
 
-def edge_with_metering(tmp: Path, engine_url: str, redis_url: str) -> EdgeProc:
+def edge_with_metering(tmp: Path, engine_url: str, redis_url: str, *args: str) -> EdgeProc:
     inst = {"id": "us-1", "url": engine_url, "model": MODEL, "max_concurrency": 32,
             "prefill_tokens_per_s": 8000}  # fmt: skip
     doc = table_doc("us-east", 1, [inst])
@@ -83,11 +83,13 @@ def edge_with_metering(tmp: Path, engine_url: str, redis_url: str) -> EdgeProc:
         }
     ]
     spool = tmp / "spool"  # the same spool across restarts
-    return start_edge(tmp, doc, "--usage-spool-dir", str(spool), "--usage-redis-url", redis_url)
+    return start_edge(
+        tmp, doc, "--usage-spool-dir", str(spool), "--usage-redis-url", redis_url, *args
+    )
 
 
-def ask(edge: EdgeProc, i: int) -> dict[str, Any]:
-    r = httpx.post(
+def post(edge: EdgeProc, i: int) -> httpx.Response:
+    return httpx.post(
         edge.url + "/v1/chat/completions",
         json={
             "model": MODEL,
@@ -97,15 +99,96 @@ def ask(edge: EdgeProc, i: int) -> dict[str, Any]:
         headers={"Authorization": f"Bearer {KEY}"},
         timeout=30,
     )
+
+
+def ask(edge: EdgeProc, i: int) -> dict[str, Any]:
+    r = post(edge, i)
     assert r.status_code == 200, r.text
     usage: dict[str, Any] = r.json()["usage"]
     return usage
 
 
-def shipped(edge: EdgeProc) -> float:
+def metric(edge: EdgeProc, name: str) -> float:
     text = httpx.get(edge.ops + "/metrics", timeout=5).text
-    lines = [ln for ln in text.splitlines() if ln.startswith("fedinfer_edge_usage_shipped_total")]
+    lines = [ln for ln in text.splitlines() if ln.startswith(name + " ")]
     return float(lines[0].split()[-1]) if lines else 0.0
+
+
+def shipped(edge: EdgeProc) -> float:
+    return metric(edge, "fedinfer_edge_usage_shipped_total")
+
+
+#: A spool this small is full after a few records (~170-230 bytes each).
+SMALL_SPOOL = ("--usage-spool-max-bytes", "1000", "--usage-flush-interval", "0.05")
+
+
+def spooled(edge: EdgeProc, before: float) -> float:
+    """Wait until the last request's record is on disk or dropped; the bytes unshipped."""
+    wait_until(
+        lambda: (
+            metric(edge, "fedinfer_edge_usage_unshipped_bytes") > before
+            or metric(edge, "fedinfer_edge_usage_dropped_total") > 0
+        ),
+        what="the record written",
+    )
+    return metric(edge, "fedinfer_edge_usage_unshipped_bytes")
+
+
+def test_a_full_spool_refuses_new_requests_until_redis_takes_the_backlog(
+    tmp_path: Path,
+) -> None:
+    away = PrivateRedis(tmp_path)  # not started: Redis is down from the edge's start
+    with engine_sims(tmp_path, 1, MODEL, "--zero-latency") as engines:
+        edge = edge_with_metering(tmp_path, engines[0]["url"], away.url, *SMALL_SPOOL)
+        try:
+            served, on_disk = 0, [0.0]
+            for i in range(20):
+                r = post(edge, i)
+                if r.status_code != 200:
+                    break
+                served += 1
+                on_disk.append(spooled(edge, on_disk[-1]))
+            assert r.status_code == 503 and r.json()["error"]["code"] == "usage_spool_full"
+            # Each record was written before the next request: refused from the one that filled it.
+            assert on_disk[-2] < 1000 <= on_disk[-1] and served >= 4
+            assert metric(edge, "fedinfer_edge_usage_spool_full") == 1
+            away.start()  # Redis back: the backlog goes, the edge serves again
+            wait_until(lambda: shipped(edge) == served, what="the backlog shipped", timeout=20)
+            assert metric(edge, "fedinfer_edge_usage_spool_full") == 0
+            ask(edge, 99)
+            wait_until(lambda: shipped(edge) == served + 1, what="the next record shipped")
+            stored = redis.Redis.from_url(away.url).xrange(USAGE_STREAM)
+            lines = [line for _, f in stored for line in f[b"r"].splitlines()]
+            assert len({decode_record(line).request_id for line in lines}) == len(lines)
+            assert len(lines) == served + 1  # every record once, the refused request none
+        finally:
+            edge.proc.stop()
+            if away.proc is not None:
+                away.stop()
+
+
+def test_a_full_spool_under_the_serve_policy_serves_and_counts_what_it_drops(
+    tmp_path: Path,
+) -> None:
+    away = PrivateRedis(tmp_path)
+    with engine_sims(tmp_path, 1, MODEL, "--zero-latency") as engines:
+        args = (*SMALL_SPOOL, "--usage-spool-full", "serve")
+        edge = edge_with_metering(tmp_path, engines[0]["url"], away.url, *args)
+        try:
+            on_disk = 0.0
+            for i in range(8):
+                ask(edge, i)  # served, full or not
+                on_disk = spooled(edge, on_disk)
+
+            def counted() -> tuple[float, float]:
+                recorded = metric(edge, "fedinfer_edge_usage_records_total")
+                return recorded, metric(edge, "fedinfer_edge_usage_dropped_total")
+
+            wait_until(lambda: sum(counted()) == 8, what="eight records spooled or dropped")
+            assert 4 <= counted()[0] < 8 and on_disk >= 1000
+            assert metric(edge, "fedinfer_edge_usage_spool_full") == 1
+        finally:
+            edge.proc.stop()
 
 
 @pytest.mark.django_db

@@ -24,7 +24,9 @@ def _closed_port_url() -> str:
 def _stream(name: str) -> list[bytes]:
     """The records in the stream: each entry is one shipment, its records a line each."""
     client = redis.Redis.from_url(REDIS_URL)
-    return [r for _, fields in client.xrange(name) for r in fields[b"r"].split(b"\n")]
+    entries = [fields[b"r"] for _, fields in client.xrange(name)]
+    assert all(e.endswith(b"\n") for e in entries)
+    return [r for e in entries for r in e.splitlines()]
 
 
 def test_records_wait_on_disk_while_redis_is_away_then_arrive_once_each(
@@ -32,12 +34,13 @@ def test_records_wait_on_disk_while_redis_is_away_then_arrive_once_each(
 ) -> None:
     stream = f"test:usage:{os.getpid()}"
     redis.Redis.from_url(REDIS_URL).delete(stream)
+    rows = [{"request_id": f"r{i}"} for i in range(1200)]
     records = [b'{"request_id":"r%d"}' % i for i in range(1200)]
 
     async def run() -> None:
         spool = UsageSpool(tmp_path / "spool")
         away = UsageShipper(spool, RedisStreamSink(_closed_port_url(), stream=stream, timeout_s=1))
-        for r in records[:700]:
+        for r in rows[:700]:
             spool.append(r)
         await away.flush()
         await away.ship()
@@ -48,7 +51,7 @@ def test_records_wait_on_disk_while_redis_is_away_then_arrive_once_each(
         # The edge restarts with Redis back: the spool on disk is shipped, then new records.
         spool = UsageSpool(tmp_path / "spool")
         shipper = UsageShipper(spool, RedisStreamSink(REDIS_URL, stream=stream), batch=500)
-        for r in records[700:]:
+        for r in rows[700:]:
             spool.append(r)
         await shipper.stop()
         assert shipper.stats.shipped == 1200

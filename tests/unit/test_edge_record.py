@@ -21,13 +21,13 @@ from regions.edge.parse import UsageTap, parse_request
 from regions.edge.record import Recorder
 from regions.edge.scheduler import Decision, Scored
 from regions.tables.schema import Instance
-from regions.tables.usage import decode_record
+from regions.tables.usage import decode_record, encode_usage_lines
 
 INST = Instance(id="us-1", url="http://e:1", model="llama", adapters=("sql",))
 
 
 class NoSink:
-    async def send(self, records: list[bytes]) -> None:
+    async def send(self, data: bytes) -> None:
         raise AssertionError("not shipped in these tests")
 
     async def close(self) -> None:
@@ -54,7 +54,8 @@ def ctx(model: str = "llama", stream: bool = False, **kw: Any) -> RequestContext
 
 def recorded(recorder: Recorder) -> list[Any]:
     assert recorder.meter is not None
-    return [decode_record(r) for r in recorder.meter.spool.take_buffer()]
+    rows = recorder.meter.spool.take_buffer()
+    return [decode_record(line) for line in encode_usage_lines(rows).splitlines()]
 
 
 def test_an_answer_is_metered_with_the_engines_counts(recorder: Recorder) -> None:
@@ -96,10 +97,14 @@ def test_a_full_spool_refuses_or_drops_by_policy(tmp_path: Path) -> None:
     )
     for meter in (refuse, serve):
         recorder = Recorder(EdgeMetrics(), Admission("r"), LoadBoard(), "r", meter, Budgets(None))
-        for _ in range(3):
+        recorder.finished(ctx(status=200, prompt_tokens=1, used_tokens=2))
+        assert not meter.spool.full
+        meter.spool.write(meter.spool.take_buffer())  # a flush: one record is over 100 bytes
+        assert meter.spool.full
+        for _ in range(2):
             recorder.finished(ctx(status=200, prompt_tokens=1, used_tokens=2))
-    assert refuse.refuses() and refuse.recorded == 3  # admitted requests are still recorded
-    assert not serve.refuses() and (serve.recorded, serve.dropped) == (1, 2)
+    assert refuse.refuse_when_full and refuse.recorded == 3  # admitted ones are still recorded
+    assert not serve.refuse_when_full and (serve.recorded, serve.dropped) == (1, 2)
 
 
 def test_a_tokenizer_call_counts_its_status_but_no_times_and_no_usage(

@@ -19,16 +19,22 @@ class Sink:
         self.up = True
         self.batches: list[list[bytes]] = []
 
-    async def send(self, records: list[bytes]) -> None:
+    async def send(self, data: bytes) -> None:
         if not self.up:
             raise ConnectionError("sink away")
-        self.batches.append(list(records))
+        assert data.endswith(b"\n")
+        self.batches.append(data.splitlines())
 
     async def close(self) -> None:
         pass
 
 
+def row(i: int) -> dict[str, int]:
+    return {"n": i}
+
+
 def rec(i: int) -> bytes:
+    """``row(i)`` as the sink receives it."""
     return b'{"n":%d}' % i
 
 
@@ -38,17 +44,17 @@ def test_caught_up_batches_go_from_memory_and_a_backlog_goes_oldest_first(tmp_pa
     shipper = UsageShipper(spool, sink, batch=3)
 
     async def run() -> None:
-        spool.append(rec(1))
-        spool.append(rec(2))
+        spool.append(row(1))
+        spool.append(row(2))
         await shipper.cycle()
         assert sink.batches == [[rec(1), rec(2)]] and spool.caught_up
         sink.up = False
-        spool.append(rec(3))
+        spool.append(row(3))
         await shipper.cycle()
         assert shipper.stats.failing_for == 1 and not spool.caught_up
         sink.up = True
         for i in (4, 5, 6, 7):
-            spool.append(rec(i))
+            spool.append(row(i))
         await shipper.cycle()  # the backlog first, from disk, in batches of 3
         # Within a second of the last write of the cursor, a restart would ship them again.
         assert UsageSpool(tmp_path).read(10).records != []
@@ -66,7 +72,7 @@ def test_a_batch_larger_than_the_sinks_goes_from_disk_in_pieces(tmp_path: Path) 
     sink = Sink()
     shipper = UsageShipper(spool, sink, batch=2)
     for i in range(5):
-        spool.append(rec(i))
+        spool.append(row(i))
     asyncio.run(shipper.cycle())
     assert sink.batches == [[rec(0), rec(1)], [rec(2), rec(3)], [rec(4)]]
     assert spool.caught_up
