@@ -469,6 +469,7 @@ class Edge:
                 "instances": len(self.table.instances),
                 "healthy_instances": healthy,
                 "queue_depth": self.lines.queued,
+                "cold_models": {name: self.cold.held(name) for name in sorted(self.cold.models)},
                 "table_source": "file" if self.sync is None else "control-plane",
                 "sync_error": self.sync.last_error if self.sync is not None else "",
                 "detail": instances,

@@ -143,6 +143,9 @@ class ColdHolds:
         model = ctx.req.model
         try:
             ctx.queue_s += await self.hold(model)
+        except asyncio.CancelledError:
+            outcomes.labels(model, "left").inc()  # its client disconnected
+            raise
         except (EdgeError, Released) as exc:
             refusal = (
                 exc

@@ -374,7 +374,8 @@ class EdgeMetrics:
         self.cold = Counter(
             "fedinfer_edge_cold_requests",
             "Requests for models scaled to zero, by outcome: released (served once a replica "
-            "was ready), refused (line full or held too long), spilled (to another region)",
+            "was ready), refused (line full, held too long, or the model gone), spilled (to "
+            "another region), left (the client disconnected while held)",
             ["model", "outcome"],
             registry=r,
         )
