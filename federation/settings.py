@@ -214,6 +214,10 @@ FEDINFER_AUTOSCALE_SMOOTHING_SECONDS = env_int("FEDINFER_AUTOSCALE_SMOOTHING_SEC
 # heartbeat that reports requests held for a cold model queues an autoscale pass at once.
 FEDINFER_COLD_START_DEFAULT_SECONDS = env_int("FEDINFER_COLD_START_DEFAULT_SECONDS", 120)
 FEDINFER_COLD_WAKE_SPACING_SECONDS = env_int("FEDINFER_COLD_WAKE_SPACING_SECONDS", 2)
+# A registered LoRA adapter not loaded where its base model runs is a cold model there too; a
+# request for it loads it onto the running replicas (vLLM's runtime load_lora_adapter) in about
+# this long (the edges hold requests up to it plus their margin).
+FEDINFER_ADAPTER_LOAD_SECONDS = env_int("FEDINFER_ADAPTER_LOAD_SECONDS", 30)
 if not (
     0
     < FEDINFER_AUTOSCALE_LOW_PERCENT

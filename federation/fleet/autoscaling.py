@@ -17,7 +17,7 @@ from django.utils import timezone
 
 from federation.core.audit import audit_record
 from federation.core.errors import Conflict
-from federation.fleet import autoscaler, forecast, forecasting, selectors
+from federation.fleet import adapters, autoscaler, forecast, forecasting, selectors
 from federation.fleet.locks import advisory_lock
 from federation.fleet.models import DeploymentAutoscale
 from federation.inventory import lifecycle
@@ -58,8 +58,9 @@ def autoscale_config() -> AutoscaleConfig:
 
 def fleet_autoscale(*, config: AutoscaleConfig | None = None) -> list[str]:
     """One pass over the autoscaled deployments (one another worker holds is skipped: the
-    lock is the reconcile pass's, so a count never changes in the middle of one). Returns
-    the changes made, one line each."""
+    lock is the reconcile pass's, so a count never changes in the middle of one), then the
+    LoRA adapters the edges report demand for loaded where it appears (``adapters.py``).
+    Returns the changes made, one line each."""
     config = config or autoscale_config()
     done: list[str] = []
     deployments = list(selectors.autoscaled_deployments())
@@ -78,6 +79,11 @@ def fleet_autoscale(*, config: AutoscaleConfig | None = None) -> list[str]:
             )
             if line:
                 done.append(line)
+    done += adapters.fleet_adapters_load(
+        now=timezone.now(),
+        fresh_s=config.report_fresh_s,
+        timeout_s=float(settings.FEDINFER_ADAPTER_LOAD_SECONDS),
+    )
     return done
 
 

@@ -158,6 +158,11 @@ class FleetSnapshot:
     prices: Mapping[str, schema.ModelPrice] = field(default_factory=dict)
     #: Deployments scaled to zero (no ready instance), listed as cold models (schema 5).
     cold: tuple[ColdRow, ...] = ()
+    #: (region, adapter): registered LoRA adapters the worker can load onto ready replicas of
+    #: their base model there (a provisioned mixed deployment); one not loaded there is a cold
+    #: model of the region (loaded where its demand appears), expected to take ``adapter_load_s``.
+    loadable_adapters: tuple[tuple[str, str], ...] = ()
+    adapter_load_s: float = 30.0
     #: Memo of :func:`fleet_plan` by latency penalty, so that compiling region after region
     #: of one snapshot solves the demand split once (a snapshot is not changed once built).
     plans: dict[float, FleetPlan] = field(default_factory=dict, compare=False, repr=False)
@@ -728,7 +733,11 @@ def _cold_models(
         own = tuple(sorted(adapters - taken))
         taken.update(own)
         out.append(schema.ColdModel(model=model, adapters=own, cold_start_s=_r(start, 1)))
-    return tuple(out)
+    for where, adapter in sorted(snapshot.loadable_adapters):
+        if where == region and adapter not in local and adapter not in taken:
+            taken.add(adapter)
+            out.append(schema.ColdModel(model=adapter, cold_start_s=_r(snapshot.adapter_load_s, 1)))
+    return tuple(sorted(out, key=lambda c: c.model))
 
 
 def _plan_of(snapshot: FleetSnapshot, plan: FleetPlan | None) -> FleetPlan:

@@ -28,6 +28,7 @@ from federation.inventory.models import (
     GPUPool,
     Instance,
     InstanceInterval,
+    LoraAdapter,
     Region,
     RegionLink,
 )
@@ -380,7 +381,29 @@ def fleet_snapshot(
         ramp=ramp_policy(),
         prices={m: table_price(p) for m, p in list_prices.items()},
         cold=cold_rows(),
+        loadable_adapters=loadable_adapters(),
+        adapter_load_s=float(settings.FEDINFER_ADAPTER_LOAD_SECONDS),
     )
+
+
+def loadable_adapters() -> tuple[tuple[str, str], ...]:
+    """(region, adapter) for every registered adapter whose base model has a ready replica in
+    the region on a pool the worker provisions (it can load the adapter there at runtime)."""
+    regions = (
+        Instance.objects.filter(state=lifecycle.READY, deployment__role=Deployment.Role.MIXED)
+        .exclude(deployment__pool__provisioner=GPUPool.Provisioner.STATIC)
+        .values_list("deployment__model_id", "deployment__pool__region__code")
+        .distinct()
+    )
+    where: dict[int, set[str]] = {}
+    for model_id, code in regions:
+        where.setdefault(model_id, set()).add(code)
+    if not where:
+        return ()
+    adapters = LoraAdapter.objects.filter(base_model_id__in=where).values_list(
+        "base_model_id", "name"
+    )
+    return tuple(sorted((code, name) for base, name in adapters for code in where[base]))
 
 
 def cold_rows() -> tuple[ColdRow, ...]:

@@ -22,7 +22,7 @@ from federation.inventory import services as inventory
 from federation.inventory.models import Deployment, Edge, InstanceInterval
 from federation.routing import services as routing
 from federation.routing import wake
-from federation.routing.selectors import cold_rows
+from federation.routing.selectors import cold_rows, loadable_adapters
 from tests.integration.control_plane_support import own_redis
 from tests.integration.inventory_factories import (
     make_deployment,
@@ -136,7 +136,7 @@ def test_the_deployment_api_reads_and_writes_the_opt_in(admin_client: APIClient)
     assert r.status_code == 400  # strict: a string is not a number
 
 
-@pytest.mark.django_db(transaction=True)
+@pytest.mark.django_db(transaction=True, serialized_rollback=True)
 def test_a_heartbeat_with_held_requests_queues_the_autoscale_pass_at_once_and_spaced(
     sent: list[str],
 ) -> None:
@@ -224,3 +224,17 @@ def test_the_announced_cold_start_is_the_last_one_measured(settings: Any) -> Non
     inventory.instance_transition(actor=None, instance=inst, state=lifecycle.DRAINING)
     (row,) = cold_rows()
     assert row.cold_start_s == pytest.approx(42.0, abs=0.5)
+
+
+@pytest.mark.django_db
+def test_adapters_are_loadable_where_a_provisioned_ready_replica_runs_their_base() -> None:
+    eu, us = make_region("eu-west", "EU"), make_region("us-east", "US")
+    model = make_model()
+    inventory.adapter_create(actor=None, base_model=model, name="sql-lora", rank=8, source="/a")
+    local = make_deployment(model, make_pool(eu, provisioner="local"))
+    static = make_deployment(model, make_pool(us))  # run by the operator: nothing to load onto
+    assert loadable_adapters() == ()
+    make_instance(static, "us-0", state="ready")
+    assert loadable_adapters() == ()
+    make_instance(local, "eu-0", state="ready")
+    assert loadable_adapters() == (("eu-west", "sql-lora"),)

@@ -58,3 +58,22 @@ def test_an_evacuated_region_lists_no_cold_model() -> None:
     snapshot = replace(SNAPSHOT, cold=(ColdRow("ap-southeast", "qwen-7b"),))
     doc, _ = table(snapshot, "ap-southeast")
     assert "cold_models" not in doc
+
+
+def test_a_registered_adapter_not_loaded_where_its_base_runs_is_cold_there() -> None:
+    snapshot = replace(
+        SNAPSHOT,
+        loadable_adapters=(
+            ("us-east", "m-8b-fr"),
+            ("us-east", "m-8b-sql"),
+            ("eu-west", "m-70b-legal"),
+            ("ap-southeast", "m-8b-fr"),
+        ),
+        adapter_load_s=12.0,
+    )
+    _, us = table(snapshot, "us-east")  # us-1 serves m-8b with m-8b-sql loaded
+    assert [(c.model, c.cold_start_s) for c in us.cold_models] == [("m-8b-fr", 12.0)]
+    _, eu = table(snapshot, "eu-west")  # eu-1 serves m-70b
+    assert [c.model for c in eu.cold_models] == ["m-70b-legal"]
+    doc, _ = table(snapshot, "ap-southeast")  # evacuated: nothing cold
+    assert "cold_models" not in doc
