@@ -13,7 +13,11 @@ the send:
 * **first token** at the client (cold-start-to-first-token), and the same request's TTFT once
   warm, in the same run, as the baseline;
 
-then leaves the deployment idle until it is back at zero. The periodic autoscale pass runs only
+then leaves the deployment idle until it is back at zero. Then, per ``--adapters``, a LoRA
+adapter registered for the model but loaded nowhere: with the replica warm (one request to the
+base model first), one request naming the adapter, measured from its send to the
+``fleet.adapter_load`` event (loaded onto the running replica with ``/v1/load_lora_adapter``)
+and to its first token. The periodic autoscale pass runs only
 every ``--autoscale-interval`` seconds, so a fast wake is the heartbeat's doing. The engine
 simulator loads no weights: a real vLLM adds its weight loading and warm-up (minutes) to the
 "instance ready" figure, the rest of the path is the same.
@@ -41,7 +45,7 @@ LOGS = VAR / "cold-start-logs"
 REGION = "r0"
 
 
-def build(edge_port: int, idle_s: int) -> tuple[str, str, int]:
+def build(edge_port: int, idle_s: int, adapters: int) -> tuple[str, str, int]:
     """A region with a local pool and a deployment at zero, its edge, a tenant; the edge's
     credential, the tenant's key and the deployment's id."""
     from decimal import Decimal
@@ -67,6 +71,10 @@ def build(edge_port: int, idle_s: int) -> tuple[str, str, int]:
         desired_replicas=0, max_replicas=1, autoscale=True, scale_to_zero_after_s=idle_s,
         engine_args={"max-num-seqs": 8},
     )  # fmt: skip
+    for i in range(adapters):
+        inv.adapter_create(
+            actor=None, base_model=model, name=f"bench-lora-{i}", rank=16, source=f"/lora/{i}"
+        )
     edge = inv.edge_register(
         actor=None, region=region, name=f"edge-{REGION}", url=f"http://127.0.0.1:{edge_port}"
     )
@@ -86,10 +94,10 @@ def live_instances(deployment_id: int) -> int:
     ).count()
 
 
-def first_token(edge: str, key: str, i: int) -> tuple[int, float, float]:
+def first_token(edge: str, key: str, i: int, model: str = MODEL) -> tuple[int, float, float]:
     """One streamed completion: (status, seconds to its first token, to its end)."""
     body = {
-        "model": MODEL,
+        "model": model,
         "messages": [{"role": "user", "content": f"cold start {i}"}],
         "max_tokens": 16,
         "stream": True,
@@ -149,8 +157,27 @@ def one_cold_start(edge: str, key: str, deployment_id: int, i: int) -> dict[str,
     }
 
 
+def one_adapter(edge: str, key: str, i: int) -> dict[str, Any]:
+    from federation.core.models import AuditEvent
+
+    status, _, _ = first_token(edge, key, 20_000 + i)  # the replica warm (woken if at zero)
+    if status != 200:
+        raise RuntimeError(f"warm-up {i}: status {status}")
+    name = f"bench-lora-{i}"
+    sent = time.time()
+    status, ttft, total = first_token(edge, key, 30_000 + i, model=name)
+    if status != 200 or not ttft:
+        raise RuntimeError(f"adapter request {i}: status {status}")
+    loaded = AuditEvent.objects.filter(
+        action="fleet.adapter_load", changes__adapter=name, changes__reason__isnull=False
+    ).values_list("created_at", flat=True)
+    if not loaded:
+        raise RuntimeError(f"adapter request {i}: no fleet.adapter_load event")
+    return {"loaded": loaded[0].timestamp() - sent, "first_token": ttft, "total": total}
+
+
 def run(
-    reps: int, idle_s: int, autoscale_every: int, db_url: str, redis_url: str
+    reps: int, adapters: int, idle_s: int, autoscale_every: int, db_url: str, redis_url: str
 ) -> dict[str, Any]:
     engines_dir = str(LOGS / "engines")
     django_on_bench_database(db_url, redis_url, FEDINFER_LOCAL_ENGINES_DIR=engines_dir)
@@ -159,7 +186,7 @@ def run(
     from workers.provisioners.local import LocalProvisioner
 
     edge_port, ops_port, api_port = free_port(), free_port(), free_port()
-    credential, key, deployment_id = build(edge_port, idle_s)
+    credential, key, deployment_id = build(edge_port, idle_s, adapters)
     env = {
         **os.environ,
         "FEDINFER_FLEET_INTERVAL_SECONDS": "1",
@@ -169,6 +196,7 @@ def run(
         "FEDINFER_FLEET_DRAIN_TIMEOUT_SECONDS": "10",
     }
     results: list[dict[str, Any]] = []
+    loads: list[dict[str, Any]] = []
     with bench_processes(LOGS) as group:
         try:
             api = f"http://127.0.0.1:{api_port}"
@@ -204,6 +232,8 @@ def run(
             load_before = os.getloadavg()
             for i in range(reps):
                 results.append(one_cold_start(edge, key, deployment_id, i))
+            for i in range(adapters):
+                loads.append(one_adapter(edge, key, i))
         finally:
             group.stop_all()
             provisioner = LocalProvisioner(Path(engines_dir))
@@ -217,6 +247,7 @@ def run(
         "idle_s": idle_s,
         "autoscale_interval_s": autoscale_every,
         "cold_starts": results,
+        "adapter_loads": loads,
     }
 
 
@@ -237,12 +268,22 @@ def report(result: dict[str, Any]) -> str:
                 fmt(max(vals) * 1000, 0),
             ]
         )
+    for label, key in (
+        ("adapter request -> loaded onto the running replica", "loaded"),
+        ("**adapter request -> first token**", "first_token"),
+    ):
+        vals = [r[key] for r in result.get("adapter_loads") or []]
+        if vals:
+            rows.append(
+                [label, len(vals), fmt(percentile(vals, 50) * 1000, 0), fmt(max(vals) * 1000, 0)]
+            )
     return markdown_table(["figure", "n", "p50 ms", "max ms"], rows)
 
 
 def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=5, help="cold starts")
+    parser.add_argument("--adapters", type=int, default=3, help="adapter loads on demand")
     parser.add_argument("--idle", type=int, default=3, help="scale_to_zero_after_s")
     parser.add_argument(
         "--autoscale-interval", type=int, default=10, help="the periodic autoscale pass, seconds"
@@ -252,7 +293,14 @@ def main(argv: list[str]) -> None:
     opts = parser.parse_args(argv)
     if not opts.database_url.startswith("postgres") or not opts.redis_url:
         raise SystemExit("needs --database-url postgres://... and --redis-url (or the env vars)")
-    result = run(opts.reps, opts.idle, opts.autoscale_interval, opts.database_url, opts.redis_url)
+    result = run(
+        opts.reps,
+        opts.adapters,
+        opts.idle,
+        opts.autoscale_interval,
+        opts.database_url,
+        opts.redis_url,
+    )
     path = write_result("cold_start", result)
     print(report(result))
     print(f"\nJSON: {path}")
