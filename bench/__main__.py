@@ -12,6 +12,8 @@
     python -m bench failover [...]    engine death -> out of every table, region loss, load step
                                       -> new instance, on the real control plane with the local
                                       provisioner (python -m bench.failover -h)
+    python -m bench cold-start [...]  scale from zero: a cold model's first request to its first
+                                      token, on the real control plane (-m bench.cold_start -h)
     python -m bench instructions [...]  metering's instructions per request at the edge, counted
                                       by callgrind (load-independent; -m bench.instructions -h)
     python -m bench fleet-day [...]   a simulated day of follow-the-sun traffic: GPU-hours and TTFT
@@ -53,6 +55,10 @@ def main(argv: list[str]) -> None:
         from bench import failover
 
         failover.main(argv[1:])
+    elif argv[0] == "cold-start":
+        from bench import cold_start
+
+        cold_start.main(argv[1:])
     elif argv[0] == "placement":
         from bench import placement
 

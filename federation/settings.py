@@ -209,6 +209,15 @@ FEDINFER_AUTOSCALE_HIGH_PERCENT = env_int("FEDINFER_AUTOSCALE_HIGH_PERCENT", 70)
 FEDINFER_AUTOSCALE_DOWN_WINDOW_SECONDS = env_int("FEDINFER_AUTOSCALE_DOWN_WINDOW_SECONDS", 60)
 FEDINFER_AUTOSCALE_COOLDOWN_SECONDS = env_int("FEDINFER_AUTOSCALE_COOLDOWN_SECONDS", 120)
 FEDINFER_AUTOSCALE_SMOOTHING_SECONDS = env_int("FEDINFER_AUTOSCALE_SMOOTHING_SECONDS", 20)
+# Scale to zero: a cold model's expected cold start before one was measured (the edges hold its
+# first requests up to it, within their own --cold-hold-max), and how often at most a
+# heartbeat that reports requests held for a cold model queues an autoscale pass at once.
+FEDINFER_COLD_START_DEFAULT_SECONDS = env_int("FEDINFER_COLD_START_DEFAULT_SECONDS", 120)
+FEDINFER_COLD_WAKE_SPACING_SECONDS = env_int("FEDINFER_COLD_WAKE_SPACING_SECONDS", 2)
+# A registered LoRA adapter not loaded where its base model runs is a cold model there too; a
+# request for it loads it onto the running replicas (vLLM's runtime load_lora_adapter) in about
+# this long (the edges hold requests up to it plus their margin).
+FEDINFER_ADAPTER_LOAD_SECONDS = env_int("FEDINFER_ADAPTER_LOAD_SECONDS", 30)
 if not (
     0
     < FEDINFER_AUTOSCALE_LOW_PERCENT
@@ -226,12 +235,21 @@ FEDINFER_KUBERNETES_NAMESPACE = env_str("FEDINFER_KUBERNETES_NAMESPACE", "")
 FEDINFER_KUBERNETES_IMAGE = env_str("FEDINFER_KUBERNETES_IMAGE", "vllm/vllm-openai:v0.32.0")
 if FEDINFER_LOCAL_ENGINE not in ("sim", "vllm"):
     raise ImproperlyConfiguredEnv("FEDINFER_LOCAL_ENGINE must be 'sim' or 'vllm'")
-for _task in ("reconcile", "failover", "autoscale"):
+#: The autoscale pass's period (the reconcile pass's by default); a heartbeat reporting requests
+#: held for a cold model queues one at once.
+FEDINFER_AUTOSCALE_INTERVAL_SECONDS = env_int(
+    "FEDINFER_AUTOSCALE_INTERVAL_SECONDS", FEDINFER_FLEET_INTERVAL_SECONDS
+)
+for _task, _every in (
+    ("reconcile", FEDINFER_FLEET_INTERVAL_SECONDS),
+    ("failover", FEDINFER_FLEET_INTERVAL_SECONDS),
+    ("autoscale", FEDINFER_AUTOSCALE_INTERVAL_SECONDS),
+):
     CELERY_BEAT_SCHEDULE[f"fleet-{_task}"] = {
         "task": f"fedinfer.fleet.{_task}",
-        "schedule": float(FEDINFER_FLEET_INTERVAL_SECONDS),
+        "schedule": float(_every),
         # A pass that missed its turn is dropped, not piled up behind a slow one.
-        "options": {"expires": float(FEDINFER_FLEET_INTERVAL_SECONDS)},
+        "options": {"expires": float(_every)},
     }
 if REDIS_URL:
     # Edges ship usage to the Redis stream; without Redis they POST it to the control plane.

@@ -102,5 +102,9 @@ def fleet_failover_task() -> list[str]:
 )
 def fleet_autoscale_task() -> list[str]:
     """Set ``desired_replicas`` of the autoscaled deployments from their edges' load
-    reports; the changes made."""
-    return fleet_autoscale()
+    reports; the changes made. A change queues the reconcile pass at once, so a replica
+    starts now rather than at the next periodic pass (a cold start is long enough)."""
+    done = fleet_autoscale()
+    if done:
+        fleet_reconcile_task.delay()
+    return done

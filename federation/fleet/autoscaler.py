@@ -24,6 +24,12 @@ add a replica that the cooldown then keeps for minutes.
   or under the target, so a scale-down never makes the next pass scale up again (no
   flapping).
 * Inside the band: nothing changes.
+* To zero and back (opt-in, ``scale_to_zero_after_s`` with ``min_replicas`` 0): the last
+  replica goes once nothing was asked of it (nothing in flight, queued, spilled or sent, and no
+  request held for it) for that long — and at least the down window — and no change was made
+  for the cooldown; drained like any scale-down, so never while serving. A deployment at zero
+  comes back to one replica as soon as an edge reports a request it holds (or refused) for the
+  cold model: the edges hold the first requests while it warms (``docs/operations.md``).
 """
 
 from __future__ import annotations
@@ -88,6 +94,8 @@ class Memory:
     #: The smoothed load (sum of the ready replicas' utilisations) and when it was observed.
     load: float | None = None
     observed_at: float | None = None
+    #: Since when nothing at all was asked of the deployment (scale to zero's clock).
+    idle_since: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,6 +115,11 @@ class DeploymentLoad:
     #: GPUs of the pool no deployment claims, and GPUs one replica takes (its TP size).
     free_gpus: int
     gpus_per_replica: int
+    #: Seconds without demand after which the last replica goes (None: never to zero).
+    scale_to_zero_after_s: float | None = None
+    #: Requests the region's edges hold (or refused) for the model while it has no ready
+    #: instance (fresh heartbeats): demand no replica report shows.
+    held: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,10 +156,63 @@ def autoscale_step(
     if clamped != obs.desired:  # min or max moved under it
         return Decision(
             clamped,
-            replace(memory, low_since=None, changed_at=now),
+            replace(memory, low_since=None, idle_since=None, changed_at=now),
             None,
             f"kept within {obs.min_replicas}-{obs.max_replicas}",
         )
+    if obs.desired == 0:
+        return _from_zero(obs, memory, now=now)
+    return _to_zero(obs, memory, _step(obs, memory, now=now, policy=policy), now, policy)
+
+
+def _from_zero(obs: DeploymentLoad, memory: Memory, *, now: float) -> Decision:
+    """At zero: one replica as soon as an edge holds a request for the model."""
+    rest = replace(memory, low_since=None, idle_since=None)
+    if obs.held <= 0:
+        return Decision(0, rest, None, "at zero, no demand")
+    wanted = _bounded(1, obs)
+    if wanted == 0:
+        return Decision(0, rest, None, f"{obs.held} request(s) held, no room to start a replica")
+    why = f"{obs.held} request(s) held for the cold model: scaled from zero"
+    # A fresh start: no smoothed load of the replicas that went, the cooldown from now.
+    return Decision(wanted, Memory(changed_at=now), None, why)
+
+
+def _idle(obs: DeploymentLoad) -> bool:
+    """Nothing at all asked of it: every replica reported, none with anything in flight,
+    queued, spilled or sent lately, no request held for it, none coming."""
+    return (
+        bool(obs.ready)
+        and not obs.unreported
+        and not obs.coming
+        and obs.held <= 0
+        and all(r.in_flight + r.queued + r.overflow == 0 and r.tokens_per_s <= 0 for r in obs.ready)
+    )
+
+
+def _to_zero(
+    obs: DeploymentLoad, memory: Memory, decision: Decision, now: float, policy: AutoscalePolicy
+) -> Decision:
+    """``decision``, or zero replicas when the last one has been idle long enough."""
+    after = obs.scale_to_zero_after_s
+    if after is None or obs.min_replicas != 0 or not _idle(obs):
+        return replace(decision, memory=replace(decision.memory, idle_since=None))
+    since = memory.idle_since if memory.idle_since is not None else now
+    kept = replace(decision, memory=replace(decision.memory, idle_since=since))
+    if decision.changed(obs.desired) or obs.desired != 1:
+        return kept  # more than one: the usual scale-down removes them one by one first
+    idle_s = now - since
+    if idle_s < max(after, policy.down_window_s):
+        return kept
+    if memory.changed_at is not None and now - memory.changed_at < policy.cooldown_s:
+        return replace(kept, reason="idle, cooling down before scaling to zero")
+    why = f"no demand for {idle_s:.0f} s: scaled to zero"
+    rest = replace(decision.memory, low_since=None, idle_since=None, changed_at=now)
+    return Decision(0, rest, decision.utilisation, why)
+
+
+def _step(obs: DeploymentLoad, memory: Memory, *, now: float, policy: AutoscalePolicy) -> Decision:
+    """The band policy for a deployment with at least one replica wanted."""
     if not obs.ready or obs.unreported:
         # Nothing (or not everything) serving reports yet: its load is unknown, hold still.
         return Decision(obs.desired, replace(memory, low_since=None), None, "load not reported")

@@ -17,7 +17,7 @@ from django.utils import timezone
 
 from federation.core.audit import audit_record
 from federation.core.errors import Conflict
-from federation.fleet import autoscaler, forecast, forecasting, selectors
+from federation.fleet import adapters, autoscaler, forecast, forecasting, selectors
 from federation.fleet.locks import advisory_lock
 from federation.fleet.models import DeploymentAutoscale
 from federation.inventory import lifecycle
@@ -58,8 +58,9 @@ def autoscale_config() -> AutoscaleConfig:
 
 def fleet_autoscale(*, config: AutoscaleConfig | None = None) -> list[str]:
     """One pass over the autoscaled deployments (one another worker holds is skipped: the
-    lock is the reconcile pass's, so a count never changes in the middle of one). Returns
-    the changes made, one line each."""
+    lock is the reconcile pass's, so a count never changes in the middle of one), then the
+    LoRA adapters the edges report demand for loaded where it appears (``adapters.py``).
+    Returns the changes made, one line each."""
     config = config or autoscale_config()
     done: list[str] = []
     deployments = list(selectors.autoscaled_deployments())
@@ -78,6 +79,11 @@ def fleet_autoscale(*, config: AutoscaleConfig | None = None) -> list[str]:
             )
             if line:
                 done.append(line)
+    done += adapters.fleet_adapters_load(
+        now=timezone.now(),
+        fresh_s=config.report_fresh_s,
+        timeout_s=float(settings.FEDINFER_ADAPTER_LOAD_SECONDS),
+    )
     return done
 
 
@@ -91,7 +97,9 @@ def deployment_autoscale(
     """Observe, decide, and set ``desired_replicas`` when it changes; what was done ('' when
     nothing). The caller holds the deployment's lock. ``floor``: the forecast's replicas, a
     raised minimum for the policy (within ``max_replicas`` and the pool's free GPUs)."""
-    deployment.refresh_from_db(fields=["desired_replicas", "min_replicas", "max_replicas"])
+    deployment.refresh_from_db(
+        fields=["desired_replicas", "min_replicas", "max_replicas", "scale_to_zero_after_s"]
+    )
     obs = _observe(deployment, now, config.report_fresh_s)
     forecast_min = 0
     if floor is not None:
@@ -105,6 +113,7 @@ def deployment_autoscale(
         changed_at=_seconds(state.changed_at) if state else None,
         load=state.load if state else None,
         observed_at=_seconds(state.observed_at) if state else None,
+        idle_since=_seconds(state.idle_since) if state else None,
     )
     decision = autoscaler.autoscale_step(obs, memory, now=now.timestamp(), policy=config.policy)
     if floor is not None and decision.desired == forecast_min > deployment.desired_replicas:
@@ -166,6 +175,16 @@ def _observe(deployment: Deployment, now: datetime, fresh_s: float) -> autoscale
         unreported=unreported,
         free_gpus=selectors.pool_free_gpus(pool),
         gpus_per_replica=deployment.tensor_parallel_size,
+        scale_to_zero_after_s=(
+            None
+            if deployment.scale_to_zero_after_s is None
+            else float(deployment.scale_to_zero_after_s)
+        ),
+        held=(
+            selectors.cold_demand(deployment, now, fresh_s)
+            if deployment.desired_replicas == 0
+            else 0
+        ),
     )
 
 
@@ -198,6 +217,7 @@ def _remember(
         "changed_at": _datetime(memory.changed_at),
         "load": memory.load,
         "observed_at": _datetime(memory.observed_at),
+        "idle_since": _datetime(memory.idle_since),
         "utilisation": decision.utilisation,
         "reason": decision.reason[:200],
     }

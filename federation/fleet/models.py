@@ -63,6 +63,11 @@ class DeploymentAutoscale(models.Model):
         null=True, blank=True, help_text="Smoothed sum of its ready replicas' utilisations."
     )
     observed_at = models.DateTimeField(null=True, blank=True)
+    idle_since = models.DateTimeField(
+        null=True,
+        blank=True,
+        help_text="Since when nothing was asked of it (scale to zero's clock).",
+    )
     utilisation = models.FloatField(null=True, blank=True, help_text="Smoothed mean utilisation.")
     reason = models.CharField(max_length=200, blank=True, default="")
 

@@ -30,6 +30,37 @@ def autoscaled_deployments() -> QuerySet[Deployment]:
     return provisioned_deployments().filter(autoscale=True)
 
 
+def cold_demand(deployment: Deployment, now: datetime, fresh_s: float) -> int:
+    """Requests the region's edges hold or refused for the deployment's model while it has no
+    ready instance (their fresh heartbeats' ``cold``), when this deployment is the one to wake:
+    the first (by id) of the model's deployments at zero in the region, and only while none of
+    them wants a replica — one request wakes one replica, not one per pool."""
+    model, region = deployment.model_id, deployment.pool.region_id
+    siblings = Deployment.objects.filter(
+        model_id=model, pool__region_id=region, role=deployment.role
+    ).values_list("pk", "desired_replicas")
+    at_zero = sorted(pk for pk, desired in siblings if desired == 0)
+    if any(desired > 0 for _, desired in siblings) or not at_zero or at_zero[0] != deployment.pk:
+        return 0
+    name = deployment.model.name
+    since = now - timedelta(seconds=fresh_s)
+    total = 0
+    for report in Edge.objects.filter(region_id=region, last_heartbeat_at__gte=since).values_list(
+        "cold_demand", flat=True
+    ):
+        entry = report.get(name) if isinstance(report, dict) else None
+        if not isinstance(entry, dict):
+            continue
+        try:
+            at = datetime.fromisoformat(entry["reported_at"])
+            if at < since:
+                continue
+            total += int(entry.get("held", 0)) + int(entry.get("arrived", 0))
+        except (KeyError, TypeError, ValueError):
+            continue
+    return total
+
+
 def pool_free_gpus(pool: GPUPool) -> int:
     """GPUs of the pool no deployment claims (desired replicas x TP)."""
     demands = Deployment.objects.filter(pool=pool).values_list(

@@ -308,6 +308,13 @@ class Deployment(TimeStampedModel):
         help_text="Let the fleet's autoscaler set desired_replicas within min and max from the "
         "load the edges report (docs/operations.md).",
     )
+    scale_to_zero_after_s = models.PositiveIntegerField(
+        null=True,
+        blank=True,
+        validators=[MinValueValidator(1), MaxValueValidator(7 * 24 * 3600)],
+        help_text="Scale to zero after this many seconds without demand, and back from zero "
+        "when an edge holds a request for it (needs autoscale and min_replicas 0; empty: never).",
+    )
     engine_args = models.JSONField(
         default=dict,
         blank=True,
@@ -416,6 +423,12 @@ class Edge(TimeStampedModel):
     url = models.CharField(max_length=300, validators=[service_url_validator])
     last_heartbeat_at = models.DateTimeField(null=True, blank=True)
     applied_table_version = models.PositiveBigIntegerField(null=True, blank=True)
+    cold_demand = models.JSONField(
+        default=dict,
+        blank=True,
+        help_text="Its last report of requests for cold models (no ready instance): "
+        "{model: {held, arrived, reported_at}}, what wakes a deployment scaled to zero.",
+    )
     credential_hash = models.CharField(
         max_length=64,
         blank=True,

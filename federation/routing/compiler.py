@@ -120,6 +120,18 @@ class TenantRow:
 
 
 @dataclass(frozen=True, slots=True)
+class ColdRow:
+    """A deployment that may scale to zero and has no ready instance now: its model is listed
+    as cold in its region's table (the edges hold its first requests while a replica warms)."""
+
+    region: str
+    model: str
+    adapters: tuple[str, ...] = ()
+    #: Seconds its last replica took from creation to ready (else the configured default).
+    cold_start_s: float = 60.0
+
+
+@dataclass(frozen=True, slots=True)
 class RampPolicy:
     """How a returning region gets its traffic back: ``steps`` levels, each held
     ``window_s / steps`` seconds (1/(steps+1), 2/(steps+1), ...), then all of it. Stepped, not
@@ -144,6 +156,13 @@ class FleetSnapshot:
     ramp: RampPolicy = field(default_factory=RampPolicy)
     #: List prices by model, for the budgets the edges enforce (schema 3).
     prices: Mapping[str, schema.ModelPrice] = field(default_factory=dict)
+    #: Deployments scaled to zero (no ready instance), listed as cold models (schema 5).
+    cold: tuple[ColdRow, ...] = ()
+    #: (region, adapter): registered LoRA adapters the worker can load onto ready replicas of
+    #: their base model there (a provisioned mixed deployment); one not loaded there is a cold
+    #: model of the region (loaded where its demand appears), expected to take ``adapter_load_s``.
+    loadable_adapters: tuple[tuple[str, str], ...] = ()
+    adapter_load_s: float = 30.0
     #: Memo of :func:`fleet_plan` by latency penalty, so that compiling region after region
     #: of one snapshot solves the demand split once (a snapshot is not changed once built).
     plans: dict[float, FleetPlan] = field(default_factory=dict, compare=False, repr=False)
@@ -693,6 +712,34 @@ def _remote_region(plan: FleetPlan, code: str, rtt: float) -> schema.RemoteRegio
     )
 
 
+def _cold_models(
+    snapshot: FleetSnapshot, plan: FleetPlan, region: str
+) -> tuple[schema.ColdModel, ...]:
+    """The region's cold models: deployed there with no ready instance, and not served there
+    by another deployment; none in an evacuated region (its tenants go elsewhere)."""
+    if plan.regions[region].status == EVACUATED:
+        return ()
+    local = set(plan.models_at.get(region, ()))
+    merged: dict[str, tuple[set[str], float]] = {}
+    for row in snapshot.cold:
+        if row.region != region or row.model in local:
+            continue
+        adapters, start = merged.get(row.model, (set(), row.cold_start_s))
+        adapters.update(a for a in row.adapters if a not in local)
+        merged[row.model] = (adapters, min(start, row.cold_start_s))
+    taken = set(merged)
+    out = []
+    for model, (adapters, start) in sorted(merged.items()):
+        own = tuple(sorted(adapters - taken))
+        taken.update(own)
+        out.append(schema.ColdModel(model=model, adapters=own, cold_start_s=_r(start, 1)))
+    for where, adapter in sorted(snapshot.loadable_adapters):
+        if where == region and adapter not in local and adapter not in taken:
+            taken.add(adapter)
+            out.append(schema.ColdModel(model=adapter, cold_start_s=_r(snapshot.adapter_load_s, 1)))
+    return tuple(sorted(out, key=lambda c: c.model))
+
+
 def _plan_of(snapshot: FleetSnapshot, plan: FleetPlan | None) -> FleetPlan:
     """``plan``, or the snapshot's memoised plan at the default latency penalty."""
     if plan is not None:
@@ -732,10 +779,13 @@ def region_table(
     )
     own = plan.ramps.get(region, 1.0) if region in plan.serving_regions else 1.0
     ramping = own < 1.0 or any(r.ramp < 1.0 for r in remotes)
-    # Several edges per remote need schema 4, budgets 3, a ramp 2; without any of them the table
-    # stays readable by schema-1 edges.
+    cold = _cold_models(snapshot, plan, region)
+    # Cold models need schema 5, several edges per remote 4, budgets 3, a ramp 2; without any
+    # of them the table stays readable by schema-1 edges.
     version_needed = (
-        schema.EDGES_SCHEMA_VERSION
+        schema.COLD_SCHEMA_VERSION
+        if cold
+        else schema.EDGES_SCHEMA_VERSION
         if any(r.edges for r in remotes)
         else schema.BUDGET_SCHEMA_VERSION
         if plan.budgeted
@@ -755,6 +805,7 @@ def region_table(
         tenants=plan.tenant_entries,
         ramp=_r(own),
         prices=dict(sorted(snapshot.prices.items())) if plan.budgeted else {},
+        cold_models=cold,
     )
 
 

@@ -21,7 +21,17 @@ from django.db.models.functions import Cast
 from django.utils import timezone
 from django.utils.crypto import salted_hmac
 
-from federation.inventory.models import Edge, Instance, Region, RegionLink
+from federation.inventory import lifecycle
+from federation.inventory.models import (
+    Deployment,
+    Edge,
+    GPUPool,
+    Instance,
+    InstanceInterval,
+    LoraAdapter,
+    Region,
+    RegionLink,
+)
 from federation.metering.pricing import Price
 from federation.metering.selectors import (
     counted_spend,
@@ -30,6 +40,7 @@ from federation.metering.selectors import (
     tenant_month_spend,
 )
 from federation.routing.compiler import (
+    ColdRow,
     FleetSnapshot,
     InstanceRow,
     KeyRow,
@@ -369,4 +380,65 @@ def fleet_snapshot(
         now=now,
         ramp=ramp_policy(),
         prices={m: table_price(p) for m, p in list_prices.items()},
+        cold=cold_rows(),
+        loadable_adapters=loadable_adapters(),
+        adapter_load_s=float(settings.FEDINFER_ADAPTER_LOAD_SECONDS),
+    )
+
+
+def loadable_adapters() -> tuple[tuple[str, str], ...]:
+    """(region, adapter) for every registered adapter whose base model has a ready replica in
+    the region on a pool the worker provisions (it can load the adapter there at runtime)."""
+    regions = (
+        Instance.objects.filter(state=lifecycle.READY, deployment__role=Deployment.Role.MIXED)
+        .exclude(deployment__pool__provisioner=GPUPool.Provisioner.STATIC)
+        .values_list("deployment__model_id", "deployment__pool__region__code")
+        .distinct()
+    )
+    where: dict[int, set[str]] = {}
+    for model_id, code in regions:
+        where.setdefault(model_id, set()).add(code)
+    if not where:
+        return ()
+    adapters = LoraAdapter.objects.filter(base_model_id__in=where).values_list(
+        "base_model_id", "name"
+    )
+    return tuple(sorted((code, name) for base, name in adapters for code in where[base]))
+
+
+def cold_rows() -> tuple[ColdRow, ...]:
+    """Deployments that may scale to zero on an active pool and have no ready instance, with
+    their measured cold start: creation to ready of their last instance that became ready
+    (``FEDINFER_COLD_START_DEFAULT_SECONDS`` before any did)."""
+    deployments = list(
+        Deployment.objects.filter(
+            scale_to_zero_after_s__isnull=False, pool__status=GPUPool.Status.ACTIVE
+        )
+        .exclude(instances__state=lifecycle.READY)
+        .select_related("model", "pool__region")
+        .prefetch_related("adapters")
+        .order_by("pk")
+    )
+    if not deployments:
+        return ()
+    measured: dict[int, float] = {}
+    intervals = (
+        InstanceInterval.objects.filter(
+            instance__deployment__in=deployments, ready_at__isnull=False
+        )
+        .order_by("-ready_at")
+        .values_list("instance__deployment_id", "instance__created_at", "started_at", "ready_at")
+    )
+    for dep_id, created, started, ready_at in intervals[: 20 * len(deployments)]:
+        if dep_id not in measured and ready_at is not None:
+            measured[dep_id] = (ready_at - (created or started)).total_seconds()
+    default = float(settings.FEDINFER_COLD_START_DEFAULT_SECONDS)
+    return tuple(
+        ColdRow(
+            region=d.pool.region.code,
+            model=d.model.name,
+            adapters=tuple(sorted(a.name for a in d.adapters.all())),
+            cold_start_s=max(1.0, measured.get(d.pk, default)),
+        )
+        for d in deployments
     )

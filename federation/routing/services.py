@@ -37,6 +37,7 @@ from federation.routing.compiler import compile_region_table, fleet_plan, region
 from federation.routing.distribution import EDGE_CREDENTIAL_PREFIX, routing_table_latest_version
 from federation.routing.models import BudgetReport, RoutingTableCounter, RoutingTableVersion
 from federation.routing.selectors import LOAD_REPORT_MAX_AGE_S, fleet_snapshot, reported_health
+from federation.routing.wake import cold_demand_store, fleet_wake_schedule
 from federation.tenancy.keys import hash_key
 
 logger = logging.getLogger(__name__)
@@ -336,11 +337,14 @@ def edge_heartbeat_record(
     applied_table_version: int | None,
     instances: Sequence[InstanceReport],
     budgets: Mapping[tuple[str, str], int] | None = None,
+    cold: Mapping[str, tuple[int, int]] | None = None,
     at: datetime | None = None,
 ) -> HeartbeatResult:
     """Store an edge's heartbeat: its liveness, the table version it applied, what it sees
     of its region's instances and what it committed of the budgets it holds leases of
-    (``budgets``: (tenant, key prefix or "") -> pico-USD), in one transaction.
+    (``budgets``: (tenant, key prefix or "") -> pico-USD), in one transaction; ``cold``:
+    model -> (requests held now, arrived since the last heartbeat) of models with no ready
+    instance, which queues the autoscale pass at once when any has demand (``wake.py``).
 
     A version lower than the one the edge reported before is refused (``Conflict``), yet the
     edge's liveness is still recorded: it is alive, only confused. Instances the edge names
@@ -373,6 +377,13 @@ def edge_heartbeat_record(
             updated, unknown = _store_instance_reports(edge, instances, now)
             if applied_table_version is not None:
                 _store_budget_report(edge, applied_table_version, budgets or {}, now)
+            if (
+                cold is not None
+                and (cold or edge.cold_demand)
+                and cold_demand_store(edge, cold, now)
+            ):
+                code = edge.region.code
+                transaction.on_commit(lambda: fleet_wake_schedule(code), robust=True)
     if refusal is not None:
         raise refusal
     return HeartbeatResult(edge=edge, updated_instances=updated, unknown_instances=unknown)

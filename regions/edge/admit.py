@@ -221,14 +221,19 @@ class Admit:
         elif remotes and session_id is not None and fleet.several_edges:
             point = ramp_point(session_id)  # a session meets the same remote edge
         here = model in fleet.by_model
-        if local_ok and here and not remotes:
+        # Scaled to zero here: served here once a replica starts (held meanwhile), unless
+        # another region may take it now.
+        cold = not here and model in fleet.cold_models
+        if local_ok and (here or cold) and not remotes:
             return None
         spill = Spill(remotes, allowed, authorization, session_id, point, split)
         if not local_ok or not here:
             spill.targets = eligible_remotes(remotes, allowed, None, 0.0, point)
             if not spill.targets:
+                if cold and local_ok:
+                    return None
                 raise self._nowhere(model, tenant, local_ok, hopped)
-            spill.why = "residency" if here else "not_local"
+            spill.why = "cold" if cold and local_ok else "residency" if here else "not_local"
         elif fleet.ramping:
             # This region coming back: requests above its ramp go where they went meanwhile.
             spill.targets = returning_remotes(remotes, allowed, point, fleet.table.ramp)

@@ -26,6 +26,7 @@ from regions.edge.admission import Admission
 from regions.edge.admit import Admit
 from regions.edge.attempt import Attempts
 from regions.edge.budget import Budgets
+from regions.edge.cold import ColdHolds
 from regions.edge.config import EdgeConfig
 from regions.edge.context import AdmitStage, RequestContext
 from regions.edge.disagg import PdRouter
@@ -84,6 +85,7 @@ class Edge:
         self.sessions = SessionMap(cfg.session_capacity)
         self.admission = Admission(cfg.region, cfg.rate_burst_s)
         self.hops = HopVerifier(cfg.hop_keys, cfg.region)
+        self.cold = ColdHolds(cfg.cold, on_demand=self._beat_now)
         self._tasks: list[asyncio.Task[None]] = []
         self._http: UpstreamPool | None = None
         self._probe_client: httpx.AsyncClient | None = None
@@ -99,6 +101,7 @@ class Edge:
         self.several_edges = False
         self.ramping = False
         self.models_body = b""
+        self._cold_reported = False
         self.meter = _meter(cfg)
         if self.meter is not None:
             self.metrics.registry.register(UsageCollector(self.meter))
@@ -179,13 +182,15 @@ class Edge:
         self.splits = split_plan(table, self.spill, set(self.by_model))
         self.several_edges = any(r.edges for r in table.remote_regions)
         self.ramping = ramping(table)
+        self.cold.load(table)
+        self.cold.release(self.by_model)
         now = int(time.time())
         self.models_body = orjson.dumps(
             {
                 "object": "list",
                 "data": [
                     {"id": m, "object": "model", "created": now, "owned_by": "fedinfer"}
-                    for m in served_models(table)
+                    for m in sorted({*served_models(table), *self.cold.models})
                 ],
             }
         )
@@ -196,6 +201,14 @@ class Edge:
         """Apply a table already checked (signature, region, version) and wake the waiters."""
         self._apply_table(table)
         self.lines.wake_all()
+
+    @property
+    def cold_models(self) -> dict[str, Any]:
+        return self.cold.models
+
+    def _beat_now(self) -> None:
+        if self.sync is not None:
+            self.sync.beat_now()
 
     def table_rejected(self, reason: str) -> None:
         self.metrics.table_rejections.inc()
@@ -228,11 +241,18 @@ class Edge:
                 }
             )
         self._beat_tokens = tokens
-        return {
+        document: dict[str, Any] = {
             "applied_table_version": self.table.version,
             "instances": instances,
             "budgets": self.budgets.report(),
         }
+        # Only to a control plane that lists cold models (an older one refuses the field),
+        # and once more after the last one warmed, so that its demand is cleared.
+        cold = self.cold.report()
+        if self.cold.models or self._cold_reported:
+            document["cold"] = cold
+        self._cold_reported = bool(self.cold.models)
+        return document
 
     def reload_table(self, force: bool = False) -> bool:
         """Re-read the table file; a bad or non-advancing table is refused, the old one kept."""
@@ -449,6 +469,7 @@ class Edge:
                 "instances": len(self.table.instances),
                 "healthy_instances": healthy,
                 "queue_depth": self.lines.queued,
+                "cold_models": {name: self.cold.held(name) for name in sorted(self.cold.models)},
                 "table_source": "file" if self.sync is None else "control-plane",
                 "sync_error": self.sync.last_error if self.sync is not None else "",
                 "detail": instances,
@@ -470,12 +491,8 @@ class Edge:
         task = asyncio.current_task()
         watcher = asyncio.create_task(_watch_disconnect(receive, ctx, task))
         try:
-            spill = ctx.spill
-            if spill is not None and spill.targets:
-                # A region coming back can serve the request itself when no remote answers.
-                if await self.spill_over.forward(spill, ctx, fallback=spill.why == "ramp"):
-                    return
-                ctx.spill = None
+            if not await self._elsewhere_or_held(ctx):
+                return
             if not endpoint.queued:
                 await self.forwarder.serve_unqueued(ctx)
             elif not endpoint.generates:
@@ -498,6 +515,25 @@ class Edge:
                 self._count_tenant(ctx)
             if ctx.trace is not None:
                 ctx.trace.close(ctx.status, _span_facts(ctx))
+
+    async def _elsewhere_or_held(self, ctx: RequestContext) -> bool:
+        """Send it to another region first when admission said so, hold it while its model is
+        scaled to zero here; True when it is to be served here now."""
+        model = ctx.req.model
+        cold = model not in self.by_model and model in self.cold.models
+        if cold:
+            self.cold.arrived(model, time.monotonic())
+        spill = ctx.spill
+        if spill is not None and spill.targets:
+            # A region coming back, or a cold model here, can serve the request itself when
+            # no remote answers.
+            fallback = spill.why in ("ramp", "cold")
+            if await self.spill_over.forward(spill, ctx, fallback=fallback):
+                if cold:
+                    self.metrics.cold.labels(model, "spilled").inc()
+                return False
+            ctx.spill = None
+        return not cold or await self.cold.hold_or_refuse(ctx, self.relay, self.metrics.cold)
 
 
 def _meter(cfg: EdgeConfig) -> Meter | None:

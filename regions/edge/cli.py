@@ -11,6 +11,7 @@ from pathlib import Path
 import uvloop
 
 from regions.edge.app import Edge
+from regions.edge.cold import ColdConfig
 from regions.edge.config import DisaggConfig, EdgeConfig, TracingConfig
 from regions.edge.health import HealthConfig
 from regions.edge.hop import hop_keys
@@ -136,6 +137,12 @@ def _routing_flags(p: argparse.ArgumentParser) -> None:
         ("--queue-size", int, _EDGE.queue_size, "requests waiting for capacity"),
         ("--queue-timeout", float, _EDGE.queue_timeout_s, "seconds a request may wait"),
         ("--max-retries", int, _EDGE.max_retries, "other instances tried before byte one"),
+        ("--cold-hold-requests", int, _EDGE.cold.max_held, "requests held per model scaled "
+         "to zero while a replica starts; more get 503 model_cold"),
+        ("--cold-hold-max", float, _EDGE.cold.max_hold_s, "seconds a request for a model "
+         "scaled to zero is held at most (else its expected cold start)"),
+        ("--cold-hold-margin", float, _EDGE.cold.margin_s, "seconds added to a model's "
+         "measured cold start for the wake-up's round trip (heartbeat, autoscale, table)"),
         ("--affinity-factor", float, _SCHEDULER.affinity_factor, None),
         ("--affinity-margin-ms", float, _SCHEDULER.affinity_margin_s * 1000.0, None),
         ("--step-tokens", float, _SCHEDULER.step_tokens, "one engine step costs about as much "
@@ -226,6 +233,20 @@ def tracing_from_args(opts: argparse.Namespace) -> TracingConfig | None:
         service_name=opts.trace_service_name,
         sample_ratio=opts.trace_sample_ratio,
         max_queue=opts.trace_max_queue,
+    )
+
+
+def _cold_config(opts: argparse.Namespace) -> ColdConfig:
+    if not 1 <= opts.cold_hold_requests <= 100_000:
+        raise ValueError("--cold-hold-requests must be 1..100000")
+    if not 0 < opts.cold_hold_max <= 3600:
+        raise ValueError("--cold-hold-max must be within (0, 3600] seconds")
+    if not 0 <= opts.cold_hold_margin <= 600:
+        raise ValueError("--cold-hold-margin must be within [0, 600] seconds")
+    return ColdConfig(
+        max_held=opts.cold_hold_requests,
+        max_hold_s=opts.cold_hold_max,
+        margin_s=opts.cold_hold_margin,
     )
 
 
@@ -351,6 +372,7 @@ def config_from_args(opts: argparse.Namespace) -> EdgeConfig:
         max_body_bytes=opts.max_body_bytes,
         queue_size=opts.queue_size,
         queue_timeout_s=opts.queue_timeout,
+        cold=_cold_config(opts),
         max_retries=opts.max_retries,
         connect_timeout_s=opts.connect_timeout,
         read_timeout_s=opts.read_timeout,

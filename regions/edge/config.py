@@ -6,6 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from regions.edge.cold import ColdConfig
 from regions.edge.health import HealthConfig
 from regions.edge.metering import MeteringConfig
 from regions.edge.prefix_index import BLOCK_BYTES, BYTES_PER_TOKEN
@@ -50,6 +51,8 @@ class EdgeConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     health: HealthConfig = field(default_factory=HealthConfig)
     disagg: DisaggConfig = field(default_factory=DisaggConfig)
+    #: Holding requests for models scaled to zero (``cold.py``).
+    cold: ColdConfig = field(default_factory=ColdConfig)
     max_body_bytes: int = 4 * 1024 * 1024
     queue_size: int = 256
     queue_timeout_s: float = 5.0

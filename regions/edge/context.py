@@ -19,7 +19,7 @@ A completion request passes through named stages, each a module with a public in
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Container, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -123,6 +123,11 @@ class Fleet(Protocol):
     def spill(self) -> Mapping[str, tuple[Remote, ...]]: ...
     @property
     def splits(self) -> Mapping[str, Split]: ...
+    @property
+    def cold_models(self) -> Container[str]:
+        """Served names (models and adapters) scaled to zero here: held, not refused."""
+        ...
+
     @property
     def several_edges(self) -> bool: ...
     @property

@@ -371,6 +371,14 @@ class EdgeMetrics:
             ["instance"],
             registry=r,
         )
+        self.cold = Counter(
+            "fedinfer_edge_cold_requests",
+            "Requests for models scaled to zero, by outcome: released (served once a replica "
+            "was ready), refused (line full, held too long, or the model gone), spilled (to "
+            "another region), left (the client disconnected while held)",
+            ["model", "outcome"],
+            registry=r,
+        )
         self.queue_depth = Gauge(
             "fedinfer_edge_queue_depth", "Requests waiting at the gateway for capacity", registry=r
         )

@@ -16,6 +16,7 @@ instance's health and load (``docs/distribution.md``). See ``docs/edge-federatio
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import random
@@ -225,6 +226,12 @@ class TableSync:
         self.rand = rand
         self.errors = 0
         self.last_error = ""
+        self._beat_now: asyncio.Event | None = None
+
+    def beat_now(self) -> None:
+        """Send the next heartbeat at once (a cold model got its first request)."""
+        if self._beat_now is not None:
+            self._beat_now.set()
 
     def offer(self, data: bytes) -> bool:
         """Apply ``data`` if it verifies and advances; persist it. False when refused."""
@@ -310,7 +317,11 @@ class TableSync:
         return True
 
     async def heartbeat_loop(self, client: httpx.AsyncClient) -> None:
+        self._beat_now = asyncio.Event()
         while True:
+            self._beat_now.clear()
             await self.heartbeat_once(client)
             # A little jitter keeps a fleet of edges from beating in lockstep.
-            await asyncio.sleep(self.cfg.heartbeat_s * (0.9 + 0.2 * self.rand()))
+            pause = self.cfg.heartbeat_s * (0.9 + 0.2 * self.rand())
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._beat_now.wait(), pause)

@@ -25,12 +25,17 @@ RAMP_SCHEMA_VERSION = 2
 BUDGET_SCHEMA_VERSION = 3
 #: Schema 4 is schema 3 plus a remote region's other edges (``remote_regions[].edges``).
 EDGES_SCHEMA_VERSION = 4
+#: Schema 5 is schema 4 plus the models deployed here but scaled to zero (``cold_models``).
+COLD_SCHEMA_VERSION = 5
 READABLE_SCHEMA_VERSIONS = (
     SCHEMA_VERSION,
     RAMP_SCHEMA_VERSION,
     BUDGET_SCHEMA_VERSION,
     EDGES_SCHEMA_VERSION,
+    COLD_SCHEMA_VERSION,
 )
+#: Longest cold start a table may announce (a day: weights of any size, a slow disk).
+MAX_COLD_START_S = 86_400.0
 #: Edges of one remote region a table may list (a spilled request may try each of them).
 MAX_REMOTE_EDGES = 16
 
@@ -102,6 +107,18 @@ class RouteTarget(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     #: Capacity at the target utilisation minus the split's expected load there.
     headroom_tokens_per_s: float = 0.0
     headroom: float = 0.0
+
+
+class ColdModel(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A model deployed in this region with no ready instance (scaled to zero): known and
+    allowed, so the edge holds its first requests while a replica warms instead of a 404."""
+
+    model: str
+    #: Adapters of its deployment, which wake it too.
+    adapters: tuple[str, ...] = ()
+    #: Seconds a replica took to become ready at its last cold start (else the control
+    #: plane's default): how long an edge may hold a request for it (within its own maximum).
+    cold_start_s: float = 60.0
 
 
 class ModelRoute(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -223,6 +240,8 @@ class RoutingTable(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     ramp: float = 1.0
     #: List prices by model (schema 3), what budgets are spent at unless a tenant's own differ.
     prices: dict[str, ModelPrice] = msgspec.field(default_factory=dict)
+    #: Models deployed here and scaled to zero (schema 5), sorted by model.
+    cold_models: tuple[ColdModel, ...] = ()
 
 
 _decoder = msgspec.json.Decoder(RoutingTable)
@@ -258,6 +277,8 @@ def encode_table(
         del document["ramp"]
     if not table.prices:
         del document["prices"]
+    if not table.cold_models:
+        del document["cold_models"]  # nothing cold: readable by schema-4 edges
     for remote in document["remote_regions"]:
         if remote["ramp"] == 1.0:
             del remote["ramp"]
@@ -299,12 +320,32 @@ def validate_table(table: RoutingTable) -> None:
             _validate_budget(table, tenant.tenant, tenant.budget)
     for model, price in table.prices.items():
         _validate_price(f"prices[{model!r}]", price, table.schema_version)
+    _validate_cold(table)
     codes: set[str] = set()
     for remote in table.remote_regions:
         if remote.code == table.region or remote.code in codes:
             raise TableError(f"remote region {remote.code!r} duplicated or equal to own region")
         codes.add(remote.code)
         _validate_remote(remote, table.schema_version)
+
+
+def _validate_cold(table: RoutingTable) -> None:
+    if not table.cold_models:
+        return
+    if table.schema_version < COLD_SCHEMA_VERSION:
+        raise TableError(f"cold_models need schema_version {COLD_SCHEMA_VERSION}")
+    local = {n for i in table.instances for n in (i.model, *i.adapters)}
+    seen: set[str] = set()
+    for cold in table.cold_models:
+        where = f"cold model {cold.model!r}"
+        if not cold.model:
+            raise TableError("cold model names must not be empty")
+        for name in (cold.model, *cold.adapters):
+            if name in seen or name in local:
+                raise TableError(f"{where}: {name!r} is listed twice or has an instance here")
+            seen.add(name)
+        if not 0 < cold.cold_start_s <= MAX_COLD_START_S:
+            raise TableError(f"{where}: cold_start_s must be within (0, {MAX_COLD_START_S:g}]")
 
 
 def _validate_ramps(table: RoutingTable) -> None:

@@ -13,6 +13,7 @@ from regions.tables.schema import (
     TableError,
     check_successor,
     decode_table,
+    encode_table,
     served_models,
 )
 
@@ -82,7 +83,26 @@ def test_reserved_issue_4_fields_decode() -> None:
 @pytest.mark.parametrize(
     ("mutate", "message"),
     [
-        (lambda d: d.update(schema_version=5), "schema_version"),
+        (lambda d: d.update(schema_version=6), "schema_version"),
+        (lambda d: d.update(cold_models=[{"model": "qwen"}]), "cold_models need schema_version"),
+        (
+            lambda d: d.update(schema_version=5, cold_models=[{"model": "llama"}]),
+            "has an instance here",
+        ),
+        (
+            lambda d: d.update(schema_version=5, cold_models=[{"model": "q"}, {"model": "q"}]),
+            "listed twice",
+        ),
+        (
+            lambda d: d.update(schema_version=5, cold_models=[{"model": "q", "cold_start_s": 0}]),
+            "cold_start_s",
+        ),
+        (
+            lambda d: d.update(
+                schema_version=5, cold_models=[{"model": "q", "adapters": ["sql-lora"]}]
+            ),
+            "has an instance here",
+        ),
         (lambda d: d["remote_regions"][0].update(edges=["http://b"]), "edges need schema_version"),
         (
             lambda d: (
@@ -207,3 +227,20 @@ def test_read_table_file(tmp_path: Path) -> None:
     assert read_table_file(path).version == 3
     with pytest.raises(TableError, match="cannot read"):
         read_table_file(tmp_path / "missing.json")
+
+
+def test_cold_models_decode_at_schema_5_and_stay_out_of_older_documents() -> None:
+    t = decode_table(
+        enc(
+            doc(
+                schema_version=5,
+                cold_models=[{"model": "mistral", "adapters": ["fr-lora"], "cold_start_s": 42.5}],
+            )
+        )
+    )
+    (cold,) = t.cold_models
+    assert (cold.model, cold.adapters, cold.cold_start_s) == ("mistral", ("fr-lora",), 42.5)
+    assert "cold_models" not in encode_table(decode_table(enc(doc())))
+    assert encode_table(t)["cold_models"] == [
+        {"model": "mistral", "adapters": ["fr-lora"], "cold_start_s": 42.5}
+    ]

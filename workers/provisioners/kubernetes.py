@@ -77,7 +77,11 @@ def _container(
         "name": "vllm",
         "image": cluster.image,
         "command": command,
-        "env": [{"name": "VLLM_NO_USAGE_STATS", "value": "1"}],
+        "env": [
+            {"name": "VLLM_NO_USAGE_STATS", "value": "1"},
+            # Adapters are loaded where their demand appears (federation/fleet/adapters.py).
+            {"name": "VLLM_ALLOW_RUNTIME_LORA_UPDATING", "value": "True"},
+        ],
         "resources": {
             "requests": {"nvidia.com/gpu": str(gpus)},
             "limits": {"nvidia.com/gpu": str(gpus)},

@@ -60,6 +60,8 @@ class LocalProvisioner:
         argv = self.argv(spec)
         env = {
             **os.environ,
+            # Adapters are loaded where their demand appears (federation/fleet/adapters.py).
+            "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True",
             ENV_NAME: spec.name,
             ENV_URL: spec.url,
             ENV_OWNER: str(self.engines_dir),

@@ -27,12 +27,13 @@ DEPLOYMENT_UPDATABLE = (
     "desired_replicas",
     "max_replicas",
     "autoscale",
+    "scale_to_zero_after_s",
     "engine_args",
 )
 
 
 def _check_fit(dep: Deployment, adapters: Sequence[LoraAdapter]) -> Errors:
-    return problems_as_errors(
+    errors = problems_as_errors(
         fit.check_deployment_fit(
             deployment_spec(dep, adapters),
             model=model_spec(dep.model),
@@ -40,6 +41,24 @@ def _check_fit(dep: Deployment, adapters: Sequence[LoraAdapter]) -> Errors:
             other_demands=other_demands(dep.pool, exclude=dep),
         )
     )
+    zero = _scale_to_zero_problem(dep)
+    if zero:
+        errors.setdefault("scale_to_zero_after_s", []).append(zero)
+    return errors
+
+
+def _scale_to_zero_problem(dep: Deployment) -> str:
+    """Scale to zero is the autoscaler's, down to a minimum of 0, for mixed deployments (a
+    P/D pair has two deployments that would have to wake together)."""
+    if dep.scale_to_zero_after_s is None:
+        return ""
+    if not dep.autoscale:
+        return "needs autoscale: only the autoscaler scales to zero and back"
+    if dep.min_replicas != 0:
+        return f"needs min_replicas 0, got {dep.min_replicas}"
+    if dep.role != Deployment.Role.MIXED:
+        return "only mixed deployments scale to zero"
+    return ""
 
 
 @transaction.atomic
@@ -54,6 +73,7 @@ def deployment_create(
     desired_replicas: int = 1,
     max_replicas: int = 1,
     autoscale: bool = False,
+    scale_to_zero_after_s: int | None = None,
     engine_args: dict[str, Any] | None = None,
     adapters: Sequence[LoraAdapter] = (),
 ) -> Deployment:
@@ -69,6 +89,7 @@ def deployment_create(
         desired_replicas=desired_replicas,
         max_replicas=max_replicas,
         autoscale=autoscale,
+        scale_to_zero_after_s=scale_to_zero_after_s,
         engine_args={} if engine_args is None else engine_args,
     )
     adapters = list(adapters)

@@ -14,6 +14,7 @@ from federation.inventory.models import Edge, Region
 #: More reports than this in one heartbeat is not an edge talking.
 MAX_INSTANCE_REPORTS = 10_000
 MAX_BUDGET_REPORTS = 100_000
+MAX_COLD_REPORTS = 1_000
 
 
 class InstanceReportInput(InputSerializer):
@@ -52,6 +53,18 @@ class BudgetReportInput(InputSerializer):
     )
 
 
+class ColdReportInput(InputSerializer):
+    model = StrictCharField(max_length=200, help_text="A cold model of the edge's table.")
+    held = serializers.IntegerField(
+        min_value=0, max_value=1_000_000, help_text="Requests the edge holds for it now."
+    )
+    arrived = serializers.IntegerField(
+        min_value=0,
+        max_value=1_000_000,
+        help_text="Requests for it since the previous heartbeat (held, refused or spilled).",
+    )
+
+
 class HeartbeatInput(InputSerializer):
     applied_table_version = serializers.IntegerField(
         min_value=1,
@@ -65,6 +78,18 @@ class HeartbeatInput(InputSerializer):
     budgets = serializers.ListField(
         child=BudgetReportInput(), max_length=MAX_BUDGET_REPORTS, required=False, default=list
     )
+    cold = serializers.ListField(
+        child=ColdReportInput(),
+        max_length=MAX_COLD_REPORTS,
+        required=False,
+        help_text="Demand for the table's cold models (scaled to zero): what wakes them.",
+    )
+
+    def validate_cold(self, value: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        models = [r["model"] for r in value]
+        if len(set(models)) != len(models):
+            raise serializers.ValidationError("A model is reported twice.")
+        return value
 
     def validate_instances(self, value: list[dict[str, Any]]) -> list[dict[str, Any]]:
         seen: set[str] = set()

@@ -174,6 +174,11 @@ class EdgeHeartbeatView(APIView):
             applied_table_version=data.get("applied_table_version"),
             instances=reports,
             budgets={(b["tenant"], b["key"]): b["committed"] for b in data["budgets"]},
+            cold=(
+                {c["model"]: (c["held"], c["arrived"]) for c in data["cold"]}
+                if "cold" in data
+                else None
+            ),
         )
         out = {
             "edge": result.edge.name,

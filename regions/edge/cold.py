@@ -1,0 +1,199 @@
+"""Cold models: deployed in this region but scaled to zero (the table's ``cold_models``).
+
+A request for one is known and allowed (not a 404): when no other region may take it, the edge
+holds it here while the control plane starts a replica — the heartbeat reports what it holds,
+which wakes the deployment at once — and releases the held requests in arrival order when a
+table lists a ready instance of the model. Every bound is the edge's own, whatever the table
+or the clients say:
+
+* at most ``max_held`` requests held per model (more: 503 ``model_cold`` at once);
+* each held at most the model's expected cold start (the table's ``cold_start_s``, the
+  replica's own start, plus ``margin_s`` for the way there and back: heartbeat, autoscale
+  pass, table) and never longer than ``max_hold_s`` (then 503 ``model_cold``);
+* the ``Retry-After`` of a refusal is the time the replica is still expected to take.
+
+A client that disconnects while held leaves the line (its request's task is cancelled). Held
+requests were admitted like any other: charged to the tenant's rate, their price held on its
+budget.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections import deque
+from collections.abc import Callable, Container
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from regions.edge.errors import EdgeError
+from regions.tables.schema import ColdModel, RoutingTable
+
+if TYPE_CHECKING:
+    from prometheus_client import Counter
+
+    from regions.edge.context import RequestContext
+    from regions.edge.relay import Relay
+
+#: Longest Retry-After a refusal names (an hour: a client should ask again, not give up).
+MAX_RETRY_AFTER_S = 3600
+
+
+@dataclass(frozen=True, slots=True)
+class ColdConfig:
+    #: Requests held per cold model at once; more are refused with 503 at once.
+    max_held: int = 64
+    #: Longest a request is held, whatever cold start the table announces.
+    max_hold_s: float = 120.0
+    #: Added to the table's cold start (a replica's creation to ready): the heartbeat that
+    #: wakes it, the autoscale and reconcile passes, the table that lists it.
+    margin_s: float = 10.0
+
+
+class Released(Exception):
+    """The model left the table while its requests were held (its deployment went away)."""
+
+
+class ColdHolds:
+    """The held requests of one edge, per cold model (the served name a request used)."""
+
+    __slots__ = ("_arrived", "_held", "_since", "cfg", "models", "on_demand")
+
+    def __init__(self, cfg: ColdConfig, on_demand: Callable[[], None] = lambda: None) -> None:
+        self.cfg = cfg
+        #: Served name (model or adapter) -> its cold entry, from the current table.
+        self.models: dict[str, ColdModel] = {}
+        #: Called when a cold model gets its first request: the heartbeat goes out now.
+        self.on_demand = on_demand
+        self._held: dict[str, deque[asyncio.Future[bool]]] = {}
+        self._arrived: dict[str, int] = {}
+        #: When the first request for a cold model arrived (its replica's expected start).
+        self._since: dict[str, float] = {}
+
+    def load(self, table: RoutingTable) -> None:
+        self.models = {
+            name: cold for cold in table.cold_models for name in (cold.model, *cold.adapters)
+        }
+
+    def is_cold(self, name: str) -> bool:
+        return name in self.models
+
+    def held(self, name: str) -> int:
+        line = self._held.get(name)
+        return len(line) if line else 0
+
+    def arrived(self, name: str, now: float) -> None:
+        """Count a request for a cold model (held, refused or sent to another region)."""
+        first = name not in self._since
+        self._arrived[name] = self._arrived.get(name, 0) + 1
+        if first:
+            self._since[name] = now
+            self.on_demand()
+
+    def retry_after(self, name: str, now: float) -> int:
+        """Seconds until a replica is expected: its cold start since the first request."""
+        cold = self.models.get(name)
+        start = self._expected_s(cold) if cold is not None else self.cfg.max_hold_s
+        left = self._since.get(name, now) + start - now
+        return min(MAX_RETRY_AFTER_S, max(1, math.ceil(left)))
+
+    def _expected_s(self, cold: ColdModel) -> float:
+        """Seconds from a first request to a replica serving it."""
+        return cold.cold_start_s + self.cfg.margin_s
+
+    def refusal(self, name: str, now: float, why: str) -> EdgeError:
+        return EdgeError(
+            503,
+            f"The model `{name}` is starting (scaled to zero, {why}); retry shortly.",
+            "model_cold",
+            retry_after=self.retry_after(name, now),
+        )
+
+    async def hold(self, name: str) -> float:
+        """Wait until a table lists a ready instance of ``name``; the seconds waited.
+        :class:`EdgeError` 503 ``model_cold`` when the line is full or the bound passes,
+        :class:`Released` when the model left the table meanwhile."""
+        started = time.monotonic()
+        cold = self.models[name]
+        line = self._held.setdefault(name, deque())
+        if len(line) >= self.cfg.max_held:
+            raise self.refusal(name, started, f"{len(line)} requests already waiting")
+        bound = min(self._expected_s(cold), self.cfg.max_hold_s)
+        waiter: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        line.append(waiter)
+        try:
+            served = await asyncio.wait_for(asyncio.shield(waiter), bound)
+        except TimeoutError:
+            raise self.refusal(name, time.monotonic(), f"not ready within {bound:g} s") from None
+        finally:
+            if not waiter.done():
+                waiter.cancel()
+            if waiter in line:
+                line.remove(waiter)
+            if not line:
+                self._held.pop(name, None)
+        if not served:
+            raise Released(name)
+        return time.monotonic() - started
+
+    async def hold_or_refuse(self, ctx: RequestContext, relay: Relay, outcomes: Counter) -> bool:
+        """:meth:`hold` the request; True once it may be served here, False when it was
+        refused and answered instead (``outcomes``: counted by model and outcome)."""
+        model = ctx.req.model
+        try:
+            ctx.queue_s += await self.hold(model)
+        except asyncio.CancelledError:
+            outcomes.labels(model, "left").inc()  # its client disconnected
+            raise
+        except (EdgeError, Released) as exc:
+            refusal = (
+                exc
+                if isinstance(exc, EdgeError)
+                else EdgeError(
+                    404,
+                    f"The model `{model}` is no longer deployed here.",
+                    "model_not_found",
+                    "model",
+                )
+            )
+            outcomes.labels(model, "refused").inc()
+            ctx.status = refusal.status
+            ctx.complete = True
+            await relay.refuse(ctx.send, refusal, model)
+            return False
+        outcomes.labels(model, "released").inc()
+        return True
+
+    def release(self, served: Container[str]) -> None:
+        """After a table was applied: release the held requests of each model no longer cold,
+        in arrival order — to its instances (``served``) or, when it left the table, refused."""
+        for name in list(self._held):
+            if name in self.models:
+                continue
+            for waiter in self._held.pop(name):
+                if not waiter.done():
+                    waiter.set_result(name in served)
+        for name in list(self._since):
+            if name not in self.models:
+                del self._since[name]
+
+    def report(self) -> list[dict[str, object]]:
+        """The heartbeat's ``cold``: per cold model (its adapters' requests counted with it)
+        with demand, requests held now and arrived since the previous report (then reset)."""
+        totals: dict[str, list[int]] = {}
+        for name in set(self._arrived) | set(self._held):
+            cold = self.models.get(name)
+            if cold is None:
+                continue
+            entry = totals.setdefault(cold.model, [0, 0])
+            entry[0] += self.held(name)
+            entry[1] += self._arrived.get(name, 0)
+        for name in list(self._since):
+            if not self.held(name) and not self._arrived.get(name):
+                del self._since[name]  # a quiet period: the next request starts a new wait
+        self._arrived = {}
+        return [
+            {"model": model, "held": held, "arrived": arrived}
+            for model, (held, arrived) in sorted(totals.items())
+        ]
