@@ -4,7 +4,8 @@ For chat prompts of about ``--tokens`` tokens (a long system prompt and a short 
 stages the edge runs per request, each timed over ``--repeat`` runs (median, µs):
 
 * render + tokenize: the chat template and the ``tokenizers`` encoding
-  (``regions/engines/prompt_tokens.py``; in the edge's worker thread);
+  (``regions/engines/prompt_tokens.py``; in the edge's worker thread), cold, and with the
+  system prompt seen before (its ids from the segment cache, a new user turn each time);
 * hash: vLLM's ``sha256_cbor`` block hashes at block sizes 16 (GPU) and 128 (vLLM's CPU
   backend) (``regions/engines/block_hash.py``; same thread);
 * lookup: the longest held run on ``--instances`` engines' reported block sets, one holding
@@ -79,7 +80,23 @@ def measure(name: str, tok: ModelTokenizer, tokens: int, instances: int, repeat:
     root = none_hash()
     rendered = json.dumps(doc).encode()
     row: dict[str, object] = {"tokenizer": name, "prompt_tokens": len(ids)}
-    row["render_tokenize_us"] = _median_us(lambda: tok.chat_ids(doc), repeat)
+    segments = tok._segments
+
+    def cold() -> object:
+        if segments is not None:
+            segments.clear()
+        return tok.chat_ids(doc)
+
+    messages = doc["messages"]
+    assert isinstance(messages, list)
+    turns = iter(range(10**9))
+
+    def warm() -> object:  # the same system prompt, a new user turn each time
+        user = {"role": "user", "content": f"Question {next(turns)}: what does the edge do?"}
+        return tok.chat_ids({"messages": [messages[0], user]})
+
+    row["render_tokenize_us"] = _median_us(cold, repeat)
+    row["tokenize_seen_system_us"] = _median_us(warm, repeat)
     for size in (16, 128):
         row[f"hash_bs{size}_us"] = _median_us(lambda s=size: block_hashes(ids, s, root), repeat)
     hashes = block_hashes(ids, 16, root)

@@ -25,6 +25,9 @@ prompt's), so only its head's blocks are hashed.
 from __future__ import annotations
 
 import json
+import re
+from array import array
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from datetime import datetime
 from pathlib import Path
@@ -35,6 +38,10 @@ import jinja2.ext
 import jinja2.sandbox
 from tokenizers import Tokenizer
 
+#: Pieces of a chat prompt between added tokens this long or longer are remembered once
+#: tokenized, and ids remembered at most (:class:`_Segments`: about 4 MB).
+SEGMENT_MIN_CHARS = 64
+SEGMENT_CACHE_TOKENS = 1 << 20
 #: Characters of a rendered prompt tokenized at most (about 16 k tokens of English).
 DEFAULT_MAX_CHARS = 64 * 1024
 #: Tokens ending this close to a cut are dropped: a word at the cut may tokenize differently.
@@ -109,6 +116,8 @@ class ModelTokenizer:
         self.max_chars = max_chars
         self.path = file
         self._encode = self._tok.encode_batch
+        spec = json.loads(file.read_text())
+        self._segments = _Segments(self._tok, spec) if _Segments.exact_for(spec) else None
         config: dict[str, Any] = {}
         config_file = directory / "tokenizer_config.json"
         if config_file.is_file():
@@ -144,6 +153,14 @@ class ModelTokenizer:
             n -= 1
         return Prompt(ids[:n], False)
 
+    def encode_chat(self, text: str) -> Prompt:
+        """A rendered chat prompt's ids (no added special tokens): piece by piece from the
+        segment cache where the tokenizer allows it (:class:`_Segments`), else whole."""
+        segments = self._segments
+        if segments is None or len(text) > self.max_chars:
+            return self.encode(text, add_special_tokens=False)
+        return Prompt(segments.encode(text), True)
+
     def chat_ids(self, doc: dict[str, Any]) -> Prompt | None:
         """The prompt ids of a chat request, or None when the edge cannot render it exactly."""
         render = self._render
@@ -175,7 +192,7 @@ class ModelTokenizer:
             )
         except jinja2.exceptions.TemplateError:
             return None  # the template refused it (raise_exception): so will the engine
-        return self.encode(text, add_special_tokens=False)
+        return self.encode_chat(text)
 
     def completion_ids(self, prompt: Any) -> Prompt | None:
         """The prompt ids of a completion: one string, or one list of token ids."""
@@ -186,6 +203,72 @@ class ModelTokenizer:
         if isinstance(prompt, list) and prompt and all(_is_id(t) for t in prompt):
             return Prompt(prompt, True)
         return None
+
+
+class _Segments:
+    """Chat prompts tokenized piece by piece, each piece's ids remembered.
+
+    A tokenizer cuts its input at its added tokens (``<|eot_id|>``, ``<|start_header_id|>``...)
+    before anything else and encodes the text between them independently, so a rendered chat
+    prompt's ids are the concatenation of its pieces' ids. The pieces repeat across requests —
+    a system prompt, every earlier turn of a conversation — so each piece of at least
+    :data:`SEGMENT_MIN_CHARS` is tokenized once and kept in an LRU bounded to
+    :data:`SEGMENT_CACHE_TOKENS` ids: a new turn costs its own tokens, not the conversation's.
+    Only for tokenizers where the cut is exact (:meth:`exact_for`).
+    """
+
+    def __init__(self, tok: Tokenizer, spec: dict[str, Any]) -> None:
+        self._tok = tok
+        added = {t["content"]: t["id"] for t in spec.get("added_tokens") or ()}
+        # Longest first: at one position the longest added token wins, as in tokenizers.
+        alternatives = sorted(added, key=len, reverse=True)
+        self._split = re.compile("(" + "|".join(map(re.escape, alternatives)) + ")").split
+        self._added = added
+        self._cache: OrderedDict[str, array[int]] = OrderedDict()
+        self._tokens = 0
+
+    @staticmethod
+    def exact_for(spec: dict[str, Any]) -> bool:
+        """Whether cutting at added tokens gives the whole text's ids: no normalizer (added
+        tokens are matched on raw text), no added token that strips or matches whole words
+        (it would take text from its neighbours), no ``Metaspace`` (which prepends to the
+        first piece only)."""
+        added = spec.get("added_tokens") or ()
+        return (
+            bool(added)
+            and spec.get("normalizer") is None
+            and "Metaspace" not in json.dumps(spec.get("pre_tokenizer"))
+            and not any(t.get("lstrip") or t.get("rstrip") or t.get("single_word") for t in added)
+        )
+
+    def clear(self) -> None:
+        self._cache.clear()
+        self._tokens = 0
+
+    def encode(self, text: str) -> list[int]:
+        ids: list[int] = []
+        added = self._added
+        cache = self._cache
+        for piece in self._split(text):
+            if not piece:
+                continue
+            tid = added.get(piece)
+            if tid is not None:
+                ids.append(tid)
+                continue
+            cached = cache.get(piece)
+            if cached is not None:
+                cache.move_to_end(piece)
+                ids.extend(cached)
+                continue
+            piece_ids = self._tok.encode_batch([piece], add_special_tokens=False)[0].ids
+            ids.extend(piece_ids)
+            if len(piece) >= SEGMENT_MIN_CHARS:
+                cache[piece] = array("I", piece_ids)
+                self._tokens += len(piece_ids)
+                while self._tokens > SEGMENT_CACHE_TOKENS:
+                    self._tokens -= len(cache.popitem(last=False)[1])
+        return ids
 
 
 def _is_id(value: Any) -> bool:

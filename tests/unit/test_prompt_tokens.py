@@ -3,6 +3,7 @@ on the simulator's bench tokenizer (a real byte-level BPE tokenizer.json, built 
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 
 import pytest
@@ -117,3 +118,44 @@ def test_a_missing_or_broken_tokenizer_fails_loudly(tmp_path: Path) -> None:
         ModelTokenizer(tmp_path)
     with pytest.raises(TokenizerError):
         ModelTokenizer(tmp_path / "nothing.json")
+
+
+def test_chat_prompts_tokenized_piece_by_piece_equal_the_whole(
+    tok_dir: Path, raw: Tokenizer
+) -> None:
+    """The segment cache: pieces between added tokens, each tokenized once, give the ids of
+    the whole rendered prompt — whatever the text (spaces and newlines at a cut, an added token
+    written by a client inside a message, repeated pieces from the cache)."""
+    tok = ModelTokenizer(tok_dir)
+    assert tok._segments is not None  # a byte-level BPE without normalizer: exact
+    rng = random.Random(7)
+    words = ["the", " edge", "\n\n", "  ", "route", "<|eot_id|>", "42", ".", "prefix ", "é"]
+    for _ in range(200):
+        turns = [
+            {
+                "role": rng.choice(["system", "user", "assistant"]),
+                "content": "".join(rng.choices(words, k=rng.randint(0, 60))),
+            }
+            for _ in range(rng.randint(1, 4))
+        ]
+        doc = {"messages": turns, "add_generation_prompt": rng.random() < 0.8}
+        prompt = tok.chat_ids(doc)
+        assert prompt is not None
+        rendered = tok._render(
+            messages=turns, add_generation_prompt=doc["add_generation_prompt"], **tok._specials
+        )  # type: ignore[misc]
+        assert list(prompt.ids) == raw.encode(rendered, add_special_tokens=False).ids
+
+
+def test_tokenizers_whose_cut_is_not_exact_are_tokenized_whole() -> None:
+    from regions.engines.prompt_tokens import _Segments
+
+    added = [{"id": 1, "content": "<s>", "lstrip": False, "rstrip": False, "single_word": False}]
+    assert _Segments.exact_for({"added_tokens": added, "normalizer": None, "pre_tokenizer": {}})
+    assert not _Segments.exact_for({"added_tokens": added, "normalizer": {"type": "NFC"}})
+    metaspace = {"type": "Metaspace", "prepend_scheme": "first"}
+    assert not _Segments.exact_for(
+        {"added_tokens": added, "normalizer": None, "pre_tokenizer": metaspace}
+    )
+    stripping = [{**added[0], "rstrip": True}]
+    assert not _Segments.exact_for({"added_tokens": stripping, "normalizer": None})
