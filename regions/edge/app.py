@@ -131,7 +131,11 @@ class Edge:
             self.loads,
             self.prefix,
             self.lines,
-            TokenPrefixes(tokenizers, self.kv_events, cfg.kv_hash_seed) if tokenizers else None,
+            (
+                TokenPrefixes(tokenizers, self.kv_events, cfg.kv_hash_seed, self.metrics.registry)
+                if tokenizers
+                else None
+            ),
         )
         self.metrics.registry.register(
             SplitCollector(cfg.region, self.placement.splits, lambda: self.splits)

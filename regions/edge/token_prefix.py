@@ -14,17 +14,22 @@ there too (a burst of one new prefix is not scattered over the fleet meanwhile).
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from prometheus_client import CollectorRegistry, Counter
+
 from regions.edge.kv_events import SETTLE_S, EngineCache, KvEventHub
 from regions.edge.prefix_index import PrefixIndex
 from regions.engines.block_hash import block_hashes, none_hash
 from regions.engines.prompt_tokens import ModelTokenizer, prompt_ids
 from regions.tables.schema import Instance
+
+log = logging.getLogger("fedinfer.edge.tokens")
 
 #: The endpoints whose prompts the edge renders as vLLM does (not the Responses API).
 TOKENIZED_KINDS = frozenset({"chat", "completions"})
@@ -60,15 +65,26 @@ class PromptTokens:
 class TokenPrefixes:
     """The edge's tokenizers, the engines' reported blocks, and its own recent routings."""
 
-    __slots__ = ("events", "recent", "root", "tokenizers", "worker")
+    __slots__ = ("events", "failures", "recent", "root", "tokenizers", "worker")
 
     def __init__(
-        self, tokenizers: Mapping[str, ModelTokenizer], events: KvEventHub, seed: str
+        self,
+        tokenizers: Mapping[str, ModelTokenizer],
+        events: KvEventHub,
+        seed: str,
+        registry: CollectorRegistry | None = None,
     ) -> None:
         self.tokenizers = tokenizers
         self.events = events
         self.root = none_hash(seed)
         self.recent = PrefixIndex(RECENT_CAPACITY, RECENT_S)
+        #: Prompts the tokenizer or template failed on unexpectedly (logged each time).
+        self.failures = Counter(
+            "fedinfer_edge_tokenize_failures",
+            "Prompts the model's tokenizer or chat template failed on (placed on the estimate)",
+            ["model"],
+            registry=registry if registry is not None else CollectorRegistry(),
+        )
         #: One thread: tokenizations run one at a time, off the event loop.
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fedinfer-tokenize")
 
@@ -90,8 +106,15 @@ class TokenPrefixes:
     ) -> PromptTokens | None:
         """The request's tokens with their hashes for ``block_sizes`` (in a worker thread:
         ~1 µs a token and ~5 µs a block, see docs/edge-scheduling.md), or None when the
-        prompt is not rendered exactly."""
-        prompt = prompt_ids(self.tokenizers[model], doc, kind)
+        prompt is not rendered exactly. A template that fails on a request in a way it does
+        not mean to (not its ``raise_exception``) is logged and counted; the request is then
+        placed on the estimate rather than refused: the engine decides what it accepts."""
+        try:
+            prompt = prompt_ids(self.tokenizers[model], doc, kind)
+        except Exception:
+            self.failures.labels(model).inc()
+            log.warning("tokenizing a %s request for %s failed", kind, model, exc_info=True)
+            return None
         if prompt is None or not prompt.ids:
             return None
         tokens = PromptTokens(prompt.ids, prompt.complete, self.root, salt)

@@ -3,8 +3,10 @@ vLLM block hashes looked up in what an engine's events say it holds."""
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import replace
+from pathlib import Path
 
 import msgspec
 import pytest
@@ -141,3 +143,18 @@ def test_the_scheduler_takes_exact_cached_tokens_over_the_estimate() -> None:
     assert exact.cached_tokens == 384 and exact.exact
     assert exact.ttft_s < estimated.ttft_s
     assert score(replace(base, cached_tokens=0), req, cfg).cached_tokens == 0
+
+
+def test_a_template_that_fails_on_a_request_leaves_it_to_the_estimate_and_is_counted(
+    tmp_path: Path,
+) -> None:
+    directory = build(tmp_path)
+    config = json.loads((directory / "tokenizer_config.json").read_text())
+    config["chat_template"] = "{{ messages[0]['content'] + 1 }}"  # str + int: a TypeError
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    registry = CollectorRegistry()
+    exact = TokenPrefixes({MODEL: ModelTokenizer(directory)}, hub_with(A), DEFAULT_SEED, registry)
+    assert exact.prompt(MODEL, "chat", chat("s", "u"), None, {16}) is None
+    assert registry.get_sample_value("fedinfer_edge_tokenize_failures_total", {"model": MODEL}) == 1
+    # completions do not use the template
+    assert exact.prompt(MODEL, "completions", {"prompt": "the edge"}, None, {16}) is not None
