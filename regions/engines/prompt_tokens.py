@@ -297,6 +297,8 @@ def _message_text(content: Any) -> str | None:
 
 def load_tokenizers(paths: dict[str, Path], max_chars: int) -> dict[str, ModelTokenizer]:
     """Every configured model's tokenizer; :class:`TokenizerError` names a bad one (at boot)."""
+    if max_chars <= CUT_MARGIN_CHARS:
+        raise TokenizerError(f"--tokenize-max-chars must exceed {CUT_MARGIN_CHARS}")
     return {model: ModelTokenizer(path, max_chars) for model, path in paths.items()}
 
 
