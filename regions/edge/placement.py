@@ -24,7 +24,7 @@ from regions.edge.prefix_index import PrefixIndex, SeenPrefixes, block_hashes, r
 from regions.edge.scheduler import Candidate, Decision, RouteRequest, decide, decide_unqueued
 from regions.edge.spill import Spill, eligible_remotes
 from regions.edge.split import SplitCounts, planned_remote, split_point
-from regions.edge.token_prefix import PromptTokens, TokenPrefixes
+from regions.edge.token_prefix import MAX_PENDING, PromptTokens, TokenPrefixes
 from regions.tables.schema import Instance
 
 #: Every slot taken past the queue timeout, or the gateway full.
@@ -103,15 +103,22 @@ class Placement:
         sizes = exact.block_sizes(self.fleet.by_model.get(req.model, ()))
         if not sizes:
             return  # no instance's cache is known: the estimate decides anyway
-        tokens = ctx.tokens = await asyncio.get_running_loop().run_in_executor(
-            exact.worker,
-            exact.prompt,
-            req.model,
-            req.endpoint.kind,
-            req.doc,
-            req.cache_salt,
-            sizes,
-        )
+        if exact.pending >= MAX_PENDING:
+            exact.skipped.labels(req.model).inc()
+            return  # the tokenizer is behind: place on the estimate rather than wait
+        exact.pending += 1
+        try:
+            tokens = ctx.tokens = await asyncio.get_running_loop().run_in_executor(
+                exact.worker,
+                exact.prompt,
+                req.model,
+                req.endpoint.kind,
+                req.doc,
+                req.cache_salt,
+                sizes,
+            )
+        finally:
+            exact.pending -= 1
         if tokens is not None and tokens.complete:
             req.prompt_tokens = len(tokens.ids)  # the engine's count, not an estimate
 

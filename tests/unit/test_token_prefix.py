@@ -158,3 +158,35 @@ def test_a_template_that_fails_on_a_request_leaves_it_to_the_estimate_and_is_cou
     assert registry.get_sample_value("fedinfer_edge_tokenize_failures_total", {"model": MODEL}) == 1
     # completions do not use the template
     assert exact.prompt(MODEL, "completions", {"prompt": "the edge"}, None, {16}) is not None
+
+
+def test_a_busy_tokenizer_thread_leaves_requests_to_the_estimate_instead_of_a_line(
+    tokenizer: ModelTokenizer,
+) -> None:
+    import asyncio
+    from types import SimpleNamespace
+
+    from regions.edge.endpoints import CHAT
+    from regions.edge.parse import ParsedRequest
+    from regions.edge.placement import Placement
+    from regions.edge.token_prefix import MAX_PENDING
+
+    registry = CollectorRegistry()
+    exact = TokenPrefixes({MODEL: tokenizer}, hub_with(A), DEFAULT_SEED, registry)
+    placement = Placement.__new__(Placement)
+    placement.tokens = exact
+    placement.fleet = SimpleNamespace(by_model={MODEL: (A,)})  # type: ignore[assignment]
+    doc = chat(SYSTEM, "one")
+    req = ParsedRequest(CHAT, MODEL, b"", 10, False, b"", False, None, doc=doc)
+
+    async def tokenize() -> object:
+        ctx = SimpleNamespace(req=req, tokens=None)
+        await placement.tokenize(ctx)  # type: ignore[arg-type]
+        return ctx.tokens
+
+    assert asyncio.run(tokenize()) is not None and exact.pending == 0
+    assert req.prompt_tokens > 100  # the exact count replaced the estimate
+    exact.pending = MAX_PENDING  # the thread is that far behind
+    assert asyncio.run(tokenize()) is None
+    assert registry.get_sample_value("fedinfer_edge_tokenize_skipped_total", {"model": MODEL}) == 1
+    exact.close()
