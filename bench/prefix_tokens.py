@@ -7,7 +7,8 @@ stages the edge runs per request, each timed over ``--repeat`` runs (median, µs
   (``regions/engines/prompt_tokens.py``; in the edge's worker thread), cold, and with the
   system prompt seen before (its ids from the segment cache, a new user turn each time);
 * hash: vLLM's ``sha256_cbor`` block hashes at block sizes 16 (GPU) and 128 (vLLM's CPU
-  backend) (``regions/engines/block_hash.py``; same thread);
+  backend) (``regions/engines/block_hash.py``; same thread), and at 16 for a prompt whose
+  blocks were hashed before (``BlockMemo``);
 * lookup: the longest held run on ``--instances`` engines' reported block sets, one holding
   the whole prompt (``EngineCache.depth``; on the event loop);
 * the byte estimate's hashing for comparison (``prefix_index.block_hashes``).
@@ -30,7 +31,7 @@ from pathlib import Path
 
 from regions.edge.kv_events import EngineCache
 from regions.edge.prefix_index import block_hashes as byte_hashes
-from regions.engines.block_hash import block_hashes, none_hash
+from regions.engines.block_hash import BlockMemo, block_hashes, none_hash
 from regions.engines.prompt_tokens import ModelTokenizer
 from regions.engines.simulator.bench_tokenizer import build
 
@@ -99,6 +100,8 @@ def measure(name: str, tok: ModelTokenizer, tokens: int, instances: int, repeat:
     row["tokenize_seen_system_us"] = _median_us(warm, repeat)
     for size in (16, 128):
         row[f"hash_bs{size}_us"] = _median_us(lambda s=size: block_hashes(ids, s, root), repeat)
+    memo = BlockMemo()
+    row["hash_bs16_seen_us"] = _median_us(lambda: block_hashes(ids, 16, root, memo=memo), repeat)
     hashes = block_hashes(ids, 16, root)
     caches = [EngineCache(known=True) for _ in range(instances)]
     caches[0].blocks = dict.fromkeys(hashes, 16)  # one engine holds it all

@@ -25,7 +25,7 @@ from prometheus_client import CollectorRegistry, Counter
 
 from regions.edge.kv_events import SETTLE_S, EngineCache, KvEventHub
 from regions.edge.prefix_index import PrefixIndex
-from regions.engines.block_hash import block_hashes, none_hash
+from regions.engines.block_hash import BlockMemo, block_hashes, none_hash
 from regions.engines.prompt_tokens import ModelTokenizer, prompt_ids
 from regions.tables.schema import Instance
 
@@ -51,6 +51,7 @@ class PromptTokens:
     complete: bool
     root: bytes
     cache_salt: str | None
+    memo: BlockMemo | None = None
     _hashes: dict[int, list[int]] = field(default_factory=dict)
 
     def hashes(self, block_size: int) -> list[int]:
@@ -60,7 +61,12 @@ class PromptTokens:
         if out is None:
             limit = max(len(self.ids) - 1, 0) // block_size
             out = self._hashes[block_size] = block_hashes(
-                self.ids, block_size, self.root, cache_salt=self.cache_salt, max_blocks=limit
+                self.ids,
+                block_size,
+                self.root,
+                cache_salt=self.cache_salt,
+                max_blocks=limit,
+                memo=self.memo,
             )
         return out
 
@@ -71,6 +77,7 @@ class TokenPrefixes:
     __slots__ = (
         "events",
         "failures",
+        "memo",
         "pending",
         "recent",
         "root",
@@ -90,6 +97,8 @@ class TokenPrefixes:
         self.events = events
         self.root = none_hash(seed)
         self.recent = PrefixIndex(RECENT_CAPACITY, RECENT_S)
+        #: Block digests computed before (a prefix seen before is not hashed again).
+        self.memo = BlockMemo()
         #: Prompts the tokenizer or template failed on unexpectedly (logged each time).
         self.failures = Counter(
             "fedinfer_edge_tokenize_failures",
@@ -138,7 +147,7 @@ class TokenPrefixes:
             return None
         if prompt is None or not prompt.ids:
             return None
-        tokens = PromptTokens(prompt.ids, prompt.complete, self.root, salt)
+        tokens = PromptTokens(prompt.ids, prompt.complete, self.root, salt, self.memo)
         for size in block_sizes:
             tokens.hashes(size)
         return tokens

@@ -64,12 +64,40 @@ def block_hashes(
     *,
     cache_salt: str | None = None,
     max_blocks: int | None = None,
+    memo: BlockMemo | None = None,
 ) -> list[int]:
     """The event-form hashes of the full blocks of ``token_ids`` (a partial tail is not
     cached), at most ``max_blocks`` of them; ``root`` is :func:`none_hash`."""
+    if max_blocks is not None:
+        token_ids = token_ids[: max_blocks * block_size]
     out: list[int] = []
-    extend_chain([], out, token_ids, block_size, root, cache_salt=cache_salt, max_blocks=max_blocks)
+    extend_chain([], out, token_ids, block_size, root, cache_salt=cache_salt, memo=memo)
     return out
+
+
+class BlockMemo:
+    """Digests already computed, by ``(parent digest, block tokens, extra keys)``: a prefix
+    seen before (a system prompt, a conversation's earlier turns) is looked up, not hashed
+    again (~0.5 µs instead of ~5 µs a block). Bounded to ``capacity`` entries: emptied whole
+    when full (one ``dict.clear``, safe from any thread)."""
+
+    __slots__ = ("_digests", "capacity")
+
+    def __init__(self, capacity: int = 100_000) -> None:
+        self.capacity = capacity
+        self._digests: dict[tuple[bytes, tuple[int, ...], object], bytes] = {}
+
+    def __len__(self) -> int:
+        return len(self._digests)
+
+    def digest(self, key: tuple[bytes, tuple[int, ...], object]) -> bytes:
+        found = self._digests.get(key)
+        if found is None:
+            found = _sha256(_dumps(key, canonical=True)).digest()
+            if len(self._digests) >= self.capacity:
+                self._digests.clear()
+            self._digests[key] = found
+        return found
 
 
 def extend_chain(
@@ -81,20 +109,22 @@ def extend_chain(
     *,
     cache_salt: str | None = None,
     lora: tuple[str, str] | None = None,
-    max_blocks: int | None = None,
+    memo: BlockMemo | None = None,
 ) -> None:
     """Append the blocks of ``token_ids`` not yet in ``chain`` (the digests) and ``out`` (their
     event ints), as a growing sequence's hashes are extended. ``lora``: the adapter's (name,
     path) of an adapter's request, a key of every block."""
     n = len(token_ids) // block_size
-    if max_blocks is not None and n > max_blocks:
-        n = max_blocks
     start = len(chain)
     parent = chain[-1] if chain else root
     base: tuple[tuple[str, ...], ...] = (("lora", *lora),) if lora is not None else ()
     for i in range(start, n):
         keys = (*base, ("cache_salt", cache_salt)) if i == 0 and cache_salt else base
         block = tuple(token_ids[i * block_size : (i + 1) * block_size])
-        parent = _sha256(_dumps((parent, block, keys or None), canonical=True)).digest()
+        key = (parent, block, keys or None)
+        if memo is not None:
+            parent = memo.digest(key)
+        else:
+            parent = _sha256(_dumps(key, canonical=True)).digest()
         chain.append(parent)
         out.append(int.from_bytes(parent[-8:], "big"))

@@ -59,3 +59,15 @@ def test_a_chain_extends_as_a_sequence_grows_and_max_blocks_bounds_it() -> None:
     assert block_hashes(IDS[:15], 16, root) == []
     # the salt only keys the first block, yet every later hash differs through the chain
     assert block_hashes(IDS, 16, root, cache_salt="t:abc")[1] != VLLM["plain"][1]
+
+
+def test_a_memo_of_digests_gives_the_same_hashes_and_stays_bounded() -> None:
+    from regions.engines.block_hash import BlockMemo
+
+    root = none_hash()
+    memo = BlockMemo(capacity=3)
+    assert block_hashes(IDS, 16, root, memo=memo) == VLLM["plain"]
+    assert len(memo) == 2
+    assert block_hashes(IDS, 16, root, memo=memo) == VLLM["plain"]  # from the memo
+    assert block_hashes(IDS, 16, root, cache_salt="t:abc", memo=memo) == VLLM["salt"]
+    assert len(memo) <= 3  # emptied when full, never past its capacity
