@@ -501,7 +501,8 @@ class Edge:
                 await self.forwarder.serve(ctx)
             else:
                 self.placement.hash_prompt(ctx)
-                await self.placement.tokenize(ctx)
+                if self.placement.tokens is not None:  # --tokenizer: exact prefixes
+                    await self.placement.tokenize(ctx)
                 # P/D disaggregation (disagg.py): prefill and decode instances serve it in two
                 # hops (chat and completions: the legs are vLLM's proxy protocol).
                 if endpoint.kind == "responses" or not await self.pd.serve(ctx):
