@@ -20,6 +20,8 @@
                                       of static, reactive and fedinfer scaling (-m bench.fleet_day)
     python -m bench placement [...]   the placement planner's solve time on a synthetic fleet
                                       (-m bench.placement -h)
+    python -m bench prefix-tokens [...]  what exact prefix matching costs per request: render,
+                                      tokenize, hash, look up (-m bench.prefix_tokens -h)
 
 Results are printed as Markdown tables and written as JSON under ``var/bench/``.
 """
@@ -67,6 +69,10 @@ def main(argv: list[str]) -> None:
         from bench import fleet_day
 
         fleet_day.main(argv[1:])
+    elif argv[0] == "prefix-tokens":
+        from bench import prefix_tokens
+
+        prefix_tokens.main(argv[1:])
     elif argv[0] == "instructions":
         from bench import instructions
 

@@ -55,6 +55,8 @@ RESERVED_ENGINE_ARGS = frozenset(
         "ssl-certfile",
         "enable-prefix-caching",
         "no-enable-prefix-caching",
+        # the edges compute the engines' block hashes (regions/engines/block_hash.py)
+        "prefix-caching-hash-algo",
     }
 )
 

@@ -51,8 +51,10 @@ from regions.edge.spill_over import SpillOver
 from regions.edge.split import Split, SplitCollector, split_plan
 from regions.edge.sync import TableSync
 from regions.edge.table_file import FileStamp, file_stamp
+from regions.edge.token_prefix import TokenPrefixes
 from regions.edge.upstream import UpstreamPool, client_ssl_context
 from regions.edge.usage_shipper import ControlPlaneSink, RedisStreamSink, UsageSink
+from regions.engines.prompt_tokens import load_tokenizers
 from regions.tables.schema import (
     Instance,
     RoutingTable,
@@ -121,7 +123,23 @@ class Edge:
         self.admit = Admit(
             cfg, self, self.admission, self.hops, self.relay, self.meter, self.budgets
         )
-        self.placement = Placement(cfg, self, self.health, self.loads, self.prefix, self.lines)
+        self.kv_events = KvEventHub(
+            self.prefix, cfg.block_bytes / cfg.bytes_per_token, self.metrics.registry
+        )
+        tokenizers = load_tokenizers(dict(cfg.tokenizers), cfg.tokenize_max_chars)
+        self.placement = Placement(
+            cfg,
+            self,
+            self.health,
+            self.loads,
+            self.prefix,
+            self.lines,
+            (
+                TokenPrefixes(tokenizers, self.kv_events, cfg.kv_hash_seed, self.metrics.registry)
+                if tokenizers
+                else None
+            ),
+        )
         self.metrics.registry.register(
             SplitCollector(cfg.region, self.placement.splits, lambda: self.splits)
         )
@@ -143,7 +161,6 @@ class Edge:
         self.admit_stage: AdmitStage = (
             self.admit if self.tracer is None else self.tracer.admitting(self.admit)
         )
-        self.kv_events = KvEventHub(self.prefix, self.placement.block_tokens, self.metrics.registry)
         self._apply_table(table)
         self.sync = TableSync(cfg.sync, cfg.region, self) if cfg.sync is not None else None
         self._sync_client: httpx.AsyncClient | None = None
@@ -364,6 +381,8 @@ class Edge:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks = []
         await self.kv_events.stop()
+        if self.placement.tokens is not None:
+            self.placement.tokens.close()
         if self.meter is not None:
             await self.meter.stop()
         if self._http is not None:
@@ -499,6 +518,8 @@ class Edge:
                 await self.forwarder.serve(ctx)
             else:
                 self.placement.hash_prompt(ctx)
+                if self.placement.tokens is not None:  # --tokenizer: exact prefixes
+                    await self.placement.tokenize(ctx)
                 # P/D disaggregation (disagg.py): prefill and decode instances serve it in two
                 # hops (chat and completions: the legs are vLLM's proxy protocol).
                 if endpoint.kind == "responses" or not await self.pd.serve(ctx):

@@ -54,6 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     _server_flags(p)
     _routing_flags(p)
     _engine_flags(p)
+    _prefix_flags(p)
     _metering_flags(p)
     _observability_flags(p)
     p.add_argument("--log-level", default="info")
@@ -163,6 +164,33 @@ def _routing_flags(p: argparse.ArgumentParser) -> None:
          "instance is passed over while another has room"),
         ("--disagg-wait-poll", float, _DISAGG.wait_poll_s, "P/D: seconds between decisions "
          "while every decode instance is at its cap"),
+    ))  # fmt: skip
+
+
+def _tokenizer_spec(text: str) -> tuple[str, Path]:
+    model, sep, path = text.partition("=")
+    if not sep or not model or not path:
+        raise argparse.ArgumentTypeError(f"expected MODEL=PATH, got {text!r}")
+    return model, Path(path)
+
+
+def _prefix_flags(p: argparse.ArgumentParser) -> None:
+    """Exact prefix-cache knowledge: the models' tokenizers and the engines' hash seed."""
+    p.add_argument(
+        "--tokenizer",
+        type=_tokenizer_spec,
+        action="append",
+        default=[],
+        metavar="MODEL=PATH",
+        help="the model's tokenizer.json, or the directory holding it and "
+        "tokenizer_config.json (the chat template): its prompts are matched exactly against "
+        "the engines' KV events (repeat per model; others use the byte estimate)",
+    )
+    _add(p, (
+        ("--tokenize-max-chars", int, _EDGE.tokenize_max_chars, "characters of a rendered "
+         "prompt tokenized at most (only the head of a longer prompt is matched)"),
+        ("--kv-hash-seed", str, _EDGE.kv_hash_seed, "the engines' PYTHONHASHSEED, if they run "
+         "with one (the first block's parent hash; default: vLLM's own seed)"),
     ))  # fmt: skip
 
 
@@ -384,6 +412,9 @@ def config_from_args(opts: argparse.Namespace) -> EdgeConfig:
         table_poll_s=opts.table_poll,
         bytes_per_token=opts.bytes_per_token,
         prefix_capacity=opts.prefix_capacity,
+        tokenizers=_tokenizers(opts.tokenizer),
+        tokenize_max_chars=opts.tokenize_max_chars,
+        kv_hash_seed=opts.kv_hash_seed,
         rate_burst_s=opts.rate_burst,
         spill_margin_s=opts.spill_margin_ms / 1000.0,
         split_margin_s=opts.split_margin_ms / 1000.0,
@@ -392,6 +423,17 @@ def config_from_args(opts: argparse.Namespace) -> EdgeConfig:
         tracing=tracing_from_args(opts),
         tenant_series=_tenant_series(opts.tenant_series),
     )
+
+
+def _tokenizers(specs: list[tuple[str, Path]]) -> dict[str, Path]:
+    out: dict[str, Path] = {}
+    for model, path in specs:
+        if model in out:
+            raise SystemExit(f"--tokenizer: {model!r} is given twice")
+        if not path.exists():
+            raise SystemExit(f"--tokenizer {model}={path}: no such file or directory")
+        out[model] = path
+    return out
 
 
 def make_edge(cfg: EdgeConfig) -> Edge:

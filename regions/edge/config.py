@@ -12,6 +12,8 @@ from regions.edge.metering import MeteringConfig
 from regions.edge.prefix_index import BLOCK_BYTES, BYTES_PER_TOKEN
 from regions.edge.scheduler import SchedulerConfig
 from regions.edge.sync import SyncConfig
+from regions.engines.block_hash import DEFAULT_SEED
+from regions.engines.prompt_tokens import DEFAULT_MAX_CHARS
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +73,13 @@ class EdgeConfig:
     bytes_per_token: float = BYTES_PER_TOKEN
     prefix_capacity: int = 200_000
     prefix_ttl_s: float = 600.0
+    #: Model -> its ``tokenizer.json`` (or the directory holding it and tokenizer_config.json):
+    #: prompts of these models are matched exactly against the engines' KV events.
+    tokenizers: Mapping[str, Path] = field(default_factory=dict)
+    #: Characters of a rendered prompt tokenized at most (the head of a longer one is).
+    tokenize_max_chars: int = DEFAULT_MAX_CHARS
+    #: The engines' ``PYTHONHASHSEED``, if they run with one (vLLM's default seed otherwise).
+    kv_hash_seed: str = DEFAULT_SEED
     session_capacity: int = 100_000
     retry_after_s: int = 1
     #: Control-plane mode (``--control-plane``): table sync and heartbeats.

@@ -31,6 +31,7 @@ from regions.edge.parse import ParsedRequest, UsageTap
 from regions.edge.server import Receive, Scope, Send
 from regions.edge.spill import Remote, Spill
 from regions.edge.split import Split
+from regions.edge.token_prefix import PromptTokens
 from regions.edge.upstream import UpstreamPool
 from regions.tables.schema import Instance, RoutingTable
 
@@ -64,6 +65,8 @@ class RequestContext:
     spill: Spill | None = None
     #: The prompt's block hashes (``placement.Placement.hash_prompt``).
     hashes: Sequence[int] = ()
+    #: Its token ids, when the model's tokenizer renders it exactly (``token_prefix.py``).
+    tokens: PromptTokens | None = None
     #: What the route header may show this tenant of the prefix cache.
     view: CacheView | None = None
     #: Seconds waited at the gateway, over every placement.

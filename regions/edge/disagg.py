@@ -212,7 +212,9 @@ class PdRouter:
         req = ctx.req
         if all(inst.role == "mixed" for inst in self.fleet.by_model.get(req.model, ())):
             return False  # the common case, decided without building candidates
-        candidates = self.placement.candidates(req.model, ctx.hashes, time.monotonic())
+        candidates = self.placement.candidates(
+            req.model, ctx.hashes, time.monotonic(), tokens=ctx.tokens
+        )
         mode = plan(candidates, req.model, req.prompt_tokens, self.cfg.disagg)
         if mode is None:
             return False
@@ -295,8 +297,8 @@ class PdRouter:
         uncached = req.prompt_tokens - winner.cached_tokens
         with Attempt(self.attempts, inst, req.prompt_tokens, uncached) as attempt:
             attempt.reached = False
-            if ctx.hashes:  # after this leg the prefill engine holds the prompt's blocks
-                self.placement.prefix.insert(ctx.hashes, inst.id, time.monotonic())
+            # after this leg the prefill engine holds the prompt's blocks
+            self.placement.sent(ctx, inst)
             try:
                 resp = await self.fleet.upstream.post(inst.url, req.path, body, headers)
             except UpstreamError as exc:

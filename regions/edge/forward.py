@@ -83,9 +83,7 @@ class Forwarder:
             inst = self.fleet.instances[winner.instance]
             uncached = req.prompt_tokens - winner.cached_tokens
             with Attempt(self.attempts, inst, req.prompt_tokens, uncached) as attempt:
-                # Speculative: after this prefill the winner holds the prompt (as SGLang does).
-                if ctx.hashes:
-                    self.prefix.insert(ctx.hashes, inst.id, time.monotonic())
+                self.placement.sent(ctx, inst)
                 if session_key is not None:
                     self.sessions.remember(session_key, inst.id)
                 try:

@@ -6,19 +6,22 @@ An engine started with ``--kv-events-config '{"enable_kv_cache_events": true, "p
 data_parallel_rank]``, each event ``BlockStored``, ``BlockRemoved`` or ``AllBlocksCleared``).
 The edge subscribes to every table instance that has a ``kv_events_endpoint``.
 
-The edge has no tokenizer: its index hashes prompt *bytes*, vLLM's events hash *token* blocks,
-so an event's hashes cannot be matched to the index's. The events are used for what they say
-without a tokenizer:
+What the events say is used two ways:
 
-* ``AllBlocksCleared`` (and an engine restart, seen as ``seq`` starting again at 0): the
-  engine holds nothing, so the instance's entries are forgotten.
-* Capacity: the resident blocks (stored minus removed, in tokens) are what the engine holds.
-  When the edge believes it holds more (its entries times tokens per edge block), the edge's least
-  recently used entries for it are dropped until the belief fits (:func:`blocks_to_evict`),
-  so it stops predicting hits on prefixes the engine has evicted.
-* A ``seq`` gap (dropped messages) or joining a running engine makes the resident count
-  unknown: it is logged and counted, capacity correction stops, and the entries are left to
-  the TTL until the next ``AllBlocksCleared`` or restart gives a known state again.
+* **Exact prefixes.** For a model whose tokenizer the edge has
+  (``regions/engines/prompt_tokens.py``), the edge computes the prompt's block hashes as
+  vLLM does (``regions/engines/block_hash.py``) and an instance's cached prefix is the
+  longest run of them among the blocks its events say it holds (:meth:`EngineCache.depth`).
+  Every edge subscribed to the engine holds the same set.
+* **Capacity**, for the byte estimate that remains for models without a tokenizer: the
+  resident blocks (stored minus removed, in tokens) are what the engine holds. When the edge
+  believes it holds more (its entries times tokens per edge block), the edge's least recently
+  used entries for it are dropped until the belief fits (:func:`blocks_to_evict`).
+
+``AllBlocksCleared`` (and an engine restart, seen as ``seq`` starting again at 0) empties the
+engine's set and the instance's byte-index entries. A ``seq`` gap (dropped messages) or joining
+a running engine makes the set unknown: it is logged and counted, the instance falls back to
+the byte estimate, and the next ``AllBlocksCleared`` or restart gives a known state again.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ import zmq.asyncio
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from regions.edge.prefix_index import PrefixIndex
+from regions.engines.block_hash import event_int
 from regions.tables.schema import Instance
 
 log = logging.getLogger("fedinfer.edge.kv_events")
@@ -48,6 +52,9 @@ SETTLE_S = 2.0
 CHECK_INTERVAL_S = 0.5
 #: Media whose blocks are in the engine's GPU prefix cache (``None``: not said).
 _GPU_MEDIA = (None, "GPU")
+#: Resident blocks one engine may report (an H100's 80 GB holds a few hundred thousand blocks
+#: of 16 tokens): past this the set stops being trusted rather than growing without bound.
+MAX_RESIDENT_BLOCKS = 1 << 22
 
 
 class EventFormatError(ValueError):
@@ -83,9 +90,19 @@ class Batch:
 
 
 def _hashes(value: Any) -> tuple[Hashable, ...]:
-    if not isinstance(value, list) or not all(isinstance(h, int | bytes) for h in value):
+    """Event hashes as ints: vLLM sends the last 8 bytes as an int by default, the whole
+    digest as bytes under ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0``; both become the int."""
+    if not isinstance(value, list):
         raise EventFormatError("block_hashes must be a list of ints or bytes")
-    return tuple(value)
+    out: list[Hashable] = []
+    for h in value:
+        if isinstance(h, bytes):
+            out.append(event_int(h))
+        elif isinstance(h, int) and not isinstance(h, bool):
+            out.append(h)
+        else:
+            raise EventFormatError("block_hashes must be a list of ints or bytes")
+    return tuple(out)
 
 
 def _event(raw: Any) -> Event | None:
@@ -159,6 +176,19 @@ class EngineCache:
     tokens: int = 0
     known: bool = False
     next_seq: int | None = None
+    #: The engine's block size in tokens, from its latest ``BlockStored`` (None: none yet).
+    block_size: int | None = None
+
+    def depth(self, hashes: Iterable[Hashable]) -> int:
+        """How many leading ``hashes`` the engine holds: its cached prefix, in blocks, as
+        vLLM's lookup stops at the first block it does not hold."""
+        blocks = self.blocks
+        n = 0
+        for h in hashes:
+            if h not in blocks:
+                break
+            n += 1
+        return n
 
     def receive(self, seq: int, batch: Batch) -> tuple[bool, bool]:
         """Apply one message; returns ``(cleared, gap)``: the engine's cache was emptied (a
@@ -185,10 +215,15 @@ class EngineCache:
             elif event.medium not in _GPU_MEDIA:
                 continue  # an offload tier: not in the GPU prefix cache
             elif isinstance(event, Stored):
+                self.block_size = event.block_size
                 for h in event.hashes:
                     if h not in self.blocks:
                         self.blocks[h] = event.block_size
                         self.tokens += event.block_size
+                if len(self.blocks) > MAX_RESIDENT_BLOCKS:
+                    self._empty()
+                    self.known = False
+                    gap = True
             else:
                 for h in event.hashes:
                     self.tokens -= self.blocks.pop(h, 0)
@@ -306,7 +341,15 @@ class KvEventHub:
         self.metrics = KvEventMetrics(registry)
         self._wanted: dict[str, str] = {}
         self._tasks: dict[str, tuple[str, asyncio.Task[None]]] = {}
+        #: What each followed engine holds, by instance id (read by placement).
+        self.caches: dict[str, EngineCache] = {}
         self._ctx: zmq.asyncio.Context | None = None
+
+    def known(self, instance: str) -> EngineCache | None:
+        """The instance's cache when its events were followed from a known state, else None
+        (no events, a gap, a late join): the caller falls back to the byte estimate."""
+        cache = self.caches.get(instance)
+        return cache if cache is not None and cache.known else None
 
     def sync(self, instances: Iterable[Instance]) -> None:
         """Follow the table: subscribe to new endpoints, drop the ones gone (no await)."""
@@ -329,9 +372,11 @@ class KvEventHub:
             if self._wanted.get(inst) != endpoint:
                 task.cancel()
                 del self._tasks[inst]
+                self.caches.pop(inst, None)
         for inst, endpoint in self._wanted.items():
             if inst not in self._tasks:
                 sub = KvEventSubscriber(inst, endpoint, self.index, self.block_tokens, self.metrics)
+                self.caches[inst] = sub.cache
                 task = asyncio.create_task(self._guard(sub, self._ctx))
                 self._tasks[inst] = (endpoint, task)
 
@@ -342,11 +387,13 @@ class KvEventHub:
         except asyncio.CancelledError:
             raise
         except Exception:
+            sub.cache.known = False  # no longer followed: not to be trusted for lookups
             log.exception("kv events %s (%s): subscriber stopped", sub.instance, sub.endpoint)
 
     async def stop(self) -> None:
         tasks = [task for _, task in self._tasks.values()]
         self._tasks = {}
+        self.caches = {}
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)

@@ -127,7 +127,15 @@ class Series:
     when /metrics is scraped instead.
     """
 
-    __slots__ = ("actual_cached", "e2e", "predicted_cached", "prompt_tokens", "statuses", "ttft")
+    __slots__ = (
+        "actual_cached",
+        "e2e",
+        "predicted_cached",
+        "predictions",
+        "prompt_tokens",
+        "statuses",
+        "ttft",
+    )
 
     def __init__(self) -> None:
         self.ttft = Histo()
@@ -136,6 +144,14 @@ class Series:
         self.actual_cached = 0
         self.prompt_tokens = 0
         self.statuses: dict[int, int] = {}
+        #: (path, outcome) -> requests: how the predicted cached tokens compared with the
+        #: engine's report, by whether the prediction was exact (KV events) or an estimate.
+        self.predictions: dict[tuple[str, str], int] = {}
+
+    def compare(self, exact: bool, predicted: int, reported: int) -> None:
+        outcome = "equal" if predicted == reported else "over" if predicted > reported else "under"
+        key = ("exact" if exact else "estimate", outcome)
+        self.predictions[key] = self.predictions.get(key, 0) + 1
 
 
 #: The label value of the tenants without series of their own (never a tenant's slug: slugs
@@ -308,6 +324,13 @@ class _RequestCollector(Collector):
             "Prompt tokens the engine reported (usage.prompt_tokens)",
             labels=labels,
         )
+        agreement = CounterMetricFamily(
+            "fedinfer_edge_cached_predictions",
+            "Requests by how the predicted cached tokens compared with the engine's report "
+            "(outcome equal, over, under), and whether the prediction was exact (KV events "
+            "and the model's tokenizer) or the byte estimate",
+            labels=[*labels, "path", "outcome"],
+        )
         for (model, instance), s in series.items():
             key = [model, instance]
             for status, n in s.statuses.items():
@@ -319,7 +342,9 @@ class _RequestCollector(Collector):
             predicted.add_metric(key, s.predicted_cached)
             actual.add_metric(key, s.actual_cached)
             prompt.add_metric(key, s.prompt_tokens)
-        yield from (requests, ttft, e2e, predicted, actual, prompt)
+            for (path, outcome), n in s.predictions.items():
+                agreement.add_metric([*key, path, outcome], n)
+        yield from (requests, ttft, e2e, predicted, actual, prompt, agreement)
 
     def _server_state(self) -> Iterator[Metric]:
         inflight = GaugeMetricFamily(

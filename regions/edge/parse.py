@@ -68,6 +68,8 @@ class ParsedRequest:
     max_output_tokens: int = DEFAULT_OUTPUT_TOKENS
     #: vLLM's ``cache_salt`` as sent upstream (the client's, or the tenant's joined with it).
     cache_salt: str | None = None
+    #: The decoded body of a generating request (what the edge's tokenizer reads), else None.
+    doc: dict[str, Any] | None = None
 
     @property
     def path(self) -> str:
@@ -367,6 +369,7 @@ def parse_request(raw: bytes, *, endpoint: Endpoint, bytes_per_token: float) -> 
         user=user if isinstance(user, str) and user else None,
         max_output_tokens=output,
         cache_salt=salt,
+        doc=doc if endpoint.generates else None,
     )
 
 

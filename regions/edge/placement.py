@@ -8,6 +8,7 @@ gateway line (``gateway_line.py``) and decides again.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Sequence
 
@@ -23,6 +24,8 @@ from regions.edge.prefix_index import PrefixIndex, SeenPrefixes, block_hashes, r
 from regions.edge.scheduler import Candidate, Decision, RouteRequest, decide, decide_unqueued
 from regions.edge.spill import Spill, eligible_remotes
 from regions.edge.split import SplitCounts, planned_remote, split_point
+from regions.edge.token_prefix import MAX_PENDING, PromptTokens, TokenPrefixes
+from regions.tables.schema import Instance
 
 #: Every slot taken past the queue timeout, or the gateway full.
 SATURATED = Decision(None, None, "saturated")
@@ -44,6 +47,7 @@ class Placement:
         "prefix",
         "seen",
         "splits",
+        "tokens",
         "turn",
     )
 
@@ -55,6 +59,7 @@ class Placement:
         loads: LoadBoard,
         prefix: PrefixIndex,
         lines: GatewayLines,
+        tokens: TokenPrefixes | None = None,
     ) -> None:
         self.cfg = cfg
         self.fleet = fleet
@@ -67,6 +72,8 @@ class Placement:
         self.turn = 0
         self._seeds: dict[str, int] = {}
         self.splits = SplitCounts()
+        #: Exact prefixes for the models with a tokenizer (None: none configured).
+        self.tokens = tokens
 
     def hash_prompt(self, ctx: RequestContext) -> None:
         """The prompt's block hashes, and what its tenant may be shown of the cache."""
@@ -86,12 +93,50 @@ class Placement:
                 self.seen.add(hashes, ctx.salt)
             ctx.view = CacheView(int(own * self.block_tokens), self.fleet.prefill_rates)
 
+    async def tokenize(self, ctx: RequestContext) -> None:
+        """The prompt's tokens and block hashes (``token_prefix.py``), computed in a worker
+        thread, when the model has a tokenizer and an instance's KV events are followed."""
+        exact = self.tokens
+        req = ctx.req
+        if exact is None or req.doc is None or not exact.wants(req.model, req.endpoint.kind):
+            return
+        sizes = exact.block_sizes(self.fleet.by_model.get(req.model, ()))
+        if not sizes:
+            return  # no instance's cache is known: the estimate decides anyway
+        if exact.pending >= MAX_PENDING:
+            exact.skipped.labels(req.model).inc()
+            return  # the tokenizer is behind: place on the estimate rather than wait
+        exact.pending += 1
+        try:
+            tokens = ctx.tokens = await asyncio.get_running_loop().run_in_executor(
+                exact.worker,
+                exact.prompt,
+                req.model,
+                req.endpoint.kind,
+                req.doc,
+                req.cache_salt,
+                sizes,
+            )
+        finally:
+            exact.pending -= 1
+        if tokens is not None and tokens.complete:
+            req.prompt_tokens = len(tokens.ids)  # the engine's count, not an estimate
+
     def candidates(
-        self, model: str, hashes: Sequence[int], now: float, own_target: str | None = None
+        self,
+        model: str,
+        hashes: Sequence[int],
+        now: float,
+        own_target: str | None = None,
+        tokens: PromptTokens | None = None,
     ) -> list[Candidate]:
         """Every local instance of ``model`` as the scheduler sees it now; ``own_target``: the
-        instance a re-deciding waiter targets (it does not count itself in that line)."""
-        matched = self.prefix.match(hashes, time.monotonic()) if hashes else {}
+        instance a re-deciding waiter targets (it does not count itself in that line);
+        ``tokens``: the prompt's tokens, matched exactly where an engine's events allow."""
+        mono = time.monotonic()
+        matched = self.prefix.match(hashes, mono) if hashes else {}
+        exact = self.tokens if tokens is not None else None
+        recent: dict[int, dict[str, int]] = {}
         out = []
         states = self.health.states
         targeted = self.lines.targeted
@@ -118,10 +163,23 @@ class Placement:
                     mean_uncached_tokens=load.mean_uncached_tokens,
                     mean_service_s=load.mean_service_s,
                     cached_blocks=matched.get(inst.id, 0),
+                    cached_tokens=(
+                        exact.cached_tokens(tokens, inst, mono, recent)
+                        if exact is not None and tokens is not None and inst.model == model
+                        else None
+                    ),
                     queued=targeted.get(inst.id, 0) - (inst.id == own_target),
                 )
             )
         return out
+
+    def sent(self, ctx: RequestContext, inst: Instance) -> None:
+        """The prompt goes to ``inst``: after its prefill the engine holds its blocks (as
+        SGLang does, speculatively); the KV events confirm or correct it."""
+        if ctx.hashes:
+            self.prefix.insert(ctx.hashes, inst.id, time.monotonic())
+        if ctx.tokens is not None and self.tokens is not None:
+            self.tokens.sent(ctx.tokens, inst)
 
     def place_unqueued(self, model: str, exclude: frozenset[str]) -> Decision:
         """An instance for a call that takes no slot and never waits (``scheduler.py``,
@@ -183,7 +241,7 @@ class Placement:
         try:
             while True:
                 now = time.monotonic()
-                decision = self._decide(ctx.hashes, route, now, waiter)
+                decision = self._decide(ctx, route, now, waiter)
                 if spill is not None:
                     if self._spills(spill, decision, req.model, sticky):
                         return SPILL, now - started
@@ -210,13 +268,12 @@ class Placement:
                 lines.leave(line, waiter)
 
     def _decide(
-        self, hashes: Sequence[int], route: RouteRequest, now: float, waiter: Waiter | None
+        self, ctx: RequestContext, route: RouteRequest, now: float, waiter: Waiter | None
     ) -> Decision:
         self.turn += 1
         own = waiter.target if waiter is not None else None
-        return decide(
-            self.candidates(route.model, hashes, now, own), route, self.cfg.scheduler, self.turn
-        )
+        candidates = self.candidates(route.model, ctx.hashes, now, own, ctx.tokens)
+        return decide(candidates, route, self.cfg.scheduler, self.turn)
 
     def _spills(self, spill: Spill, decision: Decision, model: str, sticky: str | None) -> bool:
         """Does the plan send this new session elsewhere (split.py), would a remote region

@@ -87,6 +87,8 @@ class Recorder:
         if cached is not None and winner is not None:
             series.predicted_cached += winner.cached_tokens
             series.actual_cached += cached
+            if winner.instance == instance:
+                series.compare(winner.exact, winner.cached_tokens, cached)
         if (
             self.learn_speeds
             and ttft is not None

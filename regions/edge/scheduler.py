@@ -7,7 +7,7 @@ healthy, under its concurrency cap, not already tried) and *score* by the expect
 time-to-first-token in seconds. The formula and the reasons for it are in
 ``docs/edge-scheduling.md``::
 
-    cached   = min(matched_blocks * block_tokens, prompt_tokens - 1)
+    cached   = min(matched_blocks * block_tokens, prompt_tokens - 1)   (or the exact tokens)
     busy     = max(outstanding, inflight) + queued      (max_concurrency when the KV cache is full)
     rate     = prefill_tokens_per_s
     step_s   = step_tokens / rate * (1 + decode_slowdown * min(1, busy / max_concurrency))
@@ -76,6 +76,9 @@ class Candidate:
     mean_service_s: float
     #: Leading prompt blocks this instance is believed to hold (prefix index).
     cached_blocks: int = 0
+    #: Prompt tokens it holds per its KV events (``token_prefix.py``); None: not known
+    #: exactly, ``cached_blocks`` estimates them.
+    cached_tokens: int | None = None
     rtt_ms: float = 0.0
     #: Requests waiting at this edge's gateway for a slot of this instance.
     queued: int = 0
@@ -104,6 +107,8 @@ class Scored:
     wait: bool = False
     #: The part of ``queue_s`` that is the wait for a slot (not proportional to the rate).
     slot_s: float = 0.0
+    #: ``cached_tokens`` came from the engine's KV events, not the byte estimate.
+    exact: bool = False
 
 
 @dataclass(slots=True)
@@ -142,7 +147,11 @@ def score(c: Candidate, req: RouteRequest, cfg: SchedulerConfig) -> Scored:
     if busy >= cap:
         slot_s = (busy - cap + 1) * c.mean_service_s / cap
         queue_s += slot_s
-    cached = min(int(c.cached_blocks * req.block_tokens), req.prompt_tokens - 1)
+    exact = c.cached_tokens
+    if exact is None:
+        cached = min(int(c.cached_blocks * req.block_tokens), req.prompt_tokens - 1)
+    else:
+        cached = min(exact, req.prompt_tokens - 1)
     if cached < 0:
         cached = 0
     prefill_s = (req.prompt_tokens - cached) / rate + step_s
@@ -156,6 +165,7 @@ def score(c: Candidate, req: RouteRequest, cfg: SchedulerConfig) -> Scored:
         c.outstanding,
         c.inflight >= c.max_concurrency,
         slot_s,
+        exact is not None,
     )
 
 

@@ -38,6 +38,7 @@ VLLM_FLAGS = {
     "--max-model-len",
     "--max-num-seqs",
     "--enable-prefix-caching",
+    "--prefix-caching-hash-algo",
     "--enable-prompt-tokens-details",
     "--tensor-parallel-size",
 }

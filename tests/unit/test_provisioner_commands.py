@@ -63,6 +63,8 @@ def test_the_vllm_command_line_carries_every_flag_of_the_deployment() -> None:
     }
     assert flag(args, "--max-num-seqs") == "128" and "--enforce-eager" in args
     assert "--enable-prefix-caching" in args and "--enable-prompt-tokens-details" in args
+    # hashes the edges reproduce from the prompt's tokens (regions/engines/block_hash.py)
+    assert flag(args, "--prefix-caching-hash-algo") == "sha256_cbor"
     assert "--disable-log-stats" not in args  # False leaves a flag out
 
 
@@ -111,6 +113,7 @@ def test_the_simulator_gets_the_subset_it_models() -> None:
     assert flag(args, "--accelerator") == "H100-80G"
     assert "--lora-modules" in args and "--enforce-eager" not in args
     assert flag(args, "--max-num-seqs") == "128"  # the concurrency the autoscaler measures
+    assert flag(args, "--prefix-caching-hash-algo") == "sha256_cbor"  # vLLM's hashes
     unknown = EngineSpec(name="x", url="u", model="m", served_model_name="m", accelerator="TPU")
     assert "--accelerator" not in sim_args(unknown, host="h", port=1)
 

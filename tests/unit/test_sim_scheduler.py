@@ -215,3 +215,32 @@ def test_same_workload_same_trace() -> None:
         return run(s), [r.num_cached_tokens for r in reqs]
 
     assert trace() == trace()
+
+
+def test_with_vllms_root_blocks_hash_as_vllms_sha256_cbor_prompt_and_output_alike() -> None:
+    """``--prefix-caching-hash-algo sha256_cbor``: the hashes vLLM 0.32 computes
+    (regions/engines/block_hash.py, checked against vLLM), salted and LoRA-keyed as vLLM keys
+    them, extended over generated tokens as the sequence grows."""
+    from regions.engines.block_hash import block_hashes, extend_chain, none_hash
+
+    config = SchedulerConfig(
+        max_num_seqs=8, max_num_batched_tokens=8192, max_model_len=4096, block_size=BS
+    )
+    root = none_hash()
+    s = Scheduler(config, KVCacheManager(256, BS), root_hash(0), root, {"sql": "/adapters/sql"})
+    plain = req("plain", 40, out=20)
+    salted = req("salted", 40)
+    salted.cache_salt = "t:abc"
+    adapter = req("adapter", 40, lora="sql")
+    for r in (plain, salted, adapter):
+        s.add_request(r)
+    ids = list(range(1, 41))
+    assert plain.block_hashes == block_hashes(ids, BS, root)
+    assert salted.block_hashes == block_hashes(ids, BS, root, cache_salt="t:abc")
+    lora: list[int] = []
+    extend_chain([], lora, ids, BS, root, lora=("sql", "/adapters/sql"))
+    assert adapter.block_hashes == lora
+    run(s)
+    # the answer's tokens filled more blocks: hashed on, from the prompt's chain
+    assert plain.block_hashes == block_hashes(plain.all_token_ids(), BS, root)
+    assert len(plain.block_hashes) == 60 // BS

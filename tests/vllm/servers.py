@@ -56,6 +56,9 @@ def server_argv(model_dir: Path, port: int) -> list[str]:
         "--max-num-seqs",
         str(MAX_NUM_SEQS),
         "--enable-prefix-caching",
+        # the hashes the edge computes from the prompt's tokens (regions/engines/block_hash.py)
+        "--prefix-caching-hash-algo",
+        "sha256_cbor",
         "--enable-prompt-tokens-details",
     ]
 

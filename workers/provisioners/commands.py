@@ -12,6 +12,7 @@ import re
 from typing import Any
 
 from federation.fleet.spec import EngineSpec, ProvisionerError
+from regions.engines.block_hash import HASH_ALGO
 from regions.engines.simulator.perf import ACCELERATORS
 
 #: vLLM accepts only these LoRA ranks for --max-lora-rank.
@@ -31,6 +32,7 @@ RENDERED_FLAGS = frozenset(
         "max-lora-rank",
         "kv-events-config",
         "enable-prefix-caching",
+        "prefix-caching-hash-algo",
         "enable-prompt-tokens-details",
     }
 )
@@ -106,6 +108,11 @@ def vllm_args(spec: EngineSpec, *, host: str, port: int) -> list[str]:
         # The edge routes on prefix-cache hits and meters cached tokens from the usage's
         # prompt_tokens_details (as platform/k8s/region/vllm.yaml and tests/vllm run it).
         "--enable-prefix-caching",
+        # Block hashes every edge can compute from the prompt's tokens (sha256 of canonical
+        # CBOR; the default pickles): exact prefix matching against the KV events
+        # (regions/engines/block_hash.py).
+        "--prefix-caching-hash-algo",
+        HASH_ALGO,
         "--enable-prompt-tokens-details",
     ]
     if spec.max_model_len is not None:
@@ -125,7 +132,7 @@ def sim_args(spec: EngineSpec, *, host: str, port: int) -> list[str]:
     """The flags of ``fedinfer engine-sim`` for ``spec``: one engine, the same model name,
     TP, accelerator (when the simulator models it), context and adapters."""
     args = ["--host", host, "--port", str(port), "--model", spec.served_model_name]
-    args += ["--tp", str(spec.tensor_parallel_size)]
+    args += ["--tp", str(spec.tensor_parallel_size), "--prefix-caching-hash-algo", HASH_ALGO]
     if spec.accelerator in ACCELERATORS:
         args += ["--accelerator", spec.accelerator]
     if spec.max_model_len is not None:

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import uvicorn
 
+from regions.engines.prompt_tokens import ModelTokenizer, TokenizerError
 from regions.engines.simulator.engine import EngineConfig, SimEngine
 from regions.engines.simulator.faults import FaultConfig, apply_update, parse_fault_flag
 from regions.engines.simulator.kv_events import (
@@ -64,6 +65,20 @@ def build_parser() -> argparse.ArgumentParser:
         "--lora-modules", nargs="+", default=[], metavar="NAME=PATH", help="adapters at start"
     )
     p.add_argument("--no-enable-prefix-caching", action="store_true")
+    p.add_argument(
+        "--prefix-caching-hash-algo",
+        default="sha256",
+        choices=("sha256", "sha256_cbor", "xxhash", "xxhash_cbor"),
+        help="as in vLLM; sha256_cbor hashes blocks exactly as vLLM does (the others: the "
+        "simulator's own hash, which no router reproduces)",
+    )
+    p.add_argument(
+        "--tokenizer",
+        type=Path,
+        default=None,
+        help="a model's tokenizer.json or its directory (with tokenizer_config.json's chat "
+        "template): prompts are tokenized with it, as vLLM would (default: the built-in one)",
+    )
     p.add_argument("--output-len-median", type=int, default=128)
     p.add_argument("--params-billion", type=float, default=None, help="default: from --model")
     p.add_argument("--zero-latency", action="store_true", help="answer at once (overhead tests)")
@@ -175,6 +190,7 @@ def engine_configs(args: argparse.Namespace) -> list[EngineConfig]:
             output_len_median=args.output_len_median,
             params_billion=args.params_billion,
             lora_modules=tuple(loras),
+            prefix_caching_hash_algo=args.prefix_caching_hash_algo,
             faults=faults[i],
             kv_transfer=kv,
         )
@@ -204,7 +220,19 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def build_engines(configs: list[EngineConfig]) -> list[SimEngine]:
+def _prompt_tokenizer(path: Path | None) -> ModelTokenizer | None:
+    if path is None:
+        return None
+    try:
+        # No cut: the simulator's own limits (max_model_len) bound what it tokenizes.
+        return ModelTokenizer(path, max_chars=1 << 30)
+    except (OSError, TokenizerError) as exc:
+        raise SystemExit(f"engine-sim: --tokenizer {path}: {exc}") from None
+
+
+def build_engines(
+    configs: list[EngineConfig], prompt_tokenizer: ModelTokenizer | None = None
+) -> list[SimEngine]:
     """The engines, sharing a tokenizer and (same seed, same median) an answer planner."""
     tokenizer = Tokenizer()
     planners: dict[tuple[int, int], OutputPlanner] = {}
@@ -213,7 +241,7 @@ def build_engines(configs: list[EngineConfig]) -> list[SimEngine]:
         key = (cfg.seed, cfg.output_len_median)
         if key not in planners:
             planners[key] = OutputPlanner(tokenizer, cfg.seed, cfg.output_len_median)
-        engines.append(SimEngine(cfg, i, tokenizer, planners[key]))
+        engines.append(SimEngine(cfg, i, tokenizer, planners[key], prompt_tokenizer))
     return engines
 
 
@@ -346,7 +374,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s %(message)s")
     try:
         # An impossible configuration fails here, before anything is bound.
-        engines = build_engines(engine_configs(args))
+        engines = build_engines(engine_configs(args), _prompt_tokenizer(args.tokenizer))
     except ValueError as exc:
         raise SystemExit(f"engine-sim: {exc}") from None
     import uvloop

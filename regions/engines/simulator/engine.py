@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import os
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -20,6 +21,8 @@ from typing import Any
 import httpx
 import xxhash
 
+from regions.engines.block_hash import DEFAULT_SEED, HASH_ALGO, none_hash
+from regions.engines.prompt_tokens import ModelTokenizer
 from regions.engines.simulator.faults import FaultConfig, FaultInjector
 from regions.engines.simulator.kv_cache import KVCacheManager, root_hash
 from regions.engines.simulator.kv_events import KVEventPublisher
@@ -67,6 +70,10 @@ class EngineConfig:
     output_len_median: int = 128
     params_billion: float | None = None
     lora_modules: tuple[tuple[str, str], ...] = ()
+    #: vLLM's ``--prefix-caching-hash-algo``: ``sha256_cbor`` hashes blocks exactly as vLLM
+    #: does (``regions/engines/block_hash.py``, what the edge reproduces); the others stand
+    #: for hashes no router can reproduce, computed with the simulator's own 64-bit hash.
+    prefix_caching_hash_algo: str = "sha256"
     faults: FaultConfig = field(default_factory=FaultConfig)
     kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig)
 
@@ -105,6 +112,14 @@ class ModelNotFound(Exception):
     pass
 
 
+def _vllm_root(algo: str) -> bytes | None:
+    """vLLM's ``NONE_HASH`` for ``sha256_cbor`` (from ``PYTHONHASHSEED`` when set, as vLLM
+    does), None for the simulator's own hash."""
+    if algo != HASH_ALGO:
+        return None
+    return none_hash(os.environ.get("PYTHONHASHSEED", DEFAULT_SEED))
+
+
 class SimEngine:
     def __init__(
         self,
@@ -112,10 +127,14 @@ class SimEngine:
         index: int = 0,
         tokenizer: Tokenizer | None = None,
         planner: OutputPlanner | None = None,
+        prompt_tokenizer: ModelTokenizer | None = None,
     ):
         self.config = config
         self.index = index
         self.tokenizer = tokenizer or Tokenizer()
+        #: A real model's tokenizer (``--tokenizer``): prompts are tokenized with it, as vLLM
+        #: would; answers stay the simulator's own text and ids.
+        self.prompt_tokenizer = prompt_tokenizer
         self.served_model_names = config.served_model_names or (config.model,)
         params = config.params_billion or model_params_billion(config.model)
         self.perf = PerfModel(accelerator(config.accelerator), config.tp, params)
@@ -125,6 +144,7 @@ class SimEngine:
             DEFAULT_MAX_MODEL_LEN, self.num_gpu_blocks * bs
         )
         self.kv = KVCacheManager(self.num_gpu_blocks, bs, config.enable_prefix_caching)
+        self.loras: dict[str, str] = dict(config.lora_modules)
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_seqs=config.max_num_seqs,
@@ -135,6 +155,8 @@ class SimEngine:
             ),
             self.kv,
             root_hash(config.seed),
+            _vllm_root(config.prefix_caching_hash_algo),
+            self.loras,
         )
         self.metrics = EngineMetrics(
             self.served_model_names[0],
@@ -143,7 +165,6 @@ class SimEngine:
             config.max_loras,
         )
         self.faults = FaultInjector(config.seed * 7919 + index, config.faults)
-        self.loras: dict[str, str] = dict(config.lora_modules)
         self.streams: dict[str, RequestStream] = {}
         self.created = int(time.time())
         self.system_fingerprint = _system_fingerprint(

@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import enum
 from collections import deque
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from regions.engines.block_hash import extend_chain
 from regions.engines.simulator.kv_cache import KVCacheManager, extend_block_hashes
 
 
@@ -45,6 +47,8 @@ class Request:
     num_computed_tokens: int = 0
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)
+    #: The digests behind ``block_hashes`` when the engine hashes as vLLM's ``sha256_cbor``.
+    hash_chain: list[bytes] = field(default_factory=list)
     num_registered_blocks: int = 0
     #: Prompt tokens found in the prefix cache (local or transferred) at first scheduling
     #: (-1 before).
@@ -135,7 +139,17 @@ class SchedulerCounters:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, root_hash: int):
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv: KVCacheManager,
+        root_hash: int,
+        vllm_root: bytes | None = None,
+        lora_paths: Mapping[str, str] | None = None,
+    ):
+        """``vllm_root``: hash blocks exactly as vLLM's ``sha256_cbor`` from this
+        ``NONE_HASH`` (``regions/engines/block_hash.py``; ``lora_paths`` names each adapter's
+        path, part of its blocks' keys), instead of the simulator's own 64-bit hash."""
         if kv.block_size != config.block_size:
             raise ValueError("scheduler and KV cache disagree on the block size")
         if -(-config.max_model_len // kv.block_size) > kv.num_blocks:
@@ -146,6 +160,8 @@ class Scheduler:
         self.config = config
         self.kv = kv
         self.root_hash = root_hash
+        self.vllm_root = vllm_root
+        self.lora_paths = lora_paths if lora_paths is not None else {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -163,13 +179,7 @@ class Scheduler:
             raise ValueError("a request needs at least one prompt token")
         if request.num_prompt_tokens + request.max_tokens > self.config.max_model_len:
             raise ValueError("prompt plus max_tokens exceed max_model_len")
-        extend_block_hashes(
-            request.block_hashes,
-            request.prompt_token_ids,
-            self.kv.block_size,
-            self.root_hash,
-            _extra(request),
-        )
+        self._hash(request, request.prompt_token_ids)
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
@@ -385,13 +395,29 @@ class Scheduler:
     def _extend_hashes(self, request: Request) -> None:
         # Only when a new block just filled up; avoids rebuilding the token list every token.
         if request.num_tokens // self.kv.block_size > len(request.block_hashes):
+            self._hash(request, request.all_token_ids())
+
+    def _hash(self, request: Request, token_ids: Sequence[int]) -> None:
+        """Extend the request's block hashes over ``token_ids``."""
+        if self.vllm_root is None:
             extend_block_hashes(
                 request.block_hashes,
-                request.all_token_ids(),
+                token_ids,
                 self.kv.block_size,
                 self.root_hash,
                 _extra(request),
             )
+            return
+        lora = request.lora
+        extend_chain(
+            request.hash_chain,
+            request.block_hashes,
+            token_ids,
+            self.kv.block_size,
+            self.vllm_root,
+            cache_salt=request.cache_salt,
+            lora=(lora, self.lora_paths.get(lora, "")) if lora else None,
+        )
 
     def release_held(self, request_id: str) -> int | None:
         """Free a held prefill's blocks (read by the decode engine, or expired); the prompt

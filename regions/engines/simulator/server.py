@@ -336,12 +336,16 @@ class EngineApp:
                 )
         model, lora = self._model(body)
         add_generation_prompt = bool_field(body, "add_generation_prompt", True)
-        try:
-            rendered = self.engine.tokenizer.apply_chat_template(messages, add_generation_prompt)
-        except ValueError as exc:
-            raise bad_request(str(exc)) from None
-        self._check_chars(rendered)
-        prompt_ids = self.engine.tokenizer.encode(rendered)
+        prompt_ids = self._real_chat_ids(messages, add_generation_prompt)
+        if prompt_ids is None:
+            try:
+                rendered = self.engine.tokenizer.apply_chat_template(
+                    messages, add_generation_prompt
+                )
+            except ValueError as exc:
+                raise bad_request(str(exc)) from None
+            self._check_chars(rendered)
+            prompt_ids = self.engine.tokenizer.encode(rendered)
         max_tokens = int_field(body, "max_completion_tokens")
         param = "max_completion_tokens"
         if max_tokens is None:
@@ -362,7 +366,11 @@ class EngineApp:
             prompt = prompt[0]  # a batch of one
         if isinstance(prompt, str):
             self._check_chars(prompt)
-            prompt_ids = self.engine.tokenizer.encode(prompt)
+            real = self.engine.prompt_tokenizer
+            if real is not None:  # vLLM adds the special tokens to a completion's prompt
+                prompt_ids = list(real.encode(prompt, add_special_tokens=True).ids)
+            else:
+                prompt_ids = self.engine.tokenizer.encode(prompt)
         elif isinstance(prompt, list) and all(
             isinstance(t, int) and not isinstance(t, bool) for t in prompt
         ):
@@ -408,6 +416,16 @@ class EngineApp:
             responses=True,
         )
         await self._generate(scope, receive, send, generation)
+
+    def _real_chat_ids(self, messages: list[Any], add_generation_prompt: bool) -> list[int] | None:
+        """The prompt ids under ``--tokenizer`` (the model's template and tokenizer, as vLLM
+        renders them); None without one, or for what it does not render (non-text parts)."""
+        real = self.engine.prompt_tokenizer
+        if real is None:
+            return None
+        doc = {"messages": messages, "add_generation_prompt": add_generation_prompt}
+        prompt = real.chat_ids(doc)
+        return list(prompt.ids) if prompt is not None else None
 
     def _check_chars(self, text: str) -> None:
         """vLLM's cheap pre-check: text longer than limit x longest token cannot fit."""

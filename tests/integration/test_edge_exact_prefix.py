@@ -1,0 +1,119 @@
+"""Two edges, one view: exact prefix knowledge from tokens and KV events, on loopback.
+
+Two simulated engines tokenize with the bench model's tokenizer.json and hash blocks as vLLM's
+``sha256_cbor`` (``--tokenizer``, ``--prefix-caching-hash-algo``), publishing KV events; two
+edges, each with the same tokenizer, subscribe to both engines. Only edge A routes the warm-up
+traffic, so edge B's own (byte) index knows nothing of it; yet for a new request sharing a
+warm prefix both edges predict the same cached tokens — what the engine then reports — and
+pick the same instance: what they know comes from the engines, not from their own traffic.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from regions.edge.token_prefix import RECENT_S
+from regions.engines.simulator.bench_tokenizer import build
+from tests.integration.test_edge_support import (
+    EdgeProc,
+    engine_sims,
+    route_of,
+    start_edge,
+    table_doc,
+)
+
+MODEL = "meta-llama/Llama-3.1-8B-Instruct"
+EVENTS = '{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:0"}'
+
+
+@dataclass
+class Region:
+    a: EdgeProc
+    b: EdgeProc
+
+
+@pytest.fixture
+def region(tmp_path: Path) -> Iterator[Region]:
+    tokenizer = build(tmp_path / "tokenizer")
+    args = ("--max-model-len", "4096", "--seed", "5", "--tokenizer", str(tokenizer))
+    args += ("--prefix-caching-hash-algo", "sha256_cbor", "--kv-events-config", EVENTS)
+    with engine_sims(tmp_path, 2, MODEL, *args) as engines:
+        instances: list[dict[str, Any]] = [
+            {
+                "id": f"sim-{e['index']}",
+                "url": e["url"],
+                "model": MODEL,
+                "kv_events_endpoint": e["kv_events_endpoint"],
+            }
+            for e in engines
+        ]
+        edges: list[EdgeProc] = []
+        try:
+            for name in ("a", "b"):
+                sub = tmp_path / f"edge-{name}"
+                sub.mkdir()
+                table = table_doc("exact", 1, instances)
+                edges.append(start_edge(sub, table, "--tokenizer", f"{MODEL}={tokenizer}"))
+            time.sleep(1.0)  # the SUB sockets join before the first event (seq 0)
+            yield Region(*edges)
+        finally:
+            for edge in edges:
+                edge.proc.stop()
+
+
+SYSTEMS = [
+    f"You are assistant {k}. "
+    + " ".join(f"rule {k}.{i}: route the request well." for i in range(40))
+    for k in range(3)
+]
+
+
+def ask(edge: EdgeProc, system: str, user: str) -> tuple[int, int, str]:
+    """(cached tokens the edge predicted, cached tokens the engine reported, instance)."""
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": user}]
+    body = {"model": MODEL, "messages": messages, "max_tokens": 1}
+    r = httpx.post(edge.url + "/v1/chat/completions", json=body, timeout=20)
+    r.raise_for_status()
+    route = route_of(r.headers)
+    predicted = int(dict(t.split(":") for t in route["score"].split(","))["cached"])
+    cached = r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+    return predicted, cached, route["instance"]
+
+
+def exact_equal(edge: EdgeProc) -> float:
+    text = httpx.get(edge.ops + "/metrics", timeout=5).text
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("fedinfer_edge_cached_predictions_total")
+        and 'path="exact"' in line
+        and 'outcome="equal"' in line
+    )
+
+
+def test_two_edges_predict_the_same_cached_tokens_from_the_engines_events(region: Region) -> None:
+    # Warm-up through edge A only: each system prompt lands on some engine.
+    for k, system in enumerate(SYSTEMS):
+        ask(region.a, system, f"warm-up question {k}")
+        time.sleep(0.3)  # its blocks are reported before the next one is placed
+    time.sleep(RECENT_S + 0.5)  # A's own recent routing no longer counts: only the events
+
+    for k, system in enumerate(SYSTEMS):
+        # Users' texts differ from their first word: both share exactly the warm-up's prefix.
+        on_b = ask(region.b, system, f"Bravo, a new question {k}")
+        time.sleep(RECENT_S + 0.5)
+        on_a = ask(region.a, system, f"Alpha, a new question {k}")
+        time.sleep(RECENT_S + 0.5)
+        # Both edges see the system prompt's blocks on the same engine, and say so exactly.
+        assert on_b[0] == on_b[1] > 100, on_b
+        assert on_a[0] == on_a[1] == on_b[0], (on_a, on_b)
+        assert on_a[2] == on_b[2]
+    assert exact_equal(region.b) >= len(SYSTEMS)
+    assert exact_equal(region.a) >= len(SYSTEMS)
