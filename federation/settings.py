@@ -248,8 +248,10 @@ for _task, _every in (
     CELERY_BEAT_SCHEDULE[f"fleet-{_task}"] = {
         "task": f"fedinfer.fleet.{_task}",
         "schedule": float(_every),
-        # A pass that missed its turn is dropped, not piled up behind a slow one.
-        "options": {"expires": float(_every)},
+        # A pass still queued three periods on is dropped, not piled up behind slow ones. Not
+        # one period: the passes share the workers, and a reconcile that takes a period would
+        # then expire every failover pass queued behind it, each period, for good.
+        "options": {"expires": 3.0 * _every},
     }
 if REDIS_URL:
     # Edges ship usage to the Redis stream; without Redis they POST it to the control plane.

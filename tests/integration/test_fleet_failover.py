@@ -263,9 +263,20 @@ def test_the_database_cutting_the_workers_connections_mid_pass_leaves_no_duplica
         max_replicas=4,
     )
     worker = start_worker(procs, engines.engines_dir)
-    cut = 0
-    deadline = time.monotonic() + 8
+    others = (
+        "SELECT count(*) FROM pg_stat_activity"
+        " WHERE datname = current_database() AND pid <> pg_backend_pid()"
+    )
     with connection.cursor() as cursor:
+
+        def connected() -> bool:
+            cursor.execute(others)
+            return bool(cursor.fetchone()[0])
+
+        # The 8 s of cuts start once the worker is connected (it starts slowly on a busy machine).
+        wait_until(connected, 60, "the worker connected to the database", worker.log)
+        cut = 0
+        deadline = time.monotonic() + 8
         while time.monotonic() < deadline:
             cursor.execute(
                 "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "

@@ -163,3 +163,18 @@ def test_check_deploy_names_what_production_lacks_without_the_proxy_header() -> 
     assert result.returncode != 0
     assert "security.W008" in result.stderr  # no HTTPS redirect
     assert "W004" not in result.stderr and "W012" not in result.stderr
+
+
+def test_a_fleet_pass_outlives_the_passes_queued_before_it() -> None:
+    """Reconcile, failover and autoscale share the workers on one period: a pass that expired
+    after one period would, behind a reconcile taking a period, never run (seen: every
+    failover pass discarded under load). Each may wait three periods."""
+    code = (
+        "from django.conf import settings\n"
+        "s = settings.CELERY_BEAT_SCHEDULE\n"
+        "print(*(s[f'fleet-{t}']['options']['expires'] / s[f'fleet-{t}']['schedule']"
+        " for t in ('reconcile', 'failover', 'autoscale')))"
+    )
+    result = _boot({"FEDINFER_FLEET_INTERVAL_SECONDS": "1"}, code)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["3.0", "3.0", "3.0"]
