@@ -732,10 +732,14 @@ def region_table(
     )
     own = plan.ramps.get(region, 1.0) if region in plan.serving_regions else 1.0
     ramping = own < 1.0 or any(r.ramp < 1.0 for r in remotes)
-    # Several edges per remote need schema 4, budgets 3, a ramp 2; without any of them the table
-    # stays readable by schema-1 edges.
+    # Rate limits are shared by the region's live edges (1/n each): more than one needs schema 5.
+    local_edges = min(max(1, len(plan.regions[region].edges)), schema.MAX_LOCAL_EDGES)
+    # Several local edges need schema 5, several edges per remote 4, budgets 3, a ramp 2;
+    # without any of them the table stays readable by schema-1 edges.
     version_needed = (
-        schema.EDGES_SCHEMA_VERSION
+        schema.LOCAL_EDGES_SCHEMA_VERSION
+        if local_edges > 1
+        else schema.EDGES_SCHEMA_VERSION
         if any(r.edges for r in remotes)
         else schema.BUDGET_SCHEMA_VERSION
         if plan.budgeted
@@ -755,6 +759,7 @@ def region_table(
         tenants=plan.tenant_entries,
         ramp=_r(own),
         prices=dict(sorted(snapshot.prices.items())) if plan.budgeted else {},
+        local_edges=local_edges,
     )
 
 

@@ -25,12 +25,18 @@ RAMP_SCHEMA_VERSION = 2
 BUDGET_SCHEMA_VERSION = 3
 #: Schema 4 is schema 3 plus a remote region's other edges (``remote_regions[].edges``).
 EDGES_SCHEMA_VERSION = 4
+#: Schema 5 is schema 4 plus ``local_edges``: how many live edges this region runs, so each
+#: edge enforces its share of a tenant's rate limit (``regions/edge/admission.py``).
+LOCAL_EDGES_SCHEMA_VERSION = 5
 READABLE_SCHEMA_VERSIONS = (
     SCHEMA_VERSION,
     RAMP_SCHEMA_VERSION,
     BUDGET_SCHEMA_VERSION,
     EDGES_SCHEMA_VERSION,
+    LOCAL_EDGES_SCHEMA_VERSION,
 )
+#: Live edges of this region a table may count (each gets 1/n of a tenant's rate limit).
+MAX_LOCAL_EDGES = 256
 #: Edges of one remote region a table may list (a spilled request may try each of them).
 MAX_REMOTE_EDGES = 16
 
@@ -223,6 +229,9 @@ class RoutingTable(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     ramp: float = 1.0
     #: List prices by model (schema 3), what budgets are spent at unless a tenant's own differ.
     prices: dict[str, ModelPrice] = msgspec.field(default_factory=dict)
+    #: This region's live edges (schema 5; 1 when absent): each enforces 1/n of every rate
+    #: limit, so n edges behind a balancer admit a tenant's limit, not n times it.
+    local_edges: int = 1
 
 
 _decoder = msgspec.json.Decoder(RoutingTable)
@@ -258,6 +267,8 @@ def encode_table(
         del document["ramp"]
     if not table.prices:
         del document["prices"]
+    if table.local_edges == 1:
+        del document["local_edges"]  # one edge: readable by schema-4 edges
     for remote in document["remote_regions"]:
         if remote["ramp"] == 1.0:
             del remote["ramp"]
@@ -287,6 +298,7 @@ def validate_table(table: RoutingTable) -> None:
     if not table.region:
         raise TableError("region must not be empty")
     _validate_ramps(table)
+    _validate_local_edges(table)
     seen: set[str] = set()
     for inst in table.instances:
         if inst.id in seen:
@@ -395,6 +407,14 @@ def _validate_remote(remote: RemoteRegion, schema_version: int) -> None:
 
 #: A DNS name or IPv4 address (underscores allowed: container names), or an IPv6 address.
 _HOST = re.compile(r"[a-z0-9._-]+|[0-9a-f:.]+")
+
+
+def _validate_local_edges(table: RoutingTable) -> None:
+    if table.local_edges != 1:
+        if table.schema_version < LOCAL_EDGES_SCHEMA_VERSION:
+            raise TableError(f"local_edges needs schema_version {LOCAL_EDGES_SCHEMA_VERSION}")
+        if not 1 <= table.local_edges <= MAX_LOCAL_EDGES:
+            raise TableError(f"local_edges must be within 1-{MAX_LOCAL_EDGES}")
 
 
 def _origin_defect(url: str) -> str:

@@ -82,7 +82,7 @@ def test_reserved_issue_4_fields_decode() -> None:
 @pytest.mark.parametrize(
     ("mutate", "message"),
     [
-        (lambda d: d.update(schema_version=5), "schema_version"),
+        (lambda d: d.update(schema_version=6), "schema_version"),
         (lambda d: d["remote_regions"][0].update(edges=["http://b"]), "edges need schema_version"),
         (
             lambda d: (
