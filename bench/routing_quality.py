@@ -358,7 +358,9 @@ def run_policy(
             ]  # fmt: skip
             key = (("Authorization", f"Bearer {routing_edges.BENCH_KEY}"),)
             urls = tuple(url for _, url, _ in edges)
-            target = Target(urls, "per_request" if n_edges > 1 else "single", key)
+            if policy == routing_edges.IDLE_EDGES:
+                urls = urls[:1]
+            target = Target(urls, "per_request" if len(urls) > 1 else "single", key)
         snaps: dict[str, list[EngineLoad]] = {}
         cpu: dict[str, float] = {}
 
@@ -546,7 +548,7 @@ def main(argv: list[str] | None = None) -> None:
         extra_engine_args=tuple(a.engine_arg),
     )
     scen = tuple(s for s in SCENARIOS if s.name in a.scenarios.split(","))
-    pols = tuple(p for p in a.policies.split(",") if p in POLICIES)
+    pols = tuple(p for p in a.policies.split(",") if p in (*POLICIES, routing_edges.IDLE_EDGES))
     unknown = set(a.scenarios.split(",")) - {s.name for s in SCENARIOS}
     if unknown or not scen:
         ap.error(f"unknown scenario(s) {sorted(unknown)}; known: {[s.name for s in SCENARIOS]}")
