@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import time
 import zlib
 from collections.abc import Callable
@@ -30,15 +31,22 @@ __all__ = ["Record", "Target", "replay", "saturate"]
 
 @dataclass(frozen=True, slots=True)
 class Target:
-    """Where the client sends: one base URL (an edge), or the oracle's per-session engine."""
+    """Where the client sends: one base URL (an edge), the oracle's per-session engine, or
+    several edges taken in turn per request (a per-request round-robin balancer)."""
 
     urls: tuple[str, ...]
-    #: ``"single"``: always ``urls[0]``; ``"session_hash"``: crc32(session id) mod len(urls).
+    #: ``"single"``: always ``urls[0]``; ``"session_hash"``: crc32(session id) mod len(urls);
+    #: ``"per_request"``: the next URL for every request, whatever its session or connection.
     mode: str = "single"
+    #: Extra request headers (an ``Authorization`` key when the edges admit tenants).
+    headers: tuple[tuple[str, str], ...] = ()
+    _turn: itertools.count[int] = field(default_factory=itertools.count, compare=False)
 
     def url_for(self, session_id: str) -> str:
         if self.mode == "session_hash":
             return self.urls[zlib.crc32(session_id.encode()) % len(self.urls)]
+        if self.mode == "per_request":
+            return self.urls[next(self._turn) % len(self.urls)]
         return self.urls[0]
 
 
@@ -155,12 +163,13 @@ async def _session(
         delay = state.t0 + session.start_s - loop_time()
         if delay > 0:
             await asyncio.sleep(delay)
-    url = target.url_for(session.id)
     headers = {"Content-Type": "application/json", "x-session-id": session.id}
+    headers.update(target.headers)
     replies: list[str] | None = [] if resend_answers else None
     for k, turn in enumerate(session.turns):
         if loop_time() - state.t0 >= state.stop_sending:
             return
+        url = target.url_for(session.id)  # per request: a balancer may send turns elsewhere
         rec = Record(session=session.id, turn=k, sent=0.0, url=url)
         state.records.append(rec)
         body = _body(workload, session, k, model, replies)

@@ -12,7 +12,14 @@ import msgspec
 
 from bench.procs import ROOT, fedinfer_argv, http_ok
 from regions.supervisor import Process, Supervisor, free_port, free_ports, wait_http
-from regions.tables.schema import SCHEMA_VERSION, Instance, RoutingTable, validate_table
+from regions.tables.schema import (
+    LOCAL_EDGES_SCHEMA_VERSION,
+    SCHEMA_VERSION,
+    Instance,
+    RoutingTable,
+    TenantPolicy,
+    validate_table,
+)
 
 BENCH_VENV = ROOT / ".venv-bench"
 SGLANG_INSTALL = f"python3 -m venv {BENCH_VENV} && {BENCH_VENV}/bin/pip install sglang-router"
@@ -58,9 +65,15 @@ def write_table(
     tp: int = 1,
     prefill_tokens_per_s: float = 8000.0,
     max_concurrency: int = 64,
+    tenants: tuple[TenantPolicy, ...] | None = None,
+    local_edges: int = 1,
 ) -> Path:
+    """A table of ``engines``; with ``tenants`` the edges admit by API key, and
+    ``local_edges`` edges share the tenants' rate limits."""
     table = RoutingTable(
-        schema_version=SCHEMA_VERSION,
+        schema_version=LOCAL_EDGES_SCHEMA_VERSION if local_edges > 1 else SCHEMA_VERSION,
+        tenants=tenants,
+        local_edges=local_edges,
         version=1,
         region=region,
         generated_at=dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
@@ -93,8 +106,10 @@ def start_edge(
     name: str = "edge",
     model: str | None = None,
     extra: Sequence[str] = (),
+    admits: bool = False,
 ) -> tuple[Process, str, str]:
-    """(process, public URL, operator URL: /healthz and /metrics)."""
+    """(process, public URL, operator URL: /healthz and /metrics). ``admits``: the table has
+    tenants, so the edge is ready when it refuses a request without a key (401)."""
     port, ops_port = free_port(), free_port()
     argv = fedinfer_argv("edge", "--region", region, "--table", str(table), "--port", str(port))
     argv += ["--operator-port", str(ops_port), *extra]
@@ -102,7 +117,8 @@ def start_edge(
         argv += ["--policy", policy]
     proc = pg.start(name, argv, cpus=cpus)
     url = f"http://127.0.0.1:{port}"
-    wait_http(f"{url}/v1/models", watch=proc, timeout=60, ready=http_ok)
+    ready = (lambda status: status == 401) if admits else http_ok
+    wait_http(f"{url}/v1/models", watch=proc, timeout=60, ready=ready)
     return proc, url, f"http://127.0.0.1:{ops_port}"
 
 

@@ -780,11 +780,13 @@ def region_table(
     own = plan.ramps.get(region, 1.0) if region in plan.serving_regions else 1.0
     ramping = own < 1.0 or any(r.ramp < 1.0 for r in remotes)
     cold = _cold_models(snapshot, plan, region)
-    # Cold models need schema 5, several edges per remote 4, budgets 3, a ramp 2; without any
-    # of them the table stays readable by schema-1 edges.
+    # Rate limits are shared by the region's live edges (1/n each): more than one needs schema 5.
+    local_edges = min(max(1, len(plan.regions[region].edges)), schema.MAX_LOCAL_EDGES)
+    # Cold models or several local edges need schema 5, several edges per remote 4, budgets 3, a
+    # ramp 2; without any of them the table stays readable by schema-1 edges.
     version_needed = (
         schema.COLD_SCHEMA_VERSION
-        if cold
+        if cold or local_edges > 1
         else schema.EDGES_SCHEMA_VERSION
         if any(r.edges for r in remotes)
         else schema.BUDGET_SCHEMA_VERSION
@@ -806,6 +808,7 @@ def region_table(
         ramp=_r(own),
         prices=dict(sorted(snapshot.prices.items())) if plan.budgeted else {},
         cold_models=cold,
+        local_edges=local_edges,
     )
 
 

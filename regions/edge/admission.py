@@ -16,6 +16,13 @@ Refusals (OpenAI-style, ``docs/edge-federation.md``):
   reason (``residency`` or ``unreachable``);
 * requests/s or tokens/s over the limit → 429 ``rate_limit_exceeded`` with ``Retry-After``.
 
+Rate limits are shared by the region's edges (``docs/edge-federation.md``, "Rate limits over
+several edges"): the table counts the region's live edges (``local_edges``, *n*) and each edge
+enforces 1/n of every rate and of its burst. Behind a balancer that spreads a tenant's requests
+evenly, the region admits at most the tenant's limit (plus at most one request per edge when
+1/n of the burst is below one request); a tenant whose requests all reach one edge gets 1/n of
+its limit. No state is shared at request time: a request costs no round trip.
+
 Whether the tenant may be served *in this region* is :attr:`TenantState.local_allowed`; the edge
 decides what to do about it (forward to an allowed region, or 403), never serve it here.
 """
@@ -87,6 +94,10 @@ class TenantState:
         self.tokens: TokenBucket | None = None
 
 
+def _part(rate: float | None, share: float) -> float | None:
+    return None if rate is None else rate * share
+
+
 def _epoch(text: str) -> float:
     try:
         return datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
@@ -141,14 +152,17 @@ class Admission:
         classes = {c.id: c.refusals for c in table.residency_classes}
         by_hash: dict[str, TenantState] = {}
         tenants: dict[str, TenantState] = {}
+        share = 1.0 / table.local_edges  # this edge's part of every limit
         for policy in table.tenants:
             state = TenantState(policy, self.region, classes.get(policy.residency_class or "", {}))
             state.valid_until = {h: _epoch(t) for h, t in policy.key_valid_until.items()}
             old = self._tenants.get(policy.tenant)
             state.requests = self._bucket(
-                old.requests if old else None, policy.requests_per_s, 1.0, now
+                old.requests if old else None, _part(policy.requests_per_s, share), 1.0, now
             )
-            state.tokens = self._bucket(old.tokens if old else None, policy.tokens_per_s, 0.0, now)
+            state.tokens = self._bucket(
+                old.tokens if old else None, _part(policy.tokens_per_s, share), 0.0, now
+            )
             tenants[policy.tenant] = state
             for digest in policy.key_hashes:
                 by_hash[digest] = state

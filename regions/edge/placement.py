@@ -233,6 +233,7 @@ class Placement:
             sticky=sticky,
             role=role,
             exclude=exclude,
+            session=ctx.session_key,
         )
         started = time.monotonic()
         lines = self.lines

@@ -20,7 +20,10 @@ where ``busy = max(outstanding, own in-flight) + gateway waiters for the instanc
 ``fedinfer`` policy an instance at its cap stays a candidate (its slot wait is in ``queue_s``);
 the decision then says ``wait`` and the request waits at the gateway for that instance.
 Session affinity with hysteresis: the session's instance keeps the request while its expected
-TTFT stays within ``affinity_factor * best + affinity_margin_s``.
+TTFT stays within ``affinity_factor * best + affinity_margin_s``. A session this edge has not
+placed before goes to its *home* (``sessions.home``: rendezvous hashing over the feasible
+instances) while that is within ``best + affinity_margin_s``, so every edge of a region sends
+it to the same place unless another instance is clearly sooner.
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
+
+from regions.edge.sessions import home
 
 Policy = Literal["fedinfer", "round_robin", "least_loaded"]
 POLICIES: tuple[Policy, ...] = ("fedinfer", "round_robin", "least_loaded")
@@ -93,6 +98,8 @@ class RouteRequest:
     sticky: str | None = None
     role: str = "mixed"
     exclude: frozenset[str] = frozenset()
+    #: The session's key (``sessions.session_key``): without ``sticky``, its home is sticky.
+    session: int | None = None
 
 
 @dataclass(slots=True)
@@ -225,14 +232,19 @@ def _best_ttft(scored: list[Scored], req: RouteRequest, cfg: SchedulerConfig) ->
         if scored[k].ttft_s < scored[best_i].ttft_s:
             best_i = k
     best = scored[best_i]
-    if req.sticky is not None and req.sticky != best.instance:
+    sticky, factor = req.sticky, cfg.affinity_factor
+    if sticky is None and req.session is not None:
+        # Not placed by this edge yet: its home, the same at every edge, unless another
+        # instance is sooner by more than the margin (a first turn pays no more than that).
+        sticky, factor = home(req.session, [s.instance for s in scored]), 1.0
+    if sticky is not None and sticky != best.instance:
         for s in scored:
-            if s.instance == req.sticky:
-                if s.ttft_s <= best.ttft_s * cfg.affinity_factor + cfg.affinity_margin_s:
+            if s.instance == sticky:
+                if s.ttft_s <= best.ttft_s * factor + cfg.affinity_margin_s:
                     return Decision(s, best, "session")
                 return Decision(best, s, "session_yield")
     rest = scored[:best_i] + scored[best_i + 1 :]
-    reason = "session" if req.sticky == best.instance else "best_ttft"
+    reason = "session" if sticky == best.instance else "best_ttft"
     return Decision(best, _best(rest), reason)
 
 

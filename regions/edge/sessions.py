@@ -1,4 +1,12 @@
-"""Session affinity: a request naming a session goes back to the instance that served it.
+"""Session affinity: a request naming a session goes to the same instance at every edge.
+
+A session's *home* is a pure function of its key and the instances that may take it
+(rendezvous hashing, :func:`home`): every edge of a region computes the same home without
+talking to the others, and when an instance leaves only the sessions homed on it move. The
+scheduler keeps a session on its home unless load (or the cost of recomputing its prompt
+there) says otherwise (``scheduler.py``, the affinity band). Where this edge sent a session
+elsewhere (its home was overloaded or cold), :class:`SessionMap` remembers that instance and
+keeps the session there; another edge that did not see that turn falls back to the home.
 
 The key is fixed-size per (tenant, model, session id), so one tenant's session ids never pin
 another tenant's requests and no client-sized string is kept; the map holds at most
@@ -8,6 +16,7 @@ another tenant's requests and no client-sized string is kept; the map holds at m
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterable
 
 import xxhash
 
@@ -19,6 +28,19 @@ MAX_SESSION_ID_BYTES = 256
 def session_key(tenant: str, model: str, session: bytes) -> int:
     """A fixed-size key per (tenant, model, session id)."""
     return xxhash.xxh3_64_intdigest(b"%b\0%b\0%b" % (tenant.encode(), model.encode(), session))
+
+
+def home(key: int, instances: Iterable[str]) -> str | None:
+    """The instance with the highest weight ``xxh3(instance id, seed=key)`` (rendezvous or
+    highest-random-weight hashing): the same at every edge for the same instances, in any
+    order; None when there are none. Removing an instance moves only its own sessions."""
+    best: str | None = None
+    top = -1
+    for inst in instances:
+        weight = xxhash.xxh3_64_intdigest(inst.encode(), seed=key)
+        if weight > top or (weight == top and best is not None and inst < best):
+            best, top = inst, weight
+    return best
 
 
 class SessionMap:

@@ -27,6 +27,9 @@ BUDGET_SCHEMA_VERSION = 3
 EDGES_SCHEMA_VERSION = 4
 #: Schema 5 is schema 4 plus the models deployed here but scaled to zero (``cold_models``).
 COLD_SCHEMA_VERSION = 5
+#: Schema 5 also carries ``local_edges``: how many live edges this region runs, so each edge
+#: enforces its share of a tenant's rate limit (``regions/edge/admission.py``).
+LOCAL_EDGES_SCHEMA_VERSION = COLD_SCHEMA_VERSION
 READABLE_SCHEMA_VERSIONS = (
     SCHEMA_VERSION,
     RAMP_SCHEMA_VERSION,
@@ -36,6 +39,8 @@ READABLE_SCHEMA_VERSIONS = (
 )
 #: Longest cold start a table may announce (a day: weights of any size, a slow disk).
 MAX_COLD_START_S = 86_400.0
+#: Live edges of this region a table may count (each gets 1/n of a tenant's rate limit).
+MAX_LOCAL_EDGES = 256
 #: Edges of one remote region a table may list (a spilled request may try each of them).
 MAX_REMOTE_EDGES = 16
 
@@ -242,6 +247,9 @@ class RoutingTable(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     prices: dict[str, ModelPrice] = msgspec.field(default_factory=dict)
     #: Models deployed here and scaled to zero (schema 5), sorted by model.
     cold_models: tuple[ColdModel, ...] = ()
+    #: This region's live edges (schema 5; 1 when absent): each enforces 1/n of every rate
+    #: limit, so n edges behind a balancer admit a tenant's limit, not n times it.
+    local_edges: int = 1
 
 
 _decoder = msgspec.json.Decoder(RoutingTable)
@@ -279,6 +287,8 @@ def encode_table(
         del document["prices"]
     if not table.cold_models:
         del document["cold_models"]  # nothing cold: readable by schema-4 edges
+    if table.local_edges == 1:
+        del document["local_edges"]  # one edge: readable by schema-4 edges
     for remote in document["remote_regions"]:
         if remote["ramp"] == 1.0:
             del remote["ramp"]
@@ -308,6 +318,7 @@ def validate_table(table: RoutingTable) -> None:
     if not table.region:
         raise TableError("region must not be empty")
     _validate_ramps(table)
+    _validate_local_edges(table)
     seen: set[str] = set()
     for inst in table.instances:
         if inst.id in seen:
@@ -436,6 +447,14 @@ def _validate_remote(remote: RemoteRegion, schema_version: int) -> None:
 
 #: A DNS name or IPv4 address (underscores allowed: container names), or an IPv6 address.
 _HOST = re.compile(r"[a-z0-9._-]+|[0-9a-f:.]+")
+
+
+def _validate_local_edges(table: RoutingTable) -> None:
+    if table.local_edges != 1:
+        if table.schema_version < LOCAL_EDGES_SCHEMA_VERSION:
+            raise TableError(f"local_edges needs schema_version {LOCAL_EDGES_SCHEMA_VERSION}")
+        if not 1 <= table.local_edges <= MAX_LOCAL_EDGES:
+            raise TableError(f"local_edges must be within 1-{MAX_LOCAL_EDGES}")
 
 
 def _origin_defect(url: str) -> str:

@@ -156,3 +156,8 @@ def test_a_regions_live_edges_are_listed_for_spill_over() -> None:
     assert (remote["edge_url"], remote["edges"]) == (first, ["http://127.0.0.1:7102"])
     assert eu["schema_version"] == 4
     assert decode_table(orjson.dumps(eu)).remote_regions  # the edge reads it
+    # us-east's own table counts its two live edges: each enforces half of every rate limit.
+    us_doc = tables["us-east"]
+    assert (us_doc["schema_version"], us_doc["local_edges"]) == (5, 2)
+    assert "local_edges" not in eu  # one edge: no field
+    assert decode_table(orjson.dumps(us_doc)).local_edges == 2

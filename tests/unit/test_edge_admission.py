@@ -158,3 +158,35 @@ def test_bad_key_valid_until_or_negative_limit_refuses_the_table() -> None:
         table([{**EU, "key_valid_until": {h("fi_old"): "tomorrow"}}])
     with pytest.raises(TableError, match="rate limits"):
         table([{**EU, "tokens_per_s": -1}])
+
+
+def test_each_of_n_local_edges_enforces_its_share_of_a_rate_limit() -> None:
+    def admitted(edges: int, requests: int) -> int:
+        doc = table([EU], residency_classes=CLASSES)
+        if edges > 1:
+            doc = table([EU], residency_classes=CLASSES, schema_version=5, local_edges=edges)
+        fleet = [Admission("eu-west", burst_s=2.0) for _ in range(edges)]
+        for a in fleet:
+            a.load(doc, now=0.0)
+        ok = 0
+        for n in range(requests):  # one request every 50 ms, each edge in turn, for 10 s
+            a = fleet[n % edges]
+            try:
+                a.rate(a.by_hash[h("fi_eu")], 1, n * 0.05)
+                ok += 1
+            except EdgeError:
+                pass
+        return ok
+
+    # 2 req/s and 2 s of burst: 10 s admit 2 x 10 + 4 = 24 at most, however many edges.
+    single = admitted(1, 200)
+    assert 20 <= single <= 24
+    for edges in (2, 3):
+        assert 20 <= admitted(edges, 200) <= 24 + edges  # + at most one each (bucket floor)
+
+
+def test_local_edges_needs_schema_5_and_a_sane_count() -> None:
+    with pytest.raises(TableError, match="schema_version 5"):
+        table([EU], local_edges=2)
+    with pytest.raises(TableError, match="local_edges"):
+        table([EU], schema_version=5, local_edges=0)

@@ -7,6 +7,7 @@ import dataclasses
 import pytest
 
 from regions.edge.scheduler import Candidate, RouteRequest, SchedulerConfig, decide, score
+from regions.edge.sessions import home
 
 CFG = SchedulerConfig()
 HARD_CAP = SchedulerConfig(wait_for_warm=False)
@@ -184,6 +185,28 @@ def test_session_yields_only_to_real_overload() -> None:
     assert d.winner is not None and d.winner.instance == "idle"
     assert d.reason == "session_yield"
     assert d.runner_up is not None and d.runner_up.instance == "sticky"
+
+
+def test_a_new_session_goes_to_its_home_at_every_edge_unless_overloaded() -> None:
+    names = ["a", "b", "c", "d"]
+    key = next(k for k in range(1000) if home(k, names) == "c")
+    # Equal instances: without the session each decision rotates; with it, always its home.
+    for turn in range(8):
+        d = decide([cand(n) for n in names], req(session=key), CFG, turn=turn)
+        assert d.winner is not None and d.winner.instance == "c" and d.reason == "session"
+    # The home is overloaded: load still overrides it, as for a remembered instance.
+    busy = [cand(n, outstanding=8, waiting=6) if n == "c" else cand(n) for n in names]
+    d = decide(busy, req(session=key), CFG)
+    assert d.winner is not None and d.winner.instance != "c" and d.reason == "session_yield"
+    # A home only somewhat slower (within 1.5x, beyond the 50 ms margin) holds a remembered
+    # session but not a new one: a first turn pays at most the margin for consistency.
+    slower = [cand(n, outstanding=3, waiting=1) if n == "c" else cand(n) for n in names]
+    assert decide(slower, req(sticky="c"), CFG).winner.instance == "c"  # type: ignore[union-attr]
+    d = decide(slower, req(session=key), CFG)
+    assert d.winner is not None and d.winner.instance != "c"
+    # An instance this edge remembers for the session comes first.
+    d = decide([cand(n) for n in names], req(session=key, sticky="a"), CFG)
+    assert d.winner is not None and d.winner.instance == "a"
 
 
 def test_session_on_an_ejected_or_capped_instance_moves() -> None:

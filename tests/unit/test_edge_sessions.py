@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from regions.edge.app import Edge
 from regions.edge.config import EdgeConfig
-from regions.edge.sessions import session_key
+from regions.edge.sessions import home, session_key
 from regions.tables.schema import Instance, RoutingTable
 
 
@@ -29,3 +29,19 @@ def test_the_session_map_keeps_at_most_its_capacity() -> None:
         edge.sessions.remember(session_key("t", "llama", b"%d" % n), "i-1")
     assert len(edge.sessions) == 100
     assert session_key("t", "llama", b"9999") in edge.sessions  # the most recent stay
+
+
+def test_a_sessions_home_is_the_same_at_every_edge_and_moves_only_with_its_instance() -> None:
+    instances = [f"i-{n}" for n in range(8)]
+    keys = [session_key("t", "llama", b"s%d" % n) for n in range(4000)]
+    homes = {k: home(k, instances) for k in keys}
+    # Any order of the table's instances (another edge, another table version): the same home.
+    assert all(home(k, list(reversed(instances))) == homes[k] for k in keys)
+    # Spread: every instance is home to about an eighth of the sessions.
+    counts = {i: sum(1 for h in homes.values() if h == i) for i in instances}
+    assert all(350 < c < 650 for c in counts.values()), counts
+    # Removing one instance moves its sessions only.
+    rest = instances[:3] + instances[4:]
+    moved = [k for k in keys if home(k, rest) != homes[k]]
+    assert moved and all(homes[k] == "i-3" for k in moved)
+    assert home(keys[0], []) is None

@@ -306,3 +306,19 @@ def test_compiling_region_by_region_plans_the_snapshot_once() -> None:
     }
     assert len(snapshot.plans) == 1  # one demand split for all four regions
     assert docs == _tables(FleetSnapshot(REGIONS, INSTANCES, RTT, TENANTS))
+
+
+def test_a_region_with_several_live_edges_shares_rate_limits_among_them() -> None:
+    regions = tuple(
+        RegionRow(r.code, r.status, r.jurisdiction, r.edge_url,
+                  edges=("eu-a", "eu-b", "eu-c") if r.code == "eu-west" else ("us-a",))
+        for r in REGIONS
+    )  # fmt: skip
+    tables = _tables(FleetSnapshot(regions=regions, instances=INSTANCES, rtt_ms=RTT,
+                                   tenants=TENANTS))  # fmt: skip
+    eu = decode_table(orjson.dumps(tables["eu-west"]))
+    assert eu.local_edges == 3 and eu.schema_version == 5
+    # One edge: no field, and the schema the table needed before.
+    assert "local_edges" not in tables["us-east"]
+    assert decode_table(orjson.dumps(tables["us-east"])).local_edges == 1
+    assert tables["us-east"]["schema_version"] < 5
