@@ -23,16 +23,8 @@ from typing import Any
 import orjson
 
 from bench.report import markdown_table, spread, utc_now, write_result
-from federation.routing.compiler import (
-    FleetSnapshot,
-    InstanceRow,
-    KeyRow,
-    RegionRow,
-    TenantRow,
-    compile_region_table,
-    fleet_plan,
-    replica_tokens_per_s,
-)
+from federation.routing.compiler import compile_region_table, fleet_plan, replica_tokens_per_s
+from federation.routing.snapshot import FleetSnapshot, InstanceRow, KeyRow, RegionRow, TenantRow
 from federation.tenancy.residency import ResidencyPolicy
 from regions.tables.signing import sign, verify
 

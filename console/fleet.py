@@ -19,13 +19,10 @@ from typing import Any
 from console.progress import Progress, ramp_progress
 from federation.inventory import lifecycle
 from federation.inventory.speed import replica_tokens_per_s
-from federation.routing.compiler import (
-    ROLE_CAPACITY_SHARE,
-    RampPolicy,
-    ramp_level,
-    ramp_next_change_s,
-)
+from federation.routing.compiler import ROLE_CAPACITY_SHARE
+from federation.routing.ramp import ramp_level, ramp_next_change_s
 from federation.routing.selectors import reported_health
+from federation.routing.snapshot import RampPolicy
 
 #: The band around the compiler's target that the overview calls "on target".
 TARGET_LOW = 0.60

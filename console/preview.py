@@ -17,13 +17,9 @@ from dataclasses import dataclass, field
 from datetime import datetime
 
 from console.explain import Decision, decide
-from federation.routing.compiler import (
-    FleetPlan,
-    FleetSnapshot,
-    TenantPlan,
-    fleet_plan,
-    region_table,
-)
+from federation.routing.compiler import FleetPlan, fleet_plan, region_table
+from federation.routing.snapshot import FleetSnapshot
+from federation.routing.tenant_plan import TenantPlan
 from regions.edge.spill import spill_plan
 from regions.tables.schema import RoutingTable, TenantPolicy
 

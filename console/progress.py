@@ -12,8 +12,10 @@ from datetime import datetime
 from typing import Any
 
 from federation.inventory import lifecycle
-from federation.routing.compiler import EVACUATED, RampPolicy, ramp_level, ramp_next_change_s
+from federation.routing.compiler import EVACUATED
+from federation.routing.ramp import ramp_level, ramp_next_change_s
 from federation.routing.selectors import LOAD_REPORT_MAX_AGE_S
+from federation.routing.snapshot import RampPolicy
 
 #: ``Instance.DrainReason`` of a drain the fleet worker started (and stops at its timeout).
 SCALE_DOWN = "scale_down"

@@ -31,9 +31,10 @@ from federation.inventory import selectors as inventory_selectors
 from federation.inventory import services as inventory
 from federation.inventory.models import GPUPool, Instance, Region
 from federation.metering.selectors import recent_requests
-from federation.routing.compiler import TARGET_UTILISATION, TenantPlan
+from federation.routing.compiler import TARGET_UTILISATION
 from federation.routing.distribution import routing_table_overview
 from federation.routing.selectors import fleet_snapshot, ramp_policy
+from federation.routing.tenant_plan import TenantPlan
 
 #: The window of metered requests the overview's TTFT and spill-over are read from.
 TRAFFIC_WINDOW = timedelta(minutes=5)

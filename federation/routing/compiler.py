@@ -17,26 +17,27 @@ edges shift traffic back in proportion instead of all at once (docs/edge-federat
 
 from __future__ import annotations
 
-import hashlib
-import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from typing import Any
 
 from federation.inventory.speed import (
     prefill_tokens_per_s,
     replica_tokens_per_s,
 )
-from federation.routing import leases
 from federation.routing.demand import (
     DEFAULT_LATENCY_PENALTY_USD_PER_MTOK_PER_MS,
     DemandSplit,
     Offer,
     split_shared_demand,
 )
-from federation.routing.leases import BudgetRow, tenant_budget
-from federation.tenancy.residency import ResidencyPolicy, region_allowed
+from federation.routing.ramp import region_ramp
+from federation.routing.snapshot import (
+    FleetSnapshot,
+    InstanceRow,
+    RegionRow,
+)
+from federation.routing.tenant_plan import ResidencyClass, TenantPlan, plan_tenants
 from regions.tables import schema
 
 #: Utilisation capacity is planned at. The mean queueing wait is rho/(1-rho) service times:
@@ -48,189 +49,15 @@ ROLE_CAPACITY_SHARE = {"mixed": 1.0, "prefill": 0.5, "decode": 0.5}
 #: the policy allows serves it, or those that do cannot be reached from this region.
 REFUSAL_RESIDENCY = "residency"
 REFUSAL_UNREACHABLE = "unreachable"
-#: Only keys with this scope are published: the edge serves inference and nothing else.
-INFERENCE_SCOPE = "inference"
 
 #: Instances in these states receive traffic; a draining instance finishes what it has.
 ROUTABLE_STATES = frozenset({"ready"})
 EVACUATED = "evacuated"
 
 
-@dataclass(frozen=True, slots=True)
-class InstanceRow:
-    name: str
-    endpoint_url: str
-    state: str
-    region: str
-    model: str
-    role: str
-    accelerator: str
-    relative_speed: float
-    tensor_parallel_size: int
-    parameter_count_b: float
-    max_num_seqs: int
-    adapters: tuple[str, ...] = ()
-    #: Price of one GPU of the instance's pool, USD per hour.
-    price_per_gpu_hour: float = 0.0
-    #: Tokens/s the instance served at its last load snapshot (edge heartbeat), if known.
-    load_tokens_per_s: float | None = None
-    #: Health as the region's edges report it (a fresh heartbeat); None when nobody reported.
-    healthy: bool | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class RegionRow:
-    code: str
-    status: str
-    jurisdiction: str
-    edge_url: str | None = None
-    #: Its other edges with a fresh heartbeat (or none yet): spill-over's alternatives.
-    other_edge_urls: tuple[str, ...] = ()
-    #: When it was last restored from an evacuation, and when its instances last came back
-    #: after all were reported unhealthy: its traffic ramps back from the later of the two.
-    restored_at: datetime | None = None
-    recovered_at: datetime | None = None
-    #: Names of its edges with a fresh heartbeat: the ones budgets are leased to.
-    edges: tuple[str, ...] = ()
-
-
-@dataclass(frozen=True, slots=True)
-class KeyRow:
-    """One API-key hash the edge accepts (the current secret or a rotated-out one in grace)."""
-
-    key_hash: str
-    valid_until: datetime | None = None
-    scopes: tuple[str, ...] = (INFERENCE_SCOPE,)
-
-
-@dataclass(frozen=True, slots=True)
-class TenantRow:
-    slug: str
-    policy: ResidencyPolicy = field(default_factory=ResidencyPolicy)
-    requests_per_minute: int | None = None
-    tokens_per_minute: int | None = None
-    monthly_budget_usd: float | None = None
-    #: Spend this month, USD. There is no metering yet: callers pass 0 until there is.
-    spend_usd: float = 0.0
-    keys: tuple[KeyRow, ...] = ()
-    #: The secret vLLM ``cache_salt`` of a tenant whose KV cache is isolated (None: shared).
-    cache_salt: str | None = None
-    #: Its monthly budgets (tenant's, keys') with the spend counted against them, exactly.
-    budget: BudgetRow | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class ColdRow:
-    """A deployment that may scale to zero and has no ready instance now: its model is listed
-    as cold in its region's table (the edges hold its first requests while a replica warms)."""
-
-    region: str
-    model: str
-    adapters: tuple[str, ...] = ()
-    #: Seconds its last replica took from creation to ready (else the configured default).
-    cold_start_s: float = 60.0
-
-
-@dataclass(frozen=True, slots=True)
-class RampPolicy:
-    """How a returning region gets its traffic back: ``steps`` levels, each held
-    ``window_s / steps`` seconds (1/(steps+1), 2/(steps+1), ...), then all of it. Stepped, not
-    continuous, so a ramp publishes ``steps`` table versions rather than one per compile."""
-
-    window_s: float = 60.0
-    steps: int = 4
-
-
-@dataclass(frozen=True, slots=True)
-class FleetSnapshot:
-    regions: tuple[RegionRow, ...]
-    instances: tuple[InstanceRow, ...]
-    #: (source, target) -> round-trip milliseconds (measured preferred over configured).
-    rtt_ms: dict[tuple[str, str], float] = field(default_factory=dict)
-    tenants: tuple[TenantRow, ...] = ()
-    #: Expected demand per (origin region, served model), tokens/s. When empty, each region's
-    #: demand is what its ready instances served at their last load snapshot.
-    demand_tokens_per_s: dict[tuple[str, str], float] = field(default_factory=dict)
-    #: The snapshot's time; without it no region ramps (every ramp is taken as complete).
-    now: datetime | None = None
-    ramp: RampPolicy = field(default_factory=RampPolicy)
-    #: List prices by model, for the budgets the edges enforce (schema 3).
-    prices: Mapping[str, schema.ModelPrice] = field(default_factory=dict)
-    #: Deployments scaled to zero (no ready instance), listed as cold models (schema 5).
-    cold: tuple[ColdRow, ...] = ()
-    #: (region, adapter): registered LoRA adapters the worker can load onto ready replicas of
-    #: their base model there (a provisioned mixed deployment); one not loaded there is a cold
-    #: model of the region (loaded where its demand appears), expected to take ``adapter_load_s``.
-    loadable_adapters: tuple[tuple[str, str], ...] = ()
-    adapter_load_s: float = 30.0
-    #: Memo of :func:`fleet_plan` by latency penalty, so that compiling region after region
-    #: of one snapshot solves the demand split once (a snapshot is not changed once built).
-    plans: dict[float, FleetPlan] = field(default_factory=dict, compare=False, repr=False)
-
-
 def cost_per_mtok(*, price_per_gpu_hour: float, gpus: int, tokens_per_s: float) -> float:
     """USD for the GPU time one million tokens occupy on a replica running flat out."""
     return price_per_gpu_hour * gpus / 3600.0 / tokens_per_s * 1e6
-
-
-def budget_state(*, monthly_budget_usd: float | None, spend_usd: float) -> schema.BudgetState:
-    """The tenant's ``budget_state`` (:func:`federation.routing.leases.budget_state`); ``ok``
-    without a budget."""
-    if monthly_budget_usd is None:
-        return "ok"
-    return leases.budget_state(monthly_budget_usd, spend_usd)
-
-
-def ramp_level(elapsed_s: float, policy: RampPolicy) -> float:
-    """Share of its traffic a region gets ``elapsed_s`` after it came back: the step it is on,
-    then 1 once the window has passed."""
-    if policy.steps < 1 or elapsed_s >= policy.window_s:
-        return 1.0
-    step = math.floor(max(elapsed_s, 0.0) * policy.steps / policy.window_s)
-    return (step + 1) / (policy.steps + 1)
-
-
-def ramp_next_change_s(elapsed_s: float, policy: RampPolicy) -> float | None:
-    """Seconds until :func:`ramp_level` moves to its next step (None: the ramp is over)."""
-    if policy.steps < 1 or elapsed_s >= policy.window_s:
-        return None
-    step_s = policy.window_s / policy.steps
-    elapsed_s = max(elapsed_s, 0.0)
-    return (math.floor(elapsed_s / step_s) + 1) * step_s - elapsed_s
-
-
-def region_down(health: Iterable[bool | None]) -> bool:
-    """All of a region's routable instances are reported unhealthy (at least one, and none
-    healthy or unknown): it lost its instances, and takes no traffic until they come back."""
-    known = list(health)
-    return bool(known) and all(h is False for h in known)
-
-
-def region_ramp(
-    region: RegionRow,
-    health: Iterable[bool | None],
-    *,
-    now: datetime | None,
-    policy: RampPolicy,
-) -> tuple[float, float | None]:
-    """(share of its traffic the region gets now, seconds until that changes).
-
-    0 while it is down (:func:`region_down`); stepping up from the later of its restore and its
-    recovery; 1 otherwise. Being evacuated or losing all instances again during the window
-    moves that start, so the ramp begins again from its first step: no flapping.
-    """
-    if region_down(health):
-        return 0.0, None  # the heartbeat that reports it back recompiles
-    starts = [t for t in (region.restored_at, region.recovered_at) if t is not None]
-    if now is None or not starts:
-        return 1.0, None
-    elapsed = (now - max(starts)).total_seconds()
-    return ramp_level(elapsed, policy), ramp_next_change_s(elapsed, policy)
-
-
-def _rfc3339(moment: datetime) -> str:
-    # Rounded down to the second: the edge stops accepting a key no later than it should.
-    return moment.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def _r(value: float, digits: int = 4) -> float:
@@ -248,24 +75,6 @@ class Supply:
     cost_per_mtok: float
     usd_per_hour: float
     tokens_per_s: float
-
-
-@dataclass(frozen=True, slots=True)
-class ResidencyClass:
-    """Tenants whose policies allow the same regions: one commodity of the demand split."""
-
-    id: str
-    allowed: frozenset[str]
-    tenants: int
-
-
-@dataclass(frozen=True, slots=True)
-class TenantPlan:
-    """The tenants' part of a plan, and the inputs it was computed from."""
-
-    inputs: tuple[Any, ...]
-    classes: list[ResidencyClass]
-    entries: tuple[schema.TenantPolicy, ...]
 
 
 @dataclass(slots=True)
@@ -318,11 +127,6 @@ def _rtt(rtt_ms: Mapping[tuple[str, str], float], a: str, b: str) -> float | Non
     return rtt_ms.get((b, a)) if value is None else value
 
 
-def _class_id(allowed: frozenset[str]) -> str:
-    """Stable across compiles: derived from the allowed regions only."""
-    return "rc-" + hashlib.sha256(",".join(sorted(allowed)).encode()).hexdigest()[:12]
-
-
 def _instance_tokens(row: InstanceRow) -> float:
     return replica_tokens_per_s(
         relative_speed=row.relative_speed,
@@ -366,86 +170,6 @@ def _instance_entries(rows: Iterable[InstanceRow]) -> tuple[schema.Instance, ...
         )
         for row, cap in zip(ordered, caps, strict=True)
     )
-
-
-def _tenant_entry(
-    tenant: TenantRow, allowed: tuple[str, ...], class_id: str, edges: Sequence[str]
-) -> schema.TenantPolicy:
-    """``allowed``: its regions, sorted; ``edges``: the live edges of the active ones (its
-    budgets' leases). Both are its residency class's, computed once per class."""
-    keys = sorted((k for k in tenant.keys if INFERENCE_SCOPE in k.scopes), key=lambda k: k.key_hash)
-    return schema.TenantPolicy(
-        tenant=tenant.slug,
-        key_hashes=tuple(k.key_hash for k in keys),
-        key_valid_until={
-            k.key_hash: _rfc3339(k.valid_until) for k in keys if k.valid_until is not None
-        },
-        allowed_regions=allowed,
-        residency_class=class_id,
-        requests_per_s=None
-        if tenant.requests_per_minute is None
-        else _r(tenant.requests_per_minute / 60.0),
-        tokens_per_s=None
-        if tenant.tokens_per_minute is None
-        else _r(tenant.tokens_per_minute / 60.0),
-        budget_state=budget_state(
-            monthly_budget_usd=tenant.monthly_budget_usd, spend_usd=tenant.spend_usd
-        ),
-        cache_salt=tenant.cache_salt,
-        budget=None if tenant.budget is None else tenant_budget(tenant.budget, edges),
-    )
-
-
-def _tenant_inputs(
-    snapshot: FleetSnapshot, regions: Mapping[str, RegionRow], active: set[str]
-) -> tuple[Any, ...]:
-    """What the tenants' part of a plan depends on: the tenants, where the regions are, and
-    — when some tenant has a budget, whose leases they are — the live edges of the active
-    regions."""
-    budgeted = any(t.budget is not None for t in snapshot.tenants)
-    return (
-        snapshot.tenants,
-        tuple((c, r.jurisdiction) for c, r in regions.items()),
-        tuple((c, regions[c].edges) for c in sorted(active)) if budgeted else None,
-    )
-
-
-def _tenant_plan(
-    snapshot: FleetSnapshot,
-    regions: Mapping[str, RegionRow],
-    active: set[str],
-    *,
-    reuse: TenantPlan | None,
-) -> TenantPlan:
-    """Residency classes (tenants grouped by the regions they may be served in) and the
-    tenant entries; ``reuse``'s when it was computed from the same inputs. What is the same
-    for a whole class — its regions, id, leased edges — is computed once per distinct
-    policy or class, not once per tenant."""
-    inputs = _tenant_inputs(snapshot, regions, active)
-    if reuse is not None and reuse.inputs == inputs:
-        return reuse
-    jurisdiction = {c: r.jurisdiction for c, r in regions.items()}
-    allowed_by_policy: dict[ResidencyPolicy, frozenset[str]] = {}
-    by_allowed: dict[frozenset[str], list[TenantRow]] = {}
-    for tenant in snapshot.tenants:
-        allowed = allowed_by_policy.get(tenant.policy)
-        if allowed is None:
-            allowed = allowed_by_policy[tenant.policy] = frozenset(
-                c for c in regions if region_allowed(tenant.policy, c, jurisdiction[c])
-            )
-        by_allowed.setdefault(allowed, []).append(tenant)
-    ids = {a: _class_id(a) for a in by_allowed}
-    classes = sorted(
-        (ResidencyClass(ids[a], a, len(t)) for a, t in by_allowed.items()), key=lambda c: c.id
-    )
-    entries: list[schema.TenantPolicy] = []
-    for allowed, group in by_allowed.items():
-        regions_of = tuple(sorted(allowed))
-        # Budgets are leased to the live edges of the active regions a tenant may be served in.
-        edges = [e for c in sorted(allowed & active) for e in regions[c].edges]
-        entries.extend(_tenant_entry(t, regions_of, ids[allowed], edges) for t in group)
-    entries.sort(key=lambda e: e.tenant)
-    return TenantPlan(inputs, classes, tuple(entries))
 
 
 def fleet_plan(
@@ -511,7 +235,7 @@ def fleet_plan(
             if rtt is not None:
                 reach[origin][other] = rtt
 
-    tenant_plan = _tenant_plan(snapshot, regions, active, reuse=reuse)
+    tenant_plan = plan_tenants(snapshot, regions, active, reuse=reuse)
     classes, tenant_entries = tenant_plan.classes, tenant_plan.entries
 
     # Expected demand per (origin, served name), attributed to residency classes by

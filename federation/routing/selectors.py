@@ -39,7 +39,9 @@ from federation.metering.selectors import (
     prices_in_effect,
     tenant_month_spend,
 )
-from federation.routing.compiler import (
+from federation.routing.leases import BudgetRow, KeyBudget, Published, published_leases
+from federation.routing.models import BudgetReport, RoutingTableVersion
+from federation.routing.snapshot import (
     ColdRow,
     FleetSnapshot,
     InstanceRow,
@@ -48,8 +50,6 @@ from federation.routing.compiler import (
     RegionRow,
     TenantRow,
 )
-from federation.routing.leases import BudgetRow, KeyBudget, Published, published_leases
-from federation.routing.models import BudgetReport, RoutingTableVersion
 from federation.tenancy.models import Tenant
 from federation.tenancy.residency import ResidencyPolicy
 from federation.tenancy.selectors import api_key_budgets, api_key_table_entries

@@ -33,9 +33,10 @@ from federation.core.models import AuditEvent
 from federation.core.services import model_lock
 from federation.inventory import lifecycle
 from federation.inventory.models import Edge, Instance, Region
-from federation.routing.compiler import compile_region_table, fleet_plan, region_down
+from federation.routing.compiler import compile_region_table, fleet_plan
 from federation.routing.distribution import EDGE_CREDENTIAL_PREFIX, routing_table_latest_version
 from federation.routing.models import BudgetReport, RoutingTableCounter, RoutingTableVersion
+from federation.routing.ramp import region_down
 from federation.routing.selectors import LOAD_REPORT_MAX_AGE_S, fleet_snapshot, reported_health
 from federation.routing.wake import cold_demand_store, fleet_wake_schedule
 from federation.tenancy.keys import hash_key

@@ -35,7 +35,7 @@ from federation.metering.selectors import (
     usage_report_by_group_and_bucket,
 )
 from federation.routing import distribution
-from federation.routing.compiler import KeyRow, TenantRow, compile_region_table, fleet_plan
+from federation.routing.compiler import compile_region_table, fleet_plan
 from federation.routing.models import RoutingTableVersion
 from federation.routing.selectors import (
     budget_rows,
@@ -44,6 +44,7 @@ from federation.routing.selectors import (
     tenant_rows,
 )
 from federation.routing.services import routing_tables_publish
+from federation.routing.snapshot import KeyRow, TenantRow
 from federation.tenancy import services as tenancy
 from federation.tenancy.models import ApiKey, Tenant
 from federation.tenancy.residency import ResidencyPolicy

@@ -14,15 +14,14 @@ from console.explain import decide
 from console.fleet import InstanceLoad, Traffic, alerts, percentile, region_cards
 from console.preview import preview, snapshot_after
 from console.tablediff import table_diff
-from federation.routing.compiler import (
+from federation.routing.compiler import fleet_plan, region_table
+from federation.routing.snapshot import (
     FleetSnapshot,
     InstanceRow,
     KeyRow,
     RampPolicy,
     RegionRow,
     TenantRow,
-    fleet_plan,
-    region_table,
 )
 from federation.tenancy.residency import ResidencyPolicy
 

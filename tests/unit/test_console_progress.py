@@ -7,7 +7,8 @@ from datetime import UTC, datetime, timedelta
 import pytest
 
 from console.progress import Timeouts, fresh_in_flight, instance_progress, ramp_progress
-from federation.routing.compiler import RampPolicy, ramp_level
+from federation.routing.ramp import ramp_level
+from federation.routing.snapshot import RampPolicy
 
 NOW = datetime(2026, 12, 1, 12, 0, tzinfo=UTC)
 TIMEOUTS = Timeouts(loading_s=600, warming_s=300, drain_s=60)

@@ -7,7 +7,8 @@ from dataclasses import replace
 
 import orjson
 
-from federation.routing.compiler import ColdRow, compile_region_table
+from federation.routing.compiler import compile_region_table
+from federation.routing.snapshot import ColdRow
 from regions.tables.schema import COLD_SCHEMA_VERSION, decode_table
 from tests.unit.test_routing_compiler import SNAPSHOT
 

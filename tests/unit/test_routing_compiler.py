@@ -5,13 +5,8 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from federation.routing.compiler import (
-    FleetSnapshot,
-    InstanceRow,
-    RegionRow,
-    compile_region_table,
-    prefill_tokens_per_s,
-)
+from federation.routing.compiler import compile_region_table, prefill_tokens_per_s
+from federation.routing.snapshot import FleetSnapshot, InstanceRow, RegionRow
 from regions.tables.schema import decode_table
 
 

@@ -8,17 +8,9 @@ from datetime import UTC, datetime, timedelta
 import orjson
 import pytest
 
-from federation.routing.compiler import (
-    FleetSnapshot,
-    InstanceRow,
-    RampPolicy,
-    RegionRow,
-    compile_fleet_tables,
-    fleet_plan,
-    ramp_level,
-    ramp_next_change_s,
-    region_down,
-)
+from federation.routing.compiler import compile_fleet_tables, fleet_plan
+from federation.routing.ramp import ramp_level, ramp_next_change_s, region_down
+from federation.routing.snapshot import FleetSnapshot, InstanceRow, RampPolicy, RegionRow
 from regions.tables.schema import decode_table
 
 NOW = datetime(2026, 11, 29, 12, 0, tzinfo=UTC)

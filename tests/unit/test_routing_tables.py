@@ -10,18 +10,14 @@ import pytest
 
 from federation.routing.compiler import (
     TARGET_UTILISATION,
-    FleetSnapshot,
-    InstanceRow,
-    KeyRow,
-    RegionRow,
-    TenantRow,
-    budget_state,
     compile_fleet_tables,
     compile_region_table,
     cost_per_mtok,
     fleet_plan,
     replica_tokens_per_s,
 )
+from federation.routing.snapshot import FleetSnapshot, InstanceRow, KeyRow, RegionRow, TenantRow
+from federation.routing.tenant_plan import budget_state
 from federation.tenancy.residency import ResidencyPolicy
 from regions.tables.schema import decode_table
 

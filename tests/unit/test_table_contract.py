@@ -11,15 +11,14 @@ import orjson
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from federation.routing.compiler import (
+from federation.routing.compiler import fleet_plan, region_table
+from federation.routing.snapshot import (
     FleetSnapshot,
     InstanceRow,
     KeyRow,
     RampPolicy,
     RegionRow,
     TenantRow,
-    fleet_plan,
-    region_table,
 )
 from federation.tenancy.residency import ResidencyPolicy
 from regions.tables.schema import SCHEMA_VERSION, decode_table, encode_table
