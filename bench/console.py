@@ -38,10 +38,9 @@ def build(tenants: int, days: int) -> None:
     from django.db import connection
     from django.utils import timezone
 
-    from federation.demo.usage import usage_history
+    from federation.demo.usage import load_usage_history
     from federation.inventory import services as inventory
     from federation.inventory.models import Deployment, Region
-    from federation.metering import services as metering
     from federation.routing.services import routing_tables_publish
 
     call_command("loaddemo", stdout=StringIO())
@@ -55,11 +54,7 @@ def build(tenants: int, days: int) -> None:
             actor=None, deployment=dep, name=name, endpoint_url=f"http://{name}:8000"
         )
         inventory.instance_bring_up(actor=None, instance=inst)
-    records = list(usage_history(days=days, now=timezone.now()))
-    for start in range(0, len(records), 5_000):
-        metering.usage_ingest(documents=records[start : start + 5_000])
-    while metering.usage_hours_refresh(limit=200):
-        pass
+    records = load_usage_history(days=days, now=timezone.now())
     add_tenants(tenants, days)
     routing_tables_publish()
     second_version()
@@ -67,7 +62,7 @@ def build(tenants: int, days: int) -> None:
     # bulk-inserted a moment ago do not, and PostgreSQL would plan as if the tables were empty.
     with connection.cursor() as cursor:
         cursor.execute("ANALYZE")
-    print(f"fleet: {len(records):,} demo requests over {days} days, {tenants:,} more tenants")
+    print(f"fleet: {records:,} demo requests over {days} days, {tenants:,} more tenants")
 
 
 def second_version() -> None:

@@ -183,7 +183,7 @@ def fill_month(n: int) -> float:
             INSERT INTO metering_usagerecord (
                 started_at, request_id, tenant, key_prefix, model, adapter, region,
                 entry_region, instance, pool, prompt_tokens, cached_tokens, completion_tokens,
-                ttft_ms, duration_ms, status, streamed, cancelled, usage_reported, price_usd
+                ttft_ms, duration_ms, status, streamed, cancelled, usage_reported, price_usd, edge
             )
             SELECT %(start)s::timestamptz + (i * %(step)s) * interval '1 second',
                    'm-' || i, 'tenant-' || (i %% 200), 'fi_abcdef12',
@@ -195,7 +195,7 @@ def fill_month(n: int) -> float:
                              (%(pools)s::text[])[1 + i %% 3]),
                    800 + i %% 3000, (i %% 7) * 100, 50 + i %% 500, 120.0, 2400.0,
                    CASE WHEN i %% 97 = 0 THEN 500 ELSE 200 END, i %% 2 = 0, i %% 53 = 0,
-                   true, ((800 + i %% 3000) * 0.15 + (50 + i %% 500) * 0.6) / 1000000
+                   true, ((800 + i %% 3000) * 0.15 + (50 + i %% 500) * 0.6) / 1000000, ''
             FROM generate_series(0, %(last)s) AS i
             """,
             {

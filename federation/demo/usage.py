@@ -15,7 +15,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
-from federation.inventory.models import Instance
+from federation.inventory.models import Instance, PoolRevision
+from federation.metering import services as metering
 from federation.tenancy.models import Tenant
 from federation.tenancy.selectors import region_refs, tenant_permitted_regions
 from regions.tables.usage import UsageRecord, encode_record
@@ -55,8 +56,26 @@ def _daytime(hour: datetime, longitude: float) -> float:
     return 0.2 + 0.8 * max(0.0, math.sin(math.pi * (local - 7) / 14))
 
 
+def history_start(*, days: int, now: datetime) -> datetime:
+    """The first hour of :func:`usage_history`."""
+    return now.astimezone(UTC).replace(minute=0, second=0, microsecond=0) - timedelta(days=days)
+
+
+def date_pools_back(since: datetime) -> None:
+    """The pools made for the demo have been there since ``since``: their first revisions are
+    moved back to it, so the history's hours are costed with the whole fleet, idle pools
+    included (``metering/fleet_hours.py``), as a fleet that really ran then would be."""
+    firsts: dict[str, PoolRevision] = {}
+    for rev in PoolRevision.objects.order_by("pool", "effective_from", "id"):
+        firsts.setdefault(rev.pool, rev)
+    PoolRevision.objects.filter(
+        pk__in=[r.pk for r in firsts.values() if r.effective_from > since]
+    ).update(effective_from=since)
+
+
 def usage_history(*, days: int, now: datetime, seed: int = 7) -> Iterator[bytes]:
-    """Usage records of the ``days`` whole hours before ``now``, oldest first."""
+    """Usage records of the ``days`` whole hours before ``now``, oldest first (see
+    :func:`date_pools_back` for the pools they are costed on)."""
     rand = random.Random(seed)
     targets = _targets()
     refs = region_refs()
@@ -101,3 +120,15 @@ def _record(
         duration_ms=ttft + completion * 15.0,
         streamed=rand.random() < 0.5,
     )
+
+
+def load_usage_history(*, days: int, now: datetime, batch: int = 5_000) -> int:
+    """Generate :func:`usage_history` on a fleet dated back to its start, ingest it and roll
+    it up, as the worker would; the number of records."""
+    date_pools_back(history_start(days=days, now=now))
+    records = list(usage_history(days=days, now=now))
+    for i in range(0, len(records), batch):
+        metering.usage_ingest(documents=records[i : i + batch])
+    while metering.usage_hours_refresh(limit=200):
+        pass
+    return len(records)

@@ -415,6 +415,25 @@ class InstanceInterval(models.Model):
         return f"{self.name} {self.started_at:%Y-%m-%d %H:%M} to {self.ended_at or ''}"
 
 
+class PoolRevision(models.Model):
+    """A GPU pool's size and price from ``effective_from`` on, as usage records name the pool
+    (``<region>/<pool>``). Written by the pool services on creation, on every change of size,
+    price or name, and on deletion (0 GPUs: gone); kept when the pool is deleted, so an hour
+    is costed with the pool as it was during each part of it (``metering/fleet_hours.py``)."""
+
+    pool = models.CharField(max_length=130)
+    effective_from = models.DateTimeField()
+    gpus = models.PositiveIntegerField()
+    price_per_gpu_hour = models.DecimalField(max_digits=10, decimal_places=4)
+
+    class Meta:
+        ordering = ["pool", "effective_from", "id"]
+        indexes = [models.Index(fields=["effective_from"], name="pool_revision_time")]
+
+    def __str__(self) -> str:
+        return f"{self.pool} from {self.effective_from:%Y-%m-%d %H:%M}: {self.gpus} GPUs"
+
+
 class Edge(TimeStampedModel):
     """A registered edge router of a region."""
 

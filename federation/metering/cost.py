@@ -2,7 +2,8 @@
 
 The rule (``docs/metering.md``):
 
-1. A pool's hour costs its GPUs x its price per GPU-hour, busy or not.
+1. A pool's hour costs its GPUs x its price per GPU-hour, busy or not; a pool resized or
+   repriced within the hour costs each stretch of it at what it had then (:class:`PoolSpan`).
 2. That cost is split over the pool's instances by their GPU-seconds in the hour (tensor-
    parallel size x the seconds of the hour they held their GPUs); the pool's GPU-seconds no
    instance held are *idle*, their share is unallocated. (Instances that overlapped while one
@@ -56,6 +57,20 @@ def split_exactly(amount: Decimal, weights: Mapping[K, float]) -> dict[K, Decima
 
 
 @dataclass(frozen=True, slots=True)
+class PoolSpan:
+    """A stretch of the hour in which the pool had ``gpus`` GPUs at one price."""
+
+    gpus: int
+    price_per_gpu_hour: Decimal
+    seconds: float = HOUR_S
+
+
+def whole_hour(gpus: int, price_per_gpu_hour: Decimal) -> tuple[PoolSpan]:
+    """A pool unchanged through the hour."""
+    return (PoolSpan(gpus, price_per_gpu_hour),)
+
+
+@dataclass(frozen=True, slots=True)
 class InstanceHour:
     """One instance of the pool in the hour: its GPUs, speeds, and what each group of usage
     (e.g. tenant x model) asked of it, as (fresh prompt tokens, generated tokens)."""
@@ -94,20 +109,23 @@ class PoolHourCost:
         return self.idle + self.warm_idle
 
 
-def pool_hour_cost(
-    *, gpus: int, price_per_gpu_hour: Decimal, instances: Sequence[InstanceHour]
-) -> PoolHourCost:
-    """Split one pool's hour (see the module's rule); ``gpus``: the pool's GPUs in all."""
-    cost = (gpus * price_per_gpu_hour).quantize(QUANTUM)
+def pool_hour_cost(*, spans: Sequence[PoolSpan], instances: Sequence[InstanceHour]) -> PoolHourCost:
+    """Split one pool's hour (see the module's rule); ``spans``: its GPUs and price over the
+    hour (no span: it did not exist)."""
+    cost = sum(
+        (s.gpus * s.price_per_gpu_hour * Decimal(s.seconds) / Decimal(HOUR_S) for s in spans),
+        start=ZERO,
+    ).quantize(QUANTUM)
+    capacity_s = sum(s.gpus * s.seconds for s in spans)
     result = PoolHourCost(cost=cost, allocated={})
-    if cost == 0 or gpus == 0:
+    if cost == 0 or capacity_s == 0:
         return result
     parts: dict[Hashable, float] = {
         i.instance: i.gpus * i.held_s for i in instances if i.gpus and i.held_s > 0
     }
     used = sum(parts.values())
-    if gpus * HOUR_S > used:
-        parts[_IDLE] = gpus * HOUR_S - used
+    if capacity_s > used:
+        parts[_IDLE] = capacity_s - used
     shares = split_exactly(cost, parts)
     result.idle = shares.pop(_IDLE, ZERO)
     for inst in instances:

@@ -431,12 +431,14 @@ def _pool_costs(
     """Every pool's cost in the hour, split over the hour's usage groups, with the fleet as it
     stood in that hour (``fleet_hours.py``)."""
     usage: dict[str, dict[Hashable, tuple[int, int]]] = {}
+    pools: set[str] = set()
     for row in records.values("instance", "tenant", "model", "region", "pool").annotate(
         fresh=Sum(F("prompt_tokens") - F("cached_tokens")), generated=Sum("completion_tokens")
     ):
         group: Group = (row["tenant"], row["model"], row["region"], row["pool"])
         usage.setdefault(row["instance"], {})[group] = (row["fresh"], row["generated"])
-    fleet = fleet_for_hour(hour, usage, now=timezone.now())
+        pools.add(row["pool"])
+    fleet = fleet_for_hour(hour, usage, now=timezone.now(), served_pools=pools)
     by_pool: dict[str, list[InstanceHour]] = {}
     for inst in fleet.instances:
         by_pool.setdefault(inst.pool, []).append(
@@ -451,9 +453,7 @@ def _pool_costs(
         )
     return {
         (pool.pool, pool.gpus): pool_hour_cost(
-            gpus=pool.gpus,
-            price_per_gpu_hour=pool.price_per_gpu_hour,
-            instances=by_pool.get(pool.pool, []),
+            spans=pool.spans, instances=by_pool.get(pool.pool, [])
         )
         for pool in fleet.pools
     }

@@ -9,10 +9,9 @@ from django.core.management import call_command
 from django.utils import timezone
 
 from federation.demo.fleet import DEMO_PASSWORD
-from federation.demo.usage import usage_history
+from federation.demo.usage import load_usage_history
 from federation.inventory import services as inventory
 from federation.inventory.models import Deployment, Region
-from federation.metering import services as metering
 from federation.routing.services import routing_tables_publish
 
 PASSWORD = DEMO_PASSWORD
@@ -42,8 +41,4 @@ def demo_fleet(
         inventory.instance_bring_up(actor=None, instance=inst)
     routing_tables_publish()
     if usage_days:
-        records = list(usage_history(days=usage_days, now=timezone.now()))
-        for start in range(0, len(records), 5_000):
-            metering.usage_ingest(documents=records[start : start + 5_000])
-        while metering.usage_hours_refresh(limit=200):
-            pass
+        load_usage_history(days=usage_days, now=timezone.now())

@@ -20,7 +20,7 @@ from federation.inventory import lifecycle
 from federation.inventory.models import Deployment, Instance, InstanceInterval
 from federation.inventory.services import instance_delete, instance_transition
 from federation.inventory.speed import decode_tokens_per_s, prefill_tokens_per_s
-from federation.metering.cost import InstanceHour, pool_hour_cost
+from federation.metering.cost import InstanceHour, pool_hour_cost, whole_hour
 from federation.metering.models import PoolHour, UsageHour
 from federation.metering.services import usage_hours_refresh, usage_ingest
 from federation.tenancy.models import Tenant
@@ -82,8 +82,7 @@ def as_it_was(deployment: Deployment, usage: dict[str, dict[str, tuple[int, int]
     kw = {"relative_speed": speed, "tensor_parallel_size": 1, "params_b": params_b}
     prefill, decode = prefill_tokens_per_s(**kw), decode_tokens_per_s(**kw)
     return pool_hour_cost(
-        gpus=dep.pool.total_gpus,
-        price_per_gpu_hour=dep.pool.price_per_gpu_hour,
+        spans=whole_hour(dep.pool.total_gpus, dep.pool.price_per_gpu_hour),
         instances=[
             InstanceHour(
                 "a",

@@ -8,13 +8,15 @@ import os
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 from typing import Any
+from unittest import mock
 
 import pytest
 import redis
 from django.db import connection
 from rest_framework.test import APIClient
 
-from federation.inventory.models import GPUPool, Instance, InstanceInterval, Region
+from federation.inventory.models import GPUPool, Instance, InstanceInterval, PoolRevision, Region
+from federation.inventory.services import pool_update
 from federation.metering.models import (
     FleetHour,
     PoolHour,
@@ -56,8 +58,9 @@ def fleet() -> str:
     model = make_model()
     deployment = make_deployment(model, make_pool(region, "h100"))
     make_instance(deployment, "us-1", state="ready")
-    # It has held its GPUs since well before the hours these tests cost.
+    # It and its pool have held their GPUs since well before the hours these tests cost.
     InstanceInterval.objects.filter(name="us-1").update(started_at=HOUR - timedelta(days=1))
+    PoolRevision.objects.update(effective_from=HOUR - timedelta(days=1))
     Tenant.objects.create(slug="acme", name="Acme")
     Tenant.objects.create(slug="globex", name="Globex")
     model_price_set(actor=None, model=model, price=LIST, effective_from=HOUR - timedelta(days=1))
@@ -144,6 +147,7 @@ def test_each_pool_hour_is_accounted_for_exactly(fleet: str) -> None:
         interconnect="pcie",
         price_per_gpu_hour=Decimal("0.70"),
     )
+    PoolRevision.objects.update(effective_from=HOUR - timedelta(days=1))  # it existed then
     docs = [doc(i, fleet, ("acme", "globex", "initech")[i % 3]) for i in range(30)]
     usage_ingest(documents=[encode_record(d) for d in docs])
     usage_hours_refresh()
@@ -332,10 +336,16 @@ def test_an_ended_hour_is_costed_again_with_the_fleet_it_had(fleet: str) -> None
     first = _pool_hour(HOUR)
     assert first.cost_usd == Decimal("40.00") and _reconciles(first)  # 16 GPUs x $2.50
     assert FleetHour.objects.filter(hour=HOUR).exists()
-    # Days later the pool's price doubles, its instance is stopped and another starts...
-    pool = GPUPool.objects.get(name="h100")
-    pool.price_per_gpu_hour = Decimal("5.00")
-    pool.save()
+    # Days later (at the start of this hour) the pool's price doubles, its instance is
+    # stopped and another starts...
+    now = datetime.now(UTC)
+    this_hour = now.replace(minute=0, second=0, microsecond=0)
+    with mock.patch("django.utils.timezone.now", return_value=this_hour):
+        pool_update(
+            actor=None,
+            pool=GPUPool.objects.get(name="h100"),
+            data={"price_per_gpu_hour": Decimal("5.00")},
+        )
     deployment = Instance.objects.get(name="us-1").deployment
     Instance.objects.filter(name="us-1").update(state="stopped")
     make_instance(deployment, "us-2", state="ready")
@@ -349,8 +359,6 @@ def test_an_ended_hour_is_costed_again_with_the_fleet_it_had(fleet: str) -> None
     assert sum(costs.values()) == again.allocated_usd == Decimal("2.50")  # us-1's one GPU
     assert costs["globex"] > 0
     # An hour not yet ended is costed with the fleet as it is.
-    now = datetime.now(UTC)
-    this_hour = now.replace(minute=0, second=0, microsecond=0)
     usage_ingest(
         documents=[
             encode_record(doc(20, fleet, "acme", instance="us-2", started_at=now.timestamp()))

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from federation.metering.cost import InstanceHour, pool_hour_cost, split_exactly
+from federation.metering.cost import InstanceHour, pool_hour_cost, split_exactly, whole_hour
 
 
 def test_a_split_is_exact_and_proportional() -> None:
@@ -30,7 +30,7 @@ def test_engine_time_weighs_fresh_prompt_and_generated_tokens_at_the_instances_s
         decode_tokens_per_s=1_000,
         usage={"acme": (10_000, 0), "globex": (0, 3_000)},
     )
-    cost = pool_hour_cost(gpus=8, price_per_gpu_hour=Decimal("2.50"), instances=[inst])
+    cost = pool_hour_cost(spans=whole_hour(8, Decimal("2.50")), instances=[inst])
     assert cost.cost == Decimal(20)
     assert cost.idle == Decimal(15)  # 6 of 8 GPUs run no instance
     assert cost.allocated == {"acme": Decimal("1.25"), "globex": Decimal("3.75")}
@@ -40,7 +40,7 @@ def test_engine_time_weighs_fresh_prompt_and_generated_tokens_at_the_instances_s
 def test_an_instance_that_served_nothing_is_warm_idle() -> None:
     busy = InstanceHour("a", 1, 10_000, 1_000, {"acme": (100, 100)})
     quiet = InstanceHour("b", 1, 10_000, 1_000, {"globex": (0, 0)})
-    cost = pool_hour_cost(gpus=2, price_per_gpu_hour=Decimal("3"), instances=[busy, quiet])
+    cost = pool_hour_cost(spans=whole_hour(2, Decimal("3")), instances=[busy, quiet])
     assert cost.allocated == {"acme": Decimal(3)}
     assert cost.warm_idle == Decimal(3)
     assert cost.idle == 0
@@ -49,7 +49,7 @@ def test_an_instance_that_served_nothing_is_warm_idle() -> None:
 def test_instances_replaced_within_the_hour_share_the_pool_with_nothing_idle() -> None:
     old = InstanceHour("old", 2, 1.0, 1.0, {"acme": (1, 0)})
     new = InstanceHour("new", 2, 1.0, 1.0, {"acme": (1, 0)})
-    cost = pool_hour_cost(gpus=2, price_per_gpu_hour=Decimal(1), instances=[old, new])
+    cost = pool_hour_cost(spans=whole_hour(2, Decimal(1)), instances=[old, new])
     assert cost.allocated == {"acme": Decimal(2)}
     assert cost.unallocated == 0
 
@@ -59,11 +59,11 @@ def test_an_instance_pays_for_the_part_of_the_hour_it_held_its_gpus() -> None:
     hour is idle, unless a replacement held it."""
     gone = InstanceHour("gone", 1, 1.0, 1.0, {"acme": (1, 0)}, held_s=600)
     stayed = InstanceHour("stayed", 1, 1.0, 1.0, {"globex": (1, 0)})
-    cost = pool_hour_cost(gpus=2, price_per_gpu_hour=Decimal(6), instances=[gone, stayed])
+    cost = pool_hour_cost(spans=whole_hour(2, Decimal(6)), instances=[gone, stayed])
     assert cost.allocated == {"acme": Decimal(1), "globex": Decimal(6)}
     assert cost.idle == Decimal(5) and cost.warm_idle == 0
     late = InstanceHour("late", 1, 1.0, 1.0, {}, held_s=3000)  # started at minute ten
-    cost = pool_hour_cost(gpus=2, price_per_gpu_hour=Decimal(6), instances=[gone, stayed, late])
+    cost = pool_hour_cost(spans=whole_hour(2, Decimal(6)), instances=[gone, stayed, late])
     assert cost.idle == 0 and cost.warm_idle == Decimal(5)
 
 
@@ -97,7 +97,7 @@ def test_allocated_plus_unallocated_is_the_pools_cost_exactly(
         InstanceHour(f"i{n}", g, p, d, u, held_s=h) for n, (g, p, d, u, h) in enumerate(instances)
     ]
     gpus = gpus_free + sum(r.gpus for r in rows)
-    cost = pool_hour_cost(gpus=gpus, price_per_gpu_hour=price, instances=rows)
+    cost = pool_hour_cost(spans=whole_hour(gpus, price), instances=rows)
     assert cost.cost == gpus * price
     assert sum(cost.allocated.values(), start=Decimal(0)) + cost.unallocated == cost.cost
     assert all(v >= 0 for v in cost.allocated.values())

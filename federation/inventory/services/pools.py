@@ -8,11 +8,18 @@ from typing import Any
 
 from django.core.exceptions import NON_FIELD_ERRORS
 from django.db import transaction
+from django.utils import timezone
 
 from federation.core.audit import Actor, audit_record
 from federation.core.errors import Conflict
 from federation.core.services import Errors, model_apply, model_lock, model_save, model_validate
-from federation.inventory.models import AcceleratorType, Deployment, GPUPool, Region
+from federation.inventory.models import (
+    AcceleratorType,
+    Deployment,
+    GPUPool,
+    PoolRevision,
+    Region,
+)
 from federation.inventory.services.fit_checks import (
     deployments_with_context,
     pool_spec,
@@ -31,6 +38,24 @@ POOL_UPDATABLE = (
     "gpu_memory_utilization",
     "provisioner",
 )
+
+
+#: Fields a pool-hour's cost depends on: a change to one starts a new revision.
+_COSTED = frozenset({"name", "gpus_per_node", "node_count", "price_per_gpu_hour"})
+
+
+def _pool_key(pool: GPUPool) -> str:
+    return f"{pool.region.code}/{pool.name}"
+
+
+def _revise(pool: GPUPool, *, gpus: int, key: str | None = None) -> None:
+    """The pool has ``gpus`` GPUs at its price from now on (under ``key``, else its own)."""
+    PoolRevision.objects.create(
+        pool=key or _pool_key(pool),
+        effective_from=timezone.now(),
+        gpus=gpus,
+        price_per_gpu_hour=pool.price_per_gpu_hour,
+    )
 
 
 def _pool_errors(pool: GPUPool) -> Errors:
@@ -74,6 +99,7 @@ def pool_create(
     )
     model_validate(pool, extra=_pool_errors(pool))
     model_save(pool)
+    _revise(pool, gpus=pool.total_gpus)
     audit_record(actor=actor, action="pool.create", obj=pool)
     return pool
 
@@ -83,6 +109,7 @@ def pool_update(*, actor: Actor, pool: GPUPool, data: Mapping[str, Any]) -> GPUP
     """Refuses a change that would break a deployment on the pool (memory, TP, capacity)."""
     pool = locked_pool(pool)
     before = pool_spec(pool)
+    old_key = _pool_key(pool)
     diff = model_apply(pool, data, updatable=POOL_UPDATABLE)
     errors = _pool_errors(pool)
     broken = recheck_deployments(
@@ -94,6 +121,10 @@ def pool_update(*, actor: Actor, pool: GPUPool, data: Mapping[str, Any]) -> GPUP
         errors[NON_FIELD_ERRORS] = broken
     model_validate(pool, extra=errors)
     model_save(pool)
+    if _COSTED & set(diff):
+        if _pool_key(pool) != old_key:  # renamed: its old name's GPUs are gone
+            _revise(pool, gpus=0, key=old_key)
+        _revise(pool, gpus=pool.total_gpus)
     if diff:
         audit_record(actor=actor, action="pool.update", obj=pool, changes=diff)
     return pool
@@ -102,6 +133,7 @@ def pool_update(*, actor: Actor, pool: GPUPool, data: Mapping[str, Any]) -> GPUP
 @transaction.atomic
 def pool_delete(*, actor: Actor, pool: GPUPool) -> None:
     audit_record(actor=actor, action="pool.delete", obj=pool)
+    _revise(pool, gpus=0)
     pool.delete()
 
 

@@ -33,11 +33,10 @@ from django.utils import timezone
 
 from federation.demo import prometheus
 from federation.demo.fleet import DEMO_PASSWORD
-from federation.demo.usage import usage_history
+from federation.demo.usage import load_usage_history
 from federation.inventory import lifecycle
 from federation.inventory import services as inventory
 from federation.inventory.models import Deployment, Edge, GPUPool, Instance, Region
-from federation.metering import services as metering
 from federation.routing import services as routing
 from federation.tenancy import services as tenancy
 from federation.tenancy.models import ApiKey, Tenant
@@ -293,12 +292,8 @@ class Command(BaseCommand):
 
     def _usage_history(self, days: int) -> None:
         """Ingest ``days`` of generated usage and roll it up, as the worker would."""
-        records = list(usage_history(days=days, now=timezone.now()))
-        for i in range(0, len(records), HISTORY_BATCH):
-            metering.usage_ingest(documents=records[i : i + HISTORY_BATCH])
-        while metering.usage_hours_refresh(limit=200):
-            pass
-        self.stdout.write(f"usage history: {len(records)} requests over {days} days\n")
+        records = load_usage_history(days=days, now=timezone.now(), batch=HISTORY_BATCH)
+        self.stdout.write(f"usage history: {records} requests over {days} days\n")
 
     def _start(self, run: _Run) -> dict[str, Any]:
         self._start_engines(run)
