@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import datetime
 from decimal import Decimal
 from typing import Any
+from unittest import mock
 
 from federation.inventory import services
 from federation.inventory.models import (
@@ -14,6 +18,14 @@ from federation.inventory.models import (
     LanguageModel,
     Region,
 )
+
+
+@contextmanager
+def services_clock(at: datetime) -> Iterator[None]:
+    """The services' clock at ``at``: what they stamp (transitions, revisions) is then."""
+    with mock.patch("django.utils.timezone.now", return_value=at):
+        yield
+
 
 LLAMA_8B: dict[str, Any] = {
     "name": "meta-llama/Llama-3.1-8B-Instruct",

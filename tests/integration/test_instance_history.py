@@ -8,11 +8,8 @@ the pool's cost exactly; a later late record is costed on the same facts."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
-from unittest import mock
 
 import pytest
 
@@ -32,19 +29,13 @@ from tests.integration.inventory_factories import (
     make_model,
     make_pool,
     make_region,
+    services_clock,
 )
 
 pytestmark = pytest.mark.django_db
 
 HOUR = datetime(2026, 11, 30, 14, 0, tzinfo=UTC)
 POOL = "us-east/h100"
-
-
-@contextmanager
-def clock(at: datetime) -> Iterator[None]:
-    """The services' clock at ``at`` (the transitions stamp their times with it)."""
-    with mock.patch("django.utils.timezone.now", return_value=at):
-        yield
 
 
 def record(i: int, instance: str, tenant: str, minute: int, prompt: int, output: int) -> bytes:
@@ -108,14 +99,14 @@ def test_an_instance_stopped_mid_hour_costs_ten_minutes_when_its_records_come_la
     region = make_region("us-east")
     deployment = make_deployment(make_model(), make_pool(region, "h100"), max_replicas=4)
     for name in ("a", "b"):
-        with clock(HOUR - timedelta(days=1)):
+        with services_clock(HOUR - timedelta(days=1)):
             make_instance(deployment, name, state="ready")
     Tenant.objects.create(slug="acme", name="Acme")
     Tenant.objects.create(slug="globex", name="Globex")
 
     # a stops ten minutes into the hour; days later it is deleted and another instance
     # starts, all before the hour is first rolled up.
-    with clock(HOUR + timedelta(minutes=10)):
+    with services_clock(HOUR + timedelta(minutes=10)):
         instance_transition(actor=None, instance=Instance.objects.get(name="a"), state="stopped")
     instance_delete(actor=None, instance=Instance.objects.get(name="a"))
     make_instance(deployment, "c", state="ready")

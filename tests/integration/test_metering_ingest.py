@@ -8,7 +8,6 @@ import os
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 from typing import Any
-from unittest import mock
 
 import pytest
 import redis
@@ -43,6 +42,7 @@ from tests.integration.inventory_factories import (
     make_model,
     make_pool,
     make_region,
+    services_clock,
 )
 
 pytestmark = pytest.mark.django_db
@@ -340,7 +340,7 @@ def test_an_ended_hour_is_costed_again_with_the_fleet_it_had(fleet: str) -> None
     # stopped and another starts...
     now = datetime.now(UTC)
     this_hour = now.replace(minute=0, second=0, microsecond=0)
-    with mock.patch("django.utils.timezone.now", return_value=this_hour):
+    with services_clock(this_hour):
         pool_update(
             actor=None,
             pool=GPUPool.objects.get(name="h100"),

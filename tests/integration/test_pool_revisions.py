@@ -6,11 +6,8 @@ halved and repriced mid-hour was costed at its new size and price for the whole 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
-from unittest import mock
 
 import pytest
 
@@ -27,17 +24,12 @@ from tests.integration.inventory_factories import (
     make_model,
     make_pool,
     make_region,
+    services_clock,
 )
 
 pytestmark = pytest.mark.django_db
 
 HOUR = datetime(2026, 11, 30, 14, 0, tzinfo=UTC)
-
-
-@contextmanager
-def clock(at: datetime) -> Iterator[None]:
-    with mock.patch("django.utils.timezone.now", return_value=at):
-        yield
 
 
 def record(i: int, at: datetime) -> bytes:
@@ -70,20 +62,20 @@ def costs(hour: datetime) -> dict[str, tuple[Decimal, Decimal]]:
 def test_each_part_of_the_hour_is_costed_at_the_pool_it_had_then() -> None:
     region = make_region("us-east")
     Tenant.objects.create(slug="acme", name="Acme")
-    with clock(HOUR - timedelta(days=1)):
+    with services_clock(HOUR - timedelta(days=1)):
         h100 = make_pool(region, "h100")  # 16 GPUs at $2.50
         l4 = make_pool(region, "l4", accelerator="L4-24G", gpus_per_node=4, node_count=1,
                        interconnect="pcie", price_per_gpu_hour=Decimal("0.60"))  # fmt: skip
         make_instance(make_deployment(make_model(), h100), "b", state="ready")  # 1 GPU
-    with clock(HOUR + timedelta(minutes=20)):
+    with services_clock(HOUR + timedelta(minutes=20)):
         pool_delete(actor=None, pool=l4)
-    with clock(HOUR + timedelta(minutes=30)):  # halved and repriced
+    with services_clock(HOUR + timedelta(minutes=30)):  # halved and repriced
         pool_update(
             actor=None,
             pool=GPUPool.objects.get(name="h100"),
             data={"node_count": 1, "price_per_gpu_hour": Decimal("4.00")},
         )
-    with clock(HOUR + timedelta(minutes=45)):
+    with services_clock(HOUR + timedelta(minutes=45)):
         make_pool(region, "a100", accelerator="A100-80G", gpus_per_node=4, node_count=1,
                   interconnect="pcie", price_per_gpu_hour=Decimal("1.20"))  # fmt: skip
     assert PoolRevision.objects.filter(pool="us-east/l4").count() == 2  # created, deleted
@@ -112,7 +104,7 @@ def test_history_before_a_pools_first_revision_is_costed_when_it_served() -> Non
     nothing then did not exist then."""
     region = make_region("us-east")
     Tenant.objects.create(slug="acme", name="Acme")
-    with clock(HOUR + timedelta(days=2)):
+    with services_clock(HOUR + timedelta(days=2)):
         pool = make_pool(region, "h100")
         make_pool(region, "spare", gpus_per_node=8, node_count=1)
         make_instance(make_deployment(make_model(), pool), "b", state="ready")
@@ -124,7 +116,7 @@ def test_history_before_a_pools_first_revision_is_costed_when_it_served() -> Non
 def test_an_hour_frozen_before_revisions_is_read_with_its_pools_size_and_price() -> None:
     region = make_region("us-east")
     Tenant.objects.create(slug="acme", name="Acme")
-    with clock(HOUR - timedelta(days=1)):
+    with services_clock(HOUR - timedelta(days=1)):
         make_instance(make_deployment(make_model(), make_pool(region, "h100")), "b", "ready")
     FleetHour.objects.create(
         hour=HOUR,
