@@ -30,8 +30,9 @@ the expected TTFT of this one request does not see: an instance with free seats 
 step slower however full it is. So a new session never goes to an instance whose load
 (``busy / max_concurrency``) is more than ``balance_abs`` above the least loaded one's *and*
 more than ``balance_rel`` times it (SGLang's cache-aware router bounds imbalance with the same
-pair of thresholds, in requests); among the others the rules above apply, and a home beyond
-the bound is left (``session_yield``).
+pair of thresholds, in requests) *and* above ``balance_floor`` (below it the seats outlast the
+session's turns); among the others the rules above apply, and a home beyond the bound is left
+(``session_yield``).
 """
 
 from __future__ import annotations
@@ -64,9 +65,11 @@ class SchedulerConfig:
     #: that is sooner than a cold prefill elsewhere.
     wait_for_warm: bool = True
     #: A new session skips instances loaded more than ``balance_abs`` (a share of their slots)
-    #: above the least loaded one and more than ``balance_rel`` times its load.
+    #: above the least loaded one and more than ``balance_rel`` times its load, unless at most
+    #: ``balance_floor`` of their slots are taken (seats to spare: nothing to bound).
     balance_abs: float = 0.25
     balance_rel: float = 1.5
+    balance_floor: float = 0.75
 
 
 @dataclass(slots=True)
@@ -269,9 +272,10 @@ def _best_ttft(scored: list[Scored], req: RouteRequest, cfg: SchedulerConfig) ->
 
 def _balanced(scored: list[Scored], cfg: SchedulerConfig) -> list[Scored]:
     """The instances a new session may go to: all but those loaded more than ``balance_abs``
-    above the least loaded one and more than ``balance_rel`` times its load (never empty)."""
+    above the least loaded one, more than ``balance_rel`` times its load and more than
+    ``balance_floor`` (never empty)."""
     low = min(s.load for s in scored)
-    bound = max(low + cfg.balance_abs, low * cfg.balance_rel)
+    bound = max(low + cfg.balance_abs, low * cfg.balance_rel, cfg.balance_floor)
     return [s for s in scored if s.load <= bound]
 
 

@@ -213,7 +213,7 @@ def test_a_new_session_stays_off_a_hot_prefix_holder_far_busier_than_the_rest() 
     """The skewed case: the holder of the hot system prompt has free seats, so this request
     alone would be sooner there; but a new session's later turns follow it, and the holder
     at 14 of 16 against 8 of 16 elsewhere is beyond the balance bound (load 0.875 > 0.5 +
-    0.25 and > 1.5 x 0.5): the session goes to its home with a cold prefill instead."""
+    0.25, > 1.5 x 0.5 and > 0.75): the session goes to its home with a cold prefill instead."""
     names = ["a", "b", "c"]
     key = next(k for k in range(1000) if home(k, [*names, "holder"]) == "b")
     holder = cand("holder", max_concurrency=16, outstanding=14, cached_blocks=237)
@@ -239,6 +239,12 @@ def test_a_new_session_stays_off_a_hot_prefix_holder_far_busier_than_the_rest() 
     d = decide(busy_home, req(session=key), CFG)
     assert d.winner is not None and d.winner.instance in {"a", "c"}
     assert d.reason == "session_yield"
+    # With seats to spare (12 of 16 against idle peers) there is nothing to bound: the cache
+    # holder takes the new session.
+    spare = [dataclasses.replace(holder, outstanding=12), *(cand(n, max_concurrency=16)
+                                                          for n in names)]  # fmt: skip
+    d = decide(spare, req(session=key), CFG)
+    assert d.winner is not None and d.winner.instance == "holder"
 
 
 def test_session_on_an_ejected_or_capped_instance_moves() -> None:
