@@ -259,7 +259,6 @@ def _best_ttft(scored: list[Scored], req: RouteRequest, cfg: SchedulerConfig) ->
         if pool[k].ttft_s < pool[best_i].ttft_s:
             best_i = k
     best = pool[best_i]
-    rest = [s for s in scored if s is not best]
     if sticky is not None and sticky != best.instance:
         for s in scored:
             if s.instance == sticky:
@@ -267,7 +266,7 @@ def _best_ttft(scored: list[Scored], req: RouteRequest, cfg: SchedulerConfig) ->
                     return Decision(s, best, "session")
                 return Decision(best, s, "session_yield")
     reason = "session" if sticky == best.instance else "best_ttft"
-    return Decision(best, _best(rest), reason)
+    return Decision(best, _best([s for s in scored if s is not best]), reason)
 
 
 def _balanced(scored: list[Scored], cfg: SchedulerConfig) -> list[Scored]:
