@@ -27,13 +27,25 @@ SGLANG_INSTALL = f"python3 -m venv {BENCH_VENV} && {BENCH_VENV}/bin/pip install 
 
 @dataclass
 class Engines:
-    proc: Process
+    #: One simulator process for every engine, or one process per engine (in port order).
+    procs: list[Process]
     ports: list[int]
     model: str
 
     @property
     def urls(self) -> list[str]:
         return [f"http://127.0.0.1:{p}" for p in self.ports]
+
+    @property
+    def proc(self) -> Process:
+        """The one simulator process (a bench that watches it started the engines in one)."""
+        if len(self.procs) != 1:
+            raise ValueError(f"{len(self.procs)} simulator processes, not one")
+        return self.procs[0]
+
+    def cpu_seconds(self) -> float:
+        """CPU time of every simulator process together."""
+        return sum(p.cpu_seconds() for p in self.procs)
 
 
 def start_engines(
@@ -44,16 +56,26 @@ def start_engines(
     extra: list[str] | None = None,
     cpus: set[int] | None = None,
     name: str = "engines",
+    process_each: bool = False,
 ) -> Engines:
+    """``count`` simulated engines on consecutive ports, in one ``engine-sim`` process or, with
+    ``process_each``, one process each (``<name>0``, ``<name>1``, ...): the same engines and
+    timing model, but a busy engine's event loop no longer delays the others' steps."""
     ports = free_ports(count)
-    argv = fedinfer_argv(
-        "engine-sim", "--count", str(count), "--port", str(ports[0]), "--model", model,
-        *(extra or []),
-    )  # fmt: skip
-    proc = pg.start(name, argv, cpus=cpus)
-    for p in ports:
-        wait_http(f"http://127.0.0.1:{p}/health", watch=proc, timeout=60, ready=http_ok)
-    return Engines(proc, ports, model)
+    common = ["--model", model, *(extra or [])]
+    if process_each:
+        procs = [
+            pg.start(f"{name}{i}", fedinfer_argv("engine-sim", "--port", str(p), *common),
+                     cpus=cpus)
+            for i, p in enumerate(ports)
+        ]  # fmt: skip
+    else:
+        argv = fedinfer_argv("engine-sim", "--count", str(count), "--port", str(ports[0]), *common)
+        procs = [pg.start(name, argv, cpus=cpus)]
+    for i, p in enumerate(ports):
+        watch = procs[i] if process_each else procs[0]
+        wait_http(f"http://127.0.0.1:{p}/health", watch=watch, timeout=60, ready=http_ok)
+    return Engines(procs, ports, model)
 
 
 def write_table(

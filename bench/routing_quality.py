@@ -2,8 +2,10 @@
 
 Fleet (defaults): 8 simulated engines, each a Llama-70B-class model on 4 x L40S-48G (TP 4:
 ~2.5k prefill tokens/s, ~43 ms decode steps, 3k KV blocks = 48k tokens, so the KV cache is
-under realistic pressure), ``max_num_seqs`` 16; one ``fedinfer engine-sim --count 8`` process
-pinned to CPU 1, the edge on CPU 0, this process's streaming client on CPU 0. Workload:
+under realistic pressure), ``max_num_seqs`` 16; one ``fedinfer engine-sim`` process per engine,
+all pinned to CPU 1 (in one process, a busy engine's event loop delayed every engine's steps and
+the edge's learned speeds chased that), the edge on CPU 0, this process's streaming client on
+CPU 0. Workload:
 :mod:`bench.workload` (seeded): shared system prompts of 1-2k tokens, sessions of 3-6 turns
 that resend the growing history, Poisson session arrivals, think time between turns.
 
@@ -287,12 +289,17 @@ def calibrate(cfg: Config, sc: Scenario, logdir: Path) -> dict[str, Any]:
     concurrency = cfg.engines * cfg.max_num_seqs
     with bench_processes(logdir / f"calibrate-{sc.name}") as pg:
         engines = start_engines(
-            pg, count=cfg.engines, model=cfg.model, extra=cfg.engine_args(), cpus=ENGINE_CPUS
+            pg,
+            count=cfg.engines,
+            model=cfg.model,
+            extra=cfg.engine_args(),
+            cpus=ENGINE_CPUS,
+            process_each=True,
         )
         target = Target(tuple(engines.urls), "session_hash")
         before = _pin_self(CLIENT_CPUS)
         try:
-            cpu0 = engines.proc.cpu_seconds()
+            cpu0 = engines.cpu_seconds()
             t0 = time.monotonic()
             state = uvloop.run(
                 saturate(
@@ -303,7 +310,7 @@ def calibrate(cfg: Config, sc: Scenario, logdir: Path) -> dict[str, Any]:
                     duration_s=cfg.calibrate_s,
                 )
             )
-            engine_cpu = (engines.proc.cpu_seconds() - cpu0) / (time.monotonic() - t0)
+            engine_cpu = (engines.cpu_seconds() - cpu0) / (time.monotonic() - t0)
         finally:
             os.sched_setaffinity(0, before)
     lo, hi = cfg.calibrate_warmup_s, cfg.calibrate_s
@@ -332,7 +339,12 @@ def run_policy(
 ) -> dict[str, Any]:
     with bench_processes(logdir / f"{sc.name}-{cfg.seed}-{policy}") as pg:
         engines: Engines = start_engines(
-            pg, count=cfg.engines, model=cfg.model, extra=cfg.engine_args(), cpus=ENGINE_CPUS
+            pg,
+            count=cfg.engines,
+            model=cfg.model,
+            extra=cfg.engine_args(),
+            cpus=ENGINE_CPUS,
+            process_each=True,
         )
         edges: list[tuple[Process, str, str]] = []
         rate = prefill_rate(cfg) * (MISCALIBRATION if policy == MISCALIBRATED else 1.0)
@@ -367,7 +379,7 @@ def run_policy(
         def on_tick(t: float) -> None:
             if "warm" not in snaps and t >= cfg.warmup_s:
                 snaps["warm"] = scrape(engines.urls)
-                cpu["engines0"] = engines.proc.cpu_seconds()
+                cpu["engines0"] = engines.cpu_seconds()
                 cpu["edge0"] = sum(e.cpu_seconds() for e, _, _ in edges) if edges else math.nan
                 cpu["self0"] = time.process_time()
                 cpu["t0"] = time.monotonic()
@@ -393,7 +405,7 @@ def run_policy(
         wall = time.monotonic() - cpu.get("t0", time.monotonic())
         edge_cpu = sum(e.cpu_seconds() for e, _, _ in edges) if edges else None
         cpu_share = {
-            "engines": (engines.proc.cpu_seconds() - cpu.get("engines0", math.nan)) / wall,
+            "engines": (engines.cpu_seconds() - cpu.get("engines0", math.nan)) / wall,
             "edge": (edge_cpu - cpu["edge0"]) / wall if edge_cpu is not None else None,
             "client": (time.process_time() - cpu.get("self0", math.nan)) / wall,
         }

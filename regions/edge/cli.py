@@ -150,6 +150,11 @@ def _routing_flags(p: argparse.ArgumentParser) -> None:
          "as prefilling this many tokens"),
         ("--decode-slowdown", float, _SCHEDULER.decode_slowdown, "a full batch of decodes "
          "makes a step (1 + this) times as long as a lone one"),
+        ("--balance-abs", float, _SCHEDULER.balance_abs, "a new session skips instances "
+         "busier (per slot) than the least loaded one by more than this, and more than "
+         "--balance-rel times and above --balance-floor (docs/edge-scheduling.md)"),
+        ("--balance-rel", float, _SCHEDULER.balance_rel, "see --balance-abs"),
+        ("--balance-floor", float, _SCHEDULER.balance_floor, "see --balance-abs"),
         ("--bytes-per-token", float, _EDGE.bytes_per_token, None),
         ("--prefix-capacity", int, _EDGE.prefix_capacity, "block hashes kept"),
         ("--rate-burst", float, _EDGE.rate_burst_s, "seconds of a tenant's rate limit as burst"),
@@ -386,6 +391,9 @@ def config_from_args(opts: argparse.Namespace) -> EdgeConfig:
             affinity_margin_s=opts.affinity_margin_ms / 1000.0,
             step_tokens=opts.step_tokens,
             decode_slowdown=opts.decode_slowdown,
+            balance_abs=opts.balance_abs,
+            balance_rel=opts.balance_rel,
+            balance_floor=opts.balance_floor,
         ),
         health=HealthConfig(
             eject_after=opts.eject_after,

@@ -24,6 +24,15 @@ TTFT stays within ``affinity_factor * best + affinity_margin_s``. A session this
 placed before goes to its *home* (``sessions.home``: rendezvous hashing over the feasible
 instances) while that is within ``best + affinity_margin_s``, so every edge of a region sends
 it to the same place unless another instance is clearly sooner.
+
+A new session's first turn also commits its later turns (they stick to its instance), which
+the expected TTFT of this one request does not see: an instance with free seats looks only a
+step slower however full it is. So a new session never goes to an instance whose load
+(``busy / max_concurrency``) is more than ``balance_abs`` above the least loaded one's *and*
+more than ``balance_rel`` times it (SGLang's cache-aware router bounds imbalance with the same
+pair of thresholds, in requests) *and* above ``balance_floor`` (below it the seats outlast the
+session's turns); among the others the rules above apply, and a home beyond the bound is left
+(``session_yield``).
 """
 
 from __future__ import annotations
@@ -55,6 +64,12 @@ class SchedulerConfig:
     #: for one of its slots, so a request may wait at the gateway for a warm instance when
     #: that is sooner than a cold prefill elsewhere.
     wait_for_warm: bool = True
+    #: A new session skips instances loaded more than ``balance_abs`` (a share of their slots)
+    #: above the least loaded one and more than ``balance_rel`` times its load, unless at most
+    #: ``balance_floor`` of their slots are taken (seats to spare: nothing to bound).
+    balance_abs: float = 0.25
+    balance_rel: float = 1.5
+    balance_floor: float = 0.75
 
 
 @dataclass(slots=True)
@@ -116,6 +131,8 @@ class Scored:
     slot_s: float = 0.0
     #: ``cached_tokens`` came from the engine's KV events, not the byte estimate.
     exact: bool = False
+    #: Requests on the instance per slot (``busy / max_concurrency``; 1 when the KV cache is full).
+    load: float = 0.0
 
 
 @dataclass(slots=True)
@@ -123,7 +140,8 @@ class Decision:
     """``winner`` is None when nothing can take the request; ``reason`` says why.
 
     Reasons with a winner: ``best_ttft``, ``session``, ``session_yield`` (the session's
-    instance was overloaded), ``round_robin``, ``least_loaded``. Without: ``unknown_model``,
+    instance was overloaded, or a new session's home beyond the balance bound),
+    ``round_robin``, ``least_loaded``. Without: ``unknown_model``,
     ``no_healthy_instance``, ``saturated`` (healthy instances exist but all are at their cap:
     the caller may queue and retry).
     """
@@ -173,6 +191,7 @@ def score(c: Candidate, req: RouteRequest, cfg: SchedulerConfig) -> Scored:
         c.inflight >= c.max_concurrency,
         slot_s,
         exact is not None,
+        busy / cap,
     )
 
 
@@ -225,27 +244,38 @@ def _feasible(
 
 def _best_ttft(scored: list[Scored], req: RouteRequest, cfg: SchedulerConfig) -> Decision:
     """The ``fedinfer`` policy: the smallest expected TTFT, unless the session's instance is
-    close enough (``affinity_factor``, ``affinity_margin_s``)."""
-    # Strict "<" over a rotated order: ties go round robin instead of to a fixed instance.
-    best_i = 0
-    for k in range(1, len(scored)):
-        if scored[k].ttft_s < scored[best_i].ttft_s:
-            best_i = k
-    best = scored[best_i]
+    close enough (``affinity_factor``, ``affinity_margin_s``); a new session only among the
+    instances within the balance bound (:func:`_balanced`)."""
     sticky, factor = req.sticky, cfg.affinity_factor
+    pool = scored
     if sticky is None and req.session is not None:
         # Not placed by this edge yet: its home, the same at every edge, unless another
         # instance is sooner by more than the margin (a first turn pays no more than that).
         sticky, factor = home(req.session, [s.instance for s in scored]), 1.0
+        pool = _balanced(scored, cfg)
+    # Strict "<" over a rotated order: ties go round robin instead of to a fixed instance.
+    best_i = 0
+    for k in range(1, len(pool)):
+        if pool[k].ttft_s < pool[best_i].ttft_s:
+            best_i = k
+    best = pool[best_i]
     if sticky is not None and sticky != best.instance:
         for s in scored:
             if s.instance == sticky:
-                if s.ttft_s <= best.ttft_s * factor + cfg.affinity_margin_s:
+                if s in pool and s.ttft_s <= best.ttft_s * factor + cfg.affinity_margin_s:
                     return Decision(s, best, "session")
                 return Decision(best, s, "session_yield")
-    rest = scored[:best_i] + scored[best_i + 1 :]
     reason = "session" if sticky == best.instance else "best_ttft"
-    return Decision(best, _best(rest), reason)
+    return Decision(best, _best([s for s in scored if s is not best]), reason)
+
+
+def _balanced(scored: list[Scored], cfg: SchedulerConfig) -> list[Scored]:
+    """The instances a new session may go to: all but those loaded more than ``balance_abs``
+    above the least loaded one, more than ``balance_rel`` times its load and more than
+    ``balance_floor`` (never empty)."""
+    low = min(s.load for s in scored)
+    bound = max(low + cfg.balance_abs, low * cfg.balance_rel, cfg.balance_floor)
+    return [s for s in scored if s.load <= bound]
 
 
 def _best(scored: Sequence[Scored]) -> Scored | None:

@@ -209,6 +209,44 @@ def test_a_new_session_goes_to_its_home_at_every_edge_unless_overloaded() -> Non
     assert d.winner is not None and d.winner.instance == "a"
 
 
+def test_a_new_session_stays_off_a_hot_prefix_holder_far_busier_than_the_rest() -> None:
+    """The skewed case: the holder of the hot system prompt has free seats, so this request
+    alone would be sooner there; but a new session's later turns follow it, and the holder
+    at 14 of 16 against 8 of 16 elsewhere is beyond the balance bound (load 0.875 > 0.5 +
+    0.25, > 1.5 x 0.5 and > 0.75): the session goes to its home with a cold prefill instead."""
+    names = ["a", "b", "c"]
+    key = next(k for k in range(1000) if home(k, [*names, "holder"]) == "b")
+    holder = cand("holder", max_concurrency=16, outstanding=14, cached_blocks=237)
+    others = [cand(n, max_concurrency=16, outstanding=8) for n in names]
+    cands = [holder, *others]
+    d = decide(cands, req(session=key), CFG)
+    assert d.winner is not None and d.winner.instance == "b" and d.reason == "session"
+    assert score(holder, req(), CFG).ttft_s < d.winner.ttft_s - 0.3  # what the cache saves
+    # Without a session nothing follows the request: the sooner holder takes it; a session
+    # the edge placed there before stays (its history is cached there).
+    d = decide(cands, req(), CFG)
+    assert d.winner is not None and d.winner.instance == "holder"
+    d = decide(cands, req(session=key, sticky="holder"), CFG)
+    assert d.winner is not None and d.winner.instance == "holder" and d.reason == "session"
+    # Within the bound (11 of 16: 0.69 <= 0.75) the cache still wins the new session.
+    closer = dataclasses.replace(holder, outstanding=11)
+    d = decide([closer, *others], req(session=key), CFG)
+    assert d.winner is not None and d.winner.instance == "holder"
+    assert d.reason == "session_yield"
+    # A home beyond the bound is left like an overloaded one.
+    busy_home = [holder, *(cand(n, max_concurrency=16, outstanding=14 if n == "b" else 4)
+                           for n in names)]  # fmt: skip
+    d = decide(busy_home, req(session=key), CFG)
+    assert d.winner is not None and d.winner.instance in {"a", "c"}
+    assert d.reason == "session_yield"
+    # With seats to spare (12 of 16 against idle peers) there is nothing to bound: the cache
+    # holder takes the new session.
+    spare = [dataclasses.replace(holder, outstanding=12), *(cand(n, max_concurrency=16)
+                                                          for n in names)]  # fmt: skip
+    d = decide(spare, req(session=key), CFG)
+    assert d.winner is not None and d.winner.instance == "holder"
+
+
 def test_session_on_an_ejected_or_capped_instance_moves() -> None:
     for gone in (cand("sticky", healthy=False), cand("sticky", inflight=8)):
         d = decide([gone, cand("idle")], req(sticky="sticky"), CFG)
