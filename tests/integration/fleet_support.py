@@ -1,18 +1,56 @@
 """What the fleet's integration tests share: a local provisioner on the test's own engines
-folder, cleaned up at the end, and ``ps`` as the outside witness of what runs."""
+folder, cleaned up at the end; ``ps`` as the outside witness of what runs; the test's own Redis
+database; and the waits and instance views their assertions read."""
 
 from __future__ import annotations
 
 import os
 import signal
 import subprocess
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from federation.inventory.models import Deployment
 from regions.supervisor import Supervisor
+from tests.integration.control_plane_support import own_redis
 from workers.provisioners.local import ENV_OWNER, LocalProvisioner
+
+#: The Redis database of the fleet tests' workers and edges.
+REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/5")
+
+
+@pytest.fixture(autouse=True)
+def redis_of_this_test(settings: Any) -> Iterator[None]:
+    with own_redis(settings, REDIS_URL):
+        yield
+
+
+def wait_until(check: Callable[[], Any], timeout: float, what: str, log: Path) -> float:
+    """Seconds until ``check()`` holds; past ``timeout``, fail with the end of ``log``."""
+    started = time.monotonic()
+    while not check():
+        if time.monotonic() - started > timeout:
+            raise AssertionError(f"{what}: not within {timeout} s\n{log.read_text()[-3000:]}")
+        time.sleep(0.1)
+    return time.monotonic() - started
+
+
+def states(dep: Deployment) -> dict[str, str]:
+    """Instance name -> state, for the deployment's instances."""
+    return dict(dep.instances.values_list("name", "state"))
+
+
+def ready(dep: Deployment) -> set[str]:
+    return {n for n, s in states(dep).items() if s == "ready"}
+
+
+def live(dep: Deployment) -> set[str]:
+    """Instances that hold (or will hold) an engine: neither failed nor stopped."""
+    return {n for n, s in states(dep).items() if s not in ("failed", "stopped")}
 
 
 @pytest.fixture

@@ -11,10 +11,7 @@ restart of the engine.
 
 from __future__ import annotations
 
-import os
 import time
-from collections.abc import Iterator
-from typing import Any
 
 import httpx
 import pytest
@@ -27,30 +24,27 @@ from federation.tenancy import services as tenancy
 from regions.supervisor import Process, Supervisor, free_port
 from tests.integration.control_plane_support import (
     FEDINFER,
-    own_redis,
     serve,
     start_control_plane_edge,
     subprocess_env,
     write_table_keys,
 )
-from tests.integration.fleet_support import engines  # noqa: F401
+from tests.integration.fleet_support import (  # noqa: F401
+    REDIS_URL,
+    engines,
+    redis_of_this_test,
+    states,
+    wait_until,
+)
 from tests.integration.inventory_factories import (
     make_deployment,
     make_model,
     make_pool,
     make_region,
 )
-from tests.integration.test_fleet_scale_to_zero import states, wait_until
 from workers.provisioners.local import LocalProvisioner
 
-REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/5")
 ADAPTER = "sql-lora"
-
-
-@pytest.fixture(autouse=True)
-def redis_of_this_test(settings: Any) -> Iterator[None]:
-    with own_redis(settings, REDIS_URL):
-        yield
 
 
 @pytest.mark.django_db(transaction=True, serialized_rollback=True)

@@ -13,13 +13,10 @@ heartbeats.
 
 from __future__ import annotations
 
-import os
 import threading
 import time
-from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
@@ -33,13 +30,20 @@ from federation.tenancy import services as tenancy
 from regions.supervisor import Process, Supervisor, free_port
 from tests.integration.control_plane_support import (
     FEDINFER,
-    own_redis,
     serve,
     start_control_plane_edge,
     subprocess_env,
     write_table_keys,
 )
-from tests.integration.fleet_support import engines, ps_engines  # noqa: F401
+from tests.integration.fleet_support import (  # noqa: F401
+    REDIS_URL,
+    engines,
+    ps_engines,
+    ready,
+    redis_of_this_test,
+    states,
+    wait_until,
+)
 from tests.integration.inventory_factories import (
     LLAMA_8B,
     make_deployment,
@@ -49,7 +53,6 @@ from tests.integration.inventory_factories import (
 )
 from workers.provisioners.local import LocalProvisioner
 
-REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/5")
 LLAMA = LLAMA_8B["name"]
 SLOTS = 4  # max-num-seqs: requests one replica runs at once
 COOLDOWN_S = 12
@@ -57,12 +60,6 @@ DOWN_WINDOW_S = 3
 #: Time a request may spend in the edge's line and still count as not having waited for a slot
 #: (it is admitted at once when a slot is free; this is scheduling noise on a loaded machine).
 NO_WAIT_S = 0.25
-
-
-@pytest.fixture(autouse=True)
-def redis_of_this_test(settings: Any) -> Iterator[None]:
-    with own_redis(settings, REDIS_URL):
-        yield
 
 
 def env(engines_dir: Path) -> dict[str, str]:
@@ -74,23 +71,6 @@ def env(engines_dir: Path) -> dict[str, str]:
         FEDINFER_AUTOSCALE_DOWN_WINDOW_SECONDS=str(DOWN_WINDOW_S),
         FEDINFER_AUTOSCALE_COOLDOWN_SECONDS=str(COOLDOWN_S),
     )
-
-
-def wait_until(check: Callable[[], Any], timeout: float, what: str, log: Path) -> float:
-    started = time.monotonic()
-    while not check():
-        if time.monotonic() - started > timeout:
-            raise AssertionError(f"{what}: not within {timeout} s\n{log.read_text()[-3000:]}")
-        time.sleep(0.1)
-    return time.monotonic() - started
-
-
-def states(dep: Deployment) -> dict[str, str]:
-    return dict(dep.instances.values_list("name", "state"))
-
-
-def ready(dep: Deployment) -> set[str]:
-    return {n for n, s in states(dep).items() if s == "ready"}
 
 
 @dataclass

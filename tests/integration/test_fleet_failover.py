@@ -15,7 +15,6 @@ from __future__ import annotations
 import os
 import signal
 import time
-from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,13 +31,21 @@ from federation.tenancy import services as tenancy
 from regions.supervisor import Process, Supervisor, free_port
 from tests.integration.control_plane_support import (
     FEDINFER,
-    own_redis,
     serve,
     start_control_plane_edge,
     subprocess_env,
     write_table_keys,
 )
-from tests.integration.fleet_support import engines, kill_engine, ps_engines  # noqa: F401
+from tests.integration.fleet_support import (  # noqa: F401
+    REDIS_URL,
+    engines,
+    kill_engine,
+    live,
+    ps_engines,
+    ready,
+    redis_of_this_test,
+    wait_until,
+)
 from tests.integration.inventory_factories import (
     LLAMA_8B,
     make_deployment,
@@ -48,16 +55,9 @@ from tests.integration.inventory_factories import (
 )
 from workers.provisioners.local import LocalProvisioner
 
-REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/5")
 LLAMA = LLAMA_8B["name"]
 SILENCE_S = 3
 RESTORE_AFTER_S = 3
-
-
-@pytest.fixture(autouse=True)
-def redis_of_this_test(settings: Any) -> Iterator[None]:
-    with own_redis(settings, REDIS_URL):
-        yield
 
 
 def env(engines_dir: Path) -> dict[str, str]:
@@ -77,25 +77,6 @@ def env(engines_dir: Path) -> dict[str, str]:
 def start_worker(procs: Supervisor, engines_dir: Path) -> Process:
     argv = [FEDINFER, "worker", "--pool", "solo", "--without-gossip", "--without-mingle"]
     return procs.start("worker", argv, env=env(engines_dir))
-
-
-def wait_until(check: Callable[[], Any], timeout: float, what: str, log: Path) -> float:
-    started = time.monotonic()
-    while not check():
-        if time.monotonic() - started > timeout:
-            raise AssertionError(f"{what}: not within {timeout} s\n{log.read_text()[-3000:]}")
-        time.sleep(0.1)
-    return time.monotonic() - started
-
-
-def live(deployment: Deployment) -> set[str]:
-    return set(
-        deployment.instances.exclude(state__in=("failed", "stopped")).values_list("name", flat=True)
-    )
-
-
-def ready(deployment: Deployment) -> set[str]:
-    return set(deployment.instances.filter(state="ready").values_list("name", flat=True))
 
 
 def latest_tables() -> dict[str, dict[str, Any]]:

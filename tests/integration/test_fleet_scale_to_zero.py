@@ -12,13 +12,10 @@ processes, ``fedinfer serve`` and a ``fedinfer edge`` on the control plane's sig
 
 from __future__ import annotations
 
-import os
 import threading
 import time
-from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
@@ -31,13 +28,19 @@ from federation.tenancy import services as tenancy
 from regions.supervisor import Process, Supervisor, free_port
 from tests.integration.control_plane_support import (
     FEDINFER,
-    own_redis,
     serve,
     start_control_plane_edge,
     subprocess_env,
     write_table_keys,
 )
-from tests.integration.fleet_support import engines, ps_engines  # noqa: F401
+from tests.integration.fleet_support import (  # noqa: F401
+    REDIS_URL,
+    engines,
+    ps_engines,
+    redis_of_this_test,
+    states,
+    wait_until,
+)
 from tests.integration.inventory_factories import (
     LLAMA_8B,
     make_deployment,
@@ -47,7 +50,6 @@ from tests.integration.inventory_factories import (
 )
 from workers.provisioners.local import LocalProvisioner
 
-REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/5")
 LLAMA = LLAMA_8B["name"]
 #: Requests the edge holds per cold model; the hold's bound in seconds.
 HOLD = 3
@@ -55,12 +57,6 @@ HOLD_MAX_S = 30
 IDLE_S = 4
 #: The periodic autoscale pass: much slower than the wake a heartbeat queues.
 AUTOSCALE_EVERY_S = 10
-
-
-@pytest.fixture(autouse=True)
-def redis_of_this_test(settings: Any) -> Iterator[None]:
-    with own_redis(settings, REDIS_URL):
-        yield
 
 
 def env(engines_dir: Path) -> dict[str, str]:
@@ -73,19 +69,6 @@ def env(engines_dir: Path) -> dict[str, str]:
         FEDINFER_AUTOSCALE_COOLDOWN_SECONDS="3",
         FEDINFER_COLD_START_DEFAULT_SECONDS=str(HOLD_MAX_S),
     )
-
-
-def wait_until(check: Callable[[], Any], timeout: float, what: str, log: Path) -> float:
-    started = time.monotonic()
-    while not check():
-        if time.monotonic() - started > timeout:
-            raise AssertionError(f"{what}: not within {timeout} s\n{log.read_text()[-3000:]}")
-        time.sleep(0.1)
-    return time.monotonic() - started
-
-
-def states(dep: Deployment) -> dict[str, str]:
-    return dict(dep.instances.values_list("name", "state"))
 
 
 @dataclass
