@@ -253,6 +253,20 @@ for _task, _every in (
         # then expire every failover pass queued behind it, each period, for good.
         "options": {"expires": 3.0 * _every},
     }
+#: The placement planner on a schedule (docs/operations.md): every this many seconds (0: off),
+#: in mode ``plan`` (keep the dry run: the API lists it) or ``apply`` (apply it when it changes
+#: something and the fleet did not change meanwhile).
+FEDINFER_PLACEMENT_INTERVAL_SECONDS = env_int("FEDINFER_PLACEMENT_INTERVAL_SECONDS", 0)
+FEDINFER_PLACEMENT_MODE = env_str("FEDINFER_PLACEMENT_MODE", "plan")
+if FEDINFER_PLACEMENT_MODE not in ("plan", "apply"):
+    raise ImproperlyConfiguredEnv("FEDINFER_PLACEMENT_MODE must be 'plan' or 'apply'")
+if FEDINFER_PLACEMENT_INTERVAL_SECONDS > 0:
+    CELERY_BEAT_SCHEDULE["fleet-placement"] = {
+        "task": "fedinfer.fleet.placement",
+        "schedule": float(FEDINFER_PLACEMENT_INTERVAL_SECONDS),
+        # A pass that missed its turn is dropped: the next one plans on fresher data.
+        "options": {"expires": float(FEDINFER_PLACEMENT_INTERVAL_SECONDS)},
+    }
 if REDIS_URL:
     # Edges ship usage to the Redis stream; without Redis they POST it to the control plane.
     CELERY_BEAT_SCHEDULE["usage-ingest"] = {"task": "fedinfer.usage.ingest", "schedule": 2.0}

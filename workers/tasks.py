@@ -11,6 +11,7 @@ from django.db import DatabaseError
 from django.utils import timezone
 
 from federation.core.metrics import USAGE_REJECTED
+from federation.fleet import placing
 from federation.fleet import services as fleet
 from federation.fleet.autoscaling import fleet_autoscale
 from federation.metering import services as metering
@@ -108,3 +109,22 @@ def fleet_autoscale_task() -> list[str]:
     if done:
         fleet_reconcile_task.delay()
     return done
+
+
+@app.task(
+    name="fedinfer.fleet.placement",
+    autoretry_for=(DatabaseError,),
+    retry_backoff=1,
+    retry_backoff_max=30,
+    max_retries=5,
+)
+def fleet_placement_task() -> str:
+    """The placement planner's scheduled pass (``FEDINFER_PLACEMENT_MODE``: keep the plan, or
+    apply it); what happened (empty: another worker is on it). An applied plan queues the
+    reconcile pass at once."""
+    done = placing.placement_scheduled(apply=settings.FEDINFER_PLACEMENT_MODE == "apply")
+    if done is None:
+        return ""
+    if done.applied:
+        fleet_reconcile_task.delay()
+    return str(done)

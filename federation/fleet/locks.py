@@ -21,6 +21,8 @@ from django.db import connection
 #: First key of the fleet's advisory locks ("flt"); the second is the object's id.
 LOCK_NAMESPACE = 0x666C74
 REGIONS_LOCK_ID = 0
+#: The scheduled placement pass (deployments' ids are positive).
+PLACEMENT_LOCK_ID = -1
 
 
 @contextlib.contextmanager

@@ -1,11 +1,11 @@
 """The placement planner's writes: a plan (a dry run: the diff, kept for apply, nothing in the
 fleet changes) and its application through the inventory services, audited, once, and only to
-the fleet it was computed against."""
+the fleet it was computed against; and the worker's scheduled pass over both."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from django.db import transaction
@@ -14,6 +14,7 @@ from django.utils import timezone
 from federation.core.audit import Actor, audit_record
 from federation.core.errors import Conflict
 from federation.fleet import placement, placement_inputs
+from federation.fleet.locks import PLACEMENT_LOCK_ID, advisory_lock
 from federation.fleet.models import PlacementPlan
 from federation.inventory import services as inventory
 from federation.inventory.models import Deployment, GPUPool, LanguageModel
@@ -121,3 +122,48 @@ def placement_plan_and_apply(
     plan = placement_plan(actor=actor, override=override, window_hours=window_hours)
     applied, _ = placement_apply(actor=actor, plan=plan)
     return applied
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledPass:
+    """What one scheduled pass did."""
+
+    plan_id: int
+    changes: int
+    applied: bool
+    outcome: str
+
+    def __str__(self) -> str:
+        return f"plan {self.plan_id}: {self.changes} change(s), {self.outcome}"
+
+
+def placement_scheduled(*, apply: bool, window_hours: int = 3) -> ScheduledPass | None:
+    """One scheduled pass of the planner (``FEDINFER_PLACEMENT_*``): plan against the fleet as
+    it is and keep the plan; with ``apply``, apply it when it changes something — unless the
+    fleet changed since it was planned (an operator or the autoscaler moved first), then it
+    stays a plan and the next pass plans again. Audited (``fleet.placement.scheduled``) and
+    under a lock, so two workers never plan at once: None when another worker holds it."""
+    with advisory_lock(PLACEMENT_LOCK_ID) as held:
+        if not held:
+            return None
+        plan = placement_plan(actor=None, window_hours=window_hours)
+        changes = len(plan.document["changes"])
+        applied, outcome = False, "planned"
+        if apply and changes:
+            try:
+                applied = placement_apply(actor=None, plan=plan)[1]
+                outcome = "applied"
+            except Conflict:
+                outcome = "not applied: the fleet changed since the plan"
+        audit_record(
+            actor=None,
+            action="fleet.placement.scheduled",
+            obj=plan,
+            changes={
+                "mode": "apply" if apply else "plan",
+                "outcome": outcome,
+                "changes": changes,
+                "cost": plan.document["cost"],
+            },
+        )
+        return ScheduledPass(plan.pk, changes, applied, outcome)

@@ -11,11 +11,12 @@ spending under — the last table's, or an earlier one's (``prior``) while it ha
 the last — or, once it has reported on the last table what it committed, the larger of that and
 the last ceiling. It grants half of what nobody holds (half of that evenly over the live edges,
 half by their share of the spend counted this month). A live edge that reported on the last
-table gets a new ceiling from what it committed, which is how a ceiling it does not use is taken
-back; the rest keep theirs. Whatever each edge holds or is newly granted adds up to at most the
-budget, so the overshoot is bounded by what requests in flight spend beyond the worst case
-their edge held (``docs/adr/0008-budget-leases.md``). Amounts are integers of pico-USD
-(``regions/tables/money.py``).
+table gets a new ceiling from what it committed plus half of what it left unused, which is how a
+ceiling it does not use is taken back (half per report: never all at once, which could leave
+every edge without room); the rest keep theirs. Whatever each edge holds or is newly granted
+adds up to at most the budget, so the overshoot is bounded by what requests in flight spend
+beyond the worst case their edge held (``docs/adr/0008-budget-leases.md``). Amounts are
+integers of pico-USD (``regions/tables/money.py``).
 
 A key's own budget is granted the same way to (key prefix, edge) pairs: the edge keeps an
 account per prefix, and a key in rotation grace is served under two (:func:`key_leases`).
@@ -145,10 +146,23 @@ def ceilings(
     num, den = GRANT_SHARE
     found = {h: (hold, hold) for h, hold in holds.items()}
     for h, share in zip(holders, split_grant(free * num // den, counted, holders), strict=True):
-        reported = committed.get(h)
-        base = holds.get(h, 0) if reported is None else max(reported, counted.get(h, 0))
-        found[h] = (base + share, holds.get(h, 0))
+        hold = holds.get(h, 0)
+        found[h] = (_base(hold, counted.get(h, 0), committed.get(h)) + share, hold)
     return found
+
+
+def _base(hold: int, counted: int, reported: int | None) -> int:
+    """What an edge's new ceiling starts from, before its share of the grant: what it may hold
+    while it has not reported on the last table; once it has, what it committed plus half of
+    what it left unused. Taking back all of it at once left every edge with no room when the
+    holds of the others had used up the budget (nothing free, so no share): each edge that
+    reported in the same round then refused every request until the next compile after its next
+    heartbeat. Half per report still returns an unused ceiling within a few compiles, and never
+    exceeds the hold, so ceilings and holds still add up to at most the budget."""
+    if reported is None:
+        return hold
+    used = max(reported, counted)
+    return used + max(hold - used, 0) // 2
 
 
 def _budget(

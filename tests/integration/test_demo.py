@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import stat
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -17,7 +19,8 @@ import httpx
 import openai
 import pytest
 
-from regions.supervisor import Process, Supervisor, free_port, wait_until
+from regions.supervisor import Process, StartupError, Supervisor, free_port, wait_until
+from workers.provisioners.local import LocalProvisioner
 
 ROOT = Path(__file__).resolve().parents[2]
 LLAMA = "meta-llama/Llama-3.1-8B-Instruct"
@@ -83,7 +86,10 @@ def start_demo(tmp_path: Path) -> Iterator[Callable[..., tuple[Process, Any]]]:
 def test_demo_federates_three_regions_with_traffic_and_an_evacuation(
     start_demo: Callable[..., tuple[Process, Any]], tmp_path: Path
 ) -> None:
-    proc, endpoints = start_demo("--traffic-rps", "6", "--traffic-summary-every", "6")
+    # A flat rate (no daily pattern): the evacuation's effect is read from the summaries.
+    proc, endpoints = start_demo(
+        "--traffic-rps", "6", "--traffic-summary-every", "6", "--day-minutes", "0"
+    )
     demo_dir = tmp_path / "demo"
     assert set(endpoints["edges"]) == {"us-east", "eu-west", "ap-southeast"}
     assert len(endpoints["instances"]) == 10
@@ -106,7 +112,8 @@ def test_demo_federates_three_regions_with_traffic_and_an_evacuation(
         )
         assert raw.parse().choices[0].message.content
         route = _route(raw.headers)
-        assert route["region"] == region and route["instance"].startswith(f"demo-{region}")
+        # The worker's local provisioner names its engines <region>-<pool>-…
+        assert route["region"] == region and route["instance"].startswith(f"{region}-")
 
     # The web console is served, and the summary says where and how to log in.
     login = httpx.get(f"{endpoints['control_plane']}/console/login/", timeout=5)
@@ -235,7 +242,32 @@ def _children(pid: int) -> dict[int, str]:
     return out
 
 
-def test_demo_exits_non_zero_naming_a_child_that_died(
+#: A fleet line's autoscaled deployment: ``us-east/h100-nvlink/Llama-3.1-8B-Instruct want 2:
+#: ready 1, loading 1``.
+FLEET_ENTRY = re.compile(r"^(\S+) want (\d+): (.*)$")
+
+
+def _fleet_lines(output: str) -> list[dict[str, tuple[int, dict[str, int]]]]:
+    """The demo's fleet lines: autoscaled deployment -> (desired, live instances by state)."""
+    out = []
+    for line in output.splitlines():
+        if not line.startswith("fleet | "):
+            continue
+        entries = {}
+        for part in line.split(" | ")[1:]:
+            match = FLEET_ENTRY.match(part)
+            if match and "fixed deployments" not in part:
+                states = {}
+                for item in match[3].split(", "):
+                    if item != "none":
+                        state, count = item.rsplit(" ", 1)
+                        states[state] = int(count)
+                entries[match[1]] = (int(match[2]), states)
+        out.append(entries)
+    return out
+
+
+def test_demo_fleet_follows_the_day_and_heals_without_a_command(
     start_demo: Callable[..., tuple[Process, Any]], tmp_path: Path
 ) -> None:
     # An earlier run left eu-west evacuated and a pool cordoned: this run starts in service.
@@ -251,23 +283,137 @@ def test_demo_exits_non_zero_naming_a_child_that_died(
     subprocess.run(
         [sys.executable, "-c", earlier], cwd=ROOT, env=_demo_env(tmp_path), check=True, timeout=120
     )
-    proc, endpoints = start_demo("--no-traffic")
+    # A day in two minutes from 04:00 UTC: ap-southeast's afternoon comes first (~15 s in),
+    # eu-west's and us-east's later; each passes within the run.
+    proc, endpoints = start_demo(
+        "--day-minutes",
+        "2",
+        "--day-start-hour",
+        "4",
+        "--traffic-summary-every",
+        "10",
+        "--exit-after",
+        "600",
+    )
     out = (tmp_path / "demo.log").read_text()
     assert "demo: region eu-west was evacuated; restored" in out
     assert "demo: pool us-east/l4-spot was cordoned; uncordoned" in out
     assert len(endpoints["instances"]) == 10
+    engines = LocalProvisioner(tmp_path / "demo" / "engines")
+    assert set(engines.running()) == {name for name, _url in endpoints["instances"]}
+    api = f"{endpoints['control_plane']}/api/v1"
+    token = httpx.post(
+        f"{api}/auth/token/", json={"username": "admin", "password": "fedinfer-demo"}, timeout=10
+    ).json()["token"]
+    auth = {"Authorization": f"Token {token}"}
+
+    # An engine dies: the worker fails its instance and starts a replacement; no command.
+    fixed = [
+        d
+        for d in httpx.get(f"{api}/deployments/", headers=auth, timeout=5).json()["results"]
+        if not d["autoscale"]
+    ]
+    deployment = fixed[0]["id"]
+
+    def instances() -> dict[str, str]:
+        rows = httpx.get(
+            f"{api}/instances/", params={"deployment": deployment}, headers=auth, timeout=5
+        ).json()["results"]
+        return {r["name"]: r["state"] for r in rows}
+
+    (victim,) = instances()
+    os.killpg(int(engines.running()[victim].detail["pid"]), signal.SIGKILL)
+
+    # An edge dies: the demo starts it again; it serves from its last good table and re-syncs.
     children = _children(proc.pid)
     (edge_pid,) = [p for p, cmd in children.items() if " edge --region eu-west " in cmd]
-    assert not any("federation.demo.traffic" in cmd for cmd in children.values())
     os.killpg(edge_pid, signal.SIGKILL)
-    assert proc.wait(timeout=30) != 0
-    out = (tmp_path / "demo.log").read_text()
-    assert "demo process(es) exited: edge-eu-west (code -9)" in out, out[-2000:]
+
+    def replaced() -> bool:
+        states = instances()
+        return states[victim] == "failed" and any(
+            state == "ready" for name, state in states.items() if name != victim
+        )
+
+    replaced_s = wait_until(replaced, timeout=60, what="a ready replacement of the killed engine")
+    print(f"engine killed -> replacement ready in {replaced_s:.1f}s")
     wait_until(
-        lambda: not any(Path(f"/proc/{pid}").exists() for pid in children),
-        timeout=15,
-        what="children to stop",
+        lambda: "demo: edge-eu-west exited (code -9); started again" in proc.output(),
+        timeout=10,
+        what="the demo to restart the edge",
     )
+    eu = openai.OpenAI(
+        base_url=f"{endpoints['edges']['eu-west']}/v1",
+        api_key=endpoints["api_keys"]["globex-eu"],
+        max_retries=0,
+    )
+
+    refusals: list[str] = []
+
+    def edge_serves() -> bool:
+        try:
+            raw = eu.chat.completions.with_raw_response.create(
+                model=LLAMA, messages=[{"role": "user", "content": "back?"}], max_tokens=4
+            )
+        except openai.APIConnectionError:
+            return False  # not listening yet
+        except openai.APIStatusError as exc:
+            # Answering, but refusing: a 429 of the tenant's rate limit, which the traffic
+            # generator shares, clears within a second; anything else would not.
+            refusals.append(f"{exc.status_code} {exc.body}")
+            return False
+        return _route(raw.headers)["region"] == "eu-west"
+
+    try:
+        edge_s = wait_until(edge_serves, timeout=30, what="the restarted edge serving")
+    except StartupError as exc:
+        raise AssertionError(f"{exc}; its last refusals: {refusals[-3:]}") from exc
+    print(f"edge killed -> serving again in {edge_s:.1f}s")
+
+    # The day's peaks: an autoscaled deployment goes up, then back to one replica once its
+    # region's afternoon has passed (drained, its engine stopped).
+    def scaled(up: bool) -> str | None:
+        lines = _fleet_lines(proc.output())
+        peaks = {
+            dep
+            for entries in lines
+            for dep, (want, states) in entries.items()
+            if want >= 2 and states.get("ready", 0) >= 2
+        }
+        if up or not peaks:
+            return min(peaks) if peaks else None
+        last = lines[-1]
+        for dep in sorted(peaks):
+            want, states = last.get(dep, (0, {}))
+            if want == 1 and states == {"ready": 1}:
+                return dep
+        return None
+
+    up_s = wait_until(lambda: scaled(up=True), timeout=120, what="a deployment scaled up")
+    down_s = wait_until(lambda: scaled(up=False), timeout=180, what="a deployment scaled down")
+    print(f"scaled up after {up_s:.0f}s, back down {down_s:.0f}s later: {scaled(up=False)}")
+
+    # A process that keeps dying is not restarted for ever: the demo stops, naming it, and
+    # takes the worker's engines down with it. (The kill above may be out of the window by now.)
+    def eu_edge() -> int | None:
+        found = [p for p, cmd in _children(proc.pid).items() if " edge --region eu-west " in cmd]
+        return found[0] if found else None
+
+    for _ in range(3):
+        wait_until(
+            lambda: proc.poll() is not None or eu_edge() is not None,
+            timeout=15,
+            what="the eu-west edge started again",
+        )
+        pid = eu_edge()
+        if proc.poll() is not None or pid is None:
+            break
+        os.killpg(pid, signal.SIGKILL)
+        time.sleep(1.0)
+    assert proc.wait(timeout=60) != 0
+    out = (tmp_path / "demo.log").read_text()
+    assert "demo process(es) exited: edge-eu-west (code -9), 3 times in 60 s" in out, out[-2000:]
+    assert engines.running() == {}
     for url in endpoints["operators"].values():
         with pytest.raises(httpx.HTTPError):
             httpx.get(f"{url}/healthz", timeout=1)

@@ -505,8 +505,9 @@ def test_an_edge_that_reports_it_uses_none_of_its_lease_gives_it_back(
     fleet: Fleet, make_tenant: Callable[..., Tenant]
 ) -> None:
     """The eu edge reports, on the table that granted it a quarter of the budget, that it has
-    committed nothing: the next table lowers its ceiling (keeping what it may still spend
-    under as ``prior``), and the one after grants what it gave back to the others."""
+    committed nothing: the next table takes back half of that (keeping what it may still spend
+    under as ``prior``) and adds its share of what nobody holds; the one after grants what it
+    gave back to the others."""
     tenant = make_tenant("acme", monthly_budget_usd=Decimal("100.00"))
     tenant.allowed_regions.add(fleet.eu, fleet.us)
     services.routing_tables_publish()
@@ -519,8 +520,9 @@ def test_an_edge_that_reports_it_uses_none_of_its_lease_gives_it_back(
     assert r.status_code == 200, r.content
     services.routing_tables_publish()
     second = budget_leases_of(fleet.eu)
-    # Lowered to a fresh even share of what nobody holds: (100 - 25 - 25) / 2 / 2.
-    assert second["edge-eu-1"] == [0, quarter // 2, quarter]
+    # Half of its unused quarter taken back, plus a fresh even share of what nobody holds:
+    # (100 - 25 - 25) / 2 / 2.
+    assert second["edge-eu-1"] == [0, quarter // 2 + quarter // 2, quarter]
     assert second["edge-us-1"] == [0, quarter + quarter // 2, quarter]
 
     # A report on an older table takes nothing back.

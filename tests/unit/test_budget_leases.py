@@ -100,12 +100,14 @@ def test_a_ceiling_is_lowered_only_after_its_edge_reported_on_it_and_freed_a_com
     # a served 200 (counted); neither has reported on the table yet: nobody's ceiling drops.
     second = budget_leases("2026-12", 1000, {"a": 200}, ["a", "b"], published)
     assert ceilings(second) == {"a": (250 + 187, 250), "b": (250 + 62, 250)}
-    # b reports on that table, having committed nothing: its ceiling drops to its share, yet
-    # what it may hold until it applies the next table (312) is still kept from the others.
+    # b reports on that table, having committed nothing: its ceiling drops to half of it plus
+    # its share, yet what it may hold until it applies the next table (312) is still kept from
+    # the others.
     published = {"a": Published(200, 437, 250), "b": Published(0, 312, 250)}
     third = budget_leases("2026-12", 1000, {"a": 200}, ["a", "b"], published, {"b": 0})
     a3, b3 = ceilings(third)["a"], ceilings(third)["b"]
-    assert b3[0] < 312 and b3[1] == 312
+    free = 1000 - 437 - 312
+    assert b3 == (312 // 2 + free // 2 * 200 // (2 * 2 * 200), 312)
     assert a3[0] + max(b3) <= 1000
     # Another compile before b applied that table: b may still spend under 312, so nobody
     # else is granted any of it yet.
@@ -114,14 +116,32 @@ def test_a_ceiling_is_lowered_only_after_its_edge_reported_on_it_and_freed_a_com
     assert ceilings(again)["b"][1] == 312 <= ceilings(again)["b"][0]
     assert sum(max(c) for c in ceilings(again).values()) <= 1000
     # b applied it and reports again: what it gave back is free; most of it goes to a, which
-    # has the spend (a reported too: its ceiling is now what it committed plus its share).
+    # has the spend (a reported too: its ceiling is now what it committed plus half of what it
+    # left unused, plus its share).
     published = {"a": Published(200, a3[0], a3[1]), "b": Published(0, b3[0], b3[1])}
     fourth = budget_leases("2026-12", 1000, {"a": 200}, ["a", "b"], published, {"a": 200, "b": 0})
     a4, b4 = ceilings(fourth)["a"], ceilings(fourth)["b"]
     assert b4[1] == b3[0]  # b holds only its lowered ceiling now
     free = 1000 - a3[0] - b3[0]
-    assert a4[0] == 200 + free // 2 * (200 + 2 * 200) // (2 * 2 * 200)
+    assert a4[0] == 200 + (a3[0] - 200) // 2 + free // 2 * (200 + 2 * 200) // (2 * 2 * 200)
     assert max(a4) + max(b4) <= 1000
+
+
+def test_edges_that_all_report_when_the_budget_is_held_keep_room_to_serve() -> None:
+    """Three edges whose ceilings hold the whole budget report at once, having used little: a
+    take-back of all they left unused would leave each at what it committed (nothing is free to
+    grant), refusing every request until a later compile. Each keeps half of its slack."""
+    third = 1000 // 3
+    published = {e: Published(10, third, 0) for e in "abc"}
+    counted = {e: 10 for e in "abc"}
+    found = budget_leases(
+        "2026-12", 1000, counted, ["a", "b", "c"], published, {e: 10 for e in "abc"}
+    )
+    for edge in "abc":
+        ceiling, held = ceilings(found)[edge]
+        assert held == third
+        assert ceiling - 10 >= (third - 10) // 2  # room to serve, not zero
+    assert sum(max(c) for c in ceilings(found).values()) <= 1000
 
 
 def test_an_edge_gone_quiet_keeps_its_ceiling_and_the_state_follows_counted_spend() -> None:

@@ -1,6 +1,7 @@
-"""``POST /api/v1/placement/plan/`` (a dry run: the diff the planner proposes) and
-``POST /api/v1/placement/apply/`` (apply a plan by id, or plan and apply at once). Admins and
-operators only."""
+"""``POST /api/v1/placement/plan/`` (a dry run: the diff the planner proposes),
+``POST /api/v1/placement/apply/`` (apply a plan by id, or plan and apply at once) and
+``GET /api/v1/placement/plans/`` (the plans kept, newest first: the operators' and the worker's
+scheduled ones). Admins and operators only."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from typing import Any
 
 from drf_spectacular.utils import extend_schema
 from rest_framework import status
-from rest_framework.generics import get_object_or_404
+from rest_framework.generics import ListAPIView, get_object_or_404
 from rest_framework.permissions import BasePermission
 from rest_framework.request import Request
 from rest_framework.response import Response
@@ -69,3 +70,12 @@ class PlacementApplyView(APIView):
             window_hours=ser.validated_data["window_hours"],
         )
         return Response(PlanOutput(plan).data, status=status.HTTP_201_CREATED)
+
+
+class PlacementPlansView(ListAPIView[PlacementPlan]):
+    """The plans kept, newest first: what the worker's scheduled pass planned (and whether it
+    applied it) and the operators' own."""
+
+    permission_classes = [IsStaff]
+    serializer_class = PlanOutput
+    queryset = PlacementPlan.objects.all()

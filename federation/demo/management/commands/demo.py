@@ -1,19 +1,24 @@
 """``fedinfer demo``: the whole platform on one machine, with simulated engines.
 
-It loads the demo inventory, starts simulated vLLM engines for every deployment (up to
-``--engines-per-deployment`` each), registers them as instances and moves them to ready
-through the lifecycle services, and runs the federation the way production does: the
+It loads the demo inventory and runs the federation the way production does: the
 control-plane web server, the Celery worker (embedded broker under ``var/broker``) that
-recompiles tables after every change, and one edge router per region in control-plane mode
-(its own credential, signed tables by long-poll, heartbeats, last good table persisted).
-A small traffic generator (``federation.demo.traffic``) sends requests from tenants of
-different jurisdictions. The demo prints where everything is and supervises the processes:
-if one dies the demo says which and stops the rest (no silent half-platform).
+recompiles tables after every change and runs the fleet — its local provisioner starts a
+simulated vLLM engine per replica, its autoscaler sets the replica counts of the Llama-8B
+deployments from the edges' load reports, its failover replaces an engine that dies — and one
+edge router per region in control-plane mode (its own credential, signed tables by long-poll,
+heartbeats, last good table persisted). A small traffic generator (``federation.demo.traffic``)
+sends requests from tenants of different jurisdictions along a compressed day
+(``--day-minutes``), each region busiest in its local afternoon, so replicas come and go.
+
+The demo prints where everything is, a fleet line (replicas per deployment, by state) with each
+traffic summary, and supervises its processes as systemd would: one that exits is started again
+(an edge comes back on its last good table and re-syncs); one that keeps exiting
+(``RESTART_LIMIT`` times in ``RESTART_WINDOW_S``) stops the demo, naming it (no silent
+half-platform). Engines are the worker's, not the demo's: it stops them when it ends.
 """
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import secrets
@@ -21,7 +26,7 @@ import signal
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -31,8 +36,9 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.db import connection
 from django.utils import timezone
 
-from federation.demo import prometheus
+from federation.demo import fleet, prometheus
 from federation.demo.fleet import DEMO_PASSWORD
+from federation.demo.fleet_view import fleet_line, fleet_rows
 from federation.demo.usage import load_usage_history
 from federation.inventory import lifecycle
 from federation.inventory import services as inventory
@@ -42,14 +48,15 @@ from federation.tenancy import services as tenancy
 from federation.tenancy.models import ApiKey, Tenant
 from federation.tenancy.selectors import tenant_permitted_regions
 from regions.supervisor import (
+    Process,
     StartupError,
     Supervisor,
-    file_written,
     free_port,
     http_status,
     wait_until,
 )
 from workers.celery import app as celery_app
+from workers.provisioners.local import LocalProvisioner
 
 #: Usage records ingested per transaction when the demo fills its history.
 HISTORY_BATCH = 2000
@@ -57,6 +64,24 @@ HISTORY_BATCH = 2000
 DEMO_PREFIX = "demo-"
 FEDINFER = [sys.executable, "-m", "federation.cli"]
 STARTUP_TIMEOUT_S = 60.0
+#: Every deployment's first replicas ready: ten engines started on a small machine.
+FLEET_TIMEOUT_S = 180.0
+#: A process that exits this many times within RESTART_WINDOW_S is crash-looping: the demo stops.
+RESTART_LIMIT = 3
+RESTART_WINDOW_S = 60.0
+#: The demo's autoscaled deployments: the mixed ones of the model every tenant's traffic asks
+#: for, between these bounds, each replica running AUTOSCALED_SEQS requests at once (a small
+#: replica, so that a few requests per second fill one at a region's peak).
+AUTOSCALED_MODEL = "meta-llama/Llama-3.1-8B-Instruct"
+AUTOSCALED_MIN, AUTOSCALED_MAX = 1, 3
+AUTOSCALED_SEQS = 2
+#: The worker's autoscaler in the demo: shorter than production's defaults (120, 60, 20 s) so
+#: that replicas come and go within a compressed day. Values set in the environment win.
+DEMO_AUTOSCALER_ENV = {
+    "FEDINFER_AUTOSCALE_COOLDOWN_SECONDS": "20",
+    "FEDINFER_AUTOSCALE_DOWN_WINDOW_SECONDS": "10",
+    "FEDINFER_AUTOSCALE_SMOOTHING_SECONDS": "5",
+}
 
 
 def _slug(text: str) -> str:
@@ -84,6 +109,15 @@ class Interrupted(Exception):
     """Ctrl-C or SIGTERM arrived: stop, this is not a failure."""
 
 
+@dataclass(frozen=True, slots=True)
+class _Spec:
+    """How a supervised process was started, so that it can be started again."""
+
+    argv: list[str]
+    env: dict[str, str] | None
+    echo: Callable[[str], None] | None
+
+
 @dataclass
 class _Run:
     """One run of the demo: its options, directory and processes; ``stopping`` is set by
@@ -92,11 +126,32 @@ class _Run:
     opts: dict[str, Any]
     demo_dir: Path
     sup: Supervisor
+    engines: LocalProvisioner
     stopping: bool = False
+    specs: dict[str, _Spec] = field(default_factory=dict)
+    #: When each process exited on its own, recently (crash-loop detection).
+    exits: dict[str, list[float]] = field(default_factory=dict)
+    #: Traffic summary lines seen (a fleet line follows each).
+    summaries: int = 0
 
     @property
     def host(self) -> str:
         return str(self.opts["host"])
+
+    def start(
+        self,
+        name: str,
+        argv: list[str],
+        *,
+        env: dict[str, str] | None = None,
+        echo: Callable[[str], None] | None = None,
+    ) -> Process:
+        self.specs[name] = _Spec(argv, env, echo)
+        return self.sup.start(name, argv, env=env, echo=echo)
+
+    def restart(self, name: str) -> Process:
+        spec = self.specs[name]
+        return self.sup.start(name, spec.argv, env=spec.env, echo=spec.echo)
 
 
 class Command(BaseCommand):
@@ -112,12 +167,34 @@ class Command(BaseCommand):
             help="edges listen on consecutive ports from here+1, regions in code order "
             "(0: any free ports, for tests)",
         )
-        parser.add_argument("--engines-per-deployment", type=int, default=1)
+        parser.add_argument(
+            "--engines-per-deployment",
+            type=int,
+            default=1,
+            help="replicas each deployment starts with (the autoscaler moves the Llama-8B ones)",
+        )
         parser.add_argument(
             "--no-traffic", action="store_true", help="do not start the traffic generator"
         )
         parser.add_argument(
-            "--traffic-rps", type=float, default=4.0, help="traffic generator requests per second"
+            "--traffic-rps",
+            type=float,
+            default=4.0,
+            help="traffic generator requests per second: each region's at its peak (in all, "
+            "with --day-minutes 0)",
+        )
+        parser.add_argument(
+            "--day-minutes",
+            type=float,
+            default=10.0,
+            help="minutes per simulated day of traffic, each region busiest in its local "
+            "afternoon (0: a flat rate)",
+        )
+        parser.add_argument(
+            "--day-start-hour",
+            type=float,
+            default=None,
+            help="the simulated UTC hour the traffic starts at (default: now)",
         )
         parser.add_argument(
             "--traffic-summary-every",
@@ -161,9 +238,14 @@ class Command(BaseCommand):
             with connection.cursor() as cursor:
                 cursor.execute("PRAGMA journal_mode=WAL")
         call_command("loaddemo", stdout=self.stdout)
-        self._forget_previous_run()
+        run = _Run(
+            opts,
+            demo_dir,
+            Supervisor(demo_dir / "logs"),
+            LocalProvisioner(demo_dir / "engines", engine="sim"),
+        )
+        self._forget_previous_run(run.engines)
         self._back_in_service()
-        run = _Run(opts, demo_dir, Supervisor(demo_dir / "logs"))
 
         def on_signal(signum: int, frame: Any) -> None:
             run.stopping = True
@@ -179,8 +261,10 @@ class Command(BaseCommand):
             if not opts["no_traffic"]:
                 self._start_traffic(run, endpoints)
             started = time.monotonic()
+            shown = ("", -1)
             while not run.stopping:
                 self._check_children(run)
+                shown = self._show_fleet(run, shown)
                 if (
                     opts["exit_after"] is not None
                     and time.monotonic() - started > opts["exit_after"]
@@ -191,20 +275,41 @@ class Command(BaseCommand):
             pass
         finally:
             self.stdout.write("demo: stopping")
+            # The worker first: it would replace the engines stopped next.
             run.sup.stop_all()
-            self._forget_previous_run()
+            self._forget_previous_run(run.engines)
 
     def _check_children(self, run: _Run) -> None:
-        if exited := run.sup.exited():
-            raise CommandError(
-                "demo process(es) exited: "
-                + ", ".join(f"{p.name} (code {p.returncode})" for p in exited)
-                + f"; see {run.demo_dir / 'logs'}"
-            )
+        """Start again each process that exited, as systemd or Kubernetes would; a process
+        crash-looping stops the demo."""
+        for process in run.sup.exited():
+            code = run.sup.stop(process)
+            now = time.monotonic()
+            exits = [t for t in run.exits.get(process.name, []) if now - t < RESTART_WINDOW_S]
+            run.exits[process.name] = [*exits, now]
+            if len(exits) + 1 >= RESTART_LIMIT:
+                raise CommandError(
+                    f"demo process(es) exited: {process.name} (code {code}), "
+                    f"{len(exits) + 1} times in {RESTART_WINDOW_S:g} s; "
+                    f"see {run.demo_dir / 'logs'}"
+                )
+            self.stdout.write(f"demo: {process.name} exited (code {code}); started again")
+            run.restart(process.name)
 
-    def _forget_previous_run(self) -> None:
-        """Stop and remove the instances and edges a demo registered (ports change per run)."""
-        for inst in Instance.objects.filter(name__startswith=DEMO_PREFIX):
+    def _show_fleet(self, run: _Run, shown: tuple[str, int]) -> tuple[str, int]:
+        """Print the fleet line after each traffic summary, and whenever it changes; what was
+        last shown (the line, the summaries seen)."""
+        line = fleet_line(fleet_rows(_demo_deployments()))
+        if (line, run.summaries) != shown:
+            self.stdout.write(line)
+        return line, run.summaries
+
+    def _forget_previous_run(self, engines: LocalProvisioner) -> None:
+        """Stop the engines and remove the instances and edges of a demo run (ports change per
+        run): the worker is not running, so nothing replaces them."""
+        for name in engines.running():
+            engines.stop(name)
+        for inst in Instance.objects.filter(deployment__in=_demo_deployments()):
             if inst.state not in lifecycle.TERMINAL_STATES:
                 inst = inventory.instance_transition(actor=None, instance=inst, state="stopped")
             inventory.instance_delete(actor=None, instance=inst)
@@ -233,62 +338,41 @@ class Command(BaseCommand):
             ).plaintext
         return keys
 
-    def _start_engines(self, run: _Run) -> None:
-        """An engine-sim process per deployment, registered as ready instances."""
-        per_dep = max(1, run.opts["engines_per_deployment"])
-        pending: list[tuple[Deployment, int, Path]] = []
-        deployments = Deployment.objects.select_related(
-            "model", "pool__region", "pool__accelerator"
-        ).prefetch_related("adapters")
-        for dep in deployments:
-            count = max(1, min(dep.desired_replicas, per_dep))
-            name = (
-                f"engines-{dep.pool.region.code}-{dep.pool.name}-{_slug(dep.model.name)}-{dep.role}"
-            )
-            ready_file = run.demo_dir / "engines" / f"{name}.json"
-            ready_file.unlink(missing_ok=True)
-            argv = [
-                *FEDINFER,
-                "engine-sim",
-                "--count",
-                str(count),
-                "--host",
-                run.host,
-                "--port",
-                "0",
-                "--model",
-                dep.model.name,
-                "--accelerator",
-                dep.pool.accelerator.name,
-                "--tp",
-                str(dep.tensor_parallel_size),
-                "--params-billion",
-                str(dep.model.parameter_count_b),
-                "--max-num-seqs",
-                str(dep.engine_args.get("max-num-seqs", 256)),
-                "--seed",
-                str(dep.pk),
-                "--ready-file",
-                str(ready_file),
-            ]
-            adapters = [f"{a.name}={a.source}" for a in dep.adapters.all()]
-            if adapters:
-                argv += ["--lora-modules", *adapters]
-            run.sup.start(name, argv)
-            pending.append((dep, count, ready_file))
-        for dep, _count, ready_file in pending:
-            self._wait(
-                run,
-                functools.partial(file_written, ready_file),
-                f"the engines' ready file {ready_file}",
-            )
-            engines = json.loads(ready_file.read_text())["engines"]
-            for engine in engines:
-                name = demo_instance_name(dep, engine["index"])
-                inst = inventory.instance_create(
-                    actor=None, deployment=dep, name=name, endpoint_url=engine["url"]
+    def _fleet_configure(self, run: _Run) -> None:
+        """Hand the demo's pools to the worker's local provisioner and set each deployment's
+        replicas: the mixed Llama-8B ones autoscaled within AUTOSCALED_MIN..MAX, the others
+        fixed at ``--engines-per-deployment``."""
+        wanted = max(1, run.opts["engines_per_deployment"])
+        for dep in _demo_deployments():
+            if dep.pool.provisioner != GPUPool.Provisioner.LOCAL:
+                inventory.pool_update(
+                    actor=None, pool=dep.pool, data={"provisioner": GPUPool.Provisioner.LOCAL}
                 )
-                inventory.instance_bring_up(actor=None, instance=inst)
+            if dep.model.name == AUTOSCALED_MODEL and dep.role == Deployment.Role.MIXED:
+                data: dict[str, Any] = {
+                    "autoscale": True,
+                    "min_replicas": AUTOSCALED_MIN,
+                    "max_replicas": AUTOSCALED_MAX,
+                    "desired_replicas": min(max(wanted, AUTOSCALED_MIN), AUTOSCALED_MAX),
+                    "engine_args": {**dep.engine_args, "max-num-seqs": AUTOSCALED_SEQS},
+                }
+            else:
+                data = {
+                    "autoscale": False,
+                    "scale_to_zero_after_s": None,
+                    "min_replicas": min(dep.min_replicas, wanted),
+                    "max_replicas": max(dep.max_replicas, wanted),
+                    "desired_replicas": wanted,
+                }
+            inventory.deployment_update(actor=None, deployment=dep, data=data)
+
+    def _fleet_ready(self) -> bool:
+        """Every deployment has its desired replicas ready (the worker brought them up)."""
+        for dep in _demo_deployments():
+            ready = dep.instances.filter(state=Instance.State.READY).count()
+            if ready < dep.desired_replicas:
+                return False
+        return True
 
     def _usage_history(self, days: int) -> None:
         """Ingest ``days`` of generated usage and roll it up, as the worker would."""
@@ -296,7 +380,7 @@ class Command(BaseCommand):
         self.stdout.write(f"usage history: {records} requests over {days} days\n")
 
     def _start(self, run: _Run) -> dict[str, Any]:
-        self._start_engines(run)
+        self._fleet_configure(run)
         if run.opts["usage_days"] > 0:
             self._usage_history(run.opts["usage_days"])
         host, opts = run.host, run.opts
@@ -325,13 +409,15 @@ class Command(BaseCommand):
         celery_app.control.purge()
         web = f"http://{host}:{opts['port']}"
         web_env, worker_env = self._metrics_env(run)
-        run.sup.start(
+        worker_env.update(self._fleet_env(run))
+        run.start(
             "web",
             [*FEDINFER, "serve", "--no-migrate", "--host", host, "--port", str(opts["port"])],
             env=web_env,
         )
-        run.sup.start("worker", [*FEDINFER, "worker", "--pool", "solo"], env=worker_env)
+        run.start("worker", [*FEDINFER, "worker", "--pool", "solo"], env=worker_env)
         self._wait_http(run, f"{web}/api/schema/")
+        self._wait(run, self._fleet_ready, "every deployment's replicas ready", FLEET_TIMEOUT_S)
         # The verification key ring goes through the environment, not argv (visible in ps).
         ring = {
             "FEDINFER_TABLE_KEYS": (
@@ -339,7 +425,7 @@ class Command(BaseCommand):
             )
         }
         for code, url in edges.items():
-            run.sup.start(
+            run.start(
                 f"edge-{code}",
                 [
                     *FEDINFER,
@@ -370,21 +456,31 @@ class Command(BaseCommand):
             self._wait_http(run, f"{url}/healthz")
         tenants = Tenant.objects.filter(is_active=True).prefetch_related("allowed_regions")
         return {
+            "autoscaler": {name: worker_env[name] for name in DEMO_AUTOSCALER_ENV},
             "prometheus": self._start_prometheus(run, web, worker_env, operators)
             if opts["prometheus"]
             else None,
             "control_plane": web,
             "edges": edges,
             "operators": operators,
-            "instances": list(
-                Instance.objects.filter(name__startswith=DEMO_PREFIX).values_list(
-                    "name", "endpoint_url"
-                )
-            ),
+            "instances": _ready_instances(),
             "api_keys": keys,
+            # Each region's offset from UTC, for the traffic's day (its local afternoon).
+            "utc_offsets": {
+                r.code: round(r.longitude / 15.0, 1) for r in Region.objects.order_by("code")
+            },
             "tenants": {
                 t.slug: {"regions": tenant_permitted_regions(t)} for t in tenants if t.slug in keys
             },
+        }
+
+    def _fleet_env(self, run: _Run) -> dict[str, str]:
+        """The worker's fleet settings: this run's engines folder, simulated engines, and the
+        demo's shorter autoscaler windows unless the environment sets its own."""
+        return {
+            "FEDINFER_LOCAL_ENGINES_DIR": str(run.engines.engines_dir),
+            "FEDINFER_LOCAL_ENGINE": "sim",
+            **{name: os.environ.get(name, value) for name, value in DEMO_AUTOSCALER_ENV.items()},
         }
 
     def _metrics_env(self, run: _Run) -> tuple[dict[str, str], dict[str, str]]:
@@ -409,9 +505,10 @@ class Command(BaseCommand):
     ) -> str:
         """Write the scrape configuration of every process, start Prometheus on a free port
         and wait until it is ready; its URL."""
-        engines = Instance.objects.filter(name__startswith=DEMO_PREFIX).values_list(
-            "deployment__pool__region__code", "endpoint_url"
-        )
+        # The engines ready at start; replicas the autoscaler adds later are not scraped.
+        engines = Instance.objects.filter(
+            deployment__in=_demo_deployments(), state=Instance.State.READY
+        ).values_list("deployment__pool__region__code", "endpoint_url")
         targets = prometheus.ScrapeTargets(
             control_plane=web,
             token_file=run.demo_dir / "credentials" / "metrics-token",
@@ -431,29 +528,41 @@ class Command(BaseCommand):
             )
         except prometheus.PrometheusUnavailable as exc:
             raise CommandError(f"--prometheus: {exc}") from exc
-        run.sup.start("prometheus", argv)
+        run.start("prometheus", argv)
         url = f"http://{listen}"
         self._wait_http(run, f"{url}/-/ready")
         return url
 
     def _start_traffic(self, run: _Run, endpoints: Path) -> None:
-        run.sup.start(
-            "traffic",
-            [
-                sys.executable,
-                "-m",
-                "federation.demo.traffic",
-                "--endpoints",
-                str(endpoints),
-                "--rps",
-                str(run.opts["traffic_rps"]),
-                "--summary-every",
-                str(run.opts["traffic_summary_every"]),
-            ],
-            echo=self.stdout.write,
-        )
+        def echo(line: str) -> None:
+            self.stdout.write(line)
+            if line.startswith("traffic ") and " | " in line:
+                run.summaries += 1
 
-    def _wait(self, run: _Run, ready: Callable[[], bool], what: str) -> None:
+        argv = [
+            sys.executable,
+            "-m",
+            "federation.demo.traffic",
+            "--endpoints",
+            str(endpoints),
+            "--rps",
+            str(run.opts["traffic_rps"]),
+            "--day-minutes",
+            str(run.opts["day_minutes"]),
+            "--summary-every",
+            str(run.opts["traffic_summary_every"]),
+        ]
+        if run.opts["day_start_hour"] is not None:
+            argv += ["--day-start-hour", str(run.opts["day_start_hour"])]
+        run.start("traffic", argv, echo=echo)
+
+    def _wait(
+        self,
+        run: _Run,
+        ready: Callable[[], bool],
+        what: str,
+        timeout: float = STARTUP_TIMEOUT_S,
+    ) -> None:
         """Wait for a start-up step: Ctrl-C interrupts it, a child that exits fails it."""
 
         def ready_unless_interrupted() -> bool:
@@ -465,7 +574,7 @@ class Command(BaseCommand):
             wait_until(
                 ready_unless_interrupted,
                 what=what,
-                timeout=STARTUP_TIMEOUT_S,
+                timeout=timeout,
                 watch=run.sup.processes,
                 interval=0.2,
             )
@@ -487,7 +596,14 @@ class Command(BaseCommand):
             f"  console        {web}/console/  (log in as operator, password {DEMO_PASSWORD!r})",
             f"  control plane  {web}/admin/  ·  API {web}/api/v1/  ·  docs {web}/api/docs/",
             f"  users          admin / operator / <tenant>-viewer, password {DEMO_PASSWORD!r}",
-            "  worker         recompiles and publishes routing tables after every change",
+            "  worker         recompiles and publishes routing tables after every change; runs "
+            "the engines (local provisioner), replaces one that dies, and autoscales the "
+            f"Llama-8B deployments ({AUTOSCALED_MIN}..{AUTOSCALED_MAX} replicas of "
+            f"{AUTOSCALED_SEQS} requests at once)",
+            "  autoscaler     "
+            + ", ".join(f"{name}={value}" for name, value in summary["autoscaler"].items()),
+            "  supervision    a process that exits is started again (kill an edge: it comes "
+            "back on its last good table); fleet lines show replicas by state",
         ]
         if summary["prometheus"]:
             lines.append(
@@ -498,7 +614,8 @@ class Command(BaseCommand):
             ops = summary["operators"][code]
             lines.append(f"  edge {code:<13} {url}/v1/chat/completions  (operator: {ops}/metrics)")
         lines += [
-            f"  instances      {len(summary['instances'])} simulated engines",
+            f"  instances      {len(summary['instances'])} simulated engines, "
+            f"logs in {demo_dir / 'engines'}",
             f"  API keys       one per tenant, this run only: {demo_dir / 'endpoints.json'}",
             f"  logs           {demo_dir / 'logs'}",
             "  traffic        "
@@ -507,3 +624,22 @@ class Command(BaseCommand):
             "",
         ]
         self.stdout.write("\n".join(lines))
+
+
+def _demo_deployments() -> list[Deployment]:
+    """The deployments of the demo fleet (``federation.demo.fleet``), with pool and model."""
+    keys = {(region, pool, model, role) for region, pool, model, role, *_ in fleet.DEPLOYMENTS}
+    found = Deployment.objects.select_related("pool__region", "model").order_by("pk")
+    return [
+        dep
+        for dep in found
+        if (dep.pool.region.code, dep.pool.name, dep.model.name, dep.role) in keys
+    ]
+
+
+def _ready_instances() -> list[tuple[str, str]]:
+    """(name, URL) of the demo's ready instances."""
+    ready = Instance.objects.filter(
+        deployment__in=_demo_deployments(), state=Instance.State.READY
+    ).order_by("name")
+    return list(ready.values_list("name", "endpoint_url"))
