@@ -10,7 +10,6 @@ must be: docs/metering.md), so stopping it disturbs nothing else.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +19,7 @@ import redis
 
 from federation.metering.models import UsageRecord
 from federation.metering.stream import GROUP, usage_stream_consume
-from regions.supervisor import Process, free_port, start_process, wait_until
+from regions.supervisor import wait_until
 from regions.tables.usage import USAGE_STREAM, decode_record
 from tests.integration.inventory_factories import (
     make_deployment,
@@ -29,46 +28,11 @@ from tests.integration.inventory_factories import (
     make_pool,
     make_region,
 )
+from tests.integration.redis_support import PrivateRedis, private_redis  # noqa: F401
 from tests.integration.test_edge_support import EdgeProc, engine_sims, start_edge, table_doc
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 KEY = "fi_FaUlTs01_" + "k" * 43
-
-
-class PrivateRedis:
-    def __init__(self, tmp: Path) -> None:
-        self.port = free_port()
-        self.dir = tmp / "redis"
-        self.dir.mkdir()
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-        self.proc: Process | None = None
-
-    def start(self) -> None:
-        argv = ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1"]
-        argv += ["--dir", str(self.dir), "--appendonly", "yes", "--appendfsync", "always"]
-        argv += ["--save", ""]
-        self.proc = start_process("redis", argv, log=self.dir / "redis.log", append=True)
-        client = redis.Redis.from_url(self.url)
-        wait_until(lambda: _pings(client), what="the test's Redis", watch=self.proc)
-
-    def stop(self) -> None:
-        assert self.proc is not None
-        self.proc.stop()
-
-
-def _pings(client: redis.Redis) -> bool:
-    try:
-        return bool(client.ping())
-    except redis.ConnectionError:
-        return False
-
-
-@pytest.fixture
-def private_redis(tmp_path: Path) -> Iterator[PrivateRedis]:
-    server = PrivateRedis(tmp_path)
-    server.start()
-    yield server
-    server.stop()
 
 
 def edge_with_metering(tmp: Path, engine_url: str, redis_url: str, *args: str) -> EdgeProc:
@@ -193,7 +157,8 @@ def test_a_full_spool_under_the_serve_policy_serves_and_counts_what_it_drops(
 
 @pytest.mark.django_db
 def test_usage_is_exact_through_redis_edge_and_worker_faults(
-    tmp_path: Path, private_redis: PrivateRedis
+    tmp_path: Path,
+    private_redis: PrivateRedis,  # noqa: F811
 ) -> None:
     make_instance(make_deployment(make_model(), make_pool(make_region("us-east"))), "us-1", "ready")
     client = redis.Redis.from_url(private_redis.url)

@@ -123,6 +123,11 @@ def test_compose_runs_the_demo_topology() -> None:
         )
     assert services["control-plane"]["command"][:2] == ["serve", "--no-migrate"]
     assert services["migrate"]["command"] == ["migrate", "--noinput"]
+    # What runs for good comes back when it exits (a worker whose broker went away, an edge
+    # that crashed), as Kubernetes' Deployments do; one-shot jobs do not.
+    for name, service in services.items():
+        lasting = name in ("control-plane", "worker") or name.startswith(("edge-", "engine-"))
+        assert (service.get("restart") == "unless-stopped") == lasting, name
 
 
 def test_the_dockerfile_builds_from_what_exists_and_runs_unprivileged() -> None:
