@@ -124,6 +124,11 @@ def placement_plan_and_apply(
     return applied
 
 
+#: Unapplied plans of the schedule kept (the newest): a pass every few minutes would otherwise
+#: keep one more every time. Applied plans and operators' plans are history, kept.
+SCHEDULED_PLANS_KEPT = 100
+
+
 @dataclass(frozen=True, slots=True)
 class ScheduledPass:
     """What one scheduled pass did."""
@@ -147,6 +152,7 @@ def placement_scheduled(*, apply: bool, window_hours: int = 3) -> ScheduledPass 
         if not held:
             return None
         plan = placement_plan(actor=None, window_hours=window_hours)
+        _prune_scheduled_plans()
         changes = len(plan.document["changes"])
         applied, outcome = False, "planned"
         if apply and changes:
@@ -167,3 +173,11 @@ def placement_scheduled(*, apply: bool, window_hours: int = 3) -> ScheduledPass 
             },
         )
         return ScheduledPass(plan.pk, changes, applied, outcome)
+
+
+def _prune_scheduled_plans() -> None:
+    """Delete the schedule's unapplied plans beyond the newest :data:`SCHEDULED_PLANS_KEPT`."""
+    unapplied = PlacementPlan.objects.filter(applied_at__isnull=True, created_by=_who(None))
+    old = list(unapplied.values_list("pk", flat=True)[SCHEDULED_PLANS_KEPT:])
+    if old:
+        PlacementPlan.objects.filter(pk__in=old).delete()

@@ -13,7 +13,7 @@ from django.db import connection
 from rest_framework.test import APIClient
 
 from federation.core.models import AuditEvent
-from federation.fleet import placement_inputs
+from federation.fleet import placement_inputs, placing
 from federation.fleet.locks import LOCK_NAMESPACE, PLACEMENT_LOCK_ID
 from federation.fleet.models import PlacementPlan
 from federation.inventory import services as inventory
@@ -117,3 +117,13 @@ def test_a_second_worker_does_not_plan_while_one_holds_the_lock(
         assert not PlacementPlan.objects.exists()
     # Released with the other worker's session: the next pass runs.
     assert fleet_placement_task.apply().get().endswith(", applied")
+
+
+def test_the_schedule_keeps_its_newest_unapplied_plans_only(
+    busy_eu: dict[str, Any], settings: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    settings.FEDINFER_PLACEMENT_MODE = "plan"
+    monkeypatch.setattr(placing, "SCHEDULED_PLANS_KEPT", 2)
+    passes = [fleet_placement_task.apply().get() for _ in range(4)]
+    kept = list(PlacementPlan.objects.values_list("pk", flat=True))  # newest first
+    assert len(kept) == 2 and all(f"plan {pk}:" in passes[-1 - i] for i, pk in enumerate(kept))
