@@ -1,7 +1,8 @@
 """A real Prometheus for ``fedinfer demo --prometheus``: the scrape configuration of every
 process of the demo (the control plane with its metrics token, the worker's port, each edge's
 operator listener, each engine), the alerting rules of ``platform/observability/rules``, and
-the command line that runs ``/usr/bin/prometheus`` (Debian's ``prometheus`` package) on it.
+the command line that runs ``/usr/bin/prometheus`` (Debian's ``prometheus`` package) on it. The
+engines come and go as the fleet scales, so the demo keeps them in a file Prometheus rereads.
 
 The same configuration is the reference for a deployment (platform/observability/README.md):
 edges get their region as a target label, and the edge's per-engine label ``instance`` is
@@ -41,6 +42,9 @@ class ScrapeTargets:
     edges: Mapping[str, str]
     #: (region, engine URL) of every engine.
     engines: Sequence[tuple[str, str]] = field(default_factory=tuple)
+    #: Where the engines' targets are kept for Prometheus to reread (file-based discovery:
+    #: the fleet adds and removes engines as it runs); None: ``engines`` as a static list.
+    engines_file: Path | None = None
 
 
 def _hostport(url: str) -> str:
@@ -84,24 +88,43 @@ def scrape_config(
             ],
         }
     )
-    if targets.engines:
-        by_region: dict[str, list[str]] = {}
-        for region, url in targets.engines:
-            by_region.setdefault(region, []).append(_hostport(url))
+    if targets.engines_file is not None:
         jobs.append(
             {
                 "job_name": "fedinfer-engine",
-                "static_configs": [
-                    {"targets": sorted(hosts), "labels": {"region": region}}
-                    for region, hosts in sorted(by_region.items())
-                ],
+                "file_sd_configs": [{"files": [str(targets.engines_file)]}],
             }
+        )
+    elif targets.engines:
+        jobs.append(
+            {"job_name": "fedinfer-engine", "static_configs": engine_groups(targets.engines)}
         )
     return {
         "global": {"scrape_interval": interval, "evaluation_interval": interval},
         "rule_files": [str(p) for p in rule_files],
         "scrape_configs": jobs,
     }
+
+
+def engine_groups(engines: Sequence[tuple[str, str]]) -> list[dict[str, Any]]:
+    """Target groups of ``(region, engine URL)`` pairs, one per region (static or file-based
+    discovery: the same form)."""
+    by_region: dict[str, list[str]] = {}
+    for region, url in engines:
+        by_region.setdefault(region, []).append(_hostport(url))
+    return [
+        {"targets": sorted(hosts), "labels": {"region": region}}
+        for region, hosts in sorted(by_region.items())
+    ]
+
+
+def write_engine_targets(path: Path, engines: Sequence[tuple[str, str]]) -> None:
+    """Replace the engines' targets file at once (written aside, then renamed: Prometheus never
+    reads half a file)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    aside = path.with_suffix(".tmp")
+    aside.write_bytes(orjson.dumps(engine_groups(engines), option=orjson.OPT_INDENT_2))
+    aside.replace(path)
 
 
 def rule_files(base_dir: Path | None = None) -> list[Path]:

@@ -1,17 +1,22 @@
 """``fedinfer demo --prometheus``: the demo starts a real Prometheus that scrapes every one of
 its processes (control plane with the run's metrics token, worker, each edge, each engine),
-prints where it is, and its queries answer for every region."""
+prints where it is, and its queries answer for every region; an engine the fleet replaces is
+dropped from the targets and its replacement scraped."""
 
 from __future__ import annotations
 
+import os
+import signal
 import stat
 from collections.abc import Callable
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 
 from regions.supervisor import Process, wait_until
 from tests.integration.test_demo import start_demo  # noqa: F401  (fixture)
+from workers.provisioners.local import LocalProvisioner
 
 JOBS = ("fedinfer-control-plane", "fedinfer-worker", "fedinfer-edge", "fedinfer-engine")
 
@@ -51,3 +56,16 @@ def test_demo_with_prometheus_scrapes_every_process(
     versions = {s["metric"]["region"] for s in query("fedinfer_cp_table_version > 0")}
     assert versions == set(endpoints["edges"])
     assert f"prometheus     {base}/graph" in proc.log.read_text()
+
+    # An engine dies; the worker replaces it; Prometheus follows (file-based discovery).
+    victim, victim_url = endpoints["instances"][0]
+    engines_dir = LocalProvisioner(demo_dir / "engines")
+    os.killpg(int(engines_dir.running()[victim].detail["pid"]), signal.SIGKILL)
+    gone = urlsplit(victim_url).netloc
+
+    def replacement_scraped() -> bool:
+        up = [s for s in query("up") if s["metric"]["job"] == "fedinfer-engine"]
+        scraped = {s["metric"]["instance"] for s in up if s["value"][1] == "1"}
+        return gone not in scraped and len(scraped) == len(endpoints["instances"])
+
+    wait_until(replacement_scraped, what="the replacement engine scraped", timeout=90, watch=proc)

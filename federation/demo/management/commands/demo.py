@@ -133,6 +133,9 @@ class _Run:
     exits: dict[str, list[float]] = field(default_factory=dict)
     #: Traffic summary lines seen (a fleet line follows each).
     summaries: int = 0
+    #: Prometheus's engine targets file (``--prometheus``) and the engines last written there.
+    engine_targets: Path | None = None
+    scraped_engines: list[tuple[str, str]] = field(default_factory=list)
 
     @property
     def host(self) -> str:
@@ -298,11 +301,26 @@ class Command(BaseCommand):
 
     def _show_fleet(self, run: _Run, shown: tuple[str, int]) -> tuple[str, int]:
         """Print the fleet line after each traffic summary, and whenever it changes; what was
-        last shown (the line, the summaries seen)."""
+        last shown (the line, the summaries seen). Prometheus's engine targets follow."""
         line = fleet_line(fleet_rows(_demo_deployments()))
         if (line, run.summaries) != shown:
             self.stdout.write(line)
+            self._update_engine_targets(run)
         return line, run.summaries
+
+    def _update_engine_targets(self, run: _Run) -> None:
+        """The ready engines as Prometheus's engine targets (with ``--prometheus``), rewritten
+        when they changed."""
+        if run.engine_targets is None:
+            return
+        engines = sorted(
+            Instance.objects.filter(
+                deployment__in=_demo_deployments(), state=Instance.State.READY
+            ).values_list("deployment__pool__region__code", "endpoint_url")
+        )
+        if engines != run.scraped_engines:
+            prometheus.write_engine_targets(run.engine_targets, engines)
+            run.scraped_engines = engines
 
     def _forget_previous_run(self, engines: LocalProvisioner) -> None:
         """Stop the engines and remove the instances and edges of a demo run (ports change per
@@ -505,18 +523,16 @@ class Command(BaseCommand):
     ) -> str:
         """Write the scrape configuration of every process, start Prometheus on a free port
         and wait until it is ready; its URL."""
-        # The engines ready at start; replicas the autoscaler adds later are not scraped.
-        engines = Instance.objects.filter(
-            deployment__in=_demo_deployments(), state=Instance.State.READY
-        ).values_list("deployment__pool__region__code", "endpoint_url")
+        folder = run.demo_dir / "prometheus"
+        run.engine_targets = folder / "engines.json"
+        self._update_engine_targets(run)
         targets = prometheus.ScrapeTargets(
             control_plane=web,
             token_file=run.demo_dir / "credentials" / "metrics-token",
             worker=f"{run.host}:{worker_env['FEDINFER_WORKER_METRICS_PORT']}",
             edges=operators,
-            engines=list(engines),
+            engines_file=run.engine_targets,
         )
-        folder = run.demo_dir / "prometheus"
         try:
             config = prometheus.write_config(
                 folder / "prometheus.yml",
