@@ -8,9 +8,10 @@ limits). Targets: mean TTFT and hit rate within 5 % of the one-edge ``fedinfer``
 scenario, and the rate limit held: after the replay, :func:`probe_rate_limit` sends one tenant
 at four times its limit through every edge in turn and counts what was admitted.
 
-*Repeated seeds*: a scenario run with several seeds (``skewed-90`` by default) is judged in
-each run and across them (:func:`repeated_targets`: the spread of fedinfer's mean, reported
-beside the oracle's own spread over the same workloads, its context).
+*Repeated seeds*: a scenario run with several seeds (``skewed-90`` by default) or several
+times (``--repeat``) is judged in each run and across them (:func:`repeated_targets`: the
+spread of fedinfer's mean, reported beside the oracle's own spread over the same workloads,
+its context).
 """
 
 from __future__ import annotations
@@ -141,7 +142,7 @@ def edge_targets(results: dict[str, dict[str, Any]], check: Any) -> None:
             check(f"{policy}_rate_limit_served", probe["admitted"], 0.9 * probe["fair"], ">=")
 
 
-def repeated_targets(runs: dict[int, dict[str, Any]]) -> dict[str, Any]:
+def repeated_targets(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """Across the seeds of one scenario: fedinfer's mean TTFT below the oracle's and its p99
     no higher in every run, and the spread of its mean (max / min - 1) at most 15 %."""
     means = {seed: r["results"]["fedinfer"]["ttft_mean_s"] for seed, r in runs.items()}

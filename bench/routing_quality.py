@@ -40,7 +40,7 @@ completed requests/s and output tokens/s in the window, prefix-cache hit rate fr
 the client's event-loop lag (so a starved client shows instead of skewing TTFT).
 
     .venv/bin/python -m bench.routing_quality [--duration 36] [--warmup 12] [--seed 1]
-        [--scenario skewed-90] [--seeds 1,2,3]
+        [--scenario skewed-90] [--seeds 1,2,3] [--repeat 3]
 """
 
 from __future__ import annotations
@@ -449,8 +449,10 @@ def run(
     scenarios: tuple[Scenario, ...] = SCENARIOS,
     policies: tuple[str, ...] = POLICIES,
     seeds: tuple[int, ...] = (),
+    repeat: int = 1,
 ) -> dict[str, Any]:
-    """Every scenario, once per seed (``seeds``, else the scenario's, else ``cfg.seed``)."""
+    """Every scenario, ``repeat`` times per seed (``seeds``, else the scenario's, else
+    ``cfg.seed``); repeats replay the same workload at the same rate on fresh processes."""
     started = utc_now()
     machine_before = machine_info()
     logdir = VAR / "logs" / "routing"
@@ -481,14 +483,17 @@ def run(
                 flush=True,
             )
         runs = {
-            seed: run_scenario(c, sc, policies, logdir, tmp, cal, fixed_sessions=len(cfgs) > 1)
+            f"{seed}.{k}" if repeat > 1 else str(seed): run_scenario(
+                c, sc, policies, logdir, tmp, cal, fixed_sessions=len(cfgs) > 1
+            )
             for seed, c in cfgs.items()
+            for k in range(1, repeat + 1)
         }
         if len(runs) == 1:
             out["scenarios"][sc.name] = next(iter(runs.values()))
             continue
-        for seed, result in runs.items():
-            out["scenarios"][f"{sc.name}@seed{seed}"] = result
+        for label, result in runs.items():
+            out["scenarios"][f"{sc.name}@seed{label}"] = result
         if all({"oracle", "fedinfer"} <= r["results"].keys() for r in runs.values()):
             out.setdefault("repeated", {})[sc.name] = routing_edges.repeated_targets(runs)
     out["finished"] = utc_now()
@@ -576,6 +581,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--policies", default=",".join(POLICIES))
     ap.add_argument("--scenarios", "--scenario", default=",".join(s.name for s in SCENARIOS))
     ap.add_argument("--seeds", default="", help="e.g. 1,2,3: every scenario once per seed")
+    ap.add_argument("--repeat", type=int, default=1, help="runs of every seed's workload")
     ap.add_argument("--edge-cap", type=int, default=0, help="table max_concurrency (0: seqs)")
     ap.add_argument("--engine-arg", action="append", default=[], help="extra engine-sim flag")
     a = ap.parse_args(argv)
@@ -603,7 +609,9 @@ def main(argv: list[str] | None = None) -> None:
         seeds = tuple(int(x) for x in a.seeds.split(",") if x.strip())
     except ValueError:
         ap.error("--seeds takes integers, e.g. 1,2,3")
-    run(cfg, scen, pols, seeds)
+    if a.repeat < 1:
+        ap.error("--repeat must be >= 1")
+    run(cfg, scen, pols, seeds, a.repeat)
 
 
 if __name__ == "__main__":
