@@ -13,8 +13,10 @@ Per scenario:
 
 1. *Calibrate*: fresh engines, a closed loop of ``engines x max_num_seqs`` users sending the
    scenario's sessions back to back, session-affine, straight to the engines: the completed
-   requests/s in steady state is the fleet's saturation throughput for this mix.
-2. Set the Poisson session rate so the offered request rate is ``load x`` that capacity.
+   requests/s in steady state is the fleet's saturation throughput for this mix. With several
+   seeds, every seed calibrates and all of them run at the mean capacity.
+2. Set the Poisson session rate so the offered request rate is ``load x`` that capacity; with
+   several seeds, every seed gets that rate's expected number of sessions.
 3. For every policy, on fresh engines (cold caches) and a fresh edge: replay the identical
    workload; ``round_robin`` and ``least_loaded`` are the edge's ``--policy``; ``oracle`` is the
    client hashing the session id to an engine and sending directly; ``fedinfer`` is the edge's
@@ -38,7 +40,7 @@ completed requests/s and output tokens/s in the window, prefix-cache hit rate fr
 the client's event-loop lag (so a starved client shows instead of skewing TTFT).
 
     .venv/bin/python -m bench.routing_quality [--duration 36] [--warmup 12] [--seed 1]
-        [--scenario skewed-90] [--seeds 1,2,3]
+        [--scenario skewed-90] [--seeds 1,2,3] [--repeat 3]
 """
 
 from __future__ import annotations
@@ -447,8 +449,10 @@ def run(
     scenarios: tuple[Scenario, ...] = SCENARIOS,
     policies: tuple[str, ...] = POLICIES,
     seeds: tuple[int, ...] = (),
+    repeat: int = 1,
 ) -> dict[str, Any]:
-    """Every scenario, once per seed (``seeds``, else the scenario's, else ``cfg.seed``)."""
+    """Every scenario, ``repeat`` times per seed (``seeds``, else the scenario's, else
+    ``cfg.seed``); repeats replay the same workload at the same rate on fresh processes."""
     started = utc_now()
     machine_before = machine_info()
     logdir = VAR / "logs" / "routing"
@@ -468,15 +472,28 @@ def run(
         "scenarios": {},
     }
     for sc in scenarios:
-        runs = {}
-        for seed in seeds or sc.seeds or (cfg.seed,):
-            sc_cfg = replace(cfg, seed=seed, engines=sc.engines or cfg.engines)
-            runs[seed] = run_scenario(sc_cfg, sc, policies, logdir, tmp)
+        cfgs = {
+            seed: replace(cfg, seed=seed, engines=sc.engines or cfg.engines)
+            for seed in seeds or sc.seeds or (cfg.seed,)
+        }
+        cal = shared_calibration({seed: calibrate(c, sc, logdir) for seed, c in cfgs.items()})
+        if len(cfgs) > 1:
+            print(
+                f"[{sc.name}] every seed at the mean capacity {cal['capacity_rps']:.2f} req/s",
+                flush=True,
+            )
+        runs = {
+            f"{seed}.{k}" if repeat > 1 else str(seed): run_scenario(
+                c, sc, policies, logdir, tmp, cal, fixed_sessions=len(cfgs) > 1
+            )
+            for seed, c in cfgs.items()
+            for k in range(1, repeat + 1)
+        }
         if len(runs) == 1:
             out["scenarios"][sc.name] = next(iter(runs.values()))
             continue
-        for seed, result in runs.items():
-            out["scenarios"][f"{sc.name}@seed{seed}"] = result
+        for label, result in runs.items():
+            out["scenarios"][f"{sc.name}@seed{label}"] = result
         if all({"oracle", "fedinfer"} <= r["results"].keys() for r in runs.values()):
             out.setdefault("repeated", {})[sc.name] = routing_edges.repeated_targets(runs)
     out["finished"] = utc_now()
@@ -487,13 +504,36 @@ def run(
     return out
 
 
+def shared_calibration(per_seed: dict[int, dict[str, Any]]) -> dict[str, Any]:
+    """One capacity for every seed of a scenario: the mean of the seeds' calibrations.
+
+    Why: each seed's own calibration differed by up to 30 % (and one seed's by 10 % between
+    runs), so per-seed rates made the seeds' offered loads, not the routing, the spread."""
+    if len(per_seed) == 1:
+        return next(iter(per_seed.values()))
+    return {
+        "capacity_rps": statistics.fmean(c["capacity_rps"] for c in per_seed.values()),
+        "per_seed": per_seed,
+    }
+
+
 def run_scenario(
-    cfg: Config, sc: Scenario, policies: tuple[str, ...], logdir: Path, tmp: Path
+    cfg: Config,
+    sc: Scenario,
+    policies: tuple[str, ...],
+    logdir: Path,
+    tmp: Path,
+    cal: dict[str, Any],
+    *,
+    fixed_sessions: bool,
 ) -> dict[str, Any]:
-    """Calibrate, then replay the same workload with every policy, on fresh processes."""
-    cal = calibrate(cfg, sc, logdir)
+    """Replay one workload at ``sc.load`` x ``cal``'s capacity with every policy, on fresh
+    processes; with ``fixed_sessions`` the session count is the rate's expectation, the same
+    for every seed."""
     request_rate = sc.load * cal["capacity_rps"]
     spec = replace(base_spec(cfg, sc), session_rate=request_rate / base_spec(cfg, sc).mean_turns)
+    if fixed_sessions:
+        spec = replace(spec, sessions=round(spec.session_rate * spec.duration_s))
     workload = generate(spec)
     top_share = sum(1 for s in workload.sessions if s.system_idx == 0) / len(workload.sessions)
     print(
@@ -541,6 +581,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--policies", default=",".join(POLICIES))
     ap.add_argument("--scenarios", "--scenario", default=",".join(s.name for s in SCENARIOS))
     ap.add_argument("--seeds", default="", help="e.g. 1,2,3: every scenario once per seed")
+    ap.add_argument("--repeat", type=int, default=1, help="runs of every seed's workload")
     ap.add_argument("--edge-cap", type=int, default=0, help="table max_concurrency (0: seqs)")
     ap.add_argument("--engine-arg", action="append", default=[], help="extra engine-sim flag")
     a = ap.parse_args(argv)
@@ -568,7 +609,9 @@ def main(argv: list[str] | None = None) -> None:
         seeds = tuple(int(x) for x in a.seeds.split(",") if x.strip())
     except ValueError:
         ap.error("--seeds takes integers, e.g. 1,2,3")
-    run(cfg, scen, pols, seeds)
+    if a.repeat < 1:
+        ap.error("--repeat must be >= 1")
+    run(cfg, scen, pols, seeds, a.repeat)
 
 
 if __name__ == "__main__":

@@ -107,4 +107,11 @@ def render(out: dict[str, Any]) -> str:
             for k, v in rep["targets"].items()
         ]
         lines.append(markdown_table(["target (fedinfer)", "value", "verdict"], trows))
+        oracle = ", ".join(
+            f"seed {seed}: {v * 1000:.0f} ms" for seed, v in rep["oracle_mean_ttft_s"].items()
+        )
+        lines.append(
+            f"\noracle mean TTFT {oracle}: spread {fmt(rep['oracle_mean_spread'], 3)}; "
+            f"fedinfer / oracle spread {fmt(rep['fedinfer_over_oracle_spread'], 3)}"
+        )
     return "\n".join(lines)

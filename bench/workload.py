@@ -48,6 +48,10 @@ class WorkloadSpec:
     #: Sessions per second (Poisson) and the window in which sessions start.
     session_rate: float = 1.0
     duration_s: float = 60.0
+    #: 0: a Poisson number of sessions at ``session_rate``; n > 0: exactly n, starting at
+    #: sorted uniform times in the window (a Poisson process's arrivals given that n arrived),
+    #: so that seeds differ in the draw but not in how many sessions they offer.
+    sessions: int = 0
     n_system_prompts: int = 12
     system_tokens: tuple[int, int] = (1000, 2000)
     popularity: Literal["uniform", "zipf"] = "uniform"
@@ -60,6 +64,8 @@ class WorkloadSpec:
     def __post_init__(self) -> None:
         if self.session_rate <= 0 or self.duration_s <= 0:
             raise ValueError("session_rate and duration_s must be > 0")
+        if self.sessions < 0:
+            raise ValueError("sessions must be >= 0")
         if self.n_system_prompts < 1:
             raise ValueError("n_system_prompts must be >= 1")
         for name in ("system_tokens", "turns", "user_tokens", "reply_tokens"):
@@ -171,7 +177,11 @@ def generate(spec: WorkloadSpec) -> Workload:
     cum = list(accumulate(weights))
 
     sessions = []
-    for i, start in enumerate(poisson_arrivals(arrival_rng, spec.session_rate, spec.duration_s)):
+    if spec.sessions:
+        starts = sorted(arrival_rng.random() * spec.duration_s for _ in range(spec.sessions))
+    else:
+        starts = poisson_arrivals(arrival_rng, spec.session_rate, spec.duration_s)
+    for i, start in enumerate(starts):
         sys_idx = min(bisect.bisect_left(cum, session_rng.random() * cum[-1]), len(cum) - 1)
         turns = []
         for _ in range(session_rng.randint(*spec.turns)):
