@@ -68,7 +68,7 @@ from bench.report import percentile, utc_now, write_result
 from bench.routing_report import MISCALIBRATED, render, targets
 from bench.workload import Workload, WorkloadSpec, generate
 from regions.engines.metrics import EngineLoad, parse_vllm_metrics
-from regions.supervisor import Process
+from regions.supervisor import Process, Supervisor
 
 POLICIES = (
     "round_robin", "least_loaded", "oracle", "fedinfer", "fedinfer-2edges", "fedinfer-3edges"
@@ -284,20 +284,25 @@ def _pin_self(cpus: set[int]) -> set[int]:
     return before
 
 
+def _start_engines(pg: Supervisor, cfg: Config) -> Engines:
+    """The bench's engines: one simulator process each, all on the engines' core."""
+    return start_engines(
+        pg,
+        count=cfg.engines,
+        model=cfg.model,
+        extra=cfg.engine_args(),
+        cpus=ENGINE_CPUS,
+        process_each=True,
+    )
+
+
 def calibrate(cfg: Config, sc: Scenario, logdir: Path) -> dict[str, Any]:
     """Saturation throughput (requests/s) of the fleet for ``sc``'s mix."""
     spec = replace(base_spec(cfg, sc), session_rate=50.0, duration_s=60.0)
     workload = generate(spec)
     concurrency = cfg.engines * cfg.max_num_seqs
     with bench_processes(logdir / f"calibrate-{sc.name}") as pg:
-        engines = start_engines(
-            pg,
-            count=cfg.engines,
-            model=cfg.model,
-            extra=cfg.engine_args(),
-            cpus=ENGINE_CPUS,
-            process_each=True,
-        )
+        engines = _start_engines(pg, cfg)
         target = Target(tuple(engines.urls), "session_hash")
         before = _pin_self(CLIENT_CPUS)
         try:
@@ -340,14 +345,7 @@ def run_policy(
     cfg: Config, sc: Scenario, policy: str, workload: Workload, logdir: Path, tmp: Path
 ) -> dict[str, Any]:
     with bench_processes(logdir / f"{sc.name}-{cfg.seed}-{policy}") as pg:
-        engines: Engines = start_engines(
-            pg,
-            count=cfg.engines,
-            model=cfg.model,
-            extra=cfg.engine_args(),
-            cpus=ENGINE_CPUS,
-            process_each=True,
-        )
+        engines: Engines = _start_engines(pg, cfg)
         edges: list[tuple[Process, str, str]] = []
         rate = prefill_rate(cfg) * (MISCALIBRATION if policy == MISCALIBRATED else 1.0)
         n_edges = routing_edges.edges_of(policy)
