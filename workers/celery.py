@@ -7,7 +7,10 @@ transport) in embedded mode. ``fedinfer worker`` runs a worker with beat embedde
 
 from __future__ import annotations
 
+import ctypes
 import os
+import signal
+import sys
 from typing import Any
 
 from celery import Celery, signals
@@ -27,3 +30,21 @@ def _trace_tasks(**_: Any) -> None:
     from federation.core.tracing import trace_worker
 
     trace_worker()
+
+
+#: prctl(2) option: the signal the calling process gets when its parent dies.
+_PR_SET_PDEATHSIG = 1
+
+
+@signals.beat_embedded_init.connect
+def _die_with_the_worker(**_: Any) -> None:
+    """The beat a worker embeds is a child process: a worker killed outright (SIGKILL, the OOM
+    killer) would leave it queueing the schedule with no worker of its own, and the worker's
+    restart would add a second beat — every periodic task twice. Linux ends it with its
+    parent."""
+    if not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0:
+        errno = ctypes.get_errno()
+        raise OSError(errno, f"prctl(PR_SET_PDEATHSIG): {os.strerror(errno)}")

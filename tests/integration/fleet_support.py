@@ -92,3 +92,15 @@ def kill_engine(provisioner: LocalProvisioner, name: str) -> int:
     pid = int(provisioner.running()[name].detail["pid"])
     os.killpg(pid, signal.SIGKILL)
     return pid
+
+
+def group_gone(pgid: int) -> bool:
+    """No process of the process group ``pgid`` is alive (zombies aside: reaped soon)."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return True
+    out = subprocess.run(
+        ["ps", "-o", "stat=", "-g", str(pgid)], capture_output=True, text=True, check=False
+    ).stdout.split()
+    return all(stat.startswith("Z") for stat in out)

@@ -13,6 +13,7 @@ embedded beat, on this test's Redis DB and PostgreSQL database) whose local prov
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import time
@@ -40,6 +41,7 @@ from tests.integration.control_plane_support import (
 from tests.integration.fleet_support import (  # noqa: F401
     REDIS_URL,
     engines,
+    group_gone,
     kill_engine,
     live,
     ps_engines,
@@ -216,6 +218,10 @@ def test_a_worker_killed_mid_pass_leaves_no_duplicates_and_no_orphans(
         worker.send_signal(signal.SIGKILL)  # mid-pass, at whatever it was doing
         worker.wait(10)
         procs.processes.remove(worker)
+        # Its embedded beat (a child process) goes with it, or it would queue the schedule
+        # forever and the next worker's beat would double it.
+        gone = functools.partial(group_gone, worker.pid)
+        wait_until(gone, 10, "the killed worker's beat gone", log)
     start_worker(procs, engines.engines_dir)
     wait_until(lambda: len(ready(dep)) == 3, 60, "three ready instances", log)
     time.sleep(2)  # a few more passes: nothing more may start
