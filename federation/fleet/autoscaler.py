@@ -13,11 +13,11 @@ A report is a snapshot (requests in flight at that instant), so the load is smoo
 (exponentially, ``smoothing_s``) before it is compared with the band: one busy instant does not
 add a replica that the cooldown then keeps for minutes.
 
-* Above the band (smoothed), or every slot taken right now (``panic``: the next requests
-  would queue and their time to first token grow): scale up at once, straight to the count
-  (a cold start takes minutes, waiting only makes the queue longer), within ``max_replicas``
-  and the pool's free GPUs; replicas already coming (pending, loading, warming) count, so a
-  load that persists while they warm does not start more.
+* Above the band (smoothed), or every slot (or the KV cache) taken right now (``panic``:
+  the next requests would queue and their time to first token grow): scale up at once,
+  straight to the count (a cold start takes minutes, waiting only makes the queue longer),
+  within ``max_replicas`` and the pool's free GPUs; replicas already coming (pending,
+  loading, warming) count, so a load that persists while they warm does not start more.
 * Below the band: scale down one replica at a time, and only once one has been spare (the
   others carry the load at the target) for ``down_window_s`` and no change was made for
   ``cooldown_s``; never while a replica is still coming. One replica fewer keeps the mean at
@@ -75,12 +75,17 @@ class ReplicaLoad:
     overflow: int = 0
 
 
-def replica_utilisation(load: ReplicaLoad) -> float:
-    """The highest of its concurrency, KV-cache and throughput pressure (1.0: saturated;
-    above 1 when requests queue)."""
+def replica_occupancy(load: ReplicaLoad) -> float:
+    """What it holds right now: the higher of its slots and its KV cache in use (1.0: the next
+    request waits; above 1 when requests queue)."""
     concurrency = (load.in_flight + load.queued + load.overflow) / max(1, load.max_concurrency)
+    return max(concurrency, min(1.0, max(0.0, load.kv_cache_usage)))
+
+
+def replica_utilisation(load: ReplicaLoad) -> float:
+    """The higher of its occupancy and its throughput pressure (1.0: saturated)."""
     throughput = load.tokens_per_s / load.full_tokens_per_s if load.full_tokens_per_s > 0 else 0.0
-    return max(concurrency, min(1.0, max(0.0, load.kv_cache_usage)), throughput)
+    return max(replica_occupancy(load), throughput)
 
 
 @dataclass(frozen=True, slots=True)
@@ -221,12 +226,15 @@ def _step(obs: DeploymentLoad, memory: Memory, *, now: float, policy: AutoscaleP
     seen = replace(memory, load=load, observed_at=now)
     count = len(obs.ready)
     mean = load / count
-    panic = instant / count >= policy.panic - _EPS
+    # Only what is held right now: a token rate is counted as requests end (a long stream's
+    # output lands in one heartbeat), so it goes through the smoothing, never straight up.
+    occupied = sum(replica_occupancy(r) for r in obs.ready)
+    panic = occupied / count >= policy.panic - _EPS
     if mean > policy.high + _EPS or panic:
-        needed = max(1, math.ceil(max(load, instant if panic else 0.0) / policy.target - _EPS))
+        needed = max(1, math.ceil(max(load, occupied if panic else 0.0) / policy.target - _EPS))
         wanted = _bounded(max(obs.desired, needed), obs)
         if wanted > obs.desired:
-            what = f"every slot busy ({instant / count:.0%})" if panic else f"{mean:.0%}"
+            what = f"every slot busy ({occupied / count:.0%})" if panic else f"{mean:.0%}"
             why = f"utilisation {what} above {policy.high:.0%}: {needed} replicas needed"
             return Decision(wanted, replace(seen, low_since=None, changed_at=now), mean, why)
         why = "above the band; " + (

@@ -127,10 +127,14 @@ def deployment_autoscale(
     line = ""
     if decision.changed(before):
         try:
-            _scale(deployment, decision)
+            changed_at = _scale(deployment, decision)
         except (ValidationError, Conflict) as exc:
             logger.warning("%s: autoscale to %s refused: %s", deployment, decision.desired, exc)
             return f"{deployment}: scale {before} -> {decision.desired} refused: {exc}"
+        # The cooldown runs from the recorded change, not from the start of this pass: the
+        # audit trail then never shows two changes closer than the cooldown.
+        memory = replace(decision.memory, changed_at=changed_at.timestamp())
+        decision = replace(decision, memory=memory)
         line = f"{deployment}: {before} -> {decision.desired} replicas ({decision.reason})"
     _remember(deployment, state, decision)
     return line
@@ -189,12 +193,13 @@ def _observe(deployment: Deployment, now: datetime, fresh_s: float) -> autoscale
 
 
 @transaction.atomic
-def _scale(deployment: Deployment, decision: autoscaler.Decision) -> None:
+def _scale(deployment: Deployment, decision: autoscaler.Decision) -> datetime:
+    """Set the count and audit it; when the change was recorded."""
     before = deployment.desired_replicas
     inventory.deployment_update(
         actor=None, deployment=deployment, data={"desired_replicas": decision.desired}
     )
-    audit_record(
+    event = audit_record(
         actor=None,
         action="fleet.autoscale",
         obj=deployment,
@@ -204,6 +209,7 @@ def _scale(deployment: Deployment, decision: autoscaler.Decision) -> None:
             "utilisation": None if decision.utilisation is None else round(decision.utilisation, 3),
         },
     )
+    return event.created_at
 
 
 def _remember(

@@ -86,6 +86,25 @@ def test_every_slot_busy_scales_up_at_once_without_waiting_for_the_smoothing() -
     assert d.desired == 4 and "every slot busy" in d.reason
 
 
+def test_a_burst_of_tokens_counted_as_streams_end_is_smoothed_not_a_panic() -> None:
+    """Edges count a stream's output when it ends: long streams ending together put a rate
+    above the replica's full throughput into one heartbeat. Half its slots are busy, so that
+    is not "every slot busy"; the burst goes through the smoothing like any rate."""
+    calm = deployment([load(in_flight=5)])
+    first = autoscale_step(calm, Memory(), now=0, policy=POLICY)
+    burst = autoscale_step(
+        deployment([load(in_flight=5, tps=1370)]), first.memory, now=1, policy=POLICY
+    )
+    assert burst.desired == 1 and "every slot busy" not in burst.reason
+    # Slots all taken (or the KV cache full) right now is a panic whatever the rate.
+    full = autoscale_step(deployment([load(in_flight=10)]), first.memory, now=1, policy=POLICY)
+    kv_full = autoscale_step(
+        deployment([load(in_flight=3, kv=1.0)]), first.memory, now=1, policy=POLICY
+    )
+    assert full.desired == kv_full.desired == 2
+    assert "every slot busy" in full.reason and "every slot busy" in kv_full.reason
+
+
 def test_requests_spilled_for_want_of_a_slot_count_as_busy_slots() -> None:
     """A region whose edges send what does not fit to other regions is full, not at 75 %: the
     overflow its edges report makes every slot busy, so it scales up at once."""
