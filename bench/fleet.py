@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import json
 import shutil
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -31,6 +32,8 @@ class Engines:
     procs: list[Process]
     ports: list[int]
     model: str
+    #: Each engine's KV-event publisher (``tcp://127.0.0.1:port``), when they publish.
+    kv_events: list[str] | None = None
 
     @property
     def urls(self) -> list[str]:
@@ -57,25 +60,39 @@ def start_engines(
     cpus: set[int] | None = None,
     name: str = "engines",
     process_each: bool = False,
+    kv_events: bool = False,
 ) -> Engines:
     """``count`` simulated engines on consecutive ports, in one ``engine-sim`` process or, with
     ``process_each``, one process each (``<name>0``, ``<name>1``, ...): the same engines and
-    timing model, but a busy engine's event loop no longer delays the others' steps."""
+    timing model, but a busy engine's event loop no longer delays the others' steps.
+    ``kv_events``: each publishes its KV-cache events (ZMQ, vLLM's format) on a port of its own."""
     ports = free_ports(count)
+    # Consecutive, like ``ports``: one process publishes engine i's events on the first + i.
+    event_ports = free_ports(count) if kv_events else []
     common = ["--model", model, *(extra or [])]
+
+    def events(i: int) -> list[str]:
+        if not kv_events:
+            return []
+        endpoint = f"tcp://*:{event_ports[i]}"
+        config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint}
+        return ["--kv-events-config", json.dumps(config)]
+
     if process_each:
         procs = [
-            pg.start(f"{name}{i}", fedinfer_argv("engine-sim", "--port", str(p), *common),
+            pg.start(f"{name}{i}",
+                     fedinfer_argv("engine-sim", "--port", str(p), *common, *events(i)),
                      cpus=cpus)
             for i, p in enumerate(ports)
         ]  # fmt: skip
     else:
         argv = fedinfer_argv("engine-sim", "--count", str(count), "--port", str(ports[0]), *common)
-        procs = [pg.start(name, argv, cpus=cpus)]
+        procs = [pg.start(name, [*argv, *events(0)], cpus=cpus)]
     for i, p in enumerate(ports):
         watch = procs[i] if process_each else procs[0]
         wait_http(f"http://127.0.0.1:{p}/health", watch=watch, timeout=60, ready=http_ok)
-    return Engines(procs, ports, model)
+    endpoints = [f"tcp://127.0.0.1:{p}" for p in event_ports] if kv_events else None
+    return Engines(procs, ports, model, endpoints)
 
 
 def write_table(
@@ -108,6 +125,7 @@ def write_table(
                 tp=tp,
                 max_concurrency=max_concurrency,
                 prefill_tokens_per_s=prefill_tokens_per_s,
+                kv_events_endpoint=engines.kv_events[i] if engines.kv_events else None,
             )
             for i, url in enumerate(engines.urls)
         ),

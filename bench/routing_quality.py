@@ -68,6 +68,7 @@ from bench.report import percentile, utc_now, write_result
 from bench.routing_report import MISCALIBRATED, render, targets
 from bench.workload import Workload, WorkloadSpec, generate
 from regions.engines.metrics import EngineLoad, parse_vllm_metrics
+from regions.engines.simulator.bench_tokenizer import build
 from regions.supervisor import Process, Supervisor
 
 POLICIES = (
@@ -120,11 +121,21 @@ class Config:
     #: as the routing-table schema documents it.
     edge_cap: int = 0
     extra_engine_args: tuple[str, ...] = ()
+    #: The bench model's tokenizer directory (``bench_tokenizer``): the engines tokenize with
+    #: it, hash blocks as vLLM's ``sha256_cbor`` and publish KV events; the edges tokenize with
+    #: it and learn what every engine holds from those events (exact prefix knowledge, one view
+    #: for several edges). Empty: the simulator's built-in tokenizer, the edges' byte estimate.
+    tokenizer: str = ""
 
     def engine_args(self) -> list[str]:
         args = ["--accelerator", self.accelerator, "--tp", str(self.tp), "--seed", str(self.seed)]
         args += ["--max-num-seqs", str(self.max_num_seqs), *self.extra_engine_args]
+        if self.tokenizer:
+            args += ["--tokenizer", self.tokenizer, "--prefix-caching-hash-algo", "sha256_cbor"]
         return args
+
+    def edge_args(self) -> list[str]:
+        return ["--tokenizer", f"{self.model}={self.tokenizer}"] if self.tokenizer else []
 
 
 def base_spec(cfg: Config, sc: Scenario) -> WorkloadSpec:
@@ -136,6 +147,7 @@ def base_spec(cfg: Config, sc: Scenario) -> WorkloadSpec:
         popularity=sc.popularity,  # type: ignore[arg-type]
         zipf_s=sc.zipf_s,
         think_time_mean_s=cfg.think_time_mean_s,
+        vocabulary="simulator" if cfg.tokenizer else "letters",
     )
 
 
@@ -293,6 +305,7 @@ def _start_engines(pg: Supervisor, cfg: Config) -> Engines:
         extra=cfg.engine_args(),
         cpus=ENGINE_CPUS,
         process_each=True,
+        kv_events=bool(cfg.tokenizer),
     )
 
 
@@ -365,9 +378,11 @@ def run_policy(
             edge_policy = policy if policy in ("round_robin", "least_loaded") else "fedinfer"
             edges = [
                 start_edge(pg, table, policy=edge_policy, cpus=EDGE_CPUS, model=cfg.model,
-                           name=f"edge{k}", admits=True)
+                           name=f"edge{k}", admits=True, extra=cfg.edge_args())
                 for k in range(n_edges)
             ]  # fmt: skip
+            if cfg.tokenizer:
+                time.sleep(1.0)  # the edges' SUB sockets join before the engines' first event
             key = (("Authorization", f"Bearer {routing_edges.BENCH_KEY}"),)
             urls = tuple(url for _, url, _ in edges)
             if policy == routing_edges.IDLE_EDGES:
@@ -582,6 +597,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--repeat", type=int, default=1, help="runs of every seed's workload")
     ap.add_argument("--edge-cap", type=int, default=0, help="table max_concurrency (0: seqs)")
     ap.add_argument("--engine-arg", action="append", default=[], help="extra engine-sim flag")
+    ap.add_argument(
+        "--exact-prefix",
+        action="store_true",
+        help="engines and edges on the bench model's real tokenizer, engines publishing KV "
+        "events: the edges' exact prefix knowledge instead of the byte estimate",
+    )
     a = ap.parse_args(argv)
     if not 5 <= a.duration <= 300 or not 0 <= a.warmup < a.duration:
         ap.error("--duration must be 5..300 s and --warmup below it")
@@ -597,6 +618,7 @@ def main(argv: list[str] | None = None) -> None:
         calibrate_s=a.calibrate,
         edge_cap=a.edge_cap,
         extra_engine_args=tuple(a.engine_arg),
+        tokenizer=str(build(VAR / "bench-tokenizer")) if a.exact_prefix else "",
     )
     scen = tuple(s for s in SCENARIOS if s.name in a.scenarios.split(","))
     pols = tuple(p for p in a.policies.split(",") if p in (*POLICIES, routing_edges.IDLE_EDGES))

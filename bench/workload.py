@@ -12,7 +12,9 @@ Text is built from a seeded vocabulary of 3-letter words followed by a space: 4 
 the documented 4 bytes per token of the edge and the simulator, so "tokens" here are words and
 the sizes below are token counts. Assistant turns in the history are generated here too, not
 taken from the engines' answers: the exact same requests are sent to every routing policy, so
-policies are compared on identical input.
+policies are compared on identical input. With ``vocabulary="simulator"`` the words are the
+simulator's own (``regions.engines.simulator.tokenizer``), each one token of the bench model's
+real tokenizer (``bench_tokenizer``): the workload for the edges' exact prefix path.
 
 Everything is a pure function of :class:`WorkloadSpec` (its ``seed`` included): the same spec
 gives the same workload, byte for byte.
@@ -26,6 +28,8 @@ import random
 from dataclasses import dataclass, field
 from itertools import accumulate
 from typing import Literal
+
+from regions.engines.simulator.tokenizer import _WORDS
 
 __all__ = [
     "Session",
@@ -60,6 +64,9 @@ class WorkloadSpec:
     user_tokens: tuple[int, int] = (40, 160)
     reply_tokens: tuple[int, int] = (20, 60)
     think_time_mean_s: float = 1.0
+    #: "letters": random 3-letter words (4 bytes a token, the byte estimate's rate);
+    #: "simulator": the simulator's words, one token each of its bench tokenizer.
+    vocabulary: Literal["letters", "simulator"] = "letters"
 
     def __post_init__(self) -> None:
         if self.session_rate <= 0 or self.duration_s <= 0:
@@ -72,6 +79,8 @@ class WorkloadSpec:
             lo, hi = getattr(self, name)
             if not 1 <= lo <= hi:
                 raise ValueError(f"{name} must be 1 <= low <= high, got {(lo, hi)}")
+        if self.vocabulary not in ("letters", "simulator"):
+            raise ValueError(f"unknown vocabulary {self.vocabulary!r}")
         if self.popularity not in ("uniform", "zipf"):
             raise ValueError(f"unknown popularity {self.popularity!r}")
 
@@ -135,8 +144,10 @@ class Workload:
         return sum(len(m["content"]) // BYTES_PER_TOKEN for m in self.messages(session, turn))
 
 
-def _text(rng: random.Random, n_tokens: int) -> str:
+def _text(rng: random.Random, n_tokens: int, vocabulary: str = "letters") -> str:
     choice = rng.choice
+    if vocabulary == "simulator":
+        return "".join(choice(_WORDS) + " " for _ in range(n_tokens))
     return "".join(
         choice(_LETTERS) + choice(_LETTERS) + choice(_LETTERS) + " " for _ in range(n_tokens)
     )
@@ -167,7 +178,8 @@ def generate(spec: WorkloadSpec) -> Workload:
     session_rng = random.Random(f"{spec.seed}:sessions")
 
     system_prompts = tuple(
-        f"[assistant {k}] " + _text(text_rng, text_rng.randint(*spec.system_tokens))
+        f"[assistant {k}] "
+        + _text(text_rng, text_rng.randint(*spec.system_tokens), spec.vocabulary)
         for k in range(spec.n_system_prompts)
     )
     if spec.popularity == "zipf":
@@ -188,8 +200,10 @@ def generate(spec: WorkloadSpec) -> Workload:
             n_reply = session_rng.randint(*spec.reply_tokens)
             turns.append(
                 Turn(
-                    user=_text(session_rng, session_rng.randint(*spec.user_tokens)),
-                    reply=_text(session_rng, n_reply).rstrip(),
+                    user=_text(
+                        session_rng, session_rng.randint(*spec.user_tokens), spec.vocabulary
+                    ),
+                    reply=_text(session_rng, n_reply, spec.vocabulary).rstrip(),
                     max_tokens=n_reply,
                     think_s=session_rng.expovariate(1.0 / spec.think_time_mean_s)
                     if spec.think_time_mean_s > 0

@@ -6,6 +6,7 @@ import random
 import statistics
 from collections import Counter
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -132,3 +133,22 @@ def test_a_fixed_session_count_is_the_same_for_every_seed() -> None:
     # Uniform over the window: each half holds about half (binomial sd ~5.5; 4 sd).
     assert abs(sum(1 for t in starts if t < SPEC.duration_s / 2) - 60) < 22
     assert generate(spec) == a
+
+
+def test_the_simulator_vocabulary_is_one_bench_tokenizer_token_a_word(tmp_path: Path) -> None:
+    """The exact-prefix bench sends the simulator's words: the bench model's real tokenizer
+    makes each one token, so prompts keep the sizes the spec names."""
+    from tokenizers import Tokenizer
+
+    from regions.engines.simulator.bench_tokenizer import build
+
+    tokenizer = Tokenizer.from_file(str(build(tmp_path) / "tokenizer.json"))
+    workload = generate(replace(SPEC, vocabulary="simulator"))
+    system = workload.system_prompts[0].split("] ", 1)[1]
+    words = len(system.split())
+    assert SPEC.system_tokens[0] <= words <= SPEC.system_tokens[1]
+    assert words <= len(tokenizer.encode(system).ids) <= words * 1.05
+    letters = generate(SPEC).system_prompts[0].split("] ", 1)[1]
+    assert len(tokenizer.encode(letters).ids) > 2 * len(letters.split())  # why it exists
+    with pytest.raises(ValueError, match="vocabulary"):
+        WorkloadSpec(vocabulary="greek")  # type: ignore[arg-type]
