@@ -27,12 +27,13 @@ it to the same place unless another instance is clearly sooner.
 
 A new session's first turn also commits its later turns (they stick to its instance), which
 the expected TTFT of this one request does not see: an instance with free seats looks only a
-step slower however full it is. So a new session never goes to an instance whose load
+step slower however full it is. So a new session avoids an instance whose load
 (``busy / max_concurrency``) is more than ``balance_abs`` above the least loaded one's *and*
 more than ``balance_rel`` times it (SGLang's cache-aware router bounds imbalance with the same
 pair of thresholds, in requests) *and* above ``balance_floor`` (below it the seats outlast the
 session's turns); among the others the rules above apply, and a home beyond the bound is left
-(``session_yield``).
+(``session_yield``). The bound itself is left (``balance_escape``) when the wait in line at
+the best instance in bound is longer than the best expected TTFT overall.
 """
 
 from __future__ import annotations
@@ -141,6 +142,7 @@ class Decision:
 
     Reasons with a winner: ``best_ttft``, ``session``, ``session_yield`` (the session's
     instance was overloaded, or a new session's home beyond the balance bound),
+    ``balance_escape`` (a new session left the bound: the line in bound was too long),
     ``round_robin``, ``least_loaded``. Without: ``unknown_model``,
     ``no_healthy_instance``, ``saturated`` (healthy instances exist but all are at their cap:
     the caller may queue and retry).
@@ -248,11 +250,12 @@ def _best_ttft(scored: list[Scored], req: RouteRequest, cfg: SchedulerConfig) ->
     instances within the balance bound (:func:`_balanced`)."""
     sticky, factor = req.sticky, cfg.affinity_factor
     pool = scored
+    escaped = False
     if sticky is None and req.session is not None:
         # Not placed by this edge yet: its home, the same at every edge, unless another
         # instance is sooner by more than the margin (a first turn pays no more than that).
         sticky, factor = home(req.session, [s.instance for s in scored]), 1.0
-        pool = _balanced(scored, cfg)
+        pool, escaped = _balanced(scored, cfg)
     # Strict "<" over a rotated order: ties go round robin instead of to a fixed instance.
     best_i = 0
     for k in range(1, len(pool)):
@@ -262,20 +265,32 @@ def _best_ttft(scored: list[Scored], req: RouteRequest, cfg: SchedulerConfig) ->
     if sticky is not None and sticky != best.instance:
         for s in scored:
             if s.instance == sticky:
-                if s in pool and s.ttft_s <= best.ttft_s * factor + cfg.affinity_margin_s:
+                in_pool = pool is scored or any(p is s for p in pool)
+                if in_pool and s.ttft_s <= best.ttft_s * factor + cfg.affinity_margin_s:
                     return Decision(s, best, "session")
-                return Decision(best, s, "session_yield")
+                return Decision(best, s, "balance_escape" if escaped else "session_yield")
     reason = "session" if sticky == best.instance else "best_ttft"
     return Decision(best, _best([s for s in scored if s is not best]), reason)
 
 
-def _balanced(scored: list[Scored], cfg: SchedulerConfig) -> list[Scored]:
+def _balanced(scored: list[Scored], cfg: SchedulerConfig) -> tuple[list[Scored], bool]:
     """The instances a new session may go to: all but those loaded more than ``balance_abs``
     above the least loaded one, more than ``balance_rel`` times its load and more than
-    ``balance_floor`` (never empty)."""
+    ``balance_floor`` (never empty); and whether the bound was left.
+
+    The bound counts seats, not the prefill work queued for them: a burst of new sessions
+    fills the least loaded instance's line with cold prefills while its seats are still
+    free. When the wait in that line alone (the best in bound's ``queue_s``) is longer than
+    the whole expected TTFT elsewhere, the bound is left: every instance may take it."""
     low = min(s.load for s in scored)
     bound = max(low + cfg.balance_abs, low * cfg.balance_rel, cfg.balance_floor)
-    return [s for s in scored if s.load <= bound]
+    pool = [s for s in scored if s.load <= bound]
+    if len(pool) == len(scored):
+        return scored, False
+    in_bound, overall = _best(pool), _best(scored)
+    if in_bound is not None and overall is not None and in_bound.queue_s > overall.ttft_s:
+        return scored, True
+    return pool, False
 
 
 def _best(scored: Sequence[Scored]) -> Scored | None:

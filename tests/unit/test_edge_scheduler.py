@@ -247,6 +247,33 @@ def test_a_new_session_stays_off_a_hot_prefix_holder_far_busier_than_the_rest() 
     assert d.winner is not None and d.winner.instance == "holder"
 
 
+def test_a_new_session_leaves_the_bound_when_the_line_in_bound_is_longer_than_a_first_token() -> (
+    None
+):
+    """The skewed case's bad runs: a burst of new sessions all went to the least loaded
+    instance (the only one in bound) and queued cold prefills there while the prompt's holders,
+    beyond the bound, would have answered sooner. When the wait in the bounded line alone is
+    longer than the whole expected TTFT elsewhere, the session leaves the bound."""
+    names = ["a", "b", "c"]
+    key = next(k for k in range(1000) if home(k, [*names, "holder"]) == "b")
+    holder = cand("holder", max_concurrency=16, outstanding=13, cached_blocks=237)
+    full = [cand(n, max_concurrency=16, outstanding=13) for n in ("a", "c")]
+    # b: 4 of 16 seats, but 6,000 prefill tokens already sent to it (0.6 s at 10k tok/s).
+    lined = cand("b", max_concurrency=16, outstanding=4, pending_tokens=6000.0)
+    d = decide([holder, *full, lined], req(session=key), CFG)
+    assert d.winner is not None and d.winner.instance == "holder"
+    assert d.reason == "balance_escape" and d.runner_up is not None
+    assert d.winner.ttft_s < score(lined, req(), CFG).queue_s
+    # Equivalently: in bound it would be slower by more than its own cold prefill.
+    cold = score(lined, req(), CFG)
+    assert cold.ttft_s - d.winner.ttft_s > cold.prefill_s
+    # A short line (300 tokens: 30 ms, under the holder's 56 ms first token): the bound
+    # holds, the home takes it cold.
+    short = dataclasses.replace(lined, pending_tokens=300.0)
+    d = decide([holder, *full, short], req(session=key), CFG)
+    assert d.winner is not None and d.winner.instance == "b" and d.reason == "session"
+
+
 def test_session_on_an_ejected_or_capped_instance_moves() -> None:
     for gone in (cand("sticky", healthy=False), cand("sticky", inflight=8)):
         d = decide([gone, cand("idle")], req(sticky="sticky"), CFG)
