@@ -29,6 +29,11 @@ Per scenario:
    round-robin balancer, then one tenant sent over its rate limit through all of them
    (``bench/routing_edges.py``).
 
+With ``--exact-prefix`` every process runs on the bench model's real tokenizer: the engines
+hash blocks as vLLM's ``sha256_cbor`` and publish KV events, the edges tokenize each prompt and
+learn what every engine holds from those events (one view for several edges, the issue's
+design), and the workload is written in the simulator's words (one token each).
+
 Scenario ``skewed-90`` (4 engines, the top system prompt in over half of the sessions, 90 %
 load, fedinfer against the session-hash oracle) runs once per seed, 1, 2 and 3 by default,
 and is also judged across its runs; alone: ``python -m bench routing --scenario skewed-90``.
@@ -40,7 +45,7 @@ completed requests/s and output tokens/s in the window, prefix-cache hit rate fr
 the client's event-loop lag (so a starved client shows instead of skewing TTFT).
 
     .venv/bin/python -m bench.routing_quality [--duration 36] [--warmup 12] [--seed 1]
-        [--scenario skewed-90] [--seeds 1,2,3] [--repeat 3]
+        [--scenario skewed-90] [--seeds 1,2,3] [--repeat 3] [--exact-prefix]
 """
 
 from __future__ import annotations

@@ -59,6 +59,8 @@ def render(out: dict[str, Any]) -> str:
         f"machine: nproc={m['nproc']} {m['cpu_model']}; load avg before "
         f"{'/'.join(f'{x:.2f}' for x in m['loadavg'])}, after "
         f"{'/'.join(f'{x:.2f}' for x in out['machine_after']['loadavg'])}; git {out['git']}",
+        "prefix knowledge: "
+        + ("exact (tokenizer + KV events)" if out["config"].get("tokenizer") else "byte estimate"),
     ]
     header = ["policy", "TTFT mean ms", "p50 ms", "p99 ms", "p99 incl. failures ms", "req/s",
               "out tok/s", "hit rate", "max engine share", "errors/sent"]  # fmt: skip
