@@ -81,8 +81,12 @@ test-vllm: $(STAMP) vllm-env
 bench-overhead: $(STAMP)
 	$(BIN)/python -m bench overhead
 
+## bench-routing also runs the several-edges cases on the exact path (tokenizer + KV events),
+## the one view the edges share in production.
 bench-routing: $(STAMP)
 	$(BIN)/python -m bench routing
+	$(BIN)/python -m bench routing --exact-prefix --scenario uniform-60,zipf-90 \
+	  --policies fedinfer,fedinfer-2edges,fedinfer-3edges
 
 ## make bench-federation: table propagation and evacuation on the real control plane
 ## (PostgreSQL DATABASE_URL, Redis REDIS_URL whose DB it flushes; docs/benchmarks.md)
