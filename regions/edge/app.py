@@ -40,6 +40,7 @@ from regions.edge.kv_events import KvEventHub
 from regions.edge.load import LoadBoard, SpeedCollector, scrape_loop
 from regions.edge.metering import Meter, UsageCollector
 from regions.edge.observability import EdgeMetrics
+from regions.edge.peer_load import PeerLoads, PeerSync, peer_id
 from regions.edge.placement import Placement
 from regions.edge.prefix_index import PrefixIndex
 from regions.edge.record import CLIENT_GONE, Recorder
@@ -160,6 +161,16 @@ class Edge:
         #: The admit stage, behind the request's trace when tracing is on (no cost when off).
         self.admit_stage: AdmitStage = (
             self.admit if self.tracer is None else self.tracer.admitting(self.admit)
+        )
+        self.peer_sync = (
+            PeerSync(
+                cfg.peer_redis_url,
+                cfg.region,
+                PeerLoads(self.loads, peer_id(cfg.name), self._peer_rate, self._peer_freed),
+                self.metrics.registry,
+            )
+            if cfg.peer_redis_url
+            else None
         )
         self._apply_table(table)
         self.sync = TableSync(cfg.sync, cfg.region, self) if cfg.sync is not None else None
@@ -316,6 +327,14 @@ class Edge:
         except OSError:
             self._table_stamp = None
 
+    def _peer_rate(self, instance: str) -> float:
+        return self.prefill_rates.get(instance, 0.0) * self.loads.get(instance).speed
+
+    def _peer_freed(self, instance: str) -> None:
+        inst = self.instances.get(instance)
+        if inst is not None:
+            self.lines.wake(inst)
+
     async def _watch_table(self) -> None:
         while True:
             await asyncio.sleep(self.cfg.table_poll_s)
@@ -359,6 +378,8 @@ class Edge:
             ),
         ]
         self.kv_events.start()
+        if self.peer_sync is not None:
+            self.peer_sync.start()
         if self.meter is not None:
             await self.meter.start()
         if self.sync is not None:
@@ -381,6 +402,8 @@ class Edge:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks = []
         await self.kv_events.stop()
+        if self.peer_sync is not None:
+            await self.peer_sync.stop()
         if self.placement.tokens is not None:
             self.placement.tokens.close()
         if self.meter is not None:
@@ -474,6 +497,7 @@ class Edge:
                 "healthy": health is not None and health.healthy,
                 "reason": health.reason if health is not None else "",
                 "inflight": load.inflight,
+                "peer_inflight": load.peer_inflight,
                 "outstanding": outstanding,
                 "waiting": waiting,
                 "kv_cache_usage": kv,

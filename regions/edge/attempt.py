@@ -51,6 +51,7 @@ class Attempt:
         self.load.tokens += prompt_tokens
         inflight = attempts.inflight
         inflight[inst.id] = inflight.get(inst.id, 0) + 1
+        attempts.loads.changed()
         #: The instance saw the request (its time counts as service time).
         self.reached = True
         self.started = 0.0
@@ -65,6 +66,7 @@ class Attempt:
         else:
             self.load.release()
         self.attempts.inflight[self.inst.id] -= 1
+        self.attempts.loads.changed()
         self.attempts.lines.wake(self.inst)
 
     def failed(self, failure: UpstreamFailure) -> None:

@@ -128,6 +128,13 @@ def _routing_flags(p: argparse.ArgumentParser) -> None:
     """The scheduler, the gateway queue, retries, spill-over and P/D."""
     p.add_argument("--policy", choices=POLICIES, default=_SCHEDULER.policy)
     p.add_argument(
+        "--peer-redis-url",
+        default=os.environ.get("FEDINFER_PEER_REDIS_URL"),
+        help="share live load with the region's other edges over this Redis's pub/sub "
+        "(default: $FEDINFER_PEER_REDIS_URL; without one, the others' requests are seen only in "
+        "the engines' scraped /metrics)",
+    )
+    p.add_argument(
         "--learn-speeds",
         action=argparse.BooleanOptionalAction,
         default=_EDGE.learn_speeds,
@@ -427,6 +434,7 @@ def config_from_args(opts: argparse.Namespace) -> EdgeConfig:
         spill_margin_s=opts.spill_margin_ms / 1000.0,
         split_margin_s=opts.split_margin_ms / 1000.0,
         learn_speeds=opts.learn_speeds,
+        peer_redis_url=opts.peer_redis_url or None,
         metering=_metering_from_args(opts, sync),
         tracing=tracing_from_args(opts),
         tenant_series=_tenant_series(opts.tenant_series),

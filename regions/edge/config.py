@@ -84,6 +84,9 @@ class EdgeConfig:
     retry_after_s: int = 1
     #: Control-plane mode (``--control-plane``): table sync and heartbeats.
     sync: SyncConfig | None = None
+    #: The region's Redis, where its edges share their live load (``peer_load.py``); None:
+    #: this edge sees the others' requests only in the engines' scraped ``/metrics``.
+    peer_redis_url: str | None = None
     #: Seconds of a tenant's rate a token bucket holds (burst), see admission.py.
     rate_burst_s: float = 2.0
     #: Keys that sign and verify forwarded requests (hop.py): a verified hop is not charged

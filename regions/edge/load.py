@@ -1,11 +1,14 @@
 """Live load per instance: the edge's own in-flight counts (exact, updated instantly) merged
 with each engine's ``/metrics`` (every edge's traffic, but up to a scrape interval old).
 
-``outstanding`` = the engine's running + waiting at the last scrape, plus the requests this
-edge sent since that scrape and minus those it finished, never below this edge's own in-flight
-count. An old scrape (engine too busy to answer) keeps the engine's last known load.
-``pending_tokens``: the uncached prompt tokens this edge sent, drained at the engine's prefill
-rate — the prefill work the engine probably still has ahead of a new request.
+``outstanding`` = the engine's running + waiting at the last scrape, plus the requests sent
+since that scrape and minus those finished, never below the requests known in flight. An old
+scrape (engine too busy to answer) keeps the engine's last known load.
+``pending_tokens``: the uncached prompt tokens sent, drained at the engine's prefill rate — the
+prefill work the engine probably still has ahead of a new request.
+
+"Sent" is this edge's own requests, and with peer sync (``peer_load.py``) the other edges' of
+the region too, as they publish them: the same counters take both.
 """
 
 from __future__ import annotations
@@ -29,21 +32,32 @@ class InstanceLoad:
 
     __slots__ = (
         "admitted_since_scrape",
+        "ended_total",
         "engine",
         "finished_since_scrape",
         "inflight",
         "learned_speed",
         "mean_service_s",
         "mean_uncached_tokens",
+        "peer_inflight",
         "pending_at",
         "pending_tokens",
         "scraped_at",
+        "sent_total",
         "speed",
         "tokens",
+        "uncached_total",
     )
 
     def __init__(self) -> None:
+        #: This edge's requests in flight here (exact), and the other edges' as they published.
         self.inflight = 0
+        self.peer_inflight = 0
+        #: This edge's running totals, published to its peers (``peer_load.py``): requests
+        #: sent and ended, uncached prompt tokens sent.
+        self.sent_total = 0
+        self.ended_total = 0
+        self.uncached_total = 0
         self.engine: EngineLoad | None = None
         self.scraped_at = 0.0
         self.admitted_since_scrape = 0
@@ -75,20 +89,34 @@ class InstanceLoad:
         """Count a request sent; call right after :meth:`pending` (same instant, no await)."""
         self.inflight += 1
         self.admitted_since_scrape += 1
+        self.sent_total += 1
+        self.uncached_total += uncached_tokens
         self.mean_uncached_tokens += 0.1 * (uncached_tokens - self.mean_uncached_tokens)
         self.pending_tokens += uncached_tokens
 
     def finish(self, duration_s: float) -> None:
         self.inflight -= 1
         self.finished_since_scrape += 1
+        self.ended_total += 1
         self.mean_service_s += 0.1 * (duration_s - self.mean_service_s)
-        if self.inflight <= 0:
+        if self.inflight + self.peer_inflight <= 0:
             self.pending_tokens = 0.0  # everything sent has finished, so it was prefilled
 
     def release(self) -> None:
         """Undo an admission that never reached the engine (connect failure)."""
         self.inflight -= 1
         self.admitted_since_scrape -= 1
+        self.ended_total += 1  # peers' totals only grow (a drop means a restarted edge)
+
+    def peers_sent(self, sent: int, ended: int, uncached: int, now: float, rate: float) -> None:
+        """Count what another edge sent here and saw end since its last report."""
+        self.admitted_since_scrape += sent
+        self.finished_since_scrape += ended
+        if uncached:
+            self.pending(now, rate)  # drain up to now first: these tokens were just queued
+            self.pending_tokens += uncached
+        if self.inflight + self.peer_inflight <= 0:
+            self.pending_tokens = 0.0
 
     def scraped(self, engine: EngineLoad, now: float) -> None:
         self.engine = engine
@@ -104,13 +132,14 @@ class InstanceLoad:
         edge itself sent or saw finish since is added or taken off (a dead engine is ejected
         by health checks, not by this number)."""
         engine = self.engine
+        known = self.inflight + self.peer_inflight
         if engine is None:
-            return self.inflight, 0, 0.0
+            return known, 0, 0.0
         delta = self.admitted_since_scrape - self.finished_since_scrape
         total = engine.num_requests_running + engine.num_requests_waiting + delta
         # Requests sent since the scrape are not counted as waiting here: their prefill work is
         # in ``pending_tokens`` with its real size (an engine with free seats runs them at once).
-        return max(self.inflight, total), engine.num_requests_waiting, engine.kv_cache_usage_perc
+        return max(known, total), engine.num_requests_waiting, engine.kv_cache_usage_perc
 
 
 class LoadBoard:
@@ -124,6 +153,13 @@ class LoadBoard:
     def __init__(self, scrape_timeout_s: float = 2.0) -> None:
         self.loads: dict[str, InstanceLoad] = {}
         self.scrape_timeout_s = scrape_timeout_s
+        #: Called when this edge sends or ends a request (peer sync publishes soon after).
+        self.on_change: Callable[[], None] | None = None
+
+    def changed(self) -> None:
+        hook = self.on_change
+        if hook is not None:
+            hook()
 
     def sync(self, ids: list[str]) -> None:
         self.loads = {i: self.loads.get(i) or InstanceLoad() for i in ids}

@@ -155,7 +155,7 @@ class Placement:
                     healthy=health is not None and health.healthy,
                     max_concurrency=inst.max_concurrency,
                     prefill_tokens_per_s=rate,
-                    inflight=load.inflight,
+                    inflight=load.inflight + load.peer_inflight,
                     outstanding=outstanding,
                     waiting=waiting,
                     kv_usage=kv,

@@ -1,0 +1,286 @@
+"""Live load shared by a region's edges: each publishes what it sends to every instance, and
+each adds what the others sent to its own counts (``load.py``).
+
+Why: an edge counts its own requests the instant it sends them, but another edge's only at the
+next scrape of the engine's ``/metrics`` (every 0.5 s). At ~90 % load, two or three edges behind
+a per-request balancer then send bursts to the instance that looked free, and queue at their
+gateways for slots already freed elsewhere (``docs/benchmarks.md`` §2). Dynamo's KV router
+replicas share their in-flight requests the same way, beside the KV events that already give
+every edge the same prefix view.
+
+What crosses, per instance: this edge's running totals of requests sent and ended and of
+uncached prompt tokens sent, and its requests in flight. Totals make a lost or late message
+harmless (the next one carries the difference); in-flight counts are replaced, not added. A
+peer silent for :data:`EXPIRE_S` is dropped (its in-flight no longer counted) and the scrapes
+alone carry its load again, as with Redis away; ``fedinfer_edge_peers`` shows how many are
+counted. Transport: the region's Redis, pub/sub channel ``fedinfer:edge-load:<region>``.
+
+:class:`PeerLoads` is the pure part (messages in, counts out); :class:`PeerSync` its I/O.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import secrets
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+import redis
+import redis.asyncio as aioredis
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from regions.edge.load import LoadBoard
+
+log = logging.getLogger("fedinfer.edge.peers")
+
+#: At most one message per this many seconds (a burst of requests is one message).
+MIN_INTERVAL_S = 0.005
+#: A message at least this often, so silence means a peer is gone.
+HEARTBEAT_S = 0.25
+#: A peer not heard from for this long is no longer counted.
+EXPIRE_S = 1.0
+#: Larger messages are refused unread (a table holds at most a few hundred instances).
+MAX_MESSAGE_BYTES = 256 * 1024
+#: Reconnect backoff while Redis is away.
+RETRY_S = (0.2, 5.0)
+
+#: One instance's counts in a message: sent, ended, uncached tokens sent, in flight.
+Counts = tuple[int, int, int, int]
+
+
+def channel(region: str) -> str:
+    return f"fedinfer:edge-load:{region}"
+
+
+def encode(peer: str, board: LoadBoard) -> bytes:
+    """This edge's totals for every instance it has sent to."""
+    counts = {
+        inst: (load.sent_total, load.ended_total, load.uncached_total, load.inflight)
+        for inst, load in board.loads.items()
+        if load.sent_total
+    }
+    return orjson.dumps({"p": peer, "i": counts})
+
+
+def decode(data: bytes) -> tuple[str, dict[str, Counts]] | None:
+    """(peer, instance → counts), or None for anything malformed."""
+    if len(data) > MAX_MESSAGE_BYTES:
+        return None
+    try:
+        doc = orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return None
+    if not isinstance(doc, dict):
+        return None
+    peer, body = doc.get("p"), doc.get("i")
+    if not isinstance(peer, str) or not 0 < len(peer) <= 128 or not isinstance(body, dict):
+        return None
+    out: dict[str, Counts] = {}
+    for inst, counts in body.items():
+        if (
+            not isinstance(counts, list)
+            or len(counts) != 4
+            or not all(type(n) is int and n >= 0 for n in counts)
+        ):
+            return None
+        out[inst] = (counts[0], counts[1], counts[2], counts[3])
+    return peer, out
+
+
+@dataclass(slots=True)
+class Peer:
+    seen_at: float
+    counts: dict[str, Counts] = field(default_factory=dict)
+
+
+class PeerLoads:
+    """The other edges' last reports, folded into the load board.
+
+    ``rate_of(instance)``: its prefill tokens/s as the scheduler uses it (drains the pending
+    prefill); ``on_freed(instance)``: a peer's request there ended (wakes a gateway waiter).
+    """
+
+    def __init__(
+        self,
+        board: LoadBoard,
+        me: str,
+        rate_of: Callable[[str], float],
+        on_freed: Callable[[str], None],
+    ) -> None:
+        self.board = board
+        self.me = me
+        self.rate_of = rate_of
+        self.on_freed = on_freed
+        self.peers: dict[str, Peer] = {}
+
+    def apply(self, peer_id: str, counts: Mapping[str, Counts], now: float) -> None:
+        """A peer's report: add what it sent and ended since its last one, take its in-flight."""
+        if peer_id == self.me:
+            return
+        peer = self.peers.get(peer_id)
+        if peer is None:
+            # Unknown (new, or expired and back): its totals so far are the baseline; what they
+            # covered is in the engines' next scrape already.
+            self.peers[peer_id] = Peer(now, dict(counts))
+            self._recount(counts)
+            return
+        peer.seen_at = now
+        old = peer.counts
+        peer.counts = dict(counts)
+        self._recount(counts.keys() | old.keys())  # first: the pending rule reads in-flight
+        loads = self.board.loads
+        for inst, (sent, ended, uncached, _) in counts.items():
+            load = loads.get(inst)
+            before = old.get(inst)
+            if load is None or before is None:
+                continue
+            d_sent, d_ended, d_unc = sent - before[0], ended - before[1], uncached - before[2]
+            if d_sent < 0 or d_ended < 0 or d_unc < 0:
+                continue  # totals went down: the peer restarted its count; new baseline
+            if d_sent or d_ended:
+                load.peers_sent(d_sent, d_ended, d_unc, now, self.rate_of(inst))
+
+    def expire(self, now: float) -> int:
+        """Drop peers silent for :data:`EXPIRE_S`; the number still counted."""
+        gone = [pid for pid, p in self.peers.items() if now - p.seen_at > EXPIRE_S]
+        for pid in gone:
+            counts = self.peers.pop(pid).counts
+            log.info("edge peer %s silent for %.1f s: no longer counted", pid, EXPIRE_S)
+            self._recount(counts)
+        return len(self.peers)
+
+    def _recount(self, instances: Iterable[str]) -> None:
+        """Each instance's in-flight at the peers, summed again (replaced, never drifting)."""
+        loads = self.board.loads
+        for inst in instances:
+            load = loads.get(inst)
+            if load is None:
+                continue
+            total = 0
+            for p in self.peers.values():
+                c = p.counts.get(inst)
+                if c is not None:
+                    total += c[3]
+            freed = load.peer_inflight - total
+            load.peer_inflight = total
+            for _ in range(freed):
+                self.on_freed(inst)
+
+
+class PeerSync:
+    """Publishes this edge's counts (soon after each change, and every :data:`HEARTBEAT_S`)
+    and folds in the peers' over Redis pub/sub; reconnects while Redis is away."""
+
+    def __init__(
+        self, url: str, region: str, peers: PeerLoads, registry: CollectorRegistry
+    ) -> None:
+        self.url = url
+        self.channel = channel(region)
+        self.peers = peers
+        self.board = peers.board
+        self._changed = asyncio.Event()
+        self._tasks: list[asyncio.Task[None]] = []
+        self.counted = Gauge(
+            "fedinfer_edge_peers",
+            "Other edges of the region whose in-flight requests this edge counts (peer sync)",
+            registry=registry,
+        )
+        self.up = Gauge(
+            "fedinfer_edge_peer_sync_up",
+            "1 while this edge is subscribed to its region's load channel",
+            registry=registry,
+        )
+        self.messages = Counter(
+            "fedinfer_edge_peer_messages",
+            "Load reports received from the region's other edges, by outcome",
+            ["result"],
+            registry=registry,
+        )
+
+    def start(self) -> None:
+        self.board.on_change = self._changed.set
+        self._tasks = [
+            asyncio.create_task(self._publish_loop()),
+            asyncio.create_task(self._subscribe_loop()),
+        ]
+
+    async def stop(self) -> None:
+        self.board.on_change = None
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks = []
+
+    def _client(self) -> aioredis.Redis:
+        return aioredis.Redis.from_url(
+            self.url, socket_connect_timeout=2.0, socket_timeout=2.0, health_check_interval=0
+        )
+
+    async def _publish_loop(self) -> None:
+        backoff = RETRY_S[0]
+        client = self._client()
+        try:
+            while True:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._changed.wait(), HEARTBEAT_S)
+                self._changed.clear()
+                self.counted.set(self.peers.expire(time.monotonic()))
+                try:
+                    await client.publish(self.channel, encode(self.peers.me, self.board))
+                    backoff = RETRY_S[0]
+                except (OSError, redis.RedisError) as exc:
+                    log.warning("peer sync: publishing to %s failed: %s", self.channel, exc)
+                    await asyncio.sleep(backoff)
+                    backoff = min(backoff * 2, RETRY_S[1])
+                    continue
+                await asyncio.sleep(MIN_INTERVAL_S)  # changes meanwhile go in the next one
+        finally:
+            await client.aclose()
+
+    async def _subscribe_loop(self) -> None:
+        backoff = RETRY_S[0]
+        while True:
+            client = self._client()
+            # Typed Any: the installed redis stubs predate the async client's aclose().
+            pubsub: Any = client.pubsub(ignore_subscribe_messages=True)
+            try:
+                await pubsub.subscribe(self.channel)
+                self.up.set(1)
+                backoff = RETRY_S[0]
+                while True:
+                    # Blocks until a message (peers publish every HEARTBEAT_S at least).
+                    message = await pubsub.get_message(timeout=None)
+                    if message is not None and message.get("type") == "message":
+                        self._receive(message["data"])
+            except (OSError, redis.RedisError) as exc:
+                log.warning("peer sync: subscription to %s lost: %s", self.channel, exc)
+            finally:
+                self.up.set(0)
+                with contextlib.suppress(OSError, redis.RedisError):
+                    await pubsub.aclose()
+                    await client.aclose()
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, RETRY_S[1])
+
+    def _receive(self, data: object) -> None:
+        parsed = decode(data) if isinstance(data, bytes) else None
+        if parsed is None:
+            self.messages.labels("invalid").inc()
+            return
+        peer, counts = parsed
+        if peer == self.peers.me:
+            return
+        self.messages.labels("applied").inc()
+        self.peers.apply(peer, counts, time.monotonic())
+
+
+def peer_id(name: str | None) -> str:
+    """This edge process's id on the channel: its name (if any), host, pid and a nonce (a
+    restarted container may have the same host name and pid)."""
+    return f"{name or 'edge'}@{os.uname().nodename}:{os.getpid()}:{secrets.token_hex(3)}"

@@ -1,0 +1,183 @@
+"""Two edges of one region sharing their live load over Redis (``regions/edge/peer_load.py``):
+each routes around the requests the other sent, with Redis, an edge or a message gone.
+
+The edges scrape the engines only every 60 s here, so whatever one knows of the other's
+requests came over the channel. Instance ``fast`` has the faster prefill in the table: an edge
+that believes both idle always picks it; each instance takes one request at a time.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from regions.supervisor import wait_http, wait_until
+from tests.integration.redis_support import PrivateRedis
+from tests.integration.test_edge_support import (
+    EdgeProc,
+    Engine,
+    instance,
+    route_of,
+    spawn_engine,
+    start_edge,
+    table_doc,
+)
+
+TOKEN_DELAY_S = 0.05
+
+
+class Region:
+    def __init__(self, tmp: Path, redis: PrivateRedis, table: dict[str, Any]) -> None:
+        self.tmp = tmp
+        self.redis = redis
+        self.table = table
+        self.edges: list[EdgeProc] = []
+
+    def start_edge(self, name: str) -> EdgeProc:
+        own = self.tmp / name
+        own.mkdir(exist_ok=True)
+        args = ("--peer-redis-url", self.redis.url, "--scrape-interval", "60")
+        edge = start_edge(own, self.table, *args, "--edge-name", name)
+        self.edges.append(edge)
+        return edge
+
+
+@pytest.fixture
+def region(tmp_path: Path) -> Iterator[Region]:
+    redis = PrivateRedis(tmp_path)
+    redis.start()
+    engines: list[Engine] = []
+    reg: Region | None = None
+    try:
+        engines = [
+            spawn_engine(tmp_path, name, "--token-delay", str(TOKEN_DELAY_S))
+            for name in ("fast", "slow")
+        ]
+        for e in engines:
+            wait_http(e.url + "/health", watch=e.proc)
+        fast, slow = engines
+        table = table_doc(
+            "peers",
+            1,
+            [
+                instance(fast, max_concurrency=1, prefill_tokens_per_s=16000),
+                instance(slow, max_concurrency=1, prefill_tokens_per_s=8000),
+            ],
+        )
+        reg = Region(tmp_path, redis, table)
+        reg.start_edge("edge-a")
+        reg.start_edge("edge-b")
+        time.sleep(0.6)  # probes admit both instances; each edge has heard the other
+        yield reg
+    finally:
+        if reg is not None:
+            for edge in reg.edges:
+                edge.proc.stop()
+        for e in engines:
+            e.proc.stop()
+        if redis.proc is not None:
+            redis.proc.stop()
+
+
+def chat(url: str, tokens: int = 2, timeout: float = 30) -> httpx.Response:
+    return httpx.post(
+        url + "/v1/chat/completions",
+        json={
+            "model": "llama",
+            "messages": [{"role": "user", "content": "x" * 4000}],
+            "max_tokens": tokens,
+        },
+        timeout=timeout,
+    )
+
+
+def in_background(
+    url: str, tokens: int
+) -> tuple[threading.Thread, list[httpx.Response | httpx.HTTPError]]:
+    """A long request through ``url``: its answer (or error) in the list when it ends."""
+    out: list[httpx.Response | httpx.HTTPError] = []
+
+    def run() -> None:
+        try:
+            out.append(chat(url, tokens))
+        except httpx.HTTPError as exc:
+            out.append(exc)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t, out
+
+
+def busy_at_peers(edge: EdgeProc) -> list[str]:
+    return [inst for inst, d in detail(edge).items() if d["peer_inflight"] == 1]
+
+
+def detail(edge: EdgeProc) -> dict[str, Any]:
+    return httpx.get(edge.ops + "/healthz", timeout=5).json()["detail"]
+
+
+def peers_counted(edge: EdgeProc) -> float:
+    for line in httpx.get(edge.ops + "/metrics", timeout=5).text.splitlines():
+        if line.startswith("fedinfer_edge_peers "):
+            return float(line.split()[1])
+    raise AssertionError("fedinfer_edge_peers missing from the edge's /metrics")
+
+
+def test_an_edge_routes_around_the_requests_another_edge_sent(region: Region) -> None:
+    a, b = region.edges
+    assert route_of(chat(b.url).headers)["instance"] == "fast"  # idle: the faster one
+    long, answers = in_background(a.url, tokens=60)  # 3 s on "fast", its one slot
+    wait_until(lambda: detail(b)["fast"]["peer_inflight"] == 1, timeout=5, what="b sees it")
+    resp = chat(b.url)
+    assert resp.status_code == 200
+    assert route_of(resp.headers)["instance"] == "slow"
+    long.join(15)
+    (answer,) = answers
+    assert isinstance(answer, httpx.Response) and answer.status_code == 200
+    assert route_of(answer.headers)["instance"] == "fast"
+    wait_until(lambda: detail(b)["fast"]["peer_inflight"] == 0, timeout=5, what="b sees it end")
+    assert route_of(chat(b.url).headers)["instance"] == "fast"
+
+
+def test_a_killed_edge_stops_counting_and_redis_away_leaves_both_serving(
+    region: Region,
+) -> None:
+    a, b = region.edges
+    assert peers_counted(b) == 1
+    _, _ = in_background(a.url, tokens=200)  # 10 s: still running when a dies
+    wait_until(lambda: detail(b)["fast"]["peer_inflight"] == 1, timeout=5, what="b sees it")
+    os.kill(a.proc.pid, signal.SIGKILL)
+    # Silent for the expiry: b no longer counts what a had in flight.
+    wait_until(lambda: detail(b)["fast"]["peer_inflight"] == 0, timeout=5, what="a expired")
+    assert peers_counted(b) == 0
+    c = region.start_edge("edge-c")
+    wait_until(lambda: peers_counted(b) == 1 and peers_counted(c) == 1, timeout=5, what="c")
+
+    region.redis.stop()
+    # No channel: each edge serves on its own view (the scrapes), the others expire.
+    wait_until(lambda: peers_counted(b) == 0, timeout=5, what="peers expire with Redis away")
+    for edge in (b, c):
+        assert chat(edge.url).status_code == 200
+    region.redis.start()
+    wait_until(
+        lambda: peers_counted(b) == 1 and peers_counted(c) == 1,
+        timeout=15,
+        what="the edges hear each other again",
+    )
+    # (c may still believe "fast" busy with a's request, from its first scrape: either way
+    # b must route around what c sent.)
+    long, answers = in_background(c.url, tokens=40)
+    wait_until(lambda: len(busy_at_peers(b)) == 1, timeout=5, what="shared again")
+    (taken,) = busy_at_peers(b)
+    assert route_of(chat(b.url).headers)["instance"] == ({"fast", "slow"} - {taken}).pop()
+    long.join(15)
+    (answer,) = answers
+    assert isinstance(answer, httpx.Response) and answer.status_code == 200
