@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import math
+import os
 import time
 from collections.abc import Iterable
 from dataclasses import fields
@@ -39,6 +40,15 @@ PROBE_S = 6.0
 PROBE_OVER = 4.0
 #: The edge's default burst (seconds of the rate a bucket holds), what the bench's edges run.
 BURST_S: float = next(f.default for f in fields(EdgeConfig) if f.name == "rate_burst_s")  # type: ignore[assignment]
+
+
+#: The Redis the bench's edges share their live load over (several edges only).
+PEER_REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
+
+
+def peer_args(url: str, edges: int) -> list[str]:
+    """The edges' peer-sync flag: with several edges and a Redis to share it over."""
+    return ["--peer-redis-url", url] if url and edges > 1 else []
 
 
 #: Diagnostic, not in the default run: three edges running (scraping and probing every engine)

@@ -131,6 +131,8 @@ class Config:
     #: it and learn what every engine holds from those events (exact prefix knowledge, one view
     #: for several edges). Empty: the simulator's built-in tokenizer, the edges' byte estimate.
     tokenizer: str = ""
+    #: Where several edges share their live load (``regions/edge/peer_load.py``); empty: not.
+    peer_redis_url: str = routing_edges.PEER_REDIS_URL
 
     def engine_args(self) -> list[str]:
         args = ["--accelerator", self.accelerator, "--tp", str(self.tp), "--seed", str(self.seed)]
@@ -383,7 +385,9 @@ def run_policy(
             edge_policy = policy if policy in ("round_robin", "least_loaded") else "fedinfer"
             edges = [
                 start_edge(pg, table, policy=edge_policy, cpus=EDGE_CPUS, model=cfg.model,
-                           name=f"edge{k}", admits=True, extra=cfg.edge_args())
+                           name=f"edge{k}", admits=True,
+                           extra=[*cfg.edge_args(),
+                                  *routing_edges.peer_args(cfg.peer_redis_url, n_edges)])
                 for k in range(n_edges)
             ]  # fmt: skip
             if cfg.tokenizer:
@@ -608,6 +612,11 @@ def main(argv: list[str] | None = None) -> None:
         help="engines and edges on the bench model's real tokenizer, engines publishing KV "
         "events: the edges' exact prefix knowledge instead of the byte estimate",
     )
+    ap.add_argument(
+        "--peer-redis-url",
+        default=d.peer_redis_url,
+        help="several edges share their live load over this Redis ('': they do not)",
+    )
     a = ap.parse_args(argv)
     if not 5 <= a.duration <= 300 or not 0 <= a.warmup < a.duration:
         ap.error("--duration must be 5..300 s and --warmup below it")
@@ -624,6 +633,7 @@ def main(argv: list[str] | None = None) -> None:
         edge_cap=a.edge_cap,
         extra_engine_args=tuple(a.engine_arg),
         tokenizer=str(build(VAR / "bench-tokenizer")) if a.exact_prefix else "",
+        peer_redis_url=a.peer_redis_url,
     )
     scen = tuple(s for s in SCENARIOS if s.name in a.scenarios.split(","))
     pols = tuple(p for p in a.policies.split(",") if p in (*POLICIES, routing_edges.IDLE_EDGES))

@@ -60,7 +60,9 @@ def render(out: dict[str, Any]) -> str:
         f"{'/'.join(f'{x:.2f}' for x in m['loadavg'])}, after "
         f"{'/'.join(f'{x:.2f}' for x in out['machine_after']['loadavg'])}; git {out['git']}",
         "prefix knowledge: "
-        + ("exact (tokenizer + KV events)" if out["config"].get("tokenizer") else "byte estimate"),
+        + ("exact (tokenizer + KV events)" if out["config"].get("tokenizer") else "byte estimate")
+        + "; several edges share live load: "
+        + ("yes (Redis pub/sub)" if out["config"].get("peer_redis_url") else "no"),
     ]
     header = ["policy", "TTFT mean ms", "p50 ms", "p99 ms", "p99 incl. failures ms", "req/s",
               "out tok/s", "hit rate", "max engine share", "errors/sent"]  # fmt: skip
