@@ -21,7 +21,9 @@ several edges"): the table counts the region's live edges (``local_edges``, *n*)
 enforces 1/n of every rate and of its burst. Behind a balancer that spreads a tenant's requests
 evenly, the region admits at most the tenant's limit (plus at most one request per edge when
 1/n of the burst is below one request); a tenant whose requests all reach one edge gets 1/n of
-its limit. No state is shared at request time: a request costs no round trip.
+its limit, unless the edges share their demand (``peer_load.py``), which sets each edge's part
+by where the tenant's requests arrive (:meth:`Admission.reshare`). No state is shared at
+request time: a request costs no round trip.
 
 Whether the tenant may be served *in this region* is :attr:`TenantState.local_allowed`; the edge
 decides what to do about it (forward to an allowed region, or 403), never serve it here.
@@ -30,6 +32,7 @@ decides what to do about it (forward to an allowed region, or 403), never serve 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from datetime import datetime
 
 from regions.edge.errors import EdgeError
@@ -72,6 +75,7 @@ class TenantState:
 
     __slots__ = (
         "allowed",
+        "asked",
         "budget_state",
         "local_allowed",
         "policy",
@@ -92,6 +96,8 @@ class TenantState:
         self.valid_until: dict[str, float] = {}
         self.requests: TokenBucket | None = None
         self.tokens: TokenBucket | None = None
+        #: Requests that reached the rate limits here, admitted or not (this edge's demand).
+        self.asked = 0
 
 
 def _part(rate: float | None, share: float) -> float | None:
@@ -141,6 +147,10 @@ class Admission:
         self.enabled = False
         self.by_hash: dict[str, TenantState] = {}
         self._tenants: dict[str, TenantState] = {}
+        #: The region's live edges (the table's ``local_edges``): each has 1/n of every limit,
+        #: unless ``shares`` (from the edges' demand, ``peer_load.py``) says otherwise.
+        self.local_edges = 1
+        self.shares: dict[str, float] = {}
 
     def load(self, table: RoutingTable, now: float) -> None:
         """Rebuild from ``table`` (``now``: monotonic seconds, for new buckets)."""
@@ -152,23 +162,48 @@ class Admission:
         classes = {c.id: c.refusals for c in table.residency_classes}
         by_hash: dict[str, TenantState] = {}
         tenants: dict[str, TenantState] = {}
-        share = 1.0 / table.local_edges  # this edge's part of every limit
+        self.local_edges = table.local_edges
         for policy in table.tenants:
             state = TenantState(policy, self.region, classes.get(policy.residency_class or "", {}))
             state.valid_until = {h: _epoch(t) for h, t in policy.key_valid_until.items()}
             old = self._tenants.get(policy.tenant)
-            state.requests = self._bucket(
-                old.requests if old else None, _part(policy.requests_per_s, share), 1.0, now
-            )
-            state.tokens = self._bucket(
-                old.tokens if old else None, _part(policy.tokens_per_s, share), 0.0, now
-            )
+            if old is not None:
+                state.asked = old.asked
+            # This edge's part of every limit: 1/n, or what demand gave it (``reshare``).
+            share = self.shares.get(policy.tenant, 1.0 / table.local_edges)
+            self._rate(state, old, share, now)
             tenants[policy.tenant] = state
             for digest in policy.key_hashes:
                 by_hash[digest] = state
         self.by_hash = by_hash
         self._tenants = tenants
         self.enabled = True
+
+    def reshare(self, shares: dict[str, float], now: float) -> None:
+        """This edge's part of each tenant's limits (tenant slug → share, ``peer_load.py``);
+        a tenant left out gets 1/n again."""
+        equal = 1.0 / self.local_edges
+        for slug in shares.keys() | self.shares.keys():
+            state = self._tenants.get(slug)
+            share = shares.get(slug, equal)
+            if state is not None and share != self.shares.get(slug, equal):
+                self._rate(state, state, share, now)
+        self.shares = shares
+
+    def limited(self) -> Iterator[TenantState]:
+        """The tenants with a rate limit (those whose share matters)."""
+        for state in self._tenants.values():
+            if state.requests is not None or state.tokens is not None:
+                yield state
+
+    def _rate(self, state: TenantState, old: TenantState | None, share: float, now: float) -> None:
+        policy = state.policy
+        state.requests = self._bucket(
+            old.requests if old else None, _part(policy.requests_per_s, share), 1.0, now
+        )
+        state.tokens = self._bucket(
+            old.tokens if old else None, _part(policy.tokens_per_s, share), 0.0, now
+        )
 
     def _bucket(
         self, old: TokenBucket | None, rate: float | None, floor: float, now: float
@@ -180,6 +215,7 @@ class Admission:
         capacity = max(rate * self.burst_s, floor)
         if old is None:
             return TokenBucket(rate, capacity, now)
+        old.wait_for(0.0, now)  # refilled up to now at the old rate, the new one from now on
         old.rerate(rate, capacity)
         return old
 
@@ -237,6 +273,7 @@ class Admission:
         estimate plus every choice's output limit), so a client cannot buy a thousand-token
         answer at the price of a ten-token prompt; :meth:`settle` gives back what it did not use.
         """
+        state.asked += 1
         requests, tokens = state.requests, state.tokens
         wait = requests.wait_for(1.0, now) if requests is not None else 0.0
         if tokens is not None:

@@ -168,6 +168,7 @@ class Edge:
                 cfg.region,
                 PeerLoads(self.loads, peer_id(cfg.name), self._peer_rate, self._peer_freed),
                 self.metrics.registry,
+                self.admission,
             )
             if cfg.peer_redis_url
             else None

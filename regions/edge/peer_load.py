@@ -23,18 +23,20 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import os
 import secrets
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import orjson
 import redis
 import redis.asyncio as aioredis
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
+from regions.edge.admission import Admission, TenantState
 from regions.edge.load import LoadBoard
 
 log = logging.getLogger("fedinfer.edge.peers")
@@ -47,6 +49,15 @@ HEARTBEAT_S = 0.25
 EXPIRE_S = 1.0
 #: Larger messages are refused unread (a table holds at most a few hundred instances).
 MAX_MESSAGE_BYTES = 256 * 1024
+#: Demand's averaging time: how fast a tenant's share follows its requests to another edge.
+DEMAND_TAU_S = 1.0
+#: Below this many requests/s a tenant's demand is left out of the report.
+MIN_DEMAND = 0.01
+#: The part of its equal share (1/n of a limit) an edge keeps whatever the demand, so a
+#: tenant's first requests at an edge it had not used are not refused while demand catches up.
+SHARE_FLOOR = 0.2
+#: Requests/s a report may claim for one tenant (anything above is malformed).
+MAX_DEMAND = 1e6
 #: Reconnect backoff while Redis is away.
 RETRY_S = (0.2, 5.0)
 
@@ -58,18 +69,25 @@ def channel(region: str) -> str:
     return f"fedinfer:edge-load:{region}"
 
 
-def encode(peer: str, board: LoadBoard) -> bytes:
-    """This edge's totals for every instance it has sent to."""
+def encode(peer: str, board: LoadBoard, demand: Mapping[str, float] | None = None) -> bytes:
+    """This edge's totals for every instance it has sent to, and its demand per tenant."""
     counts = {
         inst: (load.sent_total, load.ended_total, load.uncached_total, load.inflight)
         for inst, load in board.loads.items()
         if load.sent_total
     }
-    return orjson.dumps({"p": peer, "i": counts})
+    return orjson.dumps({"p": peer, "i": counts, "d": demand or {}})
 
 
-def decode(data: bytes) -> tuple[str, dict[str, Counts]] | None:
-    """(peer, instance → counts), or None for anything malformed."""
+class Report(NamedTuple):
+    peer: str
+    counts: dict[str, Counts]
+    #: Tenant slug → requests/s reaching this edge's rate limits (admitted or not).
+    demand: dict[str, float]
+
+
+def decode(data: bytes) -> Report | None:
+    """A peer's report, or None for anything malformed."""
     if len(data) > MAX_MESSAGE_BYTES:
         return None
     try:
@@ -90,13 +108,22 @@ def decode(data: bytes) -> tuple[str, dict[str, Counts]] | None:
         ):
             return None
         out[inst] = (counts[0], counts[1], counts[2], counts[3])
-    return peer, out
+    raw_demand = doc.get("d", {})
+    if not isinstance(raw_demand, dict):
+        return None
+    demand: dict[str, float] = {}
+    for slug, rate in raw_demand.items():
+        if type(rate) not in (int, float) or not 0.0 <= rate <= MAX_DEMAND:
+            return None
+        demand[slug] = float(rate)
+    return Report(peer, out, demand)
 
 
 @dataclass(slots=True)
 class Peer:
     seen_at: float
     counts: dict[str, Counts] = field(default_factory=dict)
+    demand: dict[str, float] = field(default_factory=dict)
 
 
 class PeerLoads:
@@ -119,18 +146,26 @@ class PeerLoads:
         self.on_freed = on_freed
         self.peers: dict[str, Peer] = {}
 
-    def apply(self, peer_id: str, counts: Mapping[str, Counts], now: float) -> None:
-        """A peer's report: add what it sent and ended since its last one, take its in-flight."""
+    def apply(
+        self,
+        peer_id: str,
+        counts: Mapping[str, Counts],
+        now: float,
+        demand: Mapping[str, float] | None = None,
+    ) -> None:
+        """A peer's report: add what it sent and ended since its last one, take its in-flight
+        and its demand per tenant."""
         if peer_id == self.me:
             return
         peer = self.peers.get(peer_id)
         if peer is None:
             # Unknown (new, or expired and back): its totals so far are the baseline; what they
             # covered is in the engines' next scrape already.
-            self.peers[peer_id] = Peer(now, dict(counts))
+            self.peers[peer_id] = Peer(now, dict(counts), dict(demand or {}))
             self._recount(counts)
             return
         peer.seen_at = now
+        peer.demand = dict(demand or {})
         old = peer.counts
         peer.counts = dict(counts)
         self._recount(counts.keys() | old.keys())  # first: the pending rule reads in-flight
@@ -173,17 +208,78 @@ class PeerLoads:
                 self.on_freed(inst)
 
 
+class DemandMeter:
+    """Requests/s reaching this edge's rate limits, per limited tenant: an exponential
+    average over :data:`DEMAND_TAU_S` of the count the admission stage keeps."""
+
+    def __init__(self) -> None:
+        self.rates: dict[str, float] = {}
+        self._seen: dict[str, int] = {}
+        self._at: float | None = None
+
+    def update(self, tenants: Iterable[TenantState], now: float) -> dict[str, float]:
+        """The demand now (tenants with none left out)."""
+        elapsed = 0.0 if self._at is None else now - self._at
+        self._at = now
+        weight = 1.0 - math.exp(-elapsed / DEMAND_TAU_S) if elapsed > 0 else 0.0
+        rates: dict[str, float] = {}
+        seen: dict[str, int] = {}
+        for state in tenants:
+            slug = state.slug
+            seen[slug] = state.asked
+            before = self._seen.get(slug, state.asked)
+            rate = self.rates.get(slug, 0.0)
+            if elapsed > 0:
+                rate += weight * ((state.asked - before) / elapsed - rate)
+            if rate >= MIN_DEMAND:
+                rates[slug] = round(rate, 3)
+        self._seen = seen
+        self.rates = rates
+        return rates
+
+
+def demand_shares(
+    own: Mapping[str, float], peers: Iterable[Mapping[str, float]], edges: int
+) -> dict[str, float]:
+    """Each tenant's share of its limits at this edge: :data:`SHARE_FLOOR` of an equal part,
+    the rest in proportion to where its requests arrive. Every edge that sees the same
+    demands computes shares that sum to 1 over the ``edges`` (so the region's bound holds).
+    A tenant with no demand anywhere is left out (1/n)."""
+    totals = dict(own)
+    for demand in peers:
+        for slug, rate in demand.items():
+            totals[slug] = totals.get(slug, 0.0) + rate
+    equal = 1.0 / edges
+    out: dict[str, float] = {}
+    for slug, total in totals.items():
+        if total <= 0.0:
+            continue
+        share = SHARE_FLOOR * equal + (1.0 - SHARE_FLOOR) * own.get(slug, 0.0) / total
+        out[slug] = round(share, 3)
+    return out
+
+
 class PeerSync:
     """Publishes this edge's counts (soon after each change, and every :data:`HEARTBEAT_S`)
     and folds in the peers' over Redis pub/sub; reconnects while Redis is away."""
 
     def __init__(
-        self, url: str, region: str, peers: PeerLoads, registry: CollectorRegistry
+        self,
+        url: str,
+        region: str,
+        peers: PeerLoads,
+        registry: CollectorRegistry,
+        admission: Admission | None = None,
     ) -> None:
         self.url = url
         self.channel = channel(region)
         self.peers = peers
         self.board = peers.board
+        #: Whose rate-limit shares follow the tenants' demand (None: 1/n each).
+        self.admission = admission
+        self.meter = DemandMeter()
+        self._demand: dict[str, float] = {}
+        self._shared_at = -math.inf
         self._changed = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self.counted = Gauge(
@@ -230,9 +326,15 @@ class PeerSync:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._changed.wait(), HEARTBEAT_S)
                 self._changed.clear()
-                self.counted.set(self.peers.expire(time.monotonic()))
+                now = time.monotonic()
+                self.counted.set(self.peers.expire(now))
+                if now - self._shared_at >= HEARTBEAT_S:
+                    self._shared_at = now
+                    self._reshare(now)
                 try:
-                    await client.publish(self.channel, encode(self.peers.me, self.board))
+                    await client.publish(
+                        self.channel, encode(self.peers.me, self.board, self._demand)
+                    )
                     backoff = RETRY_S[0]
                 except (OSError, redis.RedisError) as exc:
                     log.warning("peer sync: publishing to %s failed: %s", self.channel, exc)
@@ -242,6 +344,21 @@ class PeerSync:
                 await asyncio.sleep(MIN_INTERVAL_S)  # changes meanwhile go in the next one
         finally:
             await client.aclose()
+
+    def _reshare(self, now: float) -> None:
+        """Measure this edge's demand per tenant; give each tenant's limits to the edges in
+        proportion to theirs, while every edge of the table is heard (else 1/n each)."""
+        admission = self.admission
+        if admission is None or not admission.enabled:
+            return
+        self._demand = self.meter.update(admission.limited(), now)
+        peers = self.peers.peers
+        shares = (
+            demand_shares(self._demand, (p.demand for p in peers.values()), len(peers) + 1)
+            if admission.local_edges > 1 and len(peers) + 1 == admission.local_edges
+            else {}
+        )
+        admission.reshare(shares, now)
 
     async def _subscribe_loop(self) -> None:
         backoff = RETRY_S[0]
@@ -273,11 +390,10 @@ class PeerSync:
         if parsed is None:
             self.messages.labels("invalid").inc()
             return
-        peer, counts = parsed
-        if peer == self.peers.me:
+        if parsed.peer == self.peers.me:
             return
         self.messages.labels("applied").inc()
-        self.peers.apply(peer, counts, time.monotonic())
+        self.peers.apply(parsed.peer, parsed.counts, time.monotonic(), parsed.demand)
 
 
 def peer_id(name: str | None) -> str:

@@ -4,10 +4,22 @@ publishes is counted here as if this edge had sent it, without drift or double c
 from __future__ import annotations
 
 import orjson
+import pytest
 
+from regions.edge.admission import Admission
 from regions.edge.load import LoadBoard
-from regions.edge.peer_load import EXPIRE_S, MAX_MESSAGE_BYTES, PeerLoads, decode, encode
+from regions.edge.peer_load import (
+    EXPIRE_S,
+    MAX_MESSAGE_BYTES,
+    SHARE_FLOOR,
+    DemandMeter,
+    PeerLoads,
+    decode,
+    demand_shares,
+    encode,
+)
 from regions.engines.metrics import EngineLoad
+from regions.tables.schema import RoutingTable, decode_table
 
 RATE = 1000.0  # prefill tokens/s
 
@@ -116,14 +128,15 @@ def test_an_edge_publishes_its_totals_and_in_flight_per_instance() -> None:
     board.loads["i-1"].admit(700)
     board.loads["i-1"].admit(50)
     board.loads["i-1"].finish(1.0)
-    peer, counts = decode(encode("edge-a@h:1", board)) or ("", {})
-    assert peer == "edge-a@h:1"
-    assert counts == {"i-1": (2, 1, 750, 1)}  # i-2 never sent to: left out
+    report = decode(encode("edge-a@h:1", board, {"acme": 2.5}))
+    assert report is not None and report.peer == "edge-a@h:1"
+    assert report.counts == {"i-1": (2, 1, 750, 1)}  # i-2 never sent to: left out
+    assert report.demand == {"acme": 2.5}
 
 
 def test_malformed_or_oversized_messages_are_refused() -> None:
     good = {"p": "b", "i": {"i-1": [1, 0, 10, 1]}}
-    assert decode(orjson.dumps(good)) == ("b", {"i-1": (1, 0, 10, 1)})
+    assert decode(orjson.dumps(good)) == ("b", {"i-1": (1, 0, 10, 1)}, {})
     for bad in (
         b"not json",
         b"[]",
@@ -132,6 +145,73 @@ def test_malformed_or_oversized_messages_are_refused() -> None:
         orjson.dumps({"p": "b", "i": {"i-1": [1, -1, 10, 1]}}),
         orjson.dumps({"p": "b", "i": {"i-1": [1, 0, 1.5, 1]}}),
         orjson.dumps({"p": "b", "i": {"i-1": [True, 0, 1, 1]}}),
+        orjson.dumps({"p": "b", "i": {}, "d": {"acme": -1.0}}),
+        orjson.dumps({"p": "b", "i": {}, "d": {"acme": "many"}}),
+        orjson.dumps({"p": "b", "i": {}, "d": [1.0]}),
         b'{"p":"b","i":{}}' + b" " * MAX_MESSAGE_BYTES,
     ):
         assert decode(bad) is None, bad[:60]
+
+
+# ---------------------------------------------------------------- rate-limit shares by demand
+
+
+def limited_table(edges: int) -> RoutingTable:
+    doc = {
+        "schema_version": 5,
+        "version": 1,
+        "region": "r1",
+        "generated_at": "2026-12-01T00:00:00Z",
+        "instances": [],
+        "remote_regions": [],
+        "local_edges": edges,
+        "tenants": [
+            {"tenant": "acme", "key_hashes": ["a" * 64], "allowed_regions": ["r1"],
+             "requests_per_s": 10.0},
+            {"tenant": "free", "key_hashes": ["b" * 64], "allowed_regions": ["r1"]},
+        ],
+    }  # fmt: skip
+    return decode_table(orjson.dumps(doc))
+
+
+def test_demand_is_the_rate_of_requests_reaching_the_limits_admitted_or_not() -> None:
+    admission = Admission("r1")
+    admission.load(limited_table(2), 0.0)
+    acme = admission.by_hash["a" * 64]
+    meter = DemandMeter()
+    assert meter.update(admission.limited(), 0.0) == {}
+    for second in range(1, 9):
+        acme.asked += 20  # 20 requests/s, most of them refused: demand all the same
+        demand = meter.update(admission.limited(), float(second))
+    assert 19.0 < demand["acme"] <= 20.0
+    assert "free" not in demand  # no limit, no share to give
+    for second in range(9, 20):
+        demand = meter.update(admission.limited(), float(second))
+    assert demand == {}  # gone quiet
+
+
+def test_shares_follow_the_demand_and_every_edge_computes_a_sum_of_one() -> None:
+    a, b, c = {"acme": 9.0}, {"acme": 1.0}, {}
+    shares = [
+        demand_shares(a, [b, c], 3)["acme"],
+        demand_shares(b, [a, c], 3)["acme"],
+        demand_shares(c, [a, b], 3).get("acme", 0.0),
+    ]
+    floor = SHARE_FLOOR / 3
+    assert shares == pytest.approx([floor + 0.8 * 0.9, floor + 0.8 * 0.1, floor], abs=1e-3)
+    assert sum(shares) == pytest.approx(1.0, abs=2e-3)
+    assert demand_shares({}, [{}], 2) == {}  # no demand anywhere: 1/n stays
+
+
+def test_a_share_rerates_the_tenants_buckets_and_a_new_table_keeps_it() -> None:
+    admission = Admission("r1", burst_s=2.0)
+    admission.load(limited_table(2), 0.0)
+    acme = admission.by_hash["a" * 64]
+    assert acme.requests is not None and acme.requests.rate == 5.0  # 1/2 of 10
+    admission.reshare({"acme": 0.9}, 1.0)
+    assert acme.requests.rate == 9.0 and acme.requests.capacity == 18.0
+    admission.load(limited_table(2), 2.0)
+    acme = admission.by_hash["a" * 64]
+    assert acme.requests is not None and acme.requests.rate == 9.0
+    admission.reshare({}, 3.0)  # the peers went silent: back to 1/n
+    assert acme.requests.rate == 5.0
