@@ -69,21 +69,31 @@ def channel(region: str) -> str:
     return f"fedinfer:edge-load:{region}"
 
 
-def encode(peer: str, board: LoadBoard, demand: Mapping[str, float] | None = None) -> bytes:
-    """This edge's totals for every instance it has sent to, and its demand per tenant."""
-    counts = {
+def board_counts(board: LoadBoard) -> dict[str, Counts]:
+    """This edge's totals for every instance it has sent to."""
+    return {
         inst: (load.sent_total, load.ended_total, load.uncached_total, load.inflight)
         for inst, load in board.loads.items()
         if load.sent_total
     }
-    return orjson.dumps({"p": peer, "i": counts, "d": demand or {}})
+
+
+def encode(
+    peer: str, counts: Mapping[str, Counts], demand: Mapping[str, float] | None = None
+) -> bytes:
+    """A report. With ``demand`` it is a full one (every instance sent to, and the demand per
+    tenant: every :data:`HEARTBEAT_S`); without, only the instances whose counts changed."""
+    if demand is None:
+        return orjson.dumps({"p": peer, "i": counts})
+    return orjson.dumps({"p": peer, "i": counts, "d": demand, "f": True})
 
 
 class Report(NamedTuple):
     peer: str
     counts: dict[str, Counts]
-    #: Tenant slug → requests/s reaching this edge's rate limits (admitted or not).
-    demand: dict[str, float]
+    #: Tenant slug → requests/s reaching this edge's rate limits (admitted or not); None in a
+    #: report of changes only (the last full report's stands).
+    demand: dict[str, float] | None
 
 
 def decode(data: bytes) -> Report | None:
@@ -108,7 +118,9 @@ def decode(data: bytes) -> Report | None:
         ):
             return None
         out[inst] = (counts[0], counts[1], counts[2], counts[3])
-    raw_demand = doc.get("d", {})
+    if doc.get("f") is not True:
+        return Report(peer, out, None)
+    raw_demand = doc.get("d")
     if not isinstance(raw_demand, dict):
         return None
     demand: dict[str, float] = {}
@@ -154,7 +166,8 @@ class PeerLoads:
         demand: Mapping[str, float] | None = None,
     ) -> None:
         """A peer's report: add what it sent and ended since its last one, take its in-flight
-        and its demand per tenant."""
+        (and, in a full report — one with ``demand`` — its demand per tenant). A full report
+        replaces what the peer said of every instance; a report of changes updates those."""
         if peer_id == self.me:
             return
         peer = self.peers.get(peer_id)
@@ -165,10 +178,15 @@ class PeerLoads:
             self._recount(counts)
             return
         peer.seen_at = now
-        peer.demand = dict(demand or {})
         old = peer.counts
-        peer.counts = dict(counts)
-        self._recount(counts.keys() | old.keys())  # first: the pending rule reads in-flight
+        if demand is None:
+            peer.counts = {**old, **counts}
+            changed: Iterable[str] = counts.keys()
+        else:
+            peer.demand = dict(demand)
+            peer.counts = dict(counts)
+            changed = counts.keys() | old.keys()
+        self._recount(changed)  # first: the pending rule reads in-flight
         loads = self.board.loads
         for inst, (sent, ended, uncached, _) in counts.items():
             load = loads.get(inst)
@@ -280,6 +298,8 @@ class PeerSync:
         self.meter = DemandMeter()
         self._demand: dict[str, float] = {}
         self._shared_at = -math.inf
+        #: The counts as last published (a report of changes leaves out the rest).
+        self._published: dict[str, Counts] = {}
         self._changed = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self.counted = Gauge(
@@ -328,13 +348,18 @@ class PeerSync:
                 self._changed.clear()
                 now = time.monotonic()
                 self.counted.set(self.peers.expire(now))
+                counts = board_counts(self.board)
                 if now - self._shared_at >= HEARTBEAT_S:
                     self._shared_at = now
                     self._reshare(now)
+                    message = encode(self.peers.me, counts, self._demand)
+                else:
+                    last = self._published
+                    changes = {i: c for i, c in counts.items() if last.get(i) != c}
+                    message = encode(self.peers.me, changes)
                 try:
-                    await client.publish(
-                        self.channel, encode(self.peers.me, self.board, self._demand)
-                    )
+                    await client.publish(self.channel, message)
+                    self._published = counts
                     backoff = RETRY_S[0]
                 except (OSError, redis.RedisError) as exc:
                     log.warning("peer sync: publishing to %s failed: %s", self.channel, exc)

@@ -14,6 +14,7 @@ from regions.edge.peer_load import (
     SHARE_FLOOR,
     DemandMeter,
     PeerLoads,
+    board_counts,
     decode,
     demand_shares,
     encode,
@@ -128,15 +129,29 @@ def test_an_edge_publishes_its_totals_and_in_flight_per_instance() -> None:
     board.loads["i-1"].admit(700)
     board.loads["i-1"].admit(50)
     board.loads["i-1"].finish(1.0)
-    report = decode(encode("edge-a@h:1", board, {"acme": 2.5}))
-    assert report is not None and report.peer == "edge-a@h:1"
-    assert report.counts == {"i-1": (2, 1, 750, 1)}  # i-2 never sent to: left out
-    assert report.demand == {"acme": 2.5}
+    counts = board_counts(board)
+    assert counts == {"i-1": (2, 1, 750, 1)}  # i-2 never sent to: left out
+    report = decode(encode("edge-a@h:1", counts, {"acme": 2.5}))
+    assert report == ("edge-a@h:1", counts, {"acme": 2.5})
+    # A report of changes only carries no demand: the last full report's stands.
+    assert decode(encode("edge-a@h:1", counts)) == ("edge-a@h:1", counts, None)
+
+
+def test_a_report_of_changes_updates_those_instances_a_full_one_replaces_all() -> None:
+    board = board_of("i-1", "i-2")
+    peers = peers_of(board)
+    peers.apply("b", {"i-1": (2, 0, 0, 2), "i-2": (1, 0, 0, 1)}, 0.0, {"acme": 1.0})
+    peers.apply("b", {"i-1": (3, 0, 0, 3)}, 0.01)  # changes only: i-2 stands
+    assert (board.loads["i-1"].peer_inflight, board.loads["i-2"].peer_inflight) == (3, 1)
+    assert peers.peers["b"].demand == {"acme": 1.0}
+    peers.apply("b", {"i-1": (3, 0, 0, 3)}, 0.25, {})  # full: b sends nothing to i-2 now
+    assert (board.loads["i-1"].peer_inflight, board.loads["i-2"].peer_inflight) == (3, 0)
+    assert peers.peers["b"].demand == {}
 
 
 def test_malformed_or_oversized_messages_are_refused() -> None:
     good = {"p": "b", "i": {"i-1": [1, 0, 10, 1]}}
-    assert decode(orjson.dumps(good)) == ("b", {"i-1": (1, 0, 10, 1)}, {})
+    assert decode(orjson.dumps(good)) == ("b", {"i-1": (1, 0, 10, 1)}, None)
     for bad in (
         b"not json",
         b"[]",
@@ -145,9 +160,10 @@ def test_malformed_or_oversized_messages_are_refused() -> None:
         orjson.dumps({"p": "b", "i": {"i-1": [1, -1, 10, 1]}}),
         orjson.dumps({"p": "b", "i": {"i-1": [1, 0, 1.5, 1]}}),
         orjson.dumps({"p": "b", "i": {"i-1": [True, 0, 1, 1]}}),
-        orjson.dumps({"p": "b", "i": {}, "d": {"acme": -1.0}}),
-        orjson.dumps({"p": "b", "i": {}, "d": {"acme": "many"}}),
-        orjson.dumps({"p": "b", "i": {}, "d": [1.0]}),
+        orjson.dumps({"p": "b", "i": {}, "f": True}),
+        orjson.dumps({"p": "b", "i": {}, "f": True, "d": {"acme": -1.0}}),
+        orjson.dumps({"p": "b", "i": {}, "f": True, "d": {"acme": "many"}}),
+        orjson.dumps({"p": "b", "i": {}, "f": True, "d": [1.0]}),
         b'{"p":"b","i":{}}' + b" " * MAX_MESSAGE_BYTES,
     ):
         assert decode(bad) is None, bad[:60]
