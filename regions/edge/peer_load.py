@@ -27,7 +27,7 @@ import math
 import os
 import secrets
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -63,6 +63,13 @@ RETRY_S = (0.2, 5.0)
 
 #: One instance's counts in a message: sent, ended, uncached tokens sent, in flight.
 Counts = tuple[int, int, int, int]
+#: A prompt's block hashes (``prefix_index.py``) and the instance it was sent to.
+Chain = tuple[str, list[int]]
+#: Blocks of one prompt shared with the peers (its first 128 KiB at 64 bytes a block): the
+#: head of a longer one is what other prompts share with it.
+MAX_CHAIN_BLOCKS = 2048
+#: Prompts per report; beyond, until the next report, the peers do not hear of them (counted).
+MAX_CHAINS = 64
 
 
 def channel(region: str) -> str:
@@ -79,13 +86,21 @@ def board_counts(board: LoadBoard) -> dict[str, Counts]:
 
 
 def encode(
-    peer: str, counts: Mapping[str, Counts], demand: Mapping[str, float] | None = None
+    peer: str,
+    counts: Mapping[str, Counts],
+    demand: Mapping[str, float] | None = None,
+    chains: Sequence[Chain] = (),
 ) -> bytes:
     """A report. With ``demand`` it is a full one (every instance sent to, and the demand per
-    tenant: every :data:`HEARTBEAT_S`); without, only the instances whose counts changed."""
-    if demand is None:
-        return orjson.dumps({"p": peer, "i": counts})
-    return orjson.dumps({"p": peer, "i": counts, "d": demand, "f": True})
+    tenant: every :data:`HEARTBEAT_S`); without, only the instances whose counts changed.
+    ``chains``: the prompts' block hashes sent to each instance since the last report."""
+    doc: dict[str, object] = {"p": peer, "i": counts}
+    if demand is not None:
+        doc["d"] = demand
+        doc["f"] = True
+    if chains:
+        doc["x"] = chains
+    return orjson.dumps(doc)
 
 
 class Report(NamedTuple):
@@ -94,6 +109,8 @@ class Report(NamedTuple):
     #: Tenant slug → requests/s reaching this edge's rate limits (admitted or not); None in a
     #: report of changes only (the last full report's stands).
     demand: dict[str, float] | None
+    #: The prompts' block hashes the peer sent and to which instance (byte-estimate path).
+    chains: list[Chain]
 
 
 def decode(data: bytes) -> Report | None:
@@ -118,8 +135,11 @@ def decode(data: bytes) -> Report | None:
         ):
             return None
         out[inst] = (counts[0], counts[1], counts[2], counts[3])
+    chains = _chains(doc.get("x", []))
+    if chains is None:
+        return None
     if doc.get("f") is not True:
-        return Report(peer, out, None)
+        return Report(peer, out, None, chains)
     raw_demand = doc.get("d")
     if not isinstance(raw_demand, dict):
         return None
@@ -128,7 +148,25 @@ def decode(data: bytes) -> Report | None:
         if type(rate) not in (int, float) or not 0.0 <= rate <= MAX_DEMAND:
             return None
         demand[slug] = float(rate)
-    return Report(peer, out, demand)
+    return Report(peer, out, demand, chains)
+
+
+def _chains(raw: object) -> list[Chain] | None:
+    if not isinstance(raw, list) or len(raw) > MAX_CHAINS:
+        return None
+    chains: list[Chain] = []
+    for item in raw:
+        if not isinstance(item, list) or len(item) != 2:
+            return None
+        inst, hashes = item
+        if not isinstance(inst, str) or not isinstance(hashes, list):
+            return None
+        if len(hashes) > MAX_CHAIN_BLOCKS or not all(
+            type(h) is int and 0 <= h < 1 << 64 for h in hashes
+        ):
+            return None
+        chains.append((inst, hashes))
+    return chains
 
 
 @dataclass(slots=True)
@@ -300,6 +338,10 @@ class PeerSync:
         self._shared_at = -math.inf
         #: The counts as last published (a report of changes leaves out the rest).
         self._published: dict[str, Counts] = {}
+        #: Prompts sent since the last report, and what to do with the peers' (None: the
+        #: edge's prefix knowledge is exact, from the engines' KV events, and not shared).
+        self._chains: list[Chain] = []
+        self.on_chain: Callable[[str, Sequence[int]], None] | None = None
         self._changed = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self.counted = Gauge(
@@ -318,6 +360,19 @@ class PeerSync:
             ["result"],
             registry=registry,
         )
+        self.chains_dropped = Counter(
+            "fedinfer_edge_peer_prompts_unshared",
+            "Prompts sent past a report's limit, whose prefix the other edges did not hear of",
+            registry=registry,
+        )
+
+    def sent(self, instance: str, hashes: Sequence[int]) -> None:
+        """A prompt went to ``instance``: tell the peers with the next report."""
+        if len(self._chains) >= MAX_CHAINS:
+            self.chains_dropped.inc()
+            return
+        self._chains.append((instance, list(hashes[:MAX_CHAIN_BLOCKS])))
+        self._changed.set()
 
     def start(self) -> None:
         self.board.on_change = self._changed.set
@@ -349,14 +404,15 @@ class PeerSync:
                 now = time.monotonic()
                 self.counted.set(self.peers.expire(now))
                 counts = board_counts(self.board)
+                chains, self._chains = self._chains, []
                 if now - self._shared_at >= HEARTBEAT_S:
                     self._shared_at = now
                     self._reshare(now)
-                    message = encode(self.peers.me, counts, self._demand)
+                    message = encode(self.peers.me, counts, self._demand, chains)
                 else:
                     last = self._published
                     changes = {i: c for i, c in counts.items() if last.get(i) != c}
-                    message = encode(self.peers.me, changes)
+                    message = encode(self.peers.me, changes, None, chains)
                 try:
                     await client.publish(self.channel, message)
                     self._published = counts
@@ -418,7 +474,12 @@ class PeerSync:
         if parsed.peer == self.peers.me:
             return
         self.messages.labels("applied").inc()
-        self.peers.apply(parsed.peer, parsed.counts, time.monotonic(), parsed.demand)
+        now = time.monotonic()
+        self.peers.apply(parsed.peer, parsed.counts, now, parsed.demand)
+        on_chain = self.on_chain
+        if on_chain is not None:
+            for instance, hashes in parsed.chains:
+                on_chain(instance, hashes)
 
 
 def peer_id(name: str | None) -> str:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import xxhash
 
@@ -44,6 +44,7 @@ class Placement:
         "health",
         "lines",
         "loads",
+        "on_sent",
         "prefix",
         "seen",
         "splits",
@@ -74,6 +75,8 @@ class Placement:
         self.splits = SplitCounts()
         #: Exact prefixes for the models with a tokenizer (None: none configured).
         self.tokens = tokens
+        #: Told of every prompt placed on the byte estimate (peer sync shares it).
+        self.on_sent: Callable[[str, Sequence[int]], None] | None = None
 
     def hash_prompt(self, ctx: RequestContext) -> None:
         """The prompt's block hashes, and what its tenant may be shown of the cache."""
@@ -175,9 +178,12 @@ class Placement:
 
     def sent(self, ctx: RequestContext, inst: Instance) -> None:
         """The prompt goes to ``inst``: after its prefill the engine holds its blocks (as
-        SGLang does, speculatively); the KV events confirm or correct it."""
+        SGLang does, speculatively); the KV events confirm or correct it. A prompt placed on
+        the estimate is also told to the region's other edges (``on_sent``: peer sync)."""
         if ctx.hashes:
             self.prefix.insert(ctx.hashes, inst.id, time.monotonic())
+            if self.on_sent is not None and ctx.tokens is None:
+                self.on_sent(inst.id, ctx.hashes)
         if ctx.tokens is not None and self.tokens is not None:
             self.tokens.sent(ctx.tokens, inst)
 

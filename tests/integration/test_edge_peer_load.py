@@ -88,12 +88,12 @@ def region(tmp_path: Path) -> Iterator[Region]:
             redis.proc.stop()
 
 
-def chat(url: str, tokens: int = 2, timeout: float = 30) -> httpx.Response:
+def chat(url: str, tokens: int = 2, timeout: float = 30, text: str = "x" * 4000) -> httpx.Response:
     return httpx.post(
         url + "/v1/chat/completions",
         json={
             "model": "llama",
-            "messages": [{"role": "user", "content": "x" * 4000}],
+            "messages": [{"role": "user", "content": text}],
             "max_tokens": tokens,
         },
         timeout=timeout,
@@ -125,11 +125,19 @@ def detail(edge: EdgeProc) -> dict[str, Any]:
     return httpx.get(edge.ops + "/healthz", timeout=5).json()["detail"]
 
 
+def metric(edge: EdgeProc, name: str) -> float:
+    """The sum of a metric's series at ``edge``."""
+    values = [
+        float(line.rsplit(" ", 1)[1])
+        for line in httpx.get(edge.ops + "/metrics", timeout=5).text.splitlines()
+        if line.startswith((name + " ", name + "{"))
+    ]
+    assert values, f"{name} missing from the edge's /metrics"
+    return sum(values)
+
+
 def peers_counted(edge: EdgeProc) -> float:
-    for line in httpx.get(edge.ops + "/metrics", timeout=5).text.splitlines():
-        if line.startswith("fedinfer_edge_peers "):
-            return float(line.split()[1])
-    raise AssertionError("fedinfer_edge_peers missing from the edge's /metrics")
+    return metric(edge, "fedinfer_edge_peers")
 
 
 def test_an_edge_routes_around_the_requests_another_edge_sent(region: Region) -> None:
@@ -146,6 +154,23 @@ def test_an_edge_routes_around_the_requests_another_edge_sent(region: Region) ->
     assert route_of(answer.headers)["instance"] == "fast"
     wait_until(lambda: detail(b)["fast"]["peer_inflight"] == 0, timeout=5, what="b sees it end")
     assert route_of(chat(b.url).headers)["instance"] == "fast"
+
+
+def test_an_edge_knows_the_prefixes_another_edge_sent_on_the_byte_estimate(
+    region: Region,
+) -> None:
+    a, b = region.edges
+    prompt = "A long shared system prompt. " * 140  # ~4 KB: 63 blocks of 64 bytes
+    first = chat(a.url, text=prompt + "first question")
+    assert first.status_code == 200
+    holder = route_of(first.headers)["instance"]
+    predicted = "fedinfer_edge_predicted_cached_tokens_total"
+    before = metric(b, predicted)
+    time.sleep(0.3)  # a's next report (within 5 ms of the request)
+    second = chat(b.url, text=prompt + "second question")
+    assert route_of(second.headers)["instance"] == holder
+    # b never saw this prompt: only a's report can have told it which instance holds it.
+    assert metric(b, predicted) - before >= 900
 
 
 def test_a_killed_edge_stops_counting_and_redis_away_leaves_both_serving(

@@ -5,15 +5,19 @@ from __future__ import annotations
 
 import orjson
 import pytest
+from prometheus_client import CollectorRegistry
 
 from regions.edge.admission import Admission
 from regions.edge.load import LoadBoard
 from regions.edge.peer_load import (
     EXPIRE_S,
+    MAX_CHAIN_BLOCKS,
+    MAX_CHAINS,
     MAX_MESSAGE_BYTES,
     SHARE_FLOOR,
     DemandMeter,
     PeerLoads,
+    PeerSync,
     board_counts,
     decode,
     demand_shares,
@@ -132,9 +136,9 @@ def test_an_edge_publishes_its_totals_and_in_flight_per_instance() -> None:
     counts = board_counts(board)
     assert counts == {"i-1": (2, 1, 750, 1)}  # i-2 never sent to: left out
     report = decode(encode("edge-a@h:1", counts, {"acme": 2.5}))
-    assert report == ("edge-a@h:1", counts, {"acme": 2.5})
+    assert report == ("edge-a@h:1", counts, {"acme": 2.5}, [])
     # A report of changes only carries no demand: the last full report's stands.
-    assert decode(encode("edge-a@h:1", counts)) == ("edge-a@h:1", counts, None)
+    assert decode(encode("edge-a@h:1", counts)) == ("edge-a@h:1", counts, None, [])
 
 
 def test_a_report_of_changes_updates_those_instances_a_full_one_replaces_all() -> None:
@@ -149,9 +153,21 @@ def test_a_report_of_changes_updates_those_instances_a_full_one_replaces_all() -
     assert peers.peers["b"].demand == {}
 
 
+def test_prompts_placed_on_the_estimate_travel_with_the_next_report_bounded() -> None:
+    sync = PeerSync("redis://unused", "r1", peers_of(board_of("i-1")), CollectorRegistry())
+    sync.sent("i-1", list(range(MAX_CHAIN_BLOCKS + 10)))  # a huge prompt: its head
+    for _ in range(MAX_CHAINS + 5):
+        sync.sent("i-1", [1, 2, 3])
+    assert len(sync._chains) == MAX_CHAINS
+    assert len(sync._chains[0][1]) == MAX_CHAIN_BLOCKS
+    assert sync.chains_dropped._value.get() == 6
+    report = decode(encode("b", {}, None, [("i-1", [2**64 - 1, 0, 7])]))
+    assert report is not None and report.chains == [("i-1", [2**64 - 1, 0, 7])]
+
+
 def test_malformed_or_oversized_messages_are_refused() -> None:
     good = {"p": "b", "i": {"i-1": [1, 0, 10, 1]}}
-    assert decode(orjson.dumps(good)) == ("b", {"i-1": (1, 0, 10, 1)}, None)
+    assert decode(orjson.dumps(good)) == ("b", {"i-1": (1, 0, 10, 1)}, None, [])
     for bad in (
         b"not json",
         b"[]",
@@ -161,6 +177,11 @@ def test_malformed_or_oversized_messages_are_refused() -> None:
         orjson.dumps({"p": "b", "i": {"i-1": [1, 0, 1.5, 1]}}),
         orjson.dumps({"p": "b", "i": {"i-1": [True, 0, 1, 1]}}),
         orjson.dumps({"p": "b", "i": {}, "f": True}),
+        orjson.dumps({"p": "b", "i": {}, "x": [["i-1", [-1]]]}),
+        orjson.dumps({"p": "b", "i": {}, "x": [["i-1", [1.5]]]}),
+        orjson.dumps({"p": "b", "i": {}, "x": [["i-1", list(range(MAX_CHAIN_BLOCKS + 1))]]}),
+        orjson.dumps({"p": "b", "i": {}, "x": [["i-1", [1]]] * (MAX_CHAINS + 1)}),
+        orjson.dumps({"p": "b", "i": {}, "x": [[1, [1]]]}),
         orjson.dumps({"p": "b", "i": {}, "f": True, "d": {"acme": -1.0}}),
         orjson.dumps({"p": "b", "i": {}, "f": True, "d": {"acme": "many"}}),
         orjson.dumps({"p": "b", "i": {}, "f": True, "d": [1.0]}),
