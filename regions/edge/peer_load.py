@@ -334,6 +334,7 @@ class PeerSync:
         #: Whose rate-limit shares follow the tenants' demand (None: 1/n each).
         self.admission = admission
         self.meter = DemandMeter()
+        #: This edge's demand per tenant as last published (what its peers hold of it).
         self._demand: dict[str, float] = {}
         self._shared_at = -math.inf
         #: The counts as last published (a report of changes leaves out the rest).
@@ -402,13 +403,17 @@ class PeerSync:
                     await asyncio.wait_for(self._changed.wait(), HEARTBEAT_S)
                 self._changed.clear()
                 now = time.monotonic()
+                heard = len(self.peers.peers)
                 self.counted.set(self.peers.expire(now))
+                if len(self.peers.peers) != heard:
+                    self._share(now)  # an edge went silent: 1/n each
                 counts = board_counts(self.board)
                 chains, self._chains = self._chains, []
+                demand = None
                 if now - self._shared_at >= HEARTBEAT_S:
                     self._shared_at = now
-                    self._reshare(now)
-                    message = encode(self.peers.me, counts, self._demand, chains)
+                    demand = self._measure(now)
+                    message = encode(self.peers.me, counts, demand, chains)
                 else:
                     last = self._published
                     changes = {i: c for i, c in counts.items() if last.get(i) != c}
@@ -416,6 +421,9 @@ class PeerSync:
                 try:
                     await client.publish(self.channel, message)
                     self._published = counts
+                    if demand is not None:
+                        self._demand = demand
+                        self._share(now)
                     backoff = RETRY_S[0]
                 except (OSError, redis.RedisError) as exc:
                     log.warning("peer sync: publishing to %s failed: %s", self.channel, exc)
@@ -426,13 +434,23 @@ class PeerSync:
         finally:
             await client.aclose()
 
-    def _reshare(self, now: float) -> None:
-        """Measure this edge's demand per tenant; give each tenant's limits to the edges in
-        proportion to theirs, while every edge of the table is heard (else 1/n each)."""
+    def _measure(self, now: float) -> dict[str, float]:
+        """This edge's demand per limited tenant now (for its next full report)."""
+        admission = self.admission
+        if admission is None or not admission.enabled:
+            return {}
+        return self.meter.update(admission.limited(), now)
+
+    def _share(self, now: float) -> None:
+        """Give each tenant's limits to the edges in proportion to their published demand,
+        while every edge of the table is heard (else 1/n each).
+
+        Run when this edge has published its demand and when a peer's full report arrives,
+        always from the demands as published: every edge then computes from the same figures
+        (shares summing to 1) but for the few ms a report takes to arrive."""
         admission = self.admission
         if admission is None or not admission.enabled:
             return
-        self._demand = self.meter.update(admission.limited(), now)
         peers = self.peers.peers
         shares = (
             demand_shares(self._demand, (p.demand for p in peers.values()), len(peers) + 1)
@@ -475,7 +493,10 @@ class PeerSync:
             return
         self.messages.labels("applied").inc()
         now = time.monotonic()
+        heard = len(self.peers.peers)
         self.peers.apply(parsed.peer, parsed.counts, now, parsed.demand)
+        if parsed.demand is not None or len(self.peers.peers) != heard:
+            self._share(now)
         on_chain = self.on_chain
         if on_chain is not None:
             for instance, hashes in parsed.chains:

@@ -252,3 +252,43 @@ def test_a_share_rerates_the_tenants_buckets_and_a_new_table_keeps_it() -> None:
     assert acme.requests is not None and acme.requests.rate == 9.0
     admission.reshare({}, 3.0)  # the peers went silent: back to 1/n
     assert acme.requests.rate == 5.0
+
+
+def test_two_edges_never_give_a_tenant_more_than_its_limit_as_its_traffic_moves() -> None:
+    """The shares are computed from published demand only, on every report: once a report has
+    arrived the edges' rates add up to the limit, while the traffic moves from one edge to
+    the other and back (not only at the next tick of each edge)."""
+    syncs: list[PeerSync] = []
+    for me in ("a", "b"):
+        admission = Admission("r1")
+        admission.load(limited_table(2), 0.0)
+        peers = PeerLoads(board_of(), me, lambda _i: RATE, lambda _i: None)
+        syncs.append(PeerSync("redis://unused", "r1", peers, CollectorRegistry(), admission))
+    a, b = syncs
+
+    def rates() -> float:
+        total = 0.0
+        for sync in syncs:
+            assert sync.admission is not None
+            bucket = sync.admission.by_hash["a" * 64].requests
+            assert bucket is not None
+            total += bucket.rate
+        return total
+
+    def publish(src: PeerSync, dst: PeerSync, now: float) -> None:
+        demand = src._measure(now)
+        src._demand = demand  # published: the source reshares (as in its loop), and ...
+        src._share(now)
+        dst._receive(encode(src.peers.me, {}, demand))  # ... a ms later, the peer
+        assert rates() <= 10.0 * 1.002
+
+    publish(a, b, 0.0)
+    publish(b, a, 0.0)
+    now = 0.0
+    for where in [a] * 12 + [b] * 12 + [a, b] * 6:
+        now += 0.25
+        assert where.admission is not None
+        where.admission.by_hash["a" * 64].asked += 5  # 20 requests/s arriving there
+        publish(a, b, now)
+        publish(b, a, now + 0.1)
+    assert rates() == pytest.approx(10.0, rel=2e-3)
