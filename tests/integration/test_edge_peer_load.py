@@ -165,6 +165,7 @@ def test_an_edge_knows_the_prefixes_another_edge_sent_on_the_byte_estimate(
     assert first.status_code == 200
     holder = route_of(first.headers)["instance"]
     predicted = "fedinfer_edge_predicted_cached_tokens_total"
+    assert chat(b.url, text="an unrelated question").status_code == 200  # b's series exist
     before = metric(b, predicted)
     time.sleep(0.3)  # a's next report (within 5 ms of the request)
     second = chat(b.url, text=prompt + "second question")
