@@ -16,7 +16,6 @@ import contextlib
 import logging
 import signal
 import time
-from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import httpx
@@ -41,7 +40,7 @@ from regions.edge.kv_events import KvEventHub
 from regions.edge.load import LoadBoard, SpeedCollector, scrape_loop
 from regions.edge.metering import Meter, UsageCollector
 from regions.edge.observability import EdgeMetrics
-from regions.edge.peer_load import PeerLoads, PeerSync, peer_id
+from regions.edge.peer_sync import build_peer_sync
 from regions.edge.placement import Placement
 from regions.edge.prefix_index import PrefixIndex
 from regions.edge.record import CLIENT_GONE, Recorder
@@ -163,7 +162,7 @@ class Edge:
         self.admit_stage: AdmitStage = (
             self.admit if self.tracer is None else self.tracer.admitting(self.admit)
         )
-        self.peer_sync = self._peer_sync(cfg)
+        self.peer_sync = build_peer_sync(self)
         self._apply_table(table)
         self.sync = TableSync(cfg.sync, cfg.region, self) if cfg.sync is not None else None
         self._sync_client: httpx.AsyncClient | None = None
@@ -318,35 +317,6 @@ class Edge:
             self._table_stamp = file_stamp(self.cfg.table_path)
         except OSError:
             self._table_stamp = None
-
-    def _peer_sync(self, cfg: EdgeConfig) -> PeerSync | None:
-        """Live load, rate-limit demand and estimated prefixes shared with the region's other
-        edges (``peer_load.py``), when given a Redis to share them over."""
-        if not cfg.peer_redis_url:
-            return None
-        sync = PeerSync(
-            cfg.peer_redis_url,
-            cfg.region,
-            PeerLoads(self.loads, peer_id(cfg.name), self._peer_rate, self._peer_freed),
-            self.metrics.registry,
-            self.admission,
-        )
-        self.placement.on_sent = sync.sent
-        sync.on_chain = self._peer_chain
-        return sync
-
-    def _peer_rate(self, instance: str) -> float:
-        return self.prefill_rates.get(instance, 0.0) * self.loads.get(instance).speed
-
-    def _peer_chain(self, instance: str, hashes: Sequence[int]) -> None:
-        """Another edge sent this prompt to ``instance``: it will hold its blocks."""
-        if instance in self.instances:
-            self.prefix.insert(hashes, instance, time.monotonic())
-
-    def _peer_freed(self, instance: str) -> None:
-        inst = self.instances.get(instance)
-        if inst is not None:
-            self.lines.wake(inst)
 
     async def _watch_table(self) -> None:
         while True:

@@ -17,12 +17,12 @@ from regions.edge.peer_load import (
     SHARE_FLOOR,
     DemandMeter,
     PeerLoads,
-    PeerSync,
     board_counts,
     decode,
     demand_shares,
     encode,
 )
+from regions.edge.peer_sync import PeerSync
 from regions.engines.metrics import EngineLoad
 from regions.tables.schema import RoutingTable, decode_table
 

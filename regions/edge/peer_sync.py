@@ -1,0 +1,275 @@
+"""The I/O of peer sync (``peer_load.py``): publish this edge's reports and fold in the
+other edges' over the region's Redis, pub/sub channel ``fedinfer:edge-load:<region>``.
+Reconnects with backoff while Redis is away; meanwhile the peers expire and every edge routes
+on its own view and the scrapes."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import os
+import secrets
+import time
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import redis
+import redis.asyncio as aioredis
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from regions.edge.admission import Admission
+from regions.edge.peer_load import (
+    HEARTBEAT_S,
+    MAX_CHAIN_BLOCKS,
+    MAX_CHAINS,
+    Chain,
+    Counts,
+    DemandMeter,
+    PeerLoads,
+    board_counts,
+    decode,
+    demand_shares,
+    encode,
+)
+
+if TYPE_CHECKING:
+    from regions.edge.app import Edge
+
+log = logging.getLogger("fedinfer.edge.peers")
+
+#: At most one message per this many seconds (a burst of requests is one message).
+MIN_INTERVAL_S = 0.005
+#: Reconnect backoff while Redis is away.
+RETRY_S = (0.2, 5.0)
+
+
+def channel(region: str) -> str:
+    return f"fedinfer:edge-load:{region}"
+
+
+class PeerSync:
+    """Publishes this edge's counts (soon after each change, and every :data:`HEARTBEAT_S`)
+    and folds in the peers' over Redis pub/sub; reconnects while Redis is away."""
+
+    def __init__(
+        self,
+        url: str,
+        region: str,
+        peers: PeerLoads,
+        registry: CollectorRegistry,
+        admission: Admission | None = None,
+    ) -> None:
+        self.url = url
+        self.channel = channel(region)
+        self.peers = peers
+        self.board = peers.board
+        #: Whose rate-limit shares follow the tenants' demand (None: 1/n each).
+        self.admission = admission
+        self.meter = DemandMeter()
+        #: This edge's demand per tenant as last published (what its peers hold of it).
+        self._demand: dict[str, float] = {}
+        self._shared_at = -math.inf
+        #: The counts as last published (a report of changes leaves out the rest).
+        self._published: dict[str, Counts] = {}
+        #: Prompts sent since the last report, and what to do with the peers' (None: the
+        #: edge's prefix knowledge is exact, from the engines' KV events, and not shared).
+        self._chains: list[Chain] = []
+        self.on_chain: Callable[[str, Sequence[int]], None] | None = None
+        self._changed = asyncio.Event()
+        self._tasks: list[asyncio.Task[None]] = []
+        self.counted = Gauge(
+            "fedinfer_edge_peers",
+            "Other edges of the region whose in-flight requests this edge counts (peer sync)",
+            registry=registry,
+        )
+        self.up = Gauge(
+            "fedinfer_edge_peer_sync_up",
+            "1 while this edge is subscribed to its region's load channel",
+            registry=registry,
+        )
+        self.messages = Counter(
+            "fedinfer_edge_peer_messages",
+            "Load reports received from the region's other edges, by outcome",
+            ["result"],
+            registry=registry,
+        )
+        self.chains_dropped = Counter(
+            "fedinfer_edge_peer_prompts_unshared",
+            "Prompts sent past a report's limit, whose prefix the other edges did not hear of",
+            registry=registry,
+        )
+
+    def sent(self, instance: str, hashes: Sequence[int]) -> None:
+        """A prompt went to ``instance``: tell the peers with the next report."""
+        if len(self._chains) >= MAX_CHAINS:
+            self.chains_dropped.inc()
+            return
+        self._chains.append((instance, list(hashes[:MAX_CHAIN_BLOCKS])))
+        self._changed.set()
+
+    def start(self) -> None:
+        self.board.on_change = self._changed.set
+        self._tasks = [
+            asyncio.create_task(self._publish_loop()),
+            asyncio.create_task(self._subscribe_loop()),
+        ]
+
+    async def stop(self) -> None:
+        self.board.on_change = None
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks = []
+
+    def _client(self) -> aioredis.Redis:
+        return aioredis.Redis.from_url(
+            self.url, socket_connect_timeout=2.0, socket_timeout=2.0, health_check_interval=0
+        )
+
+    async def _publish_loop(self) -> None:
+        backoff = RETRY_S[0]
+        client = self._client()
+        try:
+            while True:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._changed.wait(), HEARTBEAT_S)
+                self._changed.clear()
+                now = time.monotonic()
+                heard = len(self.peers.peers)
+                self.counted.set(self.peers.expire(now))
+                if len(self.peers.peers) != heard:
+                    self._share(now)  # an edge went silent: 1/n each
+                counts = board_counts(self.board)
+                chains, self._chains = self._chains, []
+                demand = None
+                if now - self._shared_at >= HEARTBEAT_S:
+                    self._shared_at = now
+                    demand = self._measure(now)
+                    message = encode(self.peers.me, counts, demand, chains)
+                else:
+                    last = self._published
+                    changes = {i: c for i, c in counts.items() if last.get(i) != c}
+                    message = encode(self.peers.me, changes, None, chains)
+                try:
+                    await client.publish(self.channel, message)
+                    self._published = counts
+                    if demand is not None:
+                        self._demand = demand
+                        self._share(now)
+                    backoff = RETRY_S[0]
+                except (OSError, redis.RedisError) as exc:
+                    log.warning("peer sync: publishing to %s failed: %s", self.channel, exc)
+                    await asyncio.sleep(backoff)
+                    backoff = min(backoff * 2, RETRY_S[1])
+                    continue
+                await asyncio.sleep(MIN_INTERVAL_S)  # changes meanwhile go in the next one
+        finally:
+            await client.aclose()
+
+    def _measure(self, now: float) -> dict[str, float]:
+        """This edge's demand per limited tenant now (for its next full report)."""
+        admission = self.admission
+        if admission is None or not admission.enabled:
+            return {}
+        return self.meter.update(admission.limited(), now)
+
+    def _share(self, now: float) -> None:
+        """Give each tenant's limits to the edges in proportion to their published demand,
+        while every edge of the table is heard (else 1/n each).
+
+        Run when this edge has published its demand and when a peer's full report arrives,
+        always from the demands as published: every edge then computes from the same figures
+        (shares summing to 1) but for the few ms a report takes to arrive."""
+        admission = self.admission
+        if admission is None or not admission.enabled:
+            return
+        peers = self.peers.peers
+        shares = (
+            demand_shares(self._demand, (p.demand for p in peers.values()), len(peers) + 1)
+            if admission.local_edges > 1 and len(peers) + 1 == admission.local_edges
+            else {}
+        )
+        admission.reshare(shares, now)
+
+    async def _subscribe_loop(self) -> None:
+        backoff = RETRY_S[0]
+        while True:
+            client = self._client()
+            # Typed Any: the installed redis stubs predate the async client's aclose().
+            pubsub: Any = client.pubsub(ignore_subscribe_messages=True)
+            try:
+                await pubsub.subscribe(self.channel)
+                self.up.set(1)
+                backoff = RETRY_S[0]
+                while True:
+                    # Blocks until a message (peers publish every HEARTBEAT_S at least).
+                    message = await pubsub.get_message(timeout=None)
+                    if message is not None and message.get("type") == "message":
+                        self._receive(message["data"])
+            except (OSError, redis.RedisError) as exc:
+                log.warning("peer sync: subscription to %s lost: %s", self.channel, exc)
+            finally:
+                self.up.set(0)
+                with contextlib.suppress(OSError, redis.RedisError):
+                    await pubsub.aclose()
+                    await client.aclose()
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, RETRY_S[1])
+
+    def _receive(self, data: object) -> None:
+        parsed = decode(data) if isinstance(data, bytes) else None
+        if parsed is None:
+            self.messages.labels("invalid").inc()
+            return
+        if parsed.peer == self.peers.me:
+            return
+        self.messages.labels("applied").inc()
+        now = time.monotonic()
+        heard = len(self.peers.peers)
+        self.peers.apply(parsed.peer, parsed.counts, now, parsed.demand)
+        if parsed.demand is not None or len(self.peers.peers) != heard:
+            self._share(now)
+        on_chain = self.on_chain
+        if on_chain is not None:
+            for instance, hashes in parsed.chains:
+                on_chain(instance, hashes)
+
+
+def peer_id(name: str | None) -> str:
+    """This edge process's id on the channel: its name (if any), host, pid and a nonce (a
+    restarted container may have the same host name and pid)."""
+    return f"{name or 'edge'}@{os.uname().nodename}:{os.getpid()}:{secrets.token_hex(3)}"
+
+
+def build_peer_sync(edge: Edge) -> PeerSync | None:
+    """The edge's peer sync, wired to its load board, gateway lines, prefix index and
+    admission; None without a Redis to share over (``--peer-redis-url``)."""
+    cfg = edge.cfg
+    if not cfg.peer_redis_url:
+        return None
+
+    def rate_of(instance: str) -> float:
+        return edge.prefill_rates.get(instance, 0.0) * edge.loads.get(instance).speed
+
+    def freed(instance: str) -> None:
+        inst = edge.instances.get(instance)
+        if inst is not None:
+            edge.lines.wake(inst)
+
+    def chain(instance: str, hashes: Sequence[int]) -> None:
+        """Another edge sent this prompt to ``instance``: it will hold its blocks."""
+        if instance in edge.instances:
+            edge.prefix.insert(hashes, instance, time.monotonic())
+
+    sync = PeerSync(
+        cfg.peer_redis_url,
+        cfg.region,
+        PeerLoads(edge.loads, peer_id(cfg.name), rate_of, freed),
+        edge.metrics.registry,
+        edge.admission,
+    )
+    edge.placement.on_sent = sync.sent
+    sync.on_chain = chain
+    return sync
