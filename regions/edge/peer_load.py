@@ -47,6 +47,10 @@ MIN_DEMAND = 0.01
 #: The part of its equal share (1/n of a limit) an edge keeps whatever the demand, so a
 #: tenant's first requests at an edge it had not used are not refused while demand catches up.
 SHARE_FLOOR = 0.2
+#: How far a tenant's share moves towards its target on each report: the edges move together
+#: (the shares keep summing to 1) but gradually, so a phase difference between the edges'
+#: reports does not shrink a bucket (and clip what it held) only to grow it again.
+SHARE_STEP = 0.2
 #: Requests/s a report may claim for one tenant (anything above is malformed).
 MAX_DEMAND = 1e6
 #: One instance's counts in a message: sent, ended, uncached tokens sent, in flight.
@@ -296,4 +300,21 @@ def demand_shares(
             continue
         share = SHARE_FLOOR * equal + (1.0 - SHARE_FLOOR) * own.get(slug, 0.0) / total
         out[slug] = round(share, 3)
+    return out
+
+
+def step_shares(
+    current: Mapping[str, float], target: Mapping[str, float], equal: float
+) -> dict[str, float]:
+    """Each tenant's share moved :data:`SHARE_STEP` of the way to its target (1/n, ``equal``,
+    for a tenant left out). Every edge takes the same step on the same report, so shares that
+    summed to 1 still do. A share back at 1/n is left out."""
+    out: dict[str, float] = {}
+    for slug in current.keys() | target.keys():
+        goal = target.get(slug, equal)
+        share = current.get(slug, equal)
+        share += SHARE_STEP * (goal - share)
+        if goal == equal and abs(share - equal) < 1e-3:
+            continue
+        out[slug] = round(share, 4)
     return out

@@ -32,6 +32,7 @@ from regions.edge.peer_load import (
     decode,
     demand_shares,
     encode,
+    step_shares,
 )
 
 if TYPE_CHECKING:
@@ -181,17 +182,19 @@ class PeerSync:
 
         Run when this edge has published its demand and when a peer's full report arrives,
         always from the demands as published: every edge then computes from the same figures
-        (shares summing to 1) but for the few ms a report takes to arrive."""
+        (shares summing to 1) but for the few ms a report takes to arrive. Each run moves the
+        shares a step towards their targets (``step_shares``); with an edge unheard they are
+        1/n at once."""
         admission = self.admission
         if admission is None or not admission.enabled:
             return
         peers = self.peers.peers
-        shares = (
-            demand_shares(self._demand, (p.demand for p in peers.values()), len(peers) + 1)
-            if admission.local_edges > 1 and len(peers) + 1 == admission.local_edges
-            else {}
-        )
-        admission.reshare(shares, now)
+        edges = len(peers) + 1
+        if admission.local_edges <= 1 or edges != admission.local_edges:
+            admission.reshare({}, now)
+            return
+        target = demand_shares(self._demand, (p.demand for p in peers.values()), edges)
+        admission.reshare(step_shares(admission.shares, target, 1.0 / edges), now)
 
     async def _subscribe_loop(self) -> None:
         backoff = RETRY_S[0]

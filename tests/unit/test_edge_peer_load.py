@@ -21,6 +21,7 @@ from regions.edge.peer_load import (
     decode,
     demand_shares,
     encode,
+    step_shares,
 )
 from regions.edge.peer_sync import PeerSync
 from regions.engines.metrics import EngineLoad
@@ -292,3 +293,19 @@ def test_two_edges_never_give_a_tenant_more_than_its_limit_as_its_traffic_moves(
         publish(a, b, now)
         publish(b, a, now + 0.1)
     assert rates() == pytest.approx(10.0, rel=2e-3)
+
+
+def test_shares_step_towards_their_targets_together_and_leave_at_one_over_n() -> None:
+    a: dict[str, float] = {}
+    b: dict[str, float] = {}
+    for _ in range(40):
+        # a's report came first: for one report a sees the tenant as all its own.
+        a = step_shares(a, demand_shares({"acme": 8.0}, [{}], 2), 0.5)
+        b = step_shares(b, demand_shares({}, [{"acme": 8.0}], 2), 0.5)
+        assert a["acme"] + b["acme"] == pytest.approx(1.0, abs=2e-4)
+        a = step_shares(a, demand_shares({"acme": 8.0}, [{"acme": 8.0}], 2), 0.5)
+        b = step_shares(b, demand_shares({"acme": 8.0}, [{"acme": 8.0}], 2), 0.5)
+        assert a.get("acme", 0.5) + b.get("acme", 0.5) == pytest.approx(1.0, abs=2e-4)
+    # One step of the odd phase moves a share by a fifth of the gap, not all the way to 0.9.
+    assert step_shares({}, {"acme": 0.9}, 0.5) == {"acme": 0.58}
+    assert step_shares({"acme": 0.5005}, {}, 0.5) == {}  # back at 1/n: left out
