@@ -74,8 +74,8 @@ class PeerSync:
         self._shared_at = -math.inf
         #: The counts as last published (a report of changes leaves out the rest).
         self._published: dict[str, Counts] = {}
-        #: Prompts sent since the last report, and what to do with the peers' (None: the
-        #: edge's prefix knowledge is exact, from the engines' KV events, and not shared).
+        #: Prompts placed on the byte estimate since the last report (``sent``), and where the
+        #: peers' go (the edge's prefix index, ``build_peer_sync``).
         self._chains: list[Chain] = []
         self.on_chain: Callable[[str, Sequence[int]], None] | None = None
         self._changed = asyncio.Event()
