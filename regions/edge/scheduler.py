@@ -16,7 +16,8 @@ time-to-first-token in seconds. The formula and the reasons for it are in
              + max(0, busy - max_concurrency + 1) * mean_service_s / max_concurrency
     ttft_s   = rtt_s + queue_s + (prompt_tokens - cached) / rate + step_s
 
-where ``busy = max(outstanding, own in-flight) + gateway waiters for the instance``. Under the
+where ``busy = max(outstanding, in-flight) + gateway waiters for the instance`` (in-flight: this
+edge's requests, and the region's other edges' with peer sync, ``peer_load.py``). Under the
 ``fedinfer`` policy an instance at its cap stays a candidate (its slot wait is in ``queue_s``);
 the decision then says ``wait`` and the request waits at the gateway for that instance.
 Session affinity with hysteresis: the session's instance keeps the request while its expected
@@ -85,7 +86,8 @@ class Candidate:
     healthy: bool
     max_concurrency: int
     prefill_tokens_per_s: float
-    #: This edge's own in-flight requests (the hard cap applies to these).
+    #: Requests known in flight: this edge's, plus the other edges' with peer sync (the hard
+    #: cap, and the wait at the gateway, apply to these).
     inflight: int
     #: Estimated requests on the engine from every edge (see ``load.py``).
     outstanding: int
