@@ -38,8 +38,9 @@ log = logging.getLogger("fedinfer.edge.peers")
 HEARTBEAT_S = 0.25
 #: A peer not heard from for this long is no longer counted.
 EXPIRE_S = 1.0
-#: Larger messages are refused unread (a table holds at most a few hundred instances).
-MAX_MESSAGE_BYTES = 256 * 1024
+#: Larger messages are refused unread; a sender leaves its prompts out of a report rather
+#: than exceed it (``peer_sync.py``).
+MAX_MESSAGE_BYTES = 1024 * 1024
 #: Demand's averaging time: how fast a tenant's share follows its requests to another edge.
 DEMAND_TAU_S = 1.0
 #: Below this many requests/s a tenant's demand is left out of the report.
@@ -60,8 +61,10 @@ Chain = tuple[str, list[int]]
 #: Blocks of one prompt shared with the peers (its first 128 KiB at 64 bytes a block): the
 #: head of a longer one is what other prompts share with it.
 MAX_CHAIN_BLOCKS = 2048
-#: Prompts per report; beyond, until the next report, the peers do not hear of them (counted).
+#: Prompts per report, and their blocks in all (~170 KiB of hashes at most); beyond, until
+#: the next report, the peers do not hear of them (counted).
 MAX_CHAINS = 64
+MAX_REPORT_BLOCKS = 8192
 
 
 def board_counts(board: LoadBoard) -> dict[str, Counts]:

@@ -24,6 +24,8 @@ from regions.edge.peer_load import (
     HEARTBEAT_S,
     MAX_CHAIN_BLOCKS,
     MAX_CHAINS,
+    MAX_MESSAGE_BYTES,
+    MAX_REPORT_BLOCKS,
     Chain,
     Counts,
     DemandMeter,
@@ -77,6 +79,7 @@ class PeerSync:
         #: Prompts placed on the byte estimate since the last report (``sent``), and where the
         #: peers' go (the edge's prefix index, ``build_peer_sync``).
         self._chains: list[Chain] = []
+        self._blocks = 0
         self.on_chain: Callable[[str, Sequence[int]], None] | None = None
         self._changed = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
@@ -96,6 +99,11 @@ class PeerSync:
             ["result"],
             registry=registry,
         )
+        self.oversized = Counter(
+            "fedinfer_edge_peer_reports_oversized",
+            "Reports not sent because they exceeded the size peers accept",
+            registry=registry,
+        )
         self.chains_dropped = Counter(
             "fedinfer_edge_peer_prompts_unshared",
             "Prompts sent past a report's limit, whose prefix the other edges did not hear of",
@@ -104,10 +112,12 @@ class PeerSync:
 
     def sent(self, instance: str, hashes: Sequence[int]) -> None:
         """A prompt went to ``instance``: tell the peers with the next report."""
-        if len(self._chains) >= MAX_CHAINS:
+        head = list(hashes[:MAX_CHAIN_BLOCKS])
+        if len(self._chains) >= MAX_CHAINS or self._blocks + len(head) > MAX_REPORT_BLOCKS:
             self.chains_dropped.inc()
             return
-        self._chains.append((instance, list(hashes[:MAX_CHAIN_BLOCKS])))
+        self._chains.append((instance, head))
+        self._blocks += len(head)
         self._changed.set()
 
     def start(self) -> None:
@@ -143,7 +153,7 @@ class PeerSync:
                 if len(self.peers.peers) != heard:
                     self._share(now)  # an edge went silent: 1/n each
                 counts = board_counts(self.board)
-                chains, self._chains = self._chains, []
+                chains, self._chains, self._blocks = self._chains, [], 0
                 demand = None
                 if now - self._shared_at >= HEARTBEAT_S:
                     self._shared_at = now
@@ -153,6 +163,15 @@ class PeerSync:
                     last = self._published
                     changes = {i: c for i, c in counts.items() if last.get(i) != c}
                     message = encode(self.peers.me, changes, None, chains)
+                if len(message) > MAX_MESSAGE_BYTES:
+                    # Its peers would refuse it: they go on without hearing from this edge
+                    # (after EXPIRE_S, as if it were silent: 1/n shares, its load in scrapes).
+                    self.oversized.inc()
+                    self.chains_dropped.inc(len(chains))
+                    log.error(
+                        "peer sync: a %d-byte report exceeds the limit; not sent", len(message)
+                    )
+                    continue
                 try:
                     await client.publish(self.channel, message)
                     self._published = counts

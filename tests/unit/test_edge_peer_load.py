@@ -14,6 +14,7 @@ from regions.edge.peer_load import (
     MAX_CHAIN_BLOCKS,
     MAX_CHAINS,
     MAX_MESSAGE_BYTES,
+    MAX_REPORT_BLOCKS,
     SHARE_FLOOR,
     DemandMeter,
     PeerLoads,
@@ -162,6 +163,12 @@ def test_prompts_placed_on_the_estimate_travel_with_the_next_report_bounded() ->
     assert len(sync._chains) == MAX_CHAINS
     assert len(sync._chains[0][1]) == MAX_CHAIN_BLOCKS
     assert sync.chains_dropped._value.get() == 6
+    sync = PeerSync("redis://unused", "r1", peers_of(board_of("i-1")), CollectorRegistry())
+    for _ in range(5):
+        sync.sent("i-1", [2**64 - 1 - k for k in range(MAX_CHAIN_BLOCKS)])  # 20 digits each
+    assert sum(len(h) for _, h in sync._chains) == MAX_REPORT_BLOCKS  # the fifth left out
+    report = decode(encode("b", {}, {"t": 1.0}, sync._chains))
+    assert report is not None and len(encode("b", {}, None, sync._chains)) < MAX_MESSAGE_BYTES
     report = decode(encode("b", {}, None, [("i-1", [2**64 - 1, 0, 7])]))
     assert report is not None and report.chains == [("i-1", [2**64 - 1, 0, 7])]
 
