@@ -45,9 +45,10 @@ from regions.edge.placement import Placement
 from regions.edge.prefix_index import PrefixIndex
 from regions.edge.record import CLIENT_GONE, Recorder
 from regions.edge.relay import JSON, Relay, respond
+from regions.edge.reports import Heartbeats, healthz_document
 from regions.edge.server import Receive, Scope, Send
 from regions.edge.sessions import SessionMap
-from regions.edge.spill import Remote, overflow_shares, ramping, spill_plan
+from regions.edge.spill import Remote, ramping, spill_plan
 from regions.edge.spill_over import SpillOver
 from regions.edge.split import Split, SplitCollector, split_plan
 from regions.edge.sync import TableSync
@@ -104,7 +105,6 @@ class Edge:
         self.several_edges = False
         self.ramping = False
         self.models_body = b""
-        self._cold_reported = False
         self.meter = _meter(cfg)
         if self.meter is not None:
             self.metrics.registry.register(UsageCollector(self.meter))
@@ -166,8 +166,7 @@ class Edge:
         self._apply_table(table)
         self.sync = TableSync(cfg.sync, cfg.region, self) if cfg.sync is not None else None
         self._sync_client: httpx.AsyncClient | None = None
-        self._beat_at = time.monotonic()
-        self._beat_tokens: dict[str, int] = {}
+        self.heartbeats = Heartbeats()
 
     @property
     def upstream(self) -> UpstreamPool:
@@ -233,45 +232,7 @@ class Edge:
         self.metrics.table_rejections.inc()
 
     def heartbeat_document(self) -> dict[str, Any]:
-        """Heartbeat v1 (``docs/distribution.md``): applied version, health and load, and what
-        this edge has committed of the budgets it holds leases of."""
-        now = time.monotonic()
-        elapsed = max(now - self._beat_at, 1e-3)
-        self._beat_at = now
-        previous = self._beat_tokens
-        tokens: dict[str, int] = {}
-        instances = []
-        overflow = overflow_shares(self.spill_over.overflow, self.by_model)
-        for inst in self.table.instances:
-            health = self.health.states.get(inst.id)
-            load = self.loads.get(inst.id)
-            _, waiting, kv = load.snapshot()
-            tokens[inst.id] = load.tokens
-            sent = load.tokens - previous.get(inst.id, load.tokens)
-            instances.append(
-                {
-                    "id": inst.id,
-                    "healthy": health is not None and health.healthy,
-                    "in_flight": load.inflight,
-                    "queued": waiting + self.lines.targeted.get(inst.id, 0),
-                    "kv_cache_usage": min(1.0, max(0.0, kv)),
-                    "tokens_per_s": round(max(0, sent) / elapsed, 3),
-                    "overflow": overflow.get(inst.id, 0),
-                }
-            )
-        self._beat_tokens = tokens
-        document: dict[str, Any] = {
-            "applied_table_version": self.table.version,
-            "instances": instances,
-            "budgets": self.budgets.report(),
-        }
-        # Only to a control plane that lists cold models (an older one refuses the field),
-        # and once more after the last one warmed, so that its demand is cleared.
-        cold = self.cold.report()
-        if self.cold.models or self._cold_reported:
-            document["cold"] = cold
-        self._cold_reported = bool(self.cold.models)
-        return document
+        return self.heartbeats.document(self)
 
     def reload_table(self, force: bool = False) -> bool:
         """Re-read the table file; a bad or non-advancing table is refused, the old one kept."""
@@ -434,7 +395,8 @@ class Edge:
         if scope["method"] != "GET":
             await self.relay.error(send, EdgeError(405, "use GET", "method_not_allowed"))
         elif path == "/healthz":
-            await self._healthz(send)
+            # Always 200: the edge itself is alive; restarting it would not bring engines back.
+            await respond(send, 200, orjson.dumps(healthz_document(self)), JSON)
         elif path == "/metrics":
             await respond(
                 send, 200, generate_latest(self.metrics.registry), CONTENT_TYPE_LATEST.encode()
@@ -466,43 +428,6 @@ class Edge:
             await self.relay.error(
                 send, EdgeError(404, f"no route for {method} {path}", "not_found")
             )
-
-    async def _healthz(self, send: Send) -> None:
-        """Liveness plus what the scheduler currently believes about each instance."""
-        now = time.monotonic()
-        instances = {}
-        for inst in self.table.instances:
-            health = self.health.states.get(inst.id)
-            load = self.loads.get(inst.id)
-            outstanding, waiting, kv = load.snapshot()
-            instances[inst.id] = {
-                "state": inst.state,
-                "healthy": health is not None and health.healthy,
-                "reason": health.reason if health is not None else "",
-                "inflight": load.inflight,
-                "peer_inflight": load.peer_inflight,
-                "outstanding": outstanding,
-                "waiting": waiting,
-                "kv_cache_usage": kv,
-                "scraped_age_s": round(now - load.scraped_at, 3) if load.engine else None,
-            }
-        healthy = sum(1 for v in instances.values() if v["healthy"])
-        body = orjson.dumps(
-            {
-                "status": "ok" if healthy else "degraded",
-                "region": self.cfg.region,
-                "table_version": self.table.version,
-                "instances": len(self.table.instances),
-                "healthy_instances": healthy,
-                "queue_depth": self.lines.queued,
-                "cold_models": {name: self.cold.held(name) for name in sorted(self.cold.models)},
-                "table_source": "file" if self.sync is None else "control-plane",
-                "sync_error": self.sync.last_error if self.sync is not None else "",
-                "detail": instances,
-            }
-        )
-        # Always 200: the edge itself is alive; restarting it would not bring engines back.
-        await respond(send, 200, body, JSON)
 
     # ---------------------------------------------------------------- requests
 
