@@ -51,7 +51,9 @@ class Attempt:
         self.load.tokens += prompt_tokens
         inflight = attempts.inflight
         inflight[inst.id] = inflight.get(inst.id, 0) + 1
-        attempts.loads.changed()
+        changed = attempts.loads.on_change
+        if changed is not None:  # peer sync on: tell the other edges
+            changed()
         #: The instance saw the request (its time counts as service time).
         self.reached = True
         self.started = 0.0
@@ -65,9 +67,12 @@ class Attempt:
             self.load.finish(time.perf_counter() - self.started)
         else:
             self.load.release()
-        self.attempts.inflight[self.inst.id] -= 1
-        self.attempts.loads.changed()
-        self.attempts.lines.wake(self.inst)
+        attempts = self.attempts
+        attempts.inflight[self.inst.id] -= 1
+        changed = attempts.loads.on_change
+        if changed is not None:
+            changed()
+        attempts.lines.wake(self.inst)
 
     def failed(self, failure: UpstreamFailure) -> None:
         """It failed before the first byte: count it against the instance's health."""

@@ -10,6 +10,7 @@ running the request. A first placement may send it to another region instead
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 from regions.edge.attempt import Attempt, Attempts
 from regions.edge.config import EdgeConfig
@@ -32,6 +33,7 @@ class Forwarder:
         "cfg",
         "fleet",
         "metrics",
+        "on_session",
         "placement",
         "prefix",
         "relay",
@@ -59,6 +61,8 @@ class Forwarder:
         self.spill_over = spill_over
         self.sessions = sessions
         self.metrics = metrics
+        #: Told of every session placed on a new instance (peer sync shares it).
+        self.on_session: Callable[[int, str], None] | None = None
 
     async def serve(self, ctx: RequestContext) -> None:
         """Place and forward until an answer (or a refusal) reached the client."""
@@ -84,8 +88,10 @@ class Forwarder:
             uncached = req.prompt_tokens - winner.cached_tokens
             with Attempt(self.attempts, inst, req.prompt_tokens, uncached) as attempt:
                 self.placement.sent(ctx, inst)
-                if session_key is not None:
-                    self.sessions.remember(session_key, inst.id)
+                if session_key is not None and self.sessions.remember(session_key, inst.id):
+                    placed = self.on_session
+                    if placed is not None:  # peer sync: the other edges keep it there too
+                        placed(session_key, inst.id)
                 try:
                     await self.forward(inst, decision, ctx)
                     return

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
+import random
 import time
 from collections.abc import Callable, Iterator, Mapping
 
@@ -25,6 +27,9 @@ from prometheus_client.registry import Collector
 from regions.engines.metrics import EngineLoad, parse_vllm_metrics
 
 log = logging.getLogger("fedinfer.edge.load")
+
+#: How far one scrape interval may differ from the configured one (a fraction of it).
+SCRAPE_JITTER = 0.05
 
 
 class InstanceLoad:
@@ -44,6 +49,7 @@ class InstanceLoad:
         "pending_tokens",
         "scraped_at",
         "sent_total",
+        "shared_at",
         "speed",
         "tokens",
         "uncached_total",
@@ -60,6 +66,9 @@ class InstanceLoad:
         self.uncached_total = 0
         self.engine: EngineLoad | None = None
         self.scraped_at = 0.0
+        #: When a peer's reading of the engine last arrived (peer sync): while it is fresh,
+        #: this edge does not scrape the engine itself (``scrape_loop``).
+        self.shared_at = -math.inf
         self.admitted_since_scrape = 0
         self.finished_since_scrape = 0
         #: EWMA of end-to-end seconds per request on this instance (slot turnover).
@@ -124,6 +133,11 @@ class InstanceLoad:
         self.admitted_since_scrape = 0
         self.finished_since_scrape = 0
 
+    def shared(self, engine: EngineLoad, now: float) -> None:
+        """A reading another edge of the region scraped and shared, in place of this edge's."""
+        self.scraped(engine, now)
+        self.shared_at = now
+
     def snapshot(self) -> tuple[int, int, float]:
         """(outstanding requests, of which waiting to be scheduled, KV-cache usage 0..1).
 
@@ -155,11 +169,8 @@ class LoadBoard:
         self.scrape_timeout_s = scrape_timeout_s
         #: Called when this edge sends or ends a request (peer sync publishes soon after).
         self.on_change: Callable[[], None] | None = None
-
-    def changed(self) -> None:
-        hook = self.on_change
-        if hook is not None:
-            hook()
+        #: Called with each reading this edge scraped (peer sync shares it).
+        self.on_scraped: Callable[[str, EngineLoad], None] | None = None
 
     def sync(self, ids: list[str]) -> None:
         self.loads = {i: self.loads.get(i) or InstanceLoad() for i in ids}
@@ -215,6 +226,9 @@ async def scrape_once(
     load = board.loads.get(instance)
     if load is not None:
         load.scraped(engine, time.monotonic())
+        shared = board.on_scraped
+        if shared is not None:
+            shared(instance, engine)
 
 
 async def scrape_loop(
@@ -227,14 +241,22 @@ async def scrape_loop(
     """Scrape every instance's ``/metrics`` every ``interval_s`` until cancelled.
 
     Each instance on its own: a starved engine answering late (up to the scrape timeout)
-    delays its own next reading, never the other engines'."""
+    delays its own next reading, never the other engines'. An instance a peer read less than
+    ``interval_s`` ago (peer sync shares readings) is not scraped again: however many edges a
+    region runs, each engine answers about ``1 / interval_s`` scrapes a second, not that many
+    per edge. The interval varies by ±:data:`SCRAPE_JITTER` so that edges which started in
+    step drift apart, and the first to scrape stands in for the others."""
     running: dict[str, asyncio.Task[None]] = {}
+    loads = board.loads
     try:
         while True:
             started = time.monotonic()
             pairs = targets()
             for instance, url in pairs:
                 task = running.get(instance)
+                load = loads.get(instance)
+                if load is not None and started - load.shared_at < interval_s:
+                    continue
                 if task is None or task.done():
                     running[instance] = asyncio.create_task(
                         scrape_once(client, board, instance, url, on_error)
@@ -242,7 +264,8 @@ async def scrape_loop(
             live = {instance for instance, _ in pairs}
             for instance in [i for i in running if i not in live and running[i].done()]:
                 del running[instance]
-            await asyncio.sleep(max(0.0, interval_s - (time.monotonic() - started)))
+            period = interval_s * random.uniform(1.0 - SCRAPE_JITTER, 1.0 + SCRAPE_JITTER)
+            await asyncio.sleep(max(0.0, period - (time.monotonic() - started)))
     finally:
         for task in running.values():
             task.cancel()

@@ -9,11 +9,15 @@ replicas share their in-flight requests the same way, beside the KV events that 
 every edge the same prefix view.
 
 What crosses, per instance: this edge's running totals of requests sent and ended and of
-uncached prompt tokens sent, and its requests in flight. Totals make a lost or late message
-harmless (the next one carries the difference); in-flight counts are replaced, not added. A
-peer silent for :data:`EXPIRE_S` is dropped (its in-flight no longer counted) and the scrapes
-alone carry its load again, as with Redis away; ``fedinfer_edge_peers`` shows how many are
-counted. Transport: the region's Redis, pub/sub channel ``fedinfer:edge-load:<region>``.
+uncached prompt tokens sent, and its requests in flight; its readings of the engines'
+``/metrics`` (the others skip their own scrape while one is fresh, so an engine is not scraped
+once per edge); the sessions it placed on a new instance (so a session's next turn stays there
+whichever edge it reaches) and, on the byte estimate, where its prompts went. Totals make a
+lost or late message harmless (the next one carries the difference); in-flight counts are
+replaced, not added. A peer silent for :data:`EXPIRE_S` is dropped (its in-flight no longer
+counted) and the scrapes alone carry its load again, as with Redis away;
+``fedinfer_edge_peers`` shows how many are counted. Transport: the region's Redis, pub/sub
+channel ``fedinfer:edge-load:<region>``.
 
 :class:`PeerLoads` folds reports in, :class:`DemandMeter` and :func:`demand_shares` set the
 rate-limit shares; all pure. Their I/O is ``peer_sync.py``.
@@ -31,6 +35,7 @@ import orjson
 
 from regions.edge.admission import TenantState
 from regions.edge.load import LoadBoard
+from regions.engines.metrics import EngineLoad
 
 log = logging.getLogger("fedinfer.edge.peers")
 
@@ -65,6 +70,17 @@ MAX_CHAIN_BLOCKS = 2048
 #: the next report, the peers do not hear of them (counted).
 MAX_CHAINS = 64
 MAX_REPORT_BLOCKS = 8192
+#: An engine's load as an edge scraped it: requests running, waiting, KV-cache usage (0..1).
+Reading = tuple[int, int, float]
+#: Readings per report (instances of a region); beyond, the peers scrape those themselves.
+MAX_READINGS = 1024
+#: A count in a reading above this is malformed.
+MAX_READING_COUNT = 1_000_000
+#: A session key (``sessions.session_key``) and the instance an edge placed it on.
+Placed = tuple[int, str]
+#: Sessions placed per report (~20 KiB); beyond, until the next report, the peers do not hear
+#: of them (counted) and fall back to the session's home.
+MAX_SESSIONS = 512
 
 
 def board_counts(board: LoadBoard) -> dict[str, Counts]:
@@ -81,16 +97,24 @@ def encode(
     counts: Mapping[str, Counts],
     demand: Mapping[str, float] | None = None,
     chains: Sequence[Chain] = (),
+    sessions: Sequence[Placed] = (),
+    readings: Mapping[str, Reading] | None = None,
 ) -> bytes:
     """A report. With ``demand`` it is a full one (every instance sent to, and the demand per
     tenant: every :data:`HEARTBEAT_S`); without, only the instances whose counts changed.
-    ``chains``: the prompts' block hashes sent to each instance since the last report."""
+    ``chains``: the prompts' block hashes sent to each instance since the last report;
+    ``sessions``: the sessions placed on a new instance since then; ``readings``: the engines
+    it scraped since then."""
     doc: dict[str, object] = {"p": peer, "i": counts}
     if demand is not None:
         doc["d"] = demand
         doc["f"] = True
     if chains:
         doc["x"] = chains
+    if sessions:
+        doc["s"] = sessions
+    if readings:
+        doc["e"] = readings
     return orjson.dumps(doc)
 
 
@@ -102,6 +126,10 @@ class Report(NamedTuple):
     demand: dict[str, float] | None
     #: The prompts' block hashes the peer sent and to which instance (byte-estimate path).
     chains: list[Chain]
+    #: The sessions the peer placed on a new instance (it keeps them there).
+    sessions: list[Placed]
+    #: The engines the peer scraped since its last report (in place of this edge's scrape).
+    readings: dict[str, Reading]
 
 
 def decode(data: bytes) -> Report | None:
@@ -127,10 +155,12 @@ def decode(data: bytes) -> Report | None:
             return None
         out[inst] = (counts[0], counts[1], counts[2], counts[3])
     chains = _chains(doc.get("x", []))
-    if chains is None:
+    sessions = _sessions(doc.get("s", []))
+    readings = _readings(doc.get("e", {}))
+    if chains is None or sessions is None or readings is None:
         return None
     if doc.get("f") is not True:
-        return Report(peer, out, None, chains)
+        return Report(peer, out, None, chains, sessions, readings)
     raw_demand = doc.get("d")
     if not isinstance(raw_demand, dict):
         return None
@@ -139,7 +169,7 @@ def decode(data: bytes) -> Report | None:
         if type(rate) not in (int, float) or not 0.0 <= rate <= MAX_DEMAND:
             return None
         demand[slug] = float(rate)
-    return Report(peer, out, demand, chains)
+    return Report(peer, out, demand, chains, sessions, readings)
 
 
 def _chains(raw: object) -> list[Chain] | None:
@@ -158,6 +188,36 @@ def _chains(raw: object) -> list[Chain] | None:
             return None
         chains.append((inst, hashes))
     return chains
+
+
+def _sessions(raw: object) -> list[Placed] | None:
+    if not isinstance(raw, list) or len(raw) > MAX_SESSIONS:
+        return None
+    placed: list[Placed] = []
+    for item in raw:
+        if not isinstance(item, list) or len(item) != 2:
+            return None
+        key, inst = item
+        if type(key) is not int or not 0 <= key < 1 << 64 or not isinstance(inst, str):
+            return None
+        placed.append((key, inst))
+    return placed
+
+
+def _readings(raw: object) -> dict[str, Reading] | None:
+    if not isinstance(raw, dict) or len(raw) > MAX_READINGS:
+        return None
+    readings: dict[str, Reading] = {}
+    for inst, reading in raw.items():
+        if not isinstance(reading, list) or len(reading) != 3:
+            return None
+        running, waiting, kv = reading
+        if not all(type(n) is int and 0 <= n <= MAX_READING_COUNT for n in (running, waiting)):
+            return None
+        if type(kv) not in (int, float) or not 0.0 <= kv <= 1.0:
+            return None
+        readings[inst] = (running, waiting, float(kv))
+    return readings
 
 
 @dataclass(slots=True)
@@ -227,6 +287,18 @@ class PeerLoads:
                 continue  # totals went down: the peer restarted its count; new baseline
             if d_sent or d_ended:
                 load.peers_sent(d_sent, d_ended, d_unc, now, self.rate_of(inst))
+
+    def read(self, readings: Mapping[str, Reading], now: float) -> int:
+        """A peer's readings of the engines, taken as this edge's own scrapes; how many were
+        of instances this edge knows."""
+        loads = self.board.loads
+        used = 0
+        for inst, (running, waiting, kv) in readings.items():
+            load = loads.get(inst)
+            if load is not None:
+                load.shared(EngineLoad(running, waiting, kv), now)
+                used += 1
+        return used
 
     def expire(self, now: float) -> int:
         """Drop peers silent for :data:`EXPIRE_S`; the number still counted."""

@@ -25,17 +25,22 @@ from regions.edge.peer_load import (
     MAX_CHAIN_BLOCKS,
     MAX_CHAINS,
     MAX_MESSAGE_BYTES,
+    MAX_READINGS,
     MAX_REPORT_BLOCKS,
+    MAX_SESSIONS,
     Chain,
     Counts,
     DemandMeter,
     PeerLoads,
+    Placed,
+    Reading,
     board_counts,
     decode,
     demand_shares,
     encode,
     step_shares,
 )
+from regions.engines.metrics import EngineLoad
 
 if TYPE_CHECKING:
     from regions.edge.app import Edge
@@ -81,6 +86,12 @@ class PeerSync:
         self._chains: list[Chain] = []
         self._blocks = 0
         self.on_chain: Callable[[str, Sequence[int]], None] | None = None
+        #: Sessions placed on a new instance since the last report (``session_placed``), and
+        #: where the peers' go (the edge's session map, ``build_peer_sync``).
+        self._sessions: list[Placed] = []
+        self.on_session: Callable[[int, str], None] | None = None
+        #: The engines this edge scraped since the last report (``scraped``).
+        self._readings: dict[str, Reading] = {}
         self._changed = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self.counted = Gauge(
@@ -104,6 +115,18 @@ class PeerSync:
             "Reports not sent because they exceeded the size peers accept",
             registry=registry,
         )
+        self.readings = Counter(
+            "fedinfer_edge_engine_readings",
+            "Engine load readings (/metrics) this edge used, by origin: its own scrape, or "
+            "a peer's in its place",
+            ["origin"],
+            registry=registry,
+        )
+        self.sessions_dropped = Counter(
+            "fedinfer_edge_peer_sessions_unshared",
+            "Sessions placed past a report's limit, which the other edges did not hear of",
+            registry=registry,
+        )
         self.chains_dropped = Counter(
             "fedinfer_edge_peer_prompts_unshared",
             "Prompts sent past a report's limit, whose prefix the other edges did not hear of",
@@ -120,8 +143,30 @@ class PeerSync:
         self._blocks += len(head)
         self._changed.set()
 
+    def session_placed(self, key: int, instance: str) -> None:
+        """A session went to ``instance`` (new here, or moved): tell the peers with the next
+        report, so that its next turn stays there whichever edge it reaches."""
+        if len(self._sessions) >= MAX_SESSIONS:
+            self.sessions_dropped.inc()
+            return
+        self._sessions.append((key, instance))
+        self._changed.set()
+
+    def scraped(self, instance: str, engine: EngineLoad) -> None:
+        """This edge read ``instance``'s load: share it with the next report."""
+        self.readings.labels("scraped").inc()
+        readings = self._readings
+        if len(readings) < MAX_READINGS or instance in readings:
+            readings[instance] = (
+                engine.num_requests_running,
+                engine.num_requests_waiting,
+                min(1.0, max(0.0, engine.kv_cache_usage_perc)),
+            )
+            self._changed.set()
+
     def start(self) -> None:
         self.board.on_change = self._changed.set
+        self.board.on_scraped = self.scraped
         self._tasks = [
             asyncio.create_task(self._publish_loop()),
             asyncio.create_task(self._subscribe_loop()),
@@ -129,6 +174,7 @@ class PeerSync:
 
     async def stop(self) -> None:
         self.board.on_change = None
+        self.board.on_scraped = None
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -154,20 +200,23 @@ class PeerSync:
                     self._share(now)  # an edge went silent: 1/n each
                 counts = board_counts(self.board)
                 chains, self._chains, self._blocks = self._chains, [], 0
+                sessions, self._sessions = self._sessions, []
+                readings, self._readings = self._readings, {}
                 demand = None
                 if now - self._shared_at >= HEARTBEAT_S:
                     self._shared_at = now
                     demand = self._measure(now)
-                    message = encode(self.peers.me, counts, demand, chains)
+                    message = encode(self.peers.me, counts, demand, chains, sessions, readings)
                 else:
                     last = self._published
                     changes = {i: c for i, c in counts.items() if last.get(i) != c}
-                    message = encode(self.peers.me, changes, None, chains)
+                    message = encode(self.peers.me, changes, None, chains, sessions, readings)
                 if len(message) > MAX_MESSAGE_BYTES:
                     # Its peers would refuse it: they go on without hearing from this edge
                     # (after EXPIRE_S, as if it were silent: 1/n shares, its load in scrapes).
                     self.oversized.inc()
                     self.chains_dropped.inc(len(chains))
+                    self.sessions_dropped.inc(len(sessions))
                     log.error(
                         "peer sync: a %d-byte report exceeds the limit; not sent", len(message)
                     )
@@ -250,6 +299,9 @@ class PeerSync:
         self.messages.labels("applied").inc()
         now = time.monotonic()
         heard = len(self.peers.peers)
+        if parsed.readings:
+            # First: the counts that follow were sent after (most of) these readings.
+            self.readings.labels("peer").inc(self.peers.read(parsed.readings, now))
         self.peers.apply(parsed.peer, parsed.counts, now, parsed.demand)
         if parsed.demand is not None or len(self.peers.peers) != heard:
             self._share(now)
@@ -257,6 +309,10 @@ class PeerSync:
         if on_chain is not None:
             for instance, hashes in parsed.chains:
                 on_chain(instance, hashes)
+        on_session = self.on_session
+        if on_session is not None:
+            for key, instance in parsed.sessions:
+                on_session(key, instance)
 
 
 def peer_id(name: str | None) -> str:
@@ -266,8 +322,8 @@ def peer_id(name: str | None) -> str:
 
 
 def build_peer_sync(edge: Edge) -> PeerSync | None:
-    """The edge's peer sync, wired to its load board, gateway lines, prefix index and
-    admission; None without a Redis to share over (``--peer-redis-url``)."""
+    """The edge's peer sync, wired to its load board, gateway lines, prefix index, session
+    map and admission; None without a Redis to share over (``--peer-redis-url``)."""
     cfg = edge.cfg
     if not cfg.peer_redis_url:
         return None
@@ -285,6 +341,11 @@ def build_peer_sync(edge: Edge) -> PeerSync | None:
         if instance in edge.instances:
             edge.prefix.insert(hashes, instance, time.monotonic())
 
+    def session(key: int, instance: str) -> None:
+        """Another edge placed this session on ``instance``: keep its next turns there."""
+        if instance in edge.instances:
+            edge.sessions.remember(key, instance)
+
     sync = PeerSync(
         cfg.peer_redis_url,
         cfg.region,
@@ -293,5 +354,7 @@ def build_peer_sync(edge: Edge) -> PeerSync | None:
         edge.admission,
     )
     edge.placement.on_sent = sync.sent
+    edge.forwarder.on_session = sync.session_placed
     sync.on_chain = chain
+    sync.on_session = session
     return sync

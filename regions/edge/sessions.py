@@ -6,7 +6,8 @@ talking to the others, and when an instance leaves only the sessions homed on it
 scheduler keeps a session on its home unless load (or the cost of recomputing its prompt
 there) says otherwise (``scheduler.py``, the affinity band). Where this edge sent a session
 elsewhere (its home was overloaded or cold), :class:`SessionMap` remembers that instance and
-keeps the session there; another edge that did not see that turn falls back to the home.
+keeps the session there; with peer sync the region's other edges hear of it too
+(``peer_load.py``), else one that did not see that turn falls back to the home.
 
 The key is fixed-size per (tenant, model, session id), so one tenant's session ids never pin
 another tenant's requests and no client-sized string is kept; the map holds at most
@@ -61,10 +62,14 @@ class SessionMap:
     def get(self, key: int) -> str | None:
         return self._instances.get(key)
 
-    def remember(self, key: int, instance: str) -> None:
+    def remember(self, key: int, instance: str) -> bool:
+        """The session is on ``instance`` now; True when that is news (a new session here, or
+        one that moved), which peer sync tells the region's other edges."""
         instances = self._instances
-        if instances.get(key) != instance:
+        moved = instances.get(key) != instance
+        if moved:
             instances[key] = instance
         instances.move_to_end(key)
         if len(instances) > self.capacity:
             instances.popitem(last=False)
+        return moved

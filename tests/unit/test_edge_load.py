@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 
 import httpx
 
 from regions.edge.cli import build_parser, config_from_args
 from regions.edge.load import LoadBoard, scrape_loop, scrape_once
+from regions.engines.metrics import EngineLoad
 
 METRICS = """\
 vllm:num_requests_running{engine="0",model_name="m"} 4.0
@@ -81,3 +83,36 @@ def test_a_slow_engine_does_not_hold_back_the_other_engines_readings() -> None:
     asyncio.run(run())
     assert scrapes["slow"] == 1  # still waiting for its first answer
     assert scrapes["fast"] >= 8, scrapes
+
+
+def test_an_engine_a_peer_read_recently_is_not_scraped_again_and_readings_are_shared() -> None:
+    """Peer sync shares readings: while a peer's reading of an engine is fresh this edge does
+    not scrape it (an engine answers one edge's scrapes, not one per edge); what this edge
+    scrapes goes to its ``on_scraped`` hook."""
+    scrapes = {"mine": 0, "theirs": 0}
+    shared: list[tuple[str, int]] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        scrapes[request.url.host] += 1
+        return httpx.Response(200, text=METRICS)
+
+    async def run() -> LoadBoard:
+        board = LoadBoard()
+        board.sync(["mine", "theirs"])
+        board.on_scraped = lambda inst, engine: shared.append((inst, engine.num_requests_running))
+        targets = [("mine", "http://mine"), ("theirs", "http://theirs")]
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+            loop = asyncio.create_task(scrape_loop(client, board, lambda: targets, 0.05))
+            for _ in range(12):  # a peer reads "theirs" every 40 ms
+                board.loads["theirs"].shared(EngineLoad(7, 0, 0.5), time.monotonic())
+                await asyncio.sleep(0.04)
+            loop.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await loop
+        return board
+
+    board = asyncio.run(run())
+    assert scrapes["theirs"] == 0, scrapes
+    assert scrapes["mine"] >= 7, scrapes
+    assert shared and all(reading == ("mine", 4) for reading in shared)
+    assert board.loads["theirs"].snapshot() == (7, 0, 0.5)

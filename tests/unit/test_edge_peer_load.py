@@ -14,7 +14,9 @@ from regions.edge.peer_load import (
     MAX_CHAIN_BLOCKS,
     MAX_CHAINS,
     MAX_MESSAGE_BYTES,
+    MAX_READINGS,
     MAX_REPORT_BLOCKS,
+    MAX_SESSIONS,
     SHARE_FLOOR,
     DemandMeter,
     PeerLoads,
@@ -138,9 +140,9 @@ def test_an_edge_publishes_its_totals_and_in_flight_per_instance() -> None:
     counts = board_counts(board)
     assert counts == {"i-1": (2, 1, 750, 1)}  # i-2 never sent to: left out
     report = decode(encode("edge-a@h:1", counts, {"acme": 2.5}))
-    assert report == ("edge-a@h:1", counts, {"acme": 2.5}, [])
+    assert report == ("edge-a@h:1", counts, {"acme": 2.5}, [], [], {})
     # A report of changes only carries no demand: the last full report's stands.
-    assert decode(encode("edge-a@h:1", counts)) == ("edge-a@h:1", counts, None, [])
+    assert decode(encode("edge-a@h:1", counts)) == ("edge-a@h:1", counts, None, [], [], {})
 
 
 def test_a_report_of_changes_updates_those_instances_a_full_one_replaces_all() -> None:
@@ -173,9 +175,37 @@ def test_prompts_placed_on_the_estimate_travel_with_the_next_report_bounded() ->
     assert report is not None and report.chains == [("i-1", [2**64 - 1, 0, 7])]
 
 
+def test_sessions_placed_travel_with_the_next_report_bounded() -> None:
+    sync = PeerSync("redis://unused", "r1", peers_of(board_of("i-1")), CollectorRegistry())
+    for k in range(MAX_SESSIONS + 3):
+        sync.session_placed(2**64 - 1 - k, "i-1")
+    assert len(sync._sessions) == MAX_SESSIONS
+    assert sync.sessions_dropped._value.get() == 3
+    message = encode("b", {}, {"t": 1.0}, [], sync._sessions)
+    report = decode(message)
+    assert report is not None and report.sessions[:2] == [(2**64 - 1, "i-1"), (2**64 - 2, "i-1")]
+    assert len(report.sessions) == MAX_SESSIONS and len(message) < MAX_MESSAGE_BYTES // 16
+
+
+def test_a_peers_reading_of_an_engine_stands_in_for_this_edges_scrape() -> None:
+    board = board_of("i-1")
+    peers = peers_of(board)
+    board.loads["i-1"].admit(100)  # this edge's own, sent before the peer's reading
+    report = decode(encode("b", {}, None, readings={"i-1": (3, 2, 0.5), "gone": (1, 1, 0.1)}))
+    assert report is not None and report.readings["i-1"] == (3, 2, 0.5)
+    assert peers.read(report.readings, 10.0) == 1  # "gone" is not an instance here
+    load = board.loads["i-1"]
+    assert (load.shared_at, load.scraped_at) == (10.0, 10.0)
+    # The engine's own count (its running and waiting) replaces what was sent before it; the
+    # requests known in flight remain a floor.
+    assert load.snapshot() == (5, 2, 0.5)
+    load.admit(100)
+    assert load.snapshot()[0] == 6
+
+
 def test_malformed_or_oversized_messages_are_refused() -> None:
     good = {"p": "b", "i": {"i-1": [1, 0, 10, 1]}}
-    assert decode(orjson.dumps(good)) == ("b", {"i-1": (1, 0, 10, 1)}, None, [])
+    assert decode(orjson.dumps(good)) == ("b", {"i-1": (1, 0, 10, 1)}, None, [], [], {})
     for bad in (
         b"not json",
         b"[]",
@@ -190,6 +220,19 @@ def test_malformed_or_oversized_messages_are_refused() -> None:
         orjson.dumps({"p": "b", "i": {}, "x": [["i-1", list(range(MAX_CHAIN_BLOCKS + 1))]]}),
         orjson.dumps({"p": "b", "i": {}, "x": [["i-1", [1]]] * (MAX_CHAINS + 1)}),
         orjson.dumps({"p": "b", "i": {}, "x": [[1, [1]]]}),
+        b'{"p":"b","i":{},"s":[[18446744073709551616,"i-1"]]}',  # 2**64: past the hashes
+        orjson.dumps({"p": "b", "i": {}, "s": [[-1, "i-1"]]}),
+        orjson.dumps({"p": "b", "i": {}, "s": [["7", "i-1"]]}),
+        orjson.dumps({"p": "b", "i": {}, "s": [[7, 1]]}),
+        orjson.dumps({"p": "b", "i": {}, "e": {"i-1": [1, 0]}}),
+        orjson.dumps({"p": "b", "i": {}, "e": {"i-1": [1, -1, 0.5]}}),
+        orjson.dumps({"p": "b", "i": {}, "e": {"i-1": [1, 0, 1.5]}}),
+        orjson.dumps({"p": "b", "i": {}, "e": {"i-1": [1.0, 0, 0.5]}}),
+        orjson.dumps({"p": "b", "i": {}, "e": [["i-1", 1, 0, 0.5]]}),
+        orjson.dumps(
+            {"p": "b", "i": {}, "e": {f"i-{k}": [0, 0, 0] for k in range(MAX_READINGS + 1)}}
+        ),
+        orjson.dumps({"p": "b", "i": {}, "s": [[7, "i-1"]] * (MAX_SESSIONS + 1)}),
         orjson.dumps({"p": "b", "i": {}, "f": True, "d": {"acme": -1.0}}),
         orjson.dumps({"p": "b", "i": {}, "f": True, "d": {"acme": "many"}}),
         orjson.dumps({"p": "b", "i": {}, "f": True, "d": [1.0]}),

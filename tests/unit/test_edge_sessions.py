@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from regions.edge.app import Edge
 from regions.edge.config import EdgeConfig
-from regions.edge.sessions import home, session_key
+from regions.edge.sessions import SessionMap, home, session_key
 from regions.tables.schema import Instance, RoutingTable
 
 
@@ -29,6 +29,15 @@ def test_the_session_map_keeps_at_most_its_capacity() -> None:
         edge.sessions.remember(session_key("t", "llama", b"%d" % n), "i-1")
     assert len(edge.sessions) == 100
     assert session_key("t", "llama", b"9999") in edge.sessions  # the most recent stay
+
+
+def test_remembering_says_when_a_session_is_news_for_the_other_edges() -> None:
+    sessions = SessionMap(10)
+    key = session_key("t", "llama", b"chat-1")
+    assert sessions.remember(key, "i-1")  # new here
+    assert not sessions.remember(key, "i-1")  # its next turn, same instance: nothing to tell
+    assert sessions.remember(key, "i-2")  # moved
+    assert sessions.get(key) == "i-2"
 
 
 def test_a_sessions_home_is_the_same_at_every_edge_and_moves_only_with_its_instance() -> None:
