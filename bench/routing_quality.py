@@ -36,7 +36,9 @@ design), and the workload is written in the simulator's words (one token each).
 
 Scenario ``skewed-90`` (4 engines, the top system prompt in over half of the sessions, 90 %
 load, fedinfer against the session-hash oracle) runs once per seed, 1, 2 and 3 by default,
-and is also judged across its runs; alone: ``python -m bench routing --scenario skewed-90``.
+over 84 s of arrivals (its own duration: the others' 36 s left too few requests to judge a
+difference of a few per cent), and is also judged across its runs; alone:
+``python -m bench routing --scenario skewed-90``.
 
 Measured: TTFT (streaming, first content chunk) mean/p50/p90/p99, end-to-end latency,
 completed requests/s and output tokens/s in the window, prefix-cache hit rate from the engines'
@@ -58,7 +60,6 @@ import statistics
 import sys
 import tempfile
 import time
-import urllib.request
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -66,13 +67,14 @@ from typing import Any
 import uvloop
 
 from bench import routing_edges
-from bench.chat_client import Record, RunState, Target, replay, saturate
+from bench.chat_client import Target, replay, saturate
 from bench.fleet import Engines, start_edge, start_engines, write_table
 from bench.procs import VAR, bench_processes, git_rev, machine_info
-from bench.report import percentile, utc_now, write_result
+from bench.report import utc_now, write_result
 from bench.routing_report import MISCALIBRATED, render, targets
+from bench.routing_stats import edge_metrics, lag_stats, metric_delta, scrape, summarise
 from bench.workload import Workload, WorkloadSpec, generate
-from regions.engines.metrics import EngineLoad, parse_vllm_metrics
+from regions.engines.metrics import EngineLoad
 from regions.engines.simulator.bench_tokenizer import build
 from regions.supervisor import Process, Supervisor
 
@@ -97,6 +99,10 @@ class Scenario:
     seeds: tuple[int, ...] = ()
     policies: tuple[str, ...] = ()
     miscalibrated: bool = True
+    #: Seconds of arrivals (0: the run's ``--duration``). A case judged on small differences
+    #: needs a longer window: over 24 s (~375 requests on 4 engines) one seed's mean moved by
+    #: up to 17 % between runs, and its comparison with the oracle with it.
+    duration_s: float = 0.0
 
 
 SCENARIOS = (
@@ -104,7 +110,7 @@ SCENARIOS = (
     Scenario("zipf-90", "zipf", 0.90),
     # Zipf(1.8) over 12 prompts gives the top one 58 % of the sessions; 4 engines at 90 %.
     Scenario("skewed-90", "zipf", 0.90, zipf_s=1.8, engines=4, seeds=(1, 2, 3),
-             policies=("oracle", "fedinfer"), miscalibrated=False),
+             policies=("oracle", "fedinfer"), miscalibrated=False, duration_s=84.0),
 )  # fmt: skip
 
 
@@ -156,140 +162,6 @@ def base_spec(cfg: Config, sc: Scenario) -> WorkloadSpec:
         think_time_mean_s=cfg.think_time_mean_s,
         vocabulary="simulator" if cfg.tokenizer else "letters",
     )
-
-
-# ---------------------------------------------------------------- metrics
-
-
-def scrape(urls: list[str]) -> list[EngineLoad]:
-    out = []
-    for u in urls:
-        with urllib.request.urlopen(f"{u}/metrics", timeout=5) as r:
-            out.append(parse_vllm_metrics(r.read().decode()))
-    return out
-
-
-def metric_delta(before: list[EngineLoad], after: list[EngineLoad]) -> dict[str, Any]:
-    q = [
-        a.prefix_cache_queries_total - b.prefix_cache_queries_total
-        for b, a in zip(before, after, strict=True)
-    ]
-    h = [
-        a.prefix_cache_hits_total - b.prefix_cache_hits_total
-        for b, a in zip(before, after, strict=True)
-    ]
-    n = [
-        a.request_success_total - b.request_success_total
-        for b, a in zip(before, after, strict=True)
-    ]
-    p = [a.prompt_tokens_total - b.prompt_tokens_total for b, a in zip(before, after, strict=True)]
-    g = [
-        a.generation_tokens_total - b.generation_tokens_total
-        for b, a in zip(before, after, strict=True)
-    ]
-    total_n = sum(n)
-    return {
-        "hit_rate": sum(h) / sum(q) if sum(q) else math.nan,
-        "queries_tokens": sum(q),
-        "hits_tokens": sum(h),
-        "requests_per_engine": n,
-        "max_engine_share": max(n) / total_n if total_n else math.nan,
-        "hit_rate_per_engine": [hh / qq if qq else math.nan for hh, qq in zip(h, q, strict=True)],
-        "prompt_tokens": sum(p),
-        "generation_tokens": sum(g),
-    }
-
-
-def edge_metrics(url: str, save: Path) -> dict[str, float]:
-    """The edge's own counters worth reading next to the results (ejections, retries, ...)."""
-    with urllib.request.urlopen(f"{url}/metrics", timeout=5) as r:
-        text = r.read().decode()
-    save.write_text(text)
-    wanted = ("fedinfer_edge_ejections_total", "fedinfer_edge_retries_total",
-              "fedinfer_edge_midstream_failures_total", "fedinfer_edge_requests_total")  # fmt: skip
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        if line.startswith("#"):
-            continue
-        name, _, rest = line.partition("{") if "{" in line else line.partition(" ")
-        if name in wanted:
-            labels = rest.rsplit("}", 1)[0] if "}" in rest else ""
-            key = name
-            if name == "fedinfer_edge_requests_total":
-                status = [x for x in labels.split(",") if x.startswith("status=")]
-                key = f"{name}{{{status[0] if status else ''}}}"
-            out[key] = out.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
-    return out
-
-
-def summarise(records: list[Record], lo: float, hi: float) -> dict[str, Any]:
-    """Stats over requests sent in ``[lo, hi)`` (the measurement window)."""
-    window = [r for r in records if lo <= r.sent < hi]
-    ok = [r for r in window if not r.error and r.status == 200]
-    ttft = [r.ttft for r in ok]
-    e2e = [r.e2e for r in ok]
-    # Throughput: every request that *completed* inside the window, whenever it was sent.
-    done_in = [r for r in records if not r.error and r.status == 200 and lo <= r.sent + r.e2e < hi]
-    span = hi - lo
-    prompt = sum(r.prompt_tokens for r in ok)
-    cached = sum(r.cached_tokens for r in ok)
-    reasons: dict[str, int] = {}
-    for r in ok:
-        for part in r.route.split(";"):
-            if part.startswith("policy_reason="):
-                key = part.removeprefix("policy_reason=")
-                reasons[key] = reasons.get(key, 0) + 1
-    # Failed requests never produced a token: counted as infinitely late for the tail.
-    n_failed = len(window) - len(ok)
-    ttft_with_failures = ttft + [math.inf] * n_failed
-    errors: dict[str, int] = {}
-    for r in window:
-        if r.error or r.status != 200:
-            key = f"{r.status} {r.error[:60]}".strip()
-            errors[key] = errors.get(key, 0) + 1
-    return {
-        "sent": len(window),
-        "ok": len(ok),
-        "errors": sum(errors.values()),
-        "error_kinds": errors,
-        "ttft_mean_s": statistics.fmean(ttft) if ttft else math.nan,
-        "ttft_p50_s": percentile(ttft, 50),
-        "ttft_p90_s": percentile(ttft, 90),
-        "ttft_p99_s": percentile(ttft, 99),
-        "ttft_p99_with_failures_s": _p_inf(ttft_with_failures, 99),
-        "route_reasons": reasons,
-        "e2e_mean_s": statistics.fmean(e2e) if e2e else math.nan,
-        "e2e_p99_s": percentile(e2e, 99),
-        "sent_per_s": len(window) / span,
-        "completed_per_s": len(done_in) / span,
-        "output_tokens_per_s": sum(r.completion_tokens for r in done_in) / span,
-        "client_cached_fraction": cached / prompt if prompt else math.nan,
-        "mean_prompt_tokens": prompt / len(ok) if ok else math.nan,
-    }
-
-
-def _p_inf(values: list[float], q: float) -> float:
-    """:func:`percentile` where infinite values (failed requests) sort last: the result is
-    infinite as soon as the percentile reaches into them, and equal to ``percentile`` when
-    nothing failed."""
-    finite = sorted(v for v in values if v != math.inf)
-    n_inf = len(values) - len(finite)
-    if not n_inf:
-        return percentile(finite, q)
-    n = len(values)
-    pos = (n - 1) * q / 100.0
-    if math.ceil(pos) >= len(finite):
-        return math.inf
-    return percentile(finite, 100.0 * pos / (len(finite) - 1)) if len(finite) > 1 else finite[0]
-
-
-def lag_stats(state: RunState) -> dict[str, float]:
-    lags = state.lags
-    return {
-        "p50_ms": percentile(lags, 50) * 1000,
-        "p99_ms": percentile(lags, 99) * 1000,
-        "max_ms": max(lags) * 1000 if lags else math.nan,
-    }
 
 
 # ---------------------------------------------------------------- runs
@@ -472,9 +344,11 @@ def run(
     policies: tuple[str, ...] = POLICIES,
     seeds: tuple[int, ...] = (),
     repeat: int = 1,
+    duration_given: bool = False,
 ) -> dict[str, Any]:
     """Every scenario, ``repeat`` times per seed (``seeds``, else the scenario's, else
-    ``cfg.seed``); repeats replay the same workload at the same rate on fresh processes."""
+    ``cfg.seed``); repeats replay the same workload at the same rate on fresh processes.
+    A scenario's own duration stands unless ``duration_given`` (``--duration``)."""
     started = utc_now()
     machine_before = machine_info()
     logdir = VAR / "logs" / "routing"
@@ -494,8 +368,9 @@ def run(
         "scenarios": {},
     }
     for sc in scenarios:
+        duration = cfg.duration_s if duration_given or not sc.duration_s else sc.duration_s
         cfgs = {
-            seed: replace(cfg, seed=seed, engines=sc.engines or cfg.engines)
+            seed: replace(cfg, seed=seed, engines=sc.engines or cfg.engines, duration_s=duration)
             for seed in seeds or sc.seeds or (cfg.seed,)
         }
         cal = shared_calibration({seed: calibrate(c, sc, logdir) for seed, c in cfgs.items()})
@@ -597,7 +472,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--tp", type=int, default=d.tp)
     ap.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
     ap.add_argument("--seed", type=int, default=d.seed)
-    ap.add_argument("--duration", type=float, default=d.duration_s, help="seconds of arrivals")
+    ap.add_argument(
+        "--duration",
+        type=float,
+        help=f"seconds of arrivals (default {d.duration_s:g}, or the scenario's own)",
+    )
     ap.add_argument("--warmup", type=float, default=d.warmup_s, help="seconds not counted")
     ap.add_argument("--calibrate", type=float, default=d.calibrate_s, help="seconds of saturation")
     ap.add_argument("--policies", default=",".join(POLICIES))
@@ -618,6 +497,9 @@ def main(argv: list[str] | None = None) -> None:
         help="several edges share their live load over this Redis ('': they do not)",
     )
     a = ap.parse_args(argv)
+    duration_given = a.duration is not None
+    if not duration_given:
+        a.duration = d.duration_s
     if not 5 <= a.duration <= 300 or not 0 <= a.warmup < a.duration:
         ap.error("--duration must be 5..300 s and --warmup below it")
     cfg = Config(
@@ -646,7 +528,7 @@ def main(argv: list[str] | None = None) -> None:
         ap.error("--seeds takes integers, e.g. 1,2,3")
     if a.repeat < 1:
         ap.error("--repeat must be >= 1")
-    run(cfg, scen, pols, seeds, a.repeat)
+    run(cfg, scen, pols, seeds, a.repeat, duration_given)
 
 
 if __name__ == "__main__":
