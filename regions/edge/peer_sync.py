@@ -25,6 +25,7 @@ from regions.edge.peer_load import (
     MAX_CHAIN_BLOCKS,
     MAX_CHAINS,
     MAX_MESSAGE_BYTES,
+    MAX_READING_COUNT,
     MAX_READINGS,
     MAX_REPORT_BLOCKS,
     MAX_SESSIONS,
@@ -157,9 +158,11 @@ class PeerSync:
         self.readings.labels("scraped").inc()
         readings = self._readings
         if len(readings) < MAX_READINGS or instance in readings:
+            # Within what peers accept, whatever the engine claims (a report they refuse
+            # would lose its load counts too).
             readings[instance] = (
-                engine.num_requests_running,
-                engine.num_requests_waiting,
+                min(max(engine.num_requests_running, 0), MAX_READING_COUNT),
+                min(max(engine.num_requests_waiting, 0), MAX_READING_COUNT),
                 min(1.0, max(0.0, engine.kv_cache_usage_perc)),
             )
             self._changed.set()

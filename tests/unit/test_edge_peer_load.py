@@ -187,6 +187,15 @@ def test_sessions_placed_travel_with_the_next_report_bounded() -> None:
     assert len(report.sessions) == MAX_SESSIONS and len(message) < MAX_MESSAGE_BYTES // 16
 
 
+def test_an_edge_shares_its_readings_within_what_peers_accept() -> None:
+    sync = PeerSync("redis://unused", "r1", peers_of(board_of("i-1")), CollectorRegistry())
+    sync.scraped("i-1", EngineLoad(10**9, 3, 1.7))  # an engine claiming absurd numbers
+    sync.scraped("i-1", EngineLoad(10**9, 3, float("nan")))
+    report = decode(encode("b", {}, None, readings=sync._readings))
+    assert report is not None and report.readings == {"i-1": (1_000_000, 3, 0.0)}  # NaN: 0
+    assert sync.readings.labels("scraped")._value.get() == 2
+
+
 def test_a_peers_reading_of_an_engine_stands_in_for_this_edges_scrape() -> None:
     board = board_of("i-1")
     peers = peers_of(board)
