@@ -44,6 +44,11 @@ being answered (the answer would be taken for that one's). Idle keep-alive conne
 closed after ``keep_alive_s``. All these deadlines share one timer per connection, set lazily:
 a state change moves a deadline (one clock read) and re-arms the timer only when the new
 deadline is earlier than the armed one; a timer that fires early re-arms for what is pending.
+Time the server itself did not run is not held against a client: a timer that fires more than
+:data:`STALL_S` late (the process was descheduled or paused, or the loop blocked) gives each
+of the connection's deadlines that delay again, counted from no earlier than now, once: bytes
+the client sent as the machine resumed are read before it is judged, so a fresh connection whose
+request comes right after such a pause is served rather than closed unanswered.
 
 Lifespan is not an ASGI concern here: the CLI awaits the edge's ``startup()``/``shutdown()``.
 """
@@ -85,6 +90,8 @@ REFUSALS = (
     "too_many_connections",
     "bad_request",
 )
+#: A connection timer this late means the server was not running (see the module docstring).
+STALL_S = 1.0
 # What the read-side deadline of a connection is for (one at a time).
 _IDLE, _HEAD, _BODY = 1, 2, 3
 
@@ -337,6 +344,7 @@ class _Connection(asyncio.Protocol):
         self._read_kind = 0  # _IDLE, _HEAD or _BODY
         self._read_by = 0.0
         self._write_by = 0.0
+        self._excused = False  # the deadlines were moved for a stall of the server
 
     # -- asyncio.Protocol
 
@@ -567,6 +575,19 @@ class _Connection(asyncio.Protocol):
         """Act on the deadline that has passed, if any; re-arm for those still pending."""
         self._timer = None
         now = self.loop.time()
+        late = now - self._timer_at
+        if late > STALL_S and not self._excused:
+            # Fired this late, the server was away: the client gets that time back, once.
+            self._excused = True
+            if self._read_by:
+                self._read_by = max(self._read_by, now) + late
+            if self._write_by:
+                self._write_by = max(self._write_by, now) + late
+            due = [at for at in (self._read_by, self._write_by) if at]
+            if due:
+                self._arm(min(due))
+            return
+        self._excused = False
         if self._write_by:
             if now >= self._write_by:
                 self._drop("write_timeout")

@@ -9,10 +9,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+import time
 from typing import Any
 
 import pytest
 
+from regions.edge import server as edge_server
 from regions.edge.server import REFUSALS, EdgeServer, Message, Receive, Send
 from tests.unit.test_edge_server import _post, _response, echo_app, run
 
@@ -156,6 +158,38 @@ def test_a_connection_that_sends_nothing_is_closed_after_keep_alive_without_an_a
         writer.close()
 
     run(echo_app, test, keep_alive_s=0.3, head_timeout_s=5)
+
+
+@pytest.mark.parametrize("sends", [True, False], ids=["request-after-the-pause", "silent"])
+def test_time_the_server_did_not_run_is_not_held_against_a_fresh_connection(
+    monkeypatch: pytest.MonkeyPatch, sends: bool
+) -> None:
+    """The machine pauses (server and client alike) past the keep-alive deadline of a connection
+    just accepted. As both resume, the server's overdue timer runs before the client's request
+    arrives: without the stall rule it closed the connection unanswered ("Server disconnected
+    without sending a response", seen in CI on a fresh /healthz connection). A client that stays
+    silent after the pause is still closed, the pause given back once."""
+    monkeypatch.setattr(edge_server, "STALL_S", 0.3)
+
+    async def test(port: int, server: EdgeServer) -> None:
+        loop = asyncio.get_running_loop()
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        await _until(lambda: server.connections)
+        # A blocking sleep on purpose: nothing on the loop runs, 0.6 s past the 0.2 s deadline.
+        time.sleep(0.8)  # noqa: ASYNC251
+        await asyncio.sleep(0.05)  # the overdue timer runs before the client writes
+        if sends:
+            writer.write(_post(b"/after-the-pause", b""))
+            answer = await asyncio.wait_for(_response(reader), 2)
+            assert answer[1] == b"POST /after-the-pause ? "
+        else:
+            started = loop.time()
+            assert await _rest(reader) == b""
+            assert 0.4 <= loop.time() - started < 1.5  # the 0.6 s pause given back, no more
+        assert server.refusals == dict.fromkeys(REFUSALS, 0)
+        writer.close()
+
+    run(echo_app, test, keep_alive_s=0.2, head_timeout_s=5)
 
 
 def test_a_busy_keep_alive_connection_outlives_its_idle_timeout() -> None:
