@@ -326,10 +326,9 @@ def edge_outstanding(edge: EdgeProcess, instance: str) -> int:
         resp = httpx.get(edge.ops_url + "/healthz", timeout=10)
     except httpx.TransportError as exc:
         # Say what the edge was doing: whether it still runs, and the end of its log.
-        tail = "".join(edge.proc.log.read_text(errors="replace").splitlines(True)[-20:])
         raise AssertionError(
             f"/healthz of the edge failed: {exc!r}; edge exit code {edge.proc.poll()}; "
-            f"its log ends:\n{tail}"
+            f"its log ends:\n{edge.proc.tail(20)}"
         ) from exc
     resp.raise_for_status()
     return int(resp.json()["detail"][instance]["outstanding"])
