@@ -442,6 +442,11 @@ class Edge(TimeStampedModel):
     url = models.CharField(max_length=300, validators=[service_url_validator])
     last_heartbeat_at = models.DateTimeField(null=True, blank=True)
     applied_table_version = models.PositiveBigIntegerField(null=True, blank=True)
+    workers = models.PositiveSmallIntegerField(
+        default=1,
+        help_text="Worker processes it runs on its port, as its heartbeats say: each holds "
+        "budget leases of its own and is one of the region's edges for rate-limit shares.",
+    )
     cold_demand = models.JSONField(
         default=dict,
         blank=True,

@@ -39,6 +39,7 @@ from federation.metering.models import (
 )
 from federation.metering.pricing import FREE, PRICE_DECIMALS, Price, request_price
 from federation.tenancy.models import Tenant
+from regions.tables.schema import holds_for
 from regions.tables.usage import UsageRecord as UsageDocument
 from regions.tables.usage import UsageRecordError, decode_record
 
@@ -123,8 +124,8 @@ def usage_ingest(
 
     One transaction: all of the batch or none of it. A document that is not a valid record
     (or, with ``region`` and ``edge``, a record of another region or edge: an edge reports
-    only its own) is returned in ``rejected`` rather than raised, so it cannot hold the
-    stream up.
+    only its own and its workers') is returned in ``rejected`` rather than raised, so it cannot
+    hold the stream up.
     """
     result = IngestResult()
     records: list[UsageDocument] = []
@@ -137,7 +138,7 @@ def usage_ingest(
         if region is not None and record.region != region:
             result.rejected.append((document, f"a record of region {record.region!r}"))
             continue
-        if edge is not None and record.edge != edge:
+        if edge is not None and not holds_for(edge, record.edge or ""):
             result.rejected.append((document, f"a record of edge {record.edge!r}"))
             continue
         records.append(record)

@@ -54,7 +54,7 @@ from federation.tenancy.models import Tenant
 from federation.tenancy.residency import ResidencyPolicy
 from federation.tenancy.selectors import api_key_budgets, api_key_table_entries
 from regions.tables.money import micro_usd, pico_usd
-from regions.tables.schema import ModelPrice, TenantPolicy
+from regions.tables.schema import MAX_EDGE_WORKERS, ModelPrice, TenantPolicy, lease_holders
 
 #: A budget's scope at one edge: (key prefix or "" for the tenant's own, edge name).
 Scope = tuple[str, str]
@@ -241,7 +241,8 @@ def budget_history(
         return {}, {}
     edges: dict[int, set[str]] = {}
     for name, region_id in Edge.objects.values_list("name", "region_id"):
-        edges.setdefault(region_id, set()).add(name)
+        # Any worker it ran may still hold a lease of the last table (lease_holders' bound).
+        edges.setdefault(region_id, set()).update(lease_holders(name, MAX_EDGE_WORKERS))
     rows = RoutingTableVersion.objects.filter(
         reduce(operator.or_, (Q(region_id=r, version=v) for r, v in latest.items()))
     )
@@ -314,12 +315,13 @@ def fleet_snapshot(
     live_edges: dict[str, list[str]] = {}
     fresh = now - timedelta(seconds=LOAD_REPORT_MAX_AGE_S)
     edges = Edge.objects.order_by("name").values_list(
-        "region__code", "url", "name", "last_heartbeat_at"
+        "region__code", "url", "name", "last_heartbeat_at", "workers"
     )
-    for code, url, name, heard in edges:
+    for code, url, name, heard, workers in edges:
         first_urls.setdefault(code, url)
         if heard is None or heard >= fresh:
-            live_edges.setdefault(code, []).append(name)
+            # Each worker process of an edge holds leases and a rate-limit share of its own.
+            live_edges.setdefault(code, []).extend(lease_holders(name, workers))
             if url not in live_urls.setdefault(code, []):
                 live_urls[code].append(url)
     regions = tuple(

@@ -40,6 +40,7 @@ from federation.routing.ramp import region_down
 from federation.routing.selectors import LOAD_REPORT_MAX_AGE_S, fleet_snapshot, reported_health
 from federation.routing.wake import cold_demand_store, fleet_wake_schedule
 from federation.tenancy.keys import hash_key
+from regions.tables.schema import lease_holder
 
 logger = logging.getLogger(__name__)
 
@@ -340,6 +341,8 @@ def edge_heartbeat_record(
     budgets: Mapping[tuple[str, str], int] | None = None,
     cold: Mapping[str, tuple[int, int]] | None = None,
     at: datetime | None = None,
+    worker: int = 0,
+    workers: int = 1,
 ) -> HeartbeatResult:
     """Store an edge's heartbeat: its liveness, the table version it applied, what it sees
     of its region's instances and what it committed of the budgets it holds leases of
@@ -350,19 +353,29 @@ def edge_heartbeat_record(
     A version lower than the one the edge reported before is refused (``Conflict``), yet the
     edge's liveness is still recorded: it is alive, only confused. Instances the edge names
     that are not in its region are listed back, not refused: its table may predate a delete.
+
+    An edge running several worker processes (``workers``) sends a heartbeat from each: each
+    worker's instance load and cold demand are kept apart and added up (it is the holder
+    :func:`~regions.tables.schema.lease_holder` names); only worker 0 speaks for the table
+    version and its budgets — the workers sync their tables each on its own, so their versions
+    may differ for a moment, and the others' unused ceilings are taken back once they stop.
     """
     now = at or timezone.now()
+    holder = lease_holder(edge.name, worker)
+    if worker > 0:
+        return _worker_heartbeat_record(edge, holder, workers, instances, cold, now)
     refusal: Conflict | None = None
     with transaction.atomic():
         edge = Edge.objects.select_related("region").select_for_update().get(pk=edge.pk)
         edge.last_heartbeat_at = now
+        edge.workers = workers
         previous = edge.applied_table_version
         if (
             applied_table_version is not None
             and previous is not None
             and applied_table_version < previous
         ):
-            edge.save(update_fields=["last_heartbeat_at"])
+            edge.save(update_fields=["last_heartbeat_at", "workers"])
             refusal = Conflict(
                 f"applied_table_version {applied_table_version} goes backwards: edge "
                 f"{edge.name} reported version {previous} before. Liveness was recorded; "
@@ -374,20 +387,44 @@ def edge_heartbeat_record(
             edge.applied_table_version = (
                 applied_table_version if applied_table_version is not None else previous
             )
-            edge.save(update_fields=["last_heartbeat_at", "applied_table_version"])
-            updated, unknown = _store_instance_reports(edge, instances, now)
+            edge.save(update_fields=["last_heartbeat_at", "applied_table_version", "workers"])
+            updated, unknown = _store_instance_reports(edge, holder, instances, now)
             if applied_table_version is not None:
                 _store_budget_report(edge, applied_table_version, budgets or {}, now)
-            if (
-                cold is not None
-                and (cold or edge.cold_demand)
-                and cold_demand_store(edge, cold, now)
-            ):
-                code = edge.region.code
-                transaction.on_commit(lambda: fleet_wake_schedule(code), robust=True)
+            _store_cold_report(edge, holder, cold, now)
     if refusal is not None:
         raise refusal
     return HeartbeatResult(edge=edge, updated_instances=updated, unknown_instances=unknown)
+
+
+def _worker_heartbeat_record(
+    edge: Edge,
+    holder: str,
+    workers: int,
+    instances: Sequence[InstanceReport],
+    cold: Mapping[str, tuple[int, int]] | None,
+    now: datetime,
+) -> HeartbeatResult:
+    """A heartbeat of worker 1 or later: liveness, its instances' load and its cold demand."""
+    with transaction.atomic():
+        edge = Edge.objects.select_related("region").select_for_update().get(pk=edge.pk)
+        edge.last_heartbeat_at = now
+        edge.workers = workers
+        edge.save(update_fields=["last_heartbeat_at", "workers"])
+        updated, unknown = _store_instance_reports(edge, holder, instances, now)
+        _store_cold_report(edge, holder, cold, now)
+    return HeartbeatResult(edge=edge, updated_instances=updated, unknown_instances=unknown)
+
+
+def _store_cold_report(
+    edge: Edge, holder: str, cold: Mapping[str, tuple[int, int]] | None, now: datetime
+) -> None:
+    """Keep ``holder``'s cold report; a model with demand queues the autoscale pass."""
+    if cold is None or not (cold or edge.cold_demand):
+        return
+    if cold_demand_store(edge, cold, now, holder):
+        code = edge.region.code
+        transaction.on_commit(lambda: fleet_wake_schedule(code), robust=True)
 
 
 def _store_budget_report(
@@ -464,7 +501,7 @@ def _region_health(region_id: int, now: datetime) -> bool:
 
 
 def _store_instance_reports(
-    edge: Edge, reports: Sequence[InstanceReport], now: datetime
+    edge: Edge, holder: str, reports: Sequence[InstanceReport], now: datetime
 ) -> tuple[list[str], list[str]]:
     # The region row serialises its edges' heartbeats, so a down -> up change is seen once.
     region = Region.objects.select_for_update().get(pk=edge.region_id)
@@ -481,7 +518,7 @@ def _store_instance_reports(
         inst = known.get(report.id)
         if inst is None:
             continue
-        inst.load = merge_load(inst.load, edge=edge.name, report=report, now=now)
+        inst.load = merge_load(inst.load, edge=holder, report=report, now=now)
         inst.last_heartbeat_at = now
         updated.append(inst)
     # No audit event per heartbeat (they arrive every few seconds) and no recompile either:

@@ -57,7 +57,8 @@ class RegionRow:
     #: after all were reported unhealthy: its traffic ramps back from the later of the two.
     restored_at: datetime | None = None
     recovered_at: datetime | None = None
-    #: Names of its edges with a fresh heartbeat: the ones budgets are leased to.
+    #: Its edges with a fresh heartbeat, one name per worker process (``lease_holders``): the
+    #: ones budgets are leased to, and how many share a tenant's rate limit.
     edges: tuple[str, ...] = ()
 
 

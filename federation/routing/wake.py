@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 from datetime import datetime
+from typing import Any
 
 import redis
 from celery import current_app
@@ -25,17 +26,65 @@ AUTOSCALE_TASK = "fedinfer.fleet.autoscale"
 WAKE_KEY = "fedinfer:fleet:wake:{region}"
 
 
+#: A worker's cold report older than this is dropped when another worker reports (it stopped).
+HOLDER_REPORT_MAX_AGE_S = 60.0
+
+
 def cold_demand_store(
-    edge: Edge, reports: Mapping[str, tuple[int, int]], now: datetime
+    edge: Edge,
+    reports: Mapping[str, tuple[int, int]],
+    now: datetime,
+    holder: str | None = None,
 ) -> list[str]:
-    """Replace the edge's cold report (``model -> (held, arrived)``); the models with demand.
-    The caller holds the edge's row lock and saves nothing else of it here."""
-    edge.cold_demand = {
-        model: {"held": held, "arrived": arrived, "reported_at": now.isoformat()}
-        for model, (held, arrived) in sorted(reports.items())
+    """Replace ``holder``'s cold report (``model -> (held, arrived)``; default: the edge's own,
+    its worker 0); the models with demand in it. An edge's workers report apart: each model's
+    entry adds up their fresh reports, each kept under ``holders``. The caller holds the edge's
+    row lock and saves nothing else of it here."""
+    holder = holder or edge.name
+    stamp = now.isoformat()
+    by_holder = _cold_by_holder(edge.cold_demand, edge.name, now)
+    by_holder[holder] = {
+        model: {"held": held, "arrived": arrived, "reported_at": stamp}
+        for model, (held, arrived) in reports.items()
     }
+    merged: dict[str, dict[str, Any]] = {}
+    for name, models in sorted(by_holder.items()):
+        for model, entry in models.items():
+            total = merged.setdefault(
+                model, {"held": 0, "arrived": 0, "reported_at": entry["reported_at"], "holders": {}}
+            )
+            total["held"] += entry["held"]
+            total["arrived"] += entry["arrived"]
+            total["reported_at"] = max(total["reported_at"], entry["reported_at"])
+            total["holders"][name] = entry
+    edge.cold_demand = dict(sorted(merged.items()))
     edge.save(update_fields=["cold_demand"])
     return sorted(m for m, (held, arrived) in reports.items() if held + arrived > 0)
+
+
+def _cold_by_holder(stored: Any, edge: str, now: datetime) -> dict[str, dict[str, Any]]:
+    """holder -> model -> its last entry, from a stored report (one written before workers
+    had entries of their own is the edge's); entries over the age limit are dropped."""
+    out: dict[str, dict[str, Any]] = {}
+    if not isinstance(stored, dict):
+        return out
+    for model, entry in stored.items():
+        if not isinstance(entry, dict):
+            continue
+        holders = entry.get("holders")
+        for name, own in (holders if isinstance(holders, dict) else {edge: entry}).items():
+            try:
+                age = (now - datetime.fromisoformat(own["reported_at"])).total_seconds()
+                kept = {
+                    "held": int(own["held"]),
+                    "arrived": int(own["arrived"]),
+                    "reported_at": own["reported_at"],
+                }
+            except (KeyError, TypeError, ValueError):
+                continue
+            if age <= HOLDER_REPORT_MAX_AGE_S:
+                out.setdefault(name, {})[model] = kept
+    return out
 
 
 def fleet_wake_schedule(region: str) -> bool:

@@ -43,6 +43,38 @@ MAX_COLD_START_S = 86_400.0
 MAX_LOCAL_EDGES = 256
 #: Edges of one remote region a table may list (a spilled request may try each of them).
 MAX_REMOTE_EDGES = 16
+#: Worker processes one edge may run on its port (``fedinfer edge --workers``).
+MAX_EDGE_WORKERS = 32
+#: Longest registered edge name (the usage records' and the counted spend's ``edge`` column).
+MAX_EDGE_NAME = 63
+
+
+def lease_holder(edge: str, worker: int) -> str:
+    """Who an edge's worker process is to the control plane's books: the edge's own name for
+    worker 0, ``<name>.<worker>`` for the others. Each holds budget leases of its own and signs
+    its usage records with it, and each is one of the region's ``local_edges``; a dot is never
+    part of a registered name (a slug), so a holder is never another edge."""
+    return edge if worker == 0 else f"{edge}.{worker}"
+
+
+def lease_holders(edge: str, workers: int) -> list[str]:
+    """Every holder of an edge running ``workers`` processes."""
+    return [lease_holder(edge, w) for w in range(max(1, min(workers, MAX_EDGE_WORKERS)))]
+
+
+def holds_for(edge: str, holder: str) -> bool:
+    """Whether ``holder`` is ``edge`` or one of its workers (what an edge may sign for)."""
+    if holder == edge:
+        return True
+    name, dot, worker = holder.rpartition(".")
+    return (
+        bool(dot)
+        and name == edge
+        and worker.isdigit()
+        and worker == str(int(worker))
+        and 1 <= int(worker) < MAX_EDGE_WORKERS
+    )
+
 
 Role = Literal["mixed", "prefill", "decode"]
 ROLES: tuple[Role, ...] = ("mixed", "prefill", "decode")

@@ -248,9 +248,13 @@ def test_an_edge_posts_its_own_regions_usage_and_a_2xx_means_it_is_stored(fleet:
     client = APIClient()
     client.credentials(HTTP_AUTHORIZATION=f"Bearer {credential}")
     lines = [encode_record(doc(i, fleet, "acme", edge="edge-us")) for i in range(3)]
+    # Its worker processes sign their own records (``--workers``): theirs, not another edge's.
+    lines.append(encode_record(doc(3, fleet, "acme", edge="edge-us.1")))
     foreign = encode_record(doc(9, fleet, "acme", region="eu-west", edge="edge-us"))
     impostor = encode_record(doc(8, fleet, "acme", edge="edge-eu"))
-    body = b"\n".join([*lines, foreign, impostor, b"{broken"]) + b"\n"
+    not_its = ["edge-eu.1", "edge-us.x", "edge-us.01", "edge-us.32"]
+    impostors = [encode_record(doc(10 + n, fleet, "acme", edge=e)) for n, e in enumerate(not_its)]
+    body = b"\n".join([*lines, foreign, impostor, *impostors, b"{broken"]) + b"\n"
 
     def post(name: str) -> Any:
         return client.generic(
@@ -259,13 +263,18 @@ def test_an_edge_posts_its_own_regions_usage_and_a_2xx_means_it_is_stored(fleet:
 
     r = post("edge-us")
     assert r.status_code == 200, r.content
-    assert r.json()["accepted"] == 3
-    foreign_region, foreign_edge, broken = r.json()["rejected"]
+    assert r.json()["accepted"] == 4
+    foreign_region, foreign_edge, *not_its_workers, broken = r.json()["rejected"]
     assert foreign_region == "a record of region 'eu-west'"
     assert foreign_edge == "a record of edge 'edge-eu'"
+    assert not_its_workers == [
+        f"a record of edge '{name}'"
+        for name in ("edge-eu.1", "edge-us.x", "edge-us.01", "edge-us.32")
+    ]
     assert broken.startswith("usage record does not decode")
-    assert post("edge-us").json()["accepted"] == 3  # sent again: stored once
-    assert UsageRecord.objects.count() == 3
+    assert post("edge-us").json()["accepted"] == 4  # sent again: stored once
+    assert UsageRecord.objects.count() == 4
+    assert UsageRecord.objects.filter(edge="edge-us.1").count() == 1
     assert post(other.name).status_code == 403  # not its own name
     anonymous = APIClient().generic(
         "POST", "/api/v1/edges/edge-us/usage", body, content_type="application/x-ndjson"

@@ -10,6 +10,7 @@ from rest_framework import serializers
 from federation.api.fields import StrictBooleanField, StrictCharField
 from federation.api.serializers import InputSerializer, OutputModelSerializer
 from federation.inventory.models import Edge, Region
+from regions.tables.schema import MAX_EDGE_WORKERS
 
 #: More reports than this in one heartbeat is not an edge talking.
 MAX_INSTANCE_REPORTS = 10_000
@@ -72,6 +73,23 @@ class HeartbeatInput(InputSerializer):
         required=False,
         help_text="Version of the routing table the edge serves from (null: none yet).",
     )
+    worker = serializers.IntegerField(
+        min_value=0,
+        max_value=MAX_EDGE_WORKERS - 1,
+        required=False,
+        default=0,
+        help_text="Which of the edge's worker processes reports (0: the first, or the only "
+        "one). Worker 0 reports the table version and budgets; every worker its instances' "
+        "load and its cold demand, added up with the others'.",
+    )
+    workers = serializers.IntegerField(
+        min_value=1,
+        max_value=MAX_EDGE_WORKERS,
+        required=False,
+        default=1,
+        help_text="Worker processes the edge runs on its port (each holds its own budget "
+        "leases and counts as one of the region's edges for rate-limit shares).",
+    )
     instances = serializers.ListField(
         child=InstanceReportInput(), max_length=MAX_INSTANCE_REPORTS, required=False, default=list
     )
@@ -84,6 +102,13 @@ class HeartbeatInput(InputSerializer):
         required=False,
         help_text="Demand for the table's cold models (scaled to zero): what wakes them.",
     )
+
+    def validate(self, attrs: dict[str, Any]) -> dict[str, Any]:
+        if attrs["worker"] >= attrs["workers"]:
+            raise serializers.ValidationError(
+                {"worker": [f"Worker {attrs['worker']} of {attrs['workers']} does not exist."]}
+            )
+        return attrs
 
     def validate_cold(self, value: list[dict[str, Any]]) -> list[dict[str, Any]]:
         models = [r["model"] for r in value]

@@ -172,6 +172,8 @@ class EdgeHeartbeatView(APIView):
         result = services.edge_heartbeat_record(
             edge=target,
             applied_table_version=data.get("applied_table_version"),
+            worker=data["worker"],
+            workers=data["workers"],
             instances=reports,
             budgets={(b["tenant"], b["key"]): b["committed"] for b in data["budgets"]},
             cold=(
