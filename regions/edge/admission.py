@@ -18,7 +18,8 @@ Refusals (OpenAI-style, ``docs/edge-federation.md``):
 
 Rate limits are shared by the region's edges (``docs/edge-federation.md``, "Rate limits over
 several edges"): the table counts the region's live edges (``local_edges``, *n*) and each edge
-enforces 1/n of every rate and of its burst. Behind a balancer that spreads a tenant's requests
+enforces 1/n of every rate and of its burst (an edge's worker processes count one each, and
+never fewer than this edge's own). Behind a balancer that spreads a tenant's requests
 evenly, the region admits at most the tenant's limit (plus at most one request per edge when
 1/n of the burst is below one request); a tenant whose requests all reach one edge gets 1/n of
 its limit, unless the edges share their demand (``peer_load.py``), which sets each edge's part
@@ -141,9 +142,12 @@ _UNKNOWN = EdgeError(401, "Incorrect API key provided.", "invalid_api_key")
 class Admission:
     """The admission state of one edge; :meth:`load` on every new table."""
 
-    def __init__(self, region: str, burst_s: float = 2.0) -> None:
+    def __init__(self, region: str, burst_s: float = 2.0, processes: int = 1) -> None:
         self.region = region
         self.burst_s = burst_s
+        #: This edge's own worker processes: the least ``local_edges`` can be (a hand-written
+        #: table that counts edges, not their workers, still shares the limit among them).
+        self.processes = processes
         self.enabled = False
         self.by_hash: dict[str, TenantState] = {}
         self._tenants: dict[str, TenantState] = {}
@@ -162,7 +166,7 @@ class Admission:
         classes = {c.id: c.refusals for c in table.residency_classes}
         by_hash: dict[str, TenantState] = {}
         tenants: dict[str, TenantState] = {}
-        self.local_edges = table.local_edges
+        self.local_edges = max(table.local_edges, self.processes)
         for policy in table.tenants:
             state = TenantState(policy, self.region, classes.get(policy.residency_class or "", {}))
             state.valid_until = {h: _epoch(t) for h, t in policy.key_valid_until.items()}
@@ -170,7 +174,7 @@ class Admission:
             if old is not None:
                 state.asked = old.asked
             # This edge's part of every limit: 1/n, or what demand gave it (``reshare``).
-            share = self.shares.get(policy.tenant, 1.0 / table.local_edges)
+            share = self.shares.get(policy.tenant, 1.0 / self.local_edges)
             self._rate(state, old, share, now)
             tenants[policy.tenant] = state
             for digest in policy.key_hashes:

@@ -87,7 +87,7 @@ class Edge:
         self.prefix = PrefixIndex(cfg.prefix_capacity, cfg.prefix_ttl_s)
         self.lines = GatewayLines(cfg.queue_size, self.metrics.queue_depth)
         self.sessions = SessionMap(cfg.session_capacity)
-        self.admission = Admission(cfg.region, cfg.rate_burst_s)
+        self.admission = Admission(cfg.region, cfg.rate_burst_s, cfg.workers)
         self.hops = HopVerifier(cfg.hop_keys, cfg.region)
         self.cold = ColdHolds(cfg.cold, on_demand=self._beat_now)
         self._tasks: list[asyncio.Task[None]] = []
@@ -109,7 +109,7 @@ class Edge:
         if self.meter is not None:
             self.metrics.registry.register(UsageCollector(self.meter))
         # The stages, in a request's order.
-        self.budgets = Budgets(cfg.name)
+        self.budgets = Budgets(cfg.holder)
         self.recorder = Recorder(
             self.metrics,
             self.admission,
@@ -517,7 +517,7 @@ def _tracer(cfg: EdgeConfig) -> EdgeTracer | None:
         return None
     from regions.edge.tracing import EdgeTracer
 
-    return EdgeTracer(cfg.tracing, cfg.region, cfg.name)
+    return EdgeTracer(cfg.tracing, cfg.region, cfg.holder)
 
 
 def _span_facts(ctx: RequestContext) -> dict[str, Any]:

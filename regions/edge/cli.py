@@ -6,6 +6,7 @@ import argparse
 import gc
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import uvloop
@@ -19,7 +20,15 @@ from regions.edge.metering import MeteringConfig
 from regions.edge.scheduler import POLICIES, SchedulerConfig
 from regions.edge.server import EdgeServer, ServerLimits
 from regions.edge.sync import SyncConfig, initial_table
-from regions.tables.schema import TableError, check_successor, decode_table
+from regions.edge.workers import WorkerPool, reserve_port, worker_config
+from regions.tables.schema import (
+    MAX_EDGE_NAME,
+    MAX_EDGE_WORKERS,
+    TableError,
+    check_successor,
+    decode_table,
+    lease_holder,
+)
 from regions.tables.signing import parse_key_ring
 
 log = logging.getLogger("fedinfer.edge")
@@ -100,6 +109,15 @@ def _server_flags(p: argparse.ArgumentParser) -> None:
     """The public listener and its limits, and the operator listener."""
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8080)
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="edge processes serving the port, the kernel spreading connections over them "
+        "(SO_REUSEPORT): each a whole edge with its operator listener on --operator-port plus "
+        f"its index, sharing one view over --peer-redis-url (needed; 1-{MAX_EDGE_WORKERS}, "
+        "docs/edge-workers.md)",
+    )
     _add(p, (
         ("--max-connections", int, _LIMITS.max_connections, "open client connections; past it "
          "a new one gets 503 and is closed"),
@@ -471,19 +489,100 @@ def make_edge(cfg: EdgeConfig) -> Edge:
     return edge
 
 
+_LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s %(message)s"
+
+
 def main(argv: list[str]) -> None:
     opts = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=opts.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s"
-    )
+    logging.basicConfig(level=opts.log_level.upper(), format=_LOG_FORMAT)
     # One line per probe and scrape (several a second) would drown the edge's own log.
     logging.getLogger("httpx").setLevel(logging.WARNING)
     try:
-        edge = make_edge(config_from_args(opts))
+        cfg = config_from_args(opts)
+        check_workers(opts)
     except (TableError, ValueError) as exc:
         raise SystemExit(f"fedinfer edge: {exc}") from exc
-    operator = (opts.operator_host, opts.operator_port) if opts.operator_port is not None else None
-    limits = ServerLimits(
+    if opts.workers == 1:
+        run_worker(opts, cfg, opts.port)
+    else:
+        raise SystemExit(run_workers(opts, cfg))
+
+
+def run_worker(
+    opts: argparse.Namespace,
+    cfg: EdgeConfig,
+    port: int,
+    worker: int = 0,
+    ready: Callable[[], None] | None = None,
+) -> None:
+    """Run one edge process (the edge, or one of its workers) until a signal stops it."""
+    try:
+        edge = make_edge(worker_config(cfg, worker, opts.workers))
+    except (TableError, ValueError) as exc:
+        raise SystemExit(f"fedinfer edge: {exc}") from exc
+    server = serve(
+        edge,
+        opts.host,
+        port,
+        _operator(opts, worker),
+        _limits(opts),
+        reuse_port=opts.workers > 1,
+        ready=ready,
+    )
+    uvloop.run(server)
+
+
+def run_workers(opts: argparse.Namespace, cfg: EdgeConfig) -> int:
+    """Run ``--workers`` edge processes on one port (``workers.py``); their exit status."""
+    try:
+        held = reserve_port(opts.host, opts.port)
+    except OSError as exc:
+        raise SystemExit(f"fedinfer edge: cannot bind {opts.host}:{opts.port}: {exc}") from exc
+    port = int(held.getsockname()[1])
+
+    def start(worker: int, ready: Callable[[], None]) -> None:
+        held.close()
+        worker_format = _LOG_FORMAT.replace(" %(message)s", f"[{worker}] %(message)s")
+        logging.basicConfig(level=opts.log_level.upper(), format=worker_format, force=True)
+        run_worker(opts, cfg, port, worker, ready)
+
+    log.info("edge of region %s: %d workers on %s:%d", opts.region, opts.workers, opts.host, port)
+    with held:
+        return WorkerPool(opts.workers, start).run()
+
+
+def check_workers(opts: argparse.Namespace) -> None:
+    """``--workers`` and what several need: a peer Redis, room for the workers' names and
+    operator ports."""
+    workers = opts.workers
+    if not 1 <= workers <= MAX_EDGE_WORKERS:
+        raise ValueError(f"--workers must be 1..{MAX_EDGE_WORKERS}")
+    if workers == 1:
+        return
+    if not opts.peer_redis_url:
+        raise ValueError(
+            "--workers above 1 needs --peer-redis-url: workers that do not share their load, "
+            "prefix cache and sessions route worse together than one alone"
+        )
+    name = opts.edge_name
+    if name is not None and len(lease_holder(name, workers - 1)) > MAX_EDGE_NAME:
+        raise ValueError(
+            f"--edge-name {name!r} is too long for {workers} workers: its last worker's name "
+            f"{lease_holder(name, workers - 1)!r} must fit in {MAX_EDGE_NAME} characters"
+        )
+    if opts.operator_port and opts.operator_port + workers - 1 > 65535:
+        raise ValueError(f"--operator-port leaves no room for {workers} workers' ports")
+
+
+def _operator(opts: argparse.Namespace, worker: int) -> tuple[str, int] | None:
+    """Worker ``worker``'s operator listener: ``--operator-port`` plus its index."""
+    if opts.operator_port is None:
+        return None
+    return (opts.operator_host, opts.operator_port + worker if opts.operator_port else 0)
+
+
+def _limits(opts: argparse.Namespace) -> ServerLimits:
+    return ServerLimits(
         max_connections=opts.max_connections,
         max_head_bytes=opts.max_head_bytes,
         head_timeout_s=opts.head_timeout,
@@ -491,7 +590,6 @@ def main(argv: list[str]) -> None:
         write_timeout_s=opts.write_timeout,
         keep_alive_s=opts.keep_alive,
     )
-    uvloop.run(serve(edge, opts.host, opts.port, operator, limits))
 
 
 async def serve(
@@ -500,11 +598,15 @@ async def serve(
     port: int,
     operator: tuple[str, int] | None = None,
     limits: ServerLimits | None = None,
+    *,
+    reuse_port: bool = False,
+    ready: Callable[[], None] | None = None,
 ) -> None:
     """Start the edge's background work, serve until SIGINT/SIGTERM, then drain and stop.
 
     ``operator``: (host, port) of the operator listener, a server of its own so that a flood
-    on the public port never holds back a health check or a scrape."""
+    on the public port never holds back a health check or a scrape. ``reuse_port``: one of the
+    edge's workers (``workers.py``), ``ready`` called once it serves."""
     server = EdgeServer(edge, limits)
     edge.metrics.http_refusals = server.refusals
     edge.metrics.open_connections = lambda: len(server.connections)
@@ -520,9 +622,11 @@ async def serve(
         if ops is not None and operator is not None:
             ops_port = await ops.start(*operator)
             log.info("operator endpoints on http://%s:%d", operator[0], ops_port)
-        bound = await server.start(host, port)
+        bound = await server.start(host, port, reuse_port=reuse_port)
         log.info("edge of region %s serving on http://%s:%d", edge.cfg.region, host, bound)
         server.handle_signals()
+        if ready is not None:
+            ready()
         await server.wait_stopped()
         log.info("edge of region %s stopping", edge.cfg.region)
     finally:

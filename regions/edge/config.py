@@ -14,6 +14,7 @@ from regions.edge.scheduler import SchedulerConfig
 from regions.edge.sync import SyncConfig
 from regions.engines.block_hash import DEFAULT_SEED
 from regions.engines.prompt_tokens import DEFAULT_MAX_CHARS
+from regions.tables.schema import lease_holder
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +51,10 @@ class EdgeConfig:
     table_path: Path | None
     #: Its registered name (``--edge-name``): usage records and budget leases go by it.
     name: str | None = None
+    #: This process among the edge's worker processes on one port (``--workers``): worker
+    #: ``worker`` of ``workers``, each with its own leases and usage records (:attr:`holder`).
+    worker: int = 0
+    workers: int = 1
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     health: HealthConfig = field(default_factory=HealthConfig)
     disagg: DisaggConfig = field(default_factory=DisaggConfig)
@@ -105,3 +110,8 @@ class EdgeConfig:
     tracing: TracingConfig | None = None
     #: Tenants with a Prometheus label value of their own (by requests); the rest are ``other``.
     tenant_series: int = 20
+
+    @property
+    def holder(self) -> str | None:
+        """Its name as this worker (``lease_holder``): what its leases and usage go by."""
+        return lease_holder(self.name, self.worker) if self.name is not None else None

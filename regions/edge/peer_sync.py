@@ -352,7 +352,7 @@ def build_peer_sync(edge: Edge) -> PeerSync | None:
     sync = PeerSync(
         cfg.peer_redis_url,
         cfg.region,
-        PeerLoads(edge.loads, peer_id(cfg.name), rate_of, freed),
+        PeerLoads(edge.loads, peer_id(cfg.holder), rate_of, freed),
         edge.metrics.registry,
         edge.admission,
     )

@@ -58,6 +58,9 @@ class Heartbeats:
             "instances": instances,
             "budgets": edge.budgets.report(),
         }
+        if edge.cfg.workers > 1:  # one worker of several (a single one stays readable by all)
+            document["worker"] = edge.cfg.worker
+            document["workers"] = edge.cfg.workers
         # Only to a control plane that lists cold models (an older one refuses the field),
         # and once more after the last one warmed, so that its demand is cleared.
         cold = edge.cold

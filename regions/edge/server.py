@@ -658,10 +658,13 @@ class EdgeServer:
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
 
-    async def start(self, host: str, port: int, backlog: int = 2048) -> int:
-        """Listen; returns the bound port (useful with ``port=0``)."""
+    async def start(
+        self, host: str, port: int, backlog: int = 2048, *, reuse_port: bool = False
+    ) -> int:
+        """Listen; returns the bound port (useful with ``port=0``). ``reuse_port``: beside
+        the other worker processes of the edge, the kernel spreading connections over them."""
         self._server = await self.loop.create_server(
-            lambda: _Connection(self), host, port, backlog=backlog
+            lambda: _Connection(self), host, port, backlog=backlog, reuse_port=reuse_port or None
         )
         return int(self._server.sockets[0].getsockname()[1])
 
