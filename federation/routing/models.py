@@ -45,15 +45,18 @@ class RoutingTableVersion(models.Model):
 
 
 class BudgetReport(models.Model):
-    """What an edge last reported having committed of the budgets it holds leases of, and
-    under which table version: the control plane lowers an unused ceiling only from a report
-    taken on the table that granted it (``docs/adr/0008-budget-leases.md``)."""
+    """What an edge (one of its worker processes: a holder) last reported having committed of
+    the budgets it holds leases of, and under which table version: the control plane lowers an
+    unused ceiling only from a report taken on the table that granted it
+    (``docs/adr/0008-budget-leases.md``)."""
 
-    edge = models.OneToOneField(Edge, on_delete=models.CASCADE, primary_key=True)
+    edge = models.ForeignKey(Edge, on_delete=models.CASCADE, related_name="budget_reports")
+    #: The edge's name for its worker 0, ``<name>.<i>`` for its others (``lease_holder``).
+    holder = models.CharField(max_length=70, unique=True)
     table_version = models.PositiveBigIntegerField()
     #: ``{tenant: {key prefix or "": pico-USD}}``; a budget left out committed its count.
     committed = models.JSONField(default=dict)
     reported_at = models.DateTimeField()
 
     def __str__(self) -> str:
-        return f"{self.edge_id}@{self.table_version}"
+        return f"{self.holder}@{self.table_version}"

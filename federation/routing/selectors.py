@@ -254,7 +254,7 @@ def budget_history(
             mine = {scope: lease for scope, lease in scopes.items() if scope[1] in ours}
             published.setdefault(tenant, {}).update(mine)
     reports = {
-        report.edge.name: report.committed
+        report.holder: report.committed
         for report in BudgetReport.objects.select_related("edge")
         if report.table_version >= latest.get(report.edge.region_id, report.table_version + 1)
     }

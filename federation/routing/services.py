@@ -354,16 +354,18 @@ def edge_heartbeat_record(
     edge's liveness is still recorded: it is alive, only confused. Instances the edge names
     that are not in its region are listed back, not refused: its table may predate a delete.
 
-    An edge running several worker processes (``workers``) sends a heartbeat from each: each
-    worker's instance load and cold demand are kept apart and added up (it is the holder
-    :func:`~regions.tables.schema.lease_holder` names); only worker 0 speaks for the table
-    version and its budgets — the workers sync their tables each on its own, so their versions
-    may differ for a moment, and the others' unused ceilings are taken back once they stop.
+    An edge running several worker processes (``workers``) sends a heartbeat from each, as
+    the holder :func:`~regions.tables.schema.lease_holder` names: each worker's instance load
+    and cold demand are kept apart and added up, and its budget report is its own (it holds
+    leases of its own). Only worker 0 speaks for the edge's table version: the workers sync
+    their tables each on its own, so their versions may differ for a moment.
     """
     now = at or timezone.now()
     holder = lease_holder(edge.name, worker)
     if worker > 0:
-        return _worker_heartbeat_record(edge, holder, workers, instances, cold, now)
+        return _worker_heartbeat_record(
+            edge, holder, workers, applied_table_version, instances, budgets, cold, now
+        )
     refusal: Conflict | None = None
     with transaction.atomic():
         edge = Edge.objects.select_related("region").select_for_update().get(pk=edge.pk)
@@ -390,7 +392,7 @@ def edge_heartbeat_record(
             edge.save(update_fields=["last_heartbeat_at", "applied_table_version", "workers"])
             updated, unknown = _store_instance_reports(edge, holder, instances, now)
             if applied_table_version is not None:
-                _store_budget_report(edge, applied_table_version, budgets or {}, now)
+                _store_budget_report(edge, holder, applied_table_version, budgets or {}, now)
             _store_cold_report(edge, holder, cold, now)
     if refusal is not None:
         raise refusal
@@ -401,17 +403,23 @@ def _worker_heartbeat_record(
     edge: Edge,
     holder: str,
     workers: int,
+    applied_table_version: int | None,
     instances: Sequence[InstanceReport],
+    budgets: Mapping[tuple[str, str], int] | None,
     cold: Mapping[str, tuple[int, int]] | None,
     now: datetime,
 ) -> HeartbeatResult:
-    """A heartbeat of worker 1 or later: liveness, its instances' load and its cold demand."""
+    """A heartbeat of worker 1 or later: liveness, its instances' load, its cold demand and
+    the budgets it committed under the table it applied (its own leases)."""
     with transaction.atomic():
         edge = Edge.objects.select_related("region").select_for_update().get(pk=edge.pk)
+        _check_published(edge, applied_table_version)
         edge.last_heartbeat_at = now
         edge.workers = workers
         edge.save(update_fields=["last_heartbeat_at", "workers"])
         updated, unknown = _store_instance_reports(edge, holder, instances, now)
+        if applied_table_version is not None:
+            _store_budget_report(edge, holder, applied_table_version, budgets or {}, now)
         _store_cold_report(edge, holder, cold, now)
     return HeartbeatResult(edge=edge, updated_instances=updated, unknown_instances=unknown)
 
@@ -428,14 +436,19 @@ def _store_cold_report(
 
 
 def _store_budget_report(
-    edge: Edge, version: int, budgets: Mapping[tuple[str, str], int], now: datetime
+    edge: Edge, holder: str, version: int, budgets: Mapping[tuple[str, str], int], now: datetime
 ) -> None:
     committed: dict[str, dict[str, int]] = {}
     for (tenant, key), amount in budgets.items():
         committed.setdefault(tenant, {})[key] = amount
     BudgetReport.objects.update_or_create(
-        edge=edge,
-        defaults={"table_version": version, "committed": committed, "reported_at": now},
+        holder=holder,
+        defaults={
+            "edge": edge,
+            "table_version": version,
+            "committed": committed,
+            "reported_at": now,
+        },
     )
 
 

@@ -15,6 +15,7 @@ from rest_framework.test import APIClient
 
 from federation.inventory.models import Edge, Instance
 from federation.routing import services
+from federation.routing.models import BudgetReport
 from federation.tenancy.models import Tenant
 from tests.integration.control_plane_support import own_redis
 from tests.integration.test_routing_distribution import (
@@ -75,6 +76,9 @@ def test_each_worker_reports_its_own_load_and_the_region_counts_its_processes(
     assert r.status_code == 200, r.content
     edge = Edge.objects.get(pk=fleet.eu_edge.pk)
     assert edge.workers == 2 and edge.applied_table_version == first
+    # Each worker's budget report is its own, under the table it applied.
+    reports = {r.holder: (r.table_version, r.committed) for r in BudgetReport.objects.all()}
+    assert reports == {"edge-eu-1": (first, {}), "edge-eu-1.1": (older, {"acme": {"": 7}})}
     load = Instance.objects.get(name="eu-west-0").load
     assert set(load["edges"]) == {"edge-eu-1", "edge-eu-1.1"}
     assert load["tokens_per_s"] == 150.0 and load["in_flight"] == 3
@@ -135,3 +139,31 @@ def test_a_stopped_workers_cold_report_ages_out() -> None:
     later = then + timedelta(seconds=HOLDER_REPORT_MAX_AGE_S + 1)
     cold_demand_store(edge, {"m": (1, 0)}, later, "e")
     assert edge.cold_demand["m"]["held"] == 1 and set(edge.cold_demand["m"]["holders"]) == {"e"}
+
+
+def test_a_workers_unused_ceiling_is_taken_back_from_its_own_report(
+    fleet: Fleet, make_tenant: Callable[..., Tenant]
+) -> None:
+    """Worker 1 reports, on the table that leased it a ceiling, that it committed nothing: the
+    next table lowers its ceiling (half of it kept as ``prior``) as it would a lone edge's."""
+    tenant = make_tenant("acme", monthly_budget_usd=Decimal("100.00"))
+    tenant.allowed_regions.add(fleet.eu, fleet.us)
+    beat(fleet, 0, 2)
+    beat(fleet, 1, 2)
+    services.routing_tables_publish()
+    granted = budget_leases_of(fleet.eu)["edge-eu-1.1"]
+    assert granted[1] > 0
+    version = latest(fleet.eu).version
+    assert beat(fleet, 1, 2, applied_table_version=version, budgets=[]).status_code == 200
+    services.routing_tables_publish()
+    leases = budget_leases_of(fleet.eu)
+    counted, lease, prior = leases["edge-eu-1.1"]
+    assert counted == 0 and prior == granted[1]  # it may spend under the old one until applied
+    # Like every holder it gets a share of what nobody holds; unlike the others, which did
+    # not report, it keeps only half of its unused ceiling.
+    share = leases["edge-us-1"][1] - granted[1]
+    assert share > 0 and abs(lease - (granted[1] // 2 + share)) <= 1
+
+    # A version never published for the region is refused, whichever worker sends it.
+    r = beat(fleet, 1, 2, applied_table_version=version + 50)
+    assert r.status_code == 400 and "applied_table_version" in r.json()
