@@ -370,7 +370,7 @@ def edge_heartbeat_record(
     with transaction.atomic():
         edge = Edge.objects.select_related("region").select_for_update().get(pk=edge.pk)
         edge.last_heartbeat_at = now
-        edge.workers = workers
+        _set_workers(edge, workers)
         previous = edge.applied_table_version
         if (
             applied_table_version is not None
@@ -415,13 +415,22 @@ def _worker_heartbeat_record(
         edge = Edge.objects.select_related("region").select_for_update().get(pk=edge.pk)
         _check_published(edge, applied_table_version)
         edge.last_heartbeat_at = now
-        edge.workers = workers
+        _set_workers(edge, workers)
         edge.save(update_fields=["last_heartbeat_at", "workers"])
         updated, unknown = _store_instance_reports(edge, holder, instances, now)
         if applied_table_version is not None:
             _store_budget_report(edge, holder, applied_table_version, budgets or {}, now)
         _store_cold_report(edge, holder, cold, now)
     return HeartbeatResult(edge=edge, updated_instances=updated, unknown_instances=unknown)
+
+
+def _set_workers(edge: Edge, workers: int) -> None:
+    """Record how many worker processes the edge runs; a change recompiles its region's
+    tables soon (debounced), so that a new worker is leased budgets and counted in every rate
+    limit's shares without waiting for the periodic compile."""
+    if edge.workers != workers:
+        edge.workers = workers
+        transaction.on_commit(routing_tables_schedule_recompile, robust=True)
 
 
 def _store_cold_report(

@@ -167,3 +167,16 @@ def test_a_workers_unused_ceiling_is_taken_back_from_its_own_report(
     # A version never published for the region is refused, whichever worker sends it.
     r = beat(fleet, 1, 2, applied_table_version=version + 50)
     assert r.status_code == 400 and "applied_table_version" in r.json()
+
+
+def test_a_change_in_the_number_of_workers_recompiles_soon(
+    fleet: Fleet, django_capture_on_commit_callbacks: Any
+) -> None:
+    """A new worker is leased budgets and counted in the rate-limit shares at the next
+    (debounced) compile, not the next periodic one."""
+    with django_capture_on_commit_callbacks() as callbacks:
+        assert beat(fleet, 1, 3).status_code == 200
+    assert services.routing_tables_schedule_recompile in callbacks
+    with django_capture_on_commit_callbacks() as callbacks:
+        assert beat(fleet, 0, 3).status_code == 200  # the same count: nothing to do
+    assert services.routing_tables_schedule_recompile not in callbacks
