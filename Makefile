@@ -87,7 +87,7 @@ bench-overhead: $(STAMP)
 bench-routing: $(STAMP)
 	$(BIN)/python -m bench routing
 	$(BIN)/python -m bench routing --exact-prefix --scenario uniform-60,zipf-90 \
-	  --policies fedinfer,fedinfer-2edges,fedinfer-3edges --duration 84
+	  --policies fedinfer,fedinfer-2edges,fedinfer-3edges,fedinfer-2workers --duration 84
 
 ## make bench-federation: table propagation and evacuation on the real control plane
 ## (PostgreSQL DATABASE_URL, Redis REDIS_URL whose DB it flushes; docs/benchmarks.md)

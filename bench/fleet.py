@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import os
 import shutil
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -147,19 +148,47 @@ def start_edge(
     model: str | None = None,
     extra: Sequence[str] = (),
     admits: bool = False,
+    workers: int = 1,
 ) -> tuple[Process, str, str]:
     """(process, public URL, operator URL: /healthz and /metrics). ``admits``: the table has
-    tenants, so the edge is ready when it refuses a request without a key (401)."""
-    port, ops_port = free_port(), free_port()
+    tenants, so the edge is ready when it refuses a request without a key (401). ``workers``:
+    its worker processes (the operator URL is worker 0's, :func:`worker_ops` lists them all)."""
+    port, ops_port = free_port(), free_ports(workers)[0]
     argv = fedinfer_argv("edge", "--region", region, "--table", str(table), "--port", str(port))
     argv += ["--operator-port", str(ops_port), *extra]
+    if workers > 1:
+        argv += ["--workers", str(workers)]
     if policy:
         argv += ["--policy", policy]
     proc = pg.start(name, argv, cpus=cpus)
     url = f"http://127.0.0.1:{port}"
     ready = (lambda status: status == 401) if admits else http_ok
     wait_http(f"{url}/v1/models", watch=proc, timeout=60, ready=ready)
+    for ops in worker_ops(f"http://127.0.0.1:{ops_port}", workers):
+        wait_http(f"{ops}/healthz", watch=proc, timeout=60)
     return proc, url, f"http://127.0.0.1:{ops_port}"
+
+
+def worker_ops(ops: str, workers: int) -> list[str]:
+    """The operator URLs of an edge's workers, from worker 0's (each on the next port)."""
+    base, _, port = ops.rpartition(":")
+    return [f"{base}:{int(port) + k}" for k in range(workers)]
+
+
+def tree_cpu_seconds(proc: Process) -> float:
+    """CPU seconds of a process and its live children (an edge's workers), from /proc."""
+    total = proc.cpu_seconds()
+    try:
+        children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+    except OSError:
+        return total
+    for child in children:
+        try:
+            stat = Path(f"/proc/{child}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += sum(int(x) for x in stat[11:13]) / os.sysconf("SC_CLK_TCK")
+    return total
 
 
 def sglang_available() -> str | None:

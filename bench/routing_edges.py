@@ -2,7 +2,10 @@
 
 *Several edges*: policies ``fedinfer-2edges`` and ``fedinfer-3edges`` run two or three edges
 with the same table in front of the same engines, the client taking the next edge for every
-request (a per-request round-robin balancer: a session's turns land on different edges). Each
+request (a per-request round-robin balancer: a session's turns land on different edges).
+``fedinfer-2workers`` runs one edge of two worker processes (``--workers 2``) on the edge's one
+core: the client's pooled connections land on either worker by the kernel's hash, so a
+session's turns land on both. Each
 edge's table carries the bench's tenants and ``local_edges`` (how many edges share the rate
 limits). Targets: mean TTFT and hit rate within 5 % of the one-edge ``fedinfer`` run of the same
 scenario, and the rate limit held: after the replay, :func:`probe_rate_limit` sends one tenant
@@ -65,6 +68,19 @@ def edges_of(policy: str) -> int:
     return 1
 
 
+def workers_of(policy: str) -> int:
+    """``fedinfer-2workers`` -> 2 (one edge of two worker processes, the kernel spreading the
+    client's connections over them); 1 for any other policy."""
+    if policy.startswith("fedinfer-") and policy.endswith("workers"):
+        return int(policy.removeprefix("fedinfer-").removesuffix("workers"))
+    return 1
+
+
+def processes_of(policy: str) -> int:
+    """Edge processes of a policy: its edges times their workers."""
+    return edges_of(policy) * workers_of(policy)
+
+
 def tenants(region: str) -> tuple[TenantPolicy, ...]:
     def digest(key: str) -> str:
         return hashlib.sha256(key.encode()).hexdigest()
@@ -87,9 +103,10 @@ def rate_bound(edges: int) -> float:
     return LIMIT_RPS * PROBE_S + burst
 
 
-async def probe_rate_limit(urls: list[str], model: str) -> dict[str, Any]:
+async def probe_rate_limit(urls: list[str], model: str, processes: int = 0) -> dict[str, Any]:
     """Send the limited tenant at ``PROBE_OVER`` x its limit for ``PROBE_S`` seconds, open
-    loop, each request to the next edge; count the 200s and 429s per edge."""
+    loop, each request to the next edge; count the 200s and 429s per edge. ``processes``: the
+    edge processes sharing the limit (default: one per URL)."""
     period = 1.0 / (LIMIT_RPS * PROBE_OVER)
     body = orjson.dumps(
         {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
@@ -128,7 +145,7 @@ async def probe_rate_limit(urls: list[str], model: str) -> dict[str, Any]:
         "sent": len(statuses),
         "admitted": admitted,
         "other_status": sum(1 for _, s in statuses if s not in (200, 429)),
-        "bound": rate_bound(len(urls)),
+        "bound": rate_bound(processes or len(urls)),
         "fair": LIMIT_RPS * PROBE_S,
         "per_edge": per_edge,
     }
@@ -138,8 +155,7 @@ def edge_targets(results: dict[str, dict[str, Any]], check: Any) -> None:
     """Targets of the multi-edge policies against the one-edge ``fedinfer`` run."""
     one = results.get("fedinfer")
     for policy, r in results.items():
-        n = edges_of(policy)
-        if n == 1 or policy == IDLE_EDGES:
+        if processes_of(policy) == 1 or policy == IDLE_EDGES:
             continue
         if one is not None:
             check(f"{policy}_mean_ttft_vs_one_edge", r["ttft_mean_s"] / one["ttft_mean_s"],

@@ -27,7 +27,8 @@ Per scenario:
    (``regions/edge/speed.py``); target: mean TTFT within 15 % of the true-speed run.
 5. ``fedinfer-2edges``, ``fedinfer-3edges``: two or three edges behind a per-request
    round-robin balancer, then one tenant sent over its rate limit through all of them
-   (``bench/routing_edges.py``).
+   (``bench/routing_edges.py``); ``fedinfer-2workers``: one edge of two worker processes
+   (``--workers 2``) on the edge's one core, the kernel spreading the client's connections.
 
 With ``--exact-prefix`` every process runs on the bench model's real tokenizer: the engines
 hash blocks as vLLM's ``sha256_cbor`` and publish KV events, the edges tokenize each prompt and
@@ -68,7 +69,14 @@ import uvloop
 
 from bench import routing_edges
 from bench.chat_client import Target, replay, saturate
-from bench.fleet import Engines, start_edge, start_engines, write_table
+from bench.fleet import (
+    Engines,
+    start_edge,
+    start_engines,
+    tree_cpu_seconds,
+    worker_ops,
+    write_table,
+)
 from bench.procs import VAR, bench_processes, git_rev, machine_info
 from bench.report import utc_now, write_result
 from bench.routing_report import MISCALIBRATED, render, targets
@@ -79,7 +87,8 @@ from regions.engines.simulator.bench_tokenizer import build
 from regions.supervisor import Process, Supervisor
 
 POLICIES = (
-    "round_robin", "least_loaded", "oracle", "fedinfer", "fedinfer-2edges", "fedinfer-3edges"
+    "round_robin", "least_loaded", "oracle", "fedinfer", "fedinfer-2edges", "fedinfer-3edges",
+    "fedinfer-2workers",
 )  # fmt: skip
 MISCALIBRATION = 5.0
 ENGINE_CPUS = {1}
@@ -241,6 +250,8 @@ def run_policy(
         edges: list[tuple[Process, str, str]] = []
         rate = prefill_rate(cfg) * (MISCALIBRATION if policy == MISCALIBRATED else 1.0)
         n_edges = routing_edges.edges_of(policy)
+        workers = routing_edges.workers_of(policy)
+        processes = n_edges * workers
         if policy == "oracle":
             target = Target(tuple(engines.urls), "session_hash")
         else:
@@ -257,9 +268,9 @@ def run_policy(
             edge_policy = policy if policy in ("round_robin", "least_loaded") else "fedinfer"
             edges = [
                 start_edge(pg, table, policy=edge_policy, cpus=EDGE_CPUS, model=cfg.model,
-                           name=f"edge{k}", admits=True,
+                           name=f"edge{k}", admits=True, workers=workers,
                            extra=[*cfg.edge_args(),
-                                  *routing_edges.peer_args(cfg.peer_redis_url, n_edges)])
+                                  *routing_edges.peer_args(cfg.peer_redis_url, processes)])
                 for k in range(n_edges)
             ]  # fmt: skip
             if cfg.tokenizer:
@@ -276,7 +287,7 @@ def run_policy(
             if "warm" not in snaps and t >= cfg.warmup_s:
                 snaps["warm"] = scrape(engines.urls)
                 cpu["engines0"] = engines.cpu_seconds()
-                cpu["edge0"] = sum(e.cpu_seconds() for e, _, _ in edges) if edges else math.nan
+                cpu["edge0"] = sum(tree_cpu_seconds(e) for e, _, _ in edges) if edges else math.nan
                 cpu["self0"] = time.process_time()
                 cpu["t0"] = time.monotonic()
 
@@ -295,19 +306,21 @@ def run_policy(
             os.sched_setaffinity(0, before)
         end = scrape(engines.urls)
         edge_counters: dict[str, float] = {}
-        for k, (_, _, ops) in enumerate(edges):
-            for name, v in edge_metrics(ops, pg.log_dir / f"edge{k}-metrics.txt").items():
-                edge_counters[name] = edge_counters.get(name, 0.0) + v
+        for k, (_, _, ops0) in enumerate(edges):
+            for w, ops in enumerate(worker_ops(ops0, workers)):
+                for name, v in edge_metrics(ops, pg.log_dir / f"edge{k}.{w}-metrics.txt").items():
+                    edge_counters[name] = edge_counters.get(name, 0.0) + v
         wall = time.monotonic() - cpu.get("t0", time.monotonic())
-        edge_cpu = sum(e.cpu_seconds() for e, _, _ in edges) if edges else None
+        edge_cpu = sum(tree_cpu_seconds(e) for e, _, _ in edges) if edges else None
         cpu_share = {
             "engines": (engines.cpu_seconds() - cpu.get("engines0", math.nan)) / wall,
             "edge": (edge_cpu - cpu["edge0"]) / wall if edge_cpu is not None else None,
             "client": (time.process_time() - cpu.get("self0", math.nan)) / wall,
         }
         probe = None
-        if policy == "fedinfer" or n_edges > 1:
-            probe = uvloop.run(routing_edges.probe_rate_limit(list(target.urls), cfg.model))
+        if policy == "fedinfer" or processes > 1:
+            urls = list(target.urls)
+            probe = uvloop.run(routing_edges.probe_rate_limit(urls, cfg.model, processes))
     if "warm" not in snaps:
         raise RuntimeError(f"{sc.name}/{policy}: run ended before the warm-up snapshot")
     result = summarise(state.records, cfg.warmup_s, cfg.duration_s)
