@@ -572,3 +572,12 @@ def test_usage_by_tenant_charts_the_biggest_and_sums_the_rest(operator: Client) 
     assert sum(int(r["cached_tokens"]) for r in csv_rows) == sum(
         sum(s["values"]) for s in chart["series"]
     )
+
+
+def test_the_region_page_shows_how_many_workers_each_edge_runs(operator: Client) -> None:
+    edge = Edge.objects.filter(region__code="eu-west").first()
+    assert edge is not None
+    Edge.objects.filter(pk=edge.pk).update(workers=4)
+    page = operator.get(reverse("console:region", args=["eu-west"])).content.decode()
+    row = page.split(f"<tr><td>{edge.name}</td>")[1].split("</tr>")[0]
+    assert f"<td>{edge.url}</td><td>4</td>" in row
