@@ -142,6 +142,9 @@ class WorkerPool:
         )
         process.start()
         self.workers[index] = _Worker(index, process, ready)
+        if self.stopping:  # a signal came while it started: it did not get the stop
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(process.pid or 0, signal.SIGTERM)
 
     def _wait(self) -> None:
         running = [w.process.sentinel for w in self.workers.values() if not w.handled]
