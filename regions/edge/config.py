@@ -1,4 +1,4 @@
-"""The edge's settings, each default written once: ``cli.py`` reads its flags' defaults here."""
+"""The edge's settings, each default written once: ``flags.py`` reads its flags' defaults here."""
 
 from __future__ import annotations
 

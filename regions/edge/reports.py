@@ -94,6 +94,8 @@ def healthz_document(edge: Edge) -> dict[str, Any]:
     return {
         "status": "ok" if healthy else "degraded",
         "region": edge.cfg.region,
+        "worker": edge.cfg.worker,
+        "workers": edge.cfg.workers,
         "table_version": edge.table.version,
         "instances": len(edge.table.instances),
         "healthy_instances": healthy,

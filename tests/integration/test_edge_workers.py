@@ -145,6 +145,12 @@ def chat(url: str, key: str, session: str | None = None, text: str = "hi") -> ht
     )
 
 
+def test_each_worker_answers_on_its_own_operator_port(edge: Workers) -> None:
+    for worker in range(WORKERS):
+        health = httpx.get(edge.ops(worker) + "/healthz", timeout=5).json()
+        assert (health["worker"], health["workers"]) == (worker, WORKERS)
+
+
 def test_the_port_spreads_connections_over_the_workers(edge: Workers) -> None:
     before = [served(edge, w) for w in range(WORKERS)]
     statuses = [chat(edge.url, "fi_free", text=f"question {n}").status_code for n in range(40)]
