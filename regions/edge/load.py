@@ -185,7 +185,8 @@ class LoadBoard:
 
 class SpeedCollector(Collector):
     """Each instance's prefill rate as the scheduler uses it (the table's figure times what
-    was learned, ``speed.py``), beside the table's own figure."""
+    was learned, ``speed.py``), beside the table's own figure and what the answers say now
+    (the rate in use follows it once it leaves the hysteresis band)."""
 
     def __init__(self, board: LoadBoard, table_rates: Callable[[], Mapping[str, float]]) -> None:
         self.board = board
@@ -194,14 +195,17 @@ class SpeedCollector(Collector):
     def collect(self) -> Iterator[GaugeMetricFamily]:
         learned = GaugeMetricFamily(
             "fedinfer_edge_prefill_tokens_per_s",
-            "Prefill tokens/s per instance: the table's figure (source=table) and the one the "
-            "scheduler uses after learning from the engine's answers (source=learned)",
+            "Prefill tokens/s per instance: the table's figure (source=table), the one the "
+            "scheduler uses after learning from the engine's answers (source=learned), and what "
+            "the answers say now (source=observed; learned follows it once 15 % apart)",
             labels=["instance", "source"],
         )
         for instance, rate in sorted(self.table_rates().items()):
             load = self.board.loads.get(instance)
             learned.add_metric([instance, "table"], rate)
             learned.add_metric([instance, "learned"], rate * (load.speed if load else 1.0))
+            observed = load.learned_speed if load else 1.0
+            learned.add_metric([instance, "observed"], rate * observed)
         yield learned
 
 

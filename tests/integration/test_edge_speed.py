@@ -1,7 +1,13 @@
 """The edge learns an engine's real prefill speed (a real edge and engine-sim on loopback): with
-a table claiming five times the engine's speed, sixty streamed answers bring the rate the
-scheduler uses to within a fifth of the engine's own (in the edge's estimated tokens); with
---no-learn-speeds the table's figure stays."""
+a table claiming five times the engine's speed, sixty streamed answers bring the learned rate to
+within a fifth of the engine's own (in the edge's estimated tokens), and the rate the scheduler
+uses within the hysteresis band of it; with --no-learn-speeds the table's figure stays.
+
+The rate in use is not held to the fifth itself: it moves to the learned one only when that
+leaves a 15 % band (``regions/edge/speed.py``), so it may rest up to 15 % above it, and the
+learned one converges from above (about 1.08 x the engine's own here). The test once asserted
+the fifth on the rate in use and failed whenever the band had last moved early (3 of 6 local
+runs read 1.24 x; CI on 2026-12-02)."""
 
 from __future__ import annotations
 
@@ -14,6 +20,7 @@ import httpx
 import orjson
 import pytest
 
+from regions.edge.speed import HYSTERESIS
 from regions.engines.simulator.perf import PerfModel, accelerator, model_params_billion
 from tests.integration.test_edge_support import engine_sims, start_edge, table_doc
 
@@ -41,10 +48,10 @@ def true_rate() -> float:
     ).prefill_tokens_per_second()
 
 
-def learned_rate(ops: str, instance: str) -> float:
+def rate(ops: str, instance: str, source: str) -> float:
     text = httpx.get(ops + "/metrics", timeout=5).text
     m = re.search(
-        rf'fedinfer_edge_prefill_tokens_per_s\{{instance="{instance}",source="learned"\}} (\S+)',
+        rf'fedinfer_edge_prefill_tokens_per_s\{{instance="{instance}",source="{source}"\}} (\S+)',
         text,
     )
     assert m, text
@@ -86,11 +93,14 @@ def test_a_table_five_times_too_fast_is_learned_from_the_answers(
         try:
             rand = random.Random(7)
             estimate = statistics.fmean(stream_one(edge.url, rand) for _ in range(60))
-            learned = learned_rate(edge.ops, "e0")
+            learned = rate(edge.ops, "e0", "observed")
+            in_use = rate(edge.ops, "e0", "learned")
         finally:
             edge.proc.stop()
     if learn:
         # The edge counts prompts by its own estimate, so it learns estimated tokens per second.
         assert learned == pytest.approx(true_rate() * estimate, rel=0.2), (learned, estimate)
+        assert learned / HYSTERESIS <= in_use <= learned * HYSTERESIS, (in_use, learned)
+        assert in_use < claimed / 2  # the scheduler has left the table's figure behind
     else:
-        assert learned == claimed
+        assert learned == in_use == claimed
