@@ -19,15 +19,12 @@ from celery import current_app
 from django.conf import settings
 
 from federation.inventory.models import Edge
+from federation.routing.selectors import LOAD_REPORT_MAX_AGE_S
 
 logger = logging.getLogger(__name__)
 
 AUTOSCALE_TASK = "fedinfer.fleet.autoscale"
 WAKE_KEY = "fedinfer:fleet:wake:{region}"
-
-
-#: A worker's cold report older than this is dropped when another worker reports (it stopped).
-HOLDER_REPORT_MAX_AGE_S = 60.0
 
 
 def cold_demand_store(
@@ -82,7 +79,7 @@ def _cold_by_holder(stored: Any, edge: str, now: datetime) -> dict[str, dict[str
                 }
             except (KeyError, TypeError, ValueError):
                 continue
-            if age <= HOLDER_REPORT_MAX_AGE_S:
+            if age <= LOAD_REPORT_MAX_AGE_S:  # older: a worker that stopped, as for load
                 out.setdefault(name, {})[model] = kept
     return out
 

@@ -20,6 +20,7 @@ import pytest
 
 from regions.supervisor import Process, free_port, free_ports, start_process, wait_http, wait_until
 from tests.integration.redis_support import PrivateRedis
+from tests.integration.test_edge_many_edges import chat
 from tests.integration.test_edge_support import Engine, instance, route_of, spawn_engine, table_doc
 
 WORKERS = 2
@@ -130,19 +131,6 @@ def metric(edge: Workers, worker: int, name: str, **labels: str) -> float:
 
 def served(edge: Workers, worker: int) -> float:
     return metric(edge, worker, "fedinfer_edge_requests")
-
-
-def chat(url: str, key: str, session: str | None = None, text: str = "hi") -> httpx.Response:
-    """One request on a connection of its own (the kernel picks the worker per connection)."""
-    headers = {"Authorization": f"Bearer {key}"}
-    if session is not None:
-        headers["x-session-id"] = session
-    return httpx.post(
-        url + "/v1/chat/completions",
-        json={"model": "llama", "messages": [{"role": "user", "content": text}], "max_tokens": 4},
-        headers=headers,
-        timeout=10,
-    )
 
 
 def test_each_worker_answers_on_its_own_operator_port(edge: Workers) -> None:

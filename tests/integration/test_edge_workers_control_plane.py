@@ -130,13 +130,14 @@ def test_cold_demand_adds_up_over_the_workers(fleet: Fleet) -> None:
 def test_a_stopped_workers_cold_report_ages_out() -> None:
     from django.utils import timezone
 
-    from federation.routing.wake import HOLDER_REPORT_MAX_AGE_S, cold_demand_store
+    from federation.routing.selectors import LOAD_REPORT_MAX_AGE_S
+    from federation.routing.wake import cold_demand_store
 
     edge = Edge(name="e", cold_demand={})
     edge.save = lambda **_: None  # type: ignore[method-assign]  (a row is not needed here)
     then = timezone.now()
     cold_demand_store(edge, {"m": (4, 0)}, then, "e.1")
-    later = then + timedelta(seconds=HOLDER_REPORT_MAX_AGE_S + 1)
+    later = then + timedelta(seconds=LOAD_REPORT_MAX_AGE_S + 1)
     cold_demand_store(edge, {"m": (1, 0)}, later, "e")
     assert edge.cold_demand["m"]["held"] == 1 and set(edge.cold_demand["m"]["holders"]) == {"e"}
 
