@@ -10,6 +10,7 @@ Standard library only: this is the region half, which never imports the control 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import fcntl
 import json
 import os
@@ -17,6 +18,7 @@ import random
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -33,6 +35,23 @@ DEFAULT_GRACE_S = 10.0
 #: Loopback readiness checks never go through an HTTP proxy of the environment.
 _DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 _CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+#: prctl(2) option: the signal the calling process gets when its parent dies.
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent(parent: int, sig: int = signal.SIGTERM) -> None:
+    """Have Linux send this process ``sig`` when its parent (pid ``parent``, taken before the
+    fork) dies, so that a parent killed outright (SIGKILL, the OOM killer) leaves no orphan. A
+    parent that died before this call could ask gets the same answer at once: ``sig`` now."""
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0) != 0:
+            errno = ctypes.get_errno()
+            raise OSError(errno, f"prctl(PR_SET_PDEATHSIG): {os.strerror(errno)}")
+    if os.getppid() != parent:
+        os.kill(os.getpid(), sig)
 
 
 class StartupError(RuntimeError):

@@ -7,14 +7,13 @@ transport) in embedded mode. ``fedinfer worker`` runs a worker with beat embedde
 
 from __future__ import annotations
 
-import ctypes
+import multiprocessing
 import os
-import signal
-import sys
 from typing import Any
 
 from celery import Celery, signals
 
+from regions.supervisor import die_with_parent
 from workers import metrics  # noqa: F401  (task metrics, served by `fedinfer worker`)
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "federation.settings")
@@ -32,19 +31,12 @@ def _trace_tasks(**_: Any) -> None:
     trace_worker()
 
 
-#: prctl(2) option: the signal the calling process gets when its parent dies.
-_PR_SET_PDEATHSIG = 1
-
-
 @signals.beat_embedded_init.connect
 def _die_with_the_worker(**_: Any) -> None:
     """The beat a worker embeds is a child process: a worker killed outright (SIGKILL, the OOM
     killer) would leave it queueing the schedule with no worker of its own, and the worker's
     restart would add a second beat — every periodic task twice. Linux ends it with its
-    parent."""
-    if not sys.platform.startswith("linux"):
-        return
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0:
-        errno = ctypes.get_errno()
-        raise OSError(errno, f"prctl(PR_SET_PDEATHSIG): {os.strerror(errno)}")
+    parent, and one whose worker died before it could ask ends at once (that race left a beat
+    behind in CI: a worker killed 0.4 s after its start)."""
+    parent = multiprocessing.parent_process()
+    die_with_parent(parent.pid if parent is not None and parent.pid else os.getppid())

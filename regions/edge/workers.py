@@ -19,7 +19,6 @@ that waited in its listen queue, are lost with it: the kernel does not hand them
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import logging
 import multiprocessing
 import os
@@ -33,6 +32,7 @@ from multiprocessing.synchronize import Event
 from types import FrameType
 
 from regions.edge.config import EdgeConfig
+from regions.supervisor import die_with_parent
 
 log = logging.getLogger("fedinfer.edge.workers")
 
@@ -40,7 +40,6 @@ log = logging.getLogger("fedinfer.edge.workers")
 RESTART_S = (1.0, 30.0)
 #: A worker that ran this long before it died is restarted after the shortest pause again.
 STEADY_S = 60.0
-_PR_SET_PDEATHSIG = 1
 
 #: ``start(worker, ready)`` runs one worker in its process; it calls ``ready()`` once serving.
 StartWorker = Callable[[int, Callable[[], None]], None]
@@ -194,8 +193,5 @@ def _worker_main(start: StartWorker, index: int, ready: Event, parent: int) -> N
     """A worker process: the parent's signal handlers undone, its death followed by ours."""
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, signal.SIG_DFL)
-    with contextlib.suppress(OSError, AttributeError):  # Linux only; elsewhere best effort
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    if os.getppid() != parent:  # the parent died before prctl took effect
-        raise SystemExit(1)
+    die_with_parent(parent)
     start(index, ready.set)

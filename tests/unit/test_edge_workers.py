@@ -17,6 +17,7 @@ import pytest
 from regions.edge import workers as pool_module
 from regions.edge.cli import build_parser, check_workers, config_from_args
 from regions.edge.workers import WorkerPool, reserve_port, worker_config
+from regions.supervisor import die_with_parent
 from regions.tables.schema import MAX_EDGE_WORKERS, holds_for, lease_holder, lease_holders
 
 
@@ -116,3 +117,14 @@ def test_a_worker_that_dies_after_serving_is_restarted_and_a_signal_stops_them_a
     threading.Thread(target=stop_when_restarted, daemon=True).start()
     assert pool.run() == 0
     assert sorted(starts.read_text().split()) == ["0", "1", "1"]
+
+
+def test_a_child_whose_parent_died_before_it_asked_ends_at_once() -> None:
+    """``die_with_parent``: the race between a parent's death and the child's prctl (a Celery
+    beat left behind in CI) ends the child as the parent's death would have."""
+    pid = os.fork()
+    if pid == 0:  # the child: its real parent is alive, but it is told of another
+        die_with_parent(-1)
+        os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGTERM
