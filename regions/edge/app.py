@@ -188,7 +188,7 @@ class Edge:
             for name in (inst.model, *inst.adapters):
                 by_model.setdefault(name, []).append(inst)
         self.health.sync(ids)
-        self.loads.sync(ids)
+        self.loads.sync({i.id: (i.model, i.prefill_tokens_per_s) for i in table.instances})
         self.kv_events.sync(table.instances)
         for gone in old_ids - set(ids):
             self.prefix.forget_instance(gone)

@@ -18,12 +18,14 @@ import logging
 import math
 import random
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Hashable, Iterator, Mapping
+from dataclasses import dataclass, field
 
 import httpx
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from regions.edge.speed import GAIN, answer_scale, deviation_in_use, known, learned, typical
 from regions.engines.metrics import EngineLoad, parse_vllm_metrics
 
 log = logging.getLogger("fedinfer.edge.load")
@@ -37,6 +39,7 @@ class InstanceLoad:
 
     __slots__ = (
         "admitted_since_scrape",
+        "deviation",
         "ended_total",
         "engine",
         "finished_since_scrape",
@@ -51,6 +54,7 @@ class InstanceLoad:
         "sent_total",
         "shared_at",
         "speed",
+        "taught",
         "tokens",
         "uncached_total",
     )
@@ -80,9 +84,12 @@ class InstanceLoad:
         #: Uncached prompt tokens sent here and probably not computed yet, as of ``pending_at``.
         self.pending_tokens = 0.0
         self.pending_at = 0.0
-        #: The engine's prefill rate over the table's figure, as learned from its answers and
-        #: as the scheduler uses it (the learned one once it leaves a band: ``speed.py``).
+        #: The engine's prefill rate over the table's figure, as learned from its answers
+        #: (``taught`` of them) and as the scheduler uses it: its kind's scale times its own
+        #: deviation from it, which moves only out of a band (``speed.py``).
         self.learned_speed = 1.0
+        self.taught = 0
+        self.deviation = 1.0
         self.speed = 1.0
 
     def pending(self, now: float, prefill_tokens_per_s: float) -> float:
@@ -156,6 +163,15 @@ class InstanceLoad:
         return max(known, total), engine.num_requests_waiting, engine.kv_cache_usage_perc
 
 
+@dataclass
+class KindSpeed:
+    """What the instances of one kind learned together: their common scale (``speed.py``)."""
+
+    members: list[str] = field(default_factory=list)
+    scale: float = 1.0
+    taught: int = 0
+
+
 class LoadBoard:
     """instance id → :class:`InstanceLoad`, kept in step with the table.
 
@@ -166,14 +182,50 @@ class LoadBoard:
 
     def __init__(self, scrape_timeout_s: float = 2.0) -> None:
         self.loads: dict[str, InstanceLoad] = {}
+        self.kinds: dict[Hashable, KindSpeed] = {}
+        self.kind_of: dict[str, Hashable] = {}
         self.scrape_timeout_s = scrape_timeout_s
         #: Called when this edge sends or ends a request (peer sync publishes soon after).
         self.on_change: Callable[[], None] | None = None
         #: Called with each reading this edge scraped (peer sync shares it).
         self.on_scraped: Callable[[str, EngineLoad], None] | None = None
 
-    def sync(self, ids: list[str]) -> None:
-        self.loads = {i: self.loads.get(i) or InstanceLoad() for i in ids}
+    def sync(self, kinds: Mapping[str, Hashable]) -> None:
+        """Keep the loads of the table's instances (id -> its kind: the instances whose speed
+        is learned together, ``speed.py``)."""
+        self.loads = {i: self.loads.get(i) or InstanceLoad() for i in kinds}
+        members: dict[Hashable, list[str]] = {}
+        for instance, kind in kinds.items():
+            members.setdefault(kind, []).append(instance)
+        self.kinds = {k: self.kinds.get(k) or KindSpeed() for k in members}
+        self.kind_of = dict(kinds)
+        for key, ids in members.items():
+            self.kinds[key].members = ids
+            self._settle(self.kinds[key])
+
+    def learn(self, instance: str, predicted_s: float, observed_s: float) -> None:
+        """One answer of ``instance``, predicted at ``predicted_s`` (the rate-bound part of its
+        expected TTFT), came after ``observed_s``: learn from it the instance's speed and its
+        kind's, and set the speeds the scheduler uses (``speed.py``)."""
+        load = self.loads.get(instance)
+        said = answer_scale(load.speed, predicted_s, observed_s) if load else None
+        if load is None or said is None:
+            return
+        load.learned_speed, load.taught = learned(load.learned_speed, said, load.taught)
+        kind = self.kinds[self.kind_of[instance]]
+        per_instance = GAIN / len(kind.members)
+        kind.scale, kind.taught = learned(
+            kind.scale, said / load.deviation, kind.taught, per_instance
+        )
+        self._settle(kind)
+
+    def _settle(self, kind: KindSpeed) -> None:
+        loads = [self.loads[i] for i in kind.members]
+        usual = typical(load.learned_speed for load in loads if known(load.taught))
+        for load in loads:
+            if known(load.taught):
+                load.deviation = deviation_in_use(load.deviation, load.learned_speed / usual)
+            load.speed = kind.scale * load.deviation
 
     def get(self, instance: str) -> InstanceLoad:
         load = self.loads.get(instance)
@@ -185,8 +237,8 @@ class LoadBoard:
 
 class SpeedCollector(Collector):
     """Each instance's prefill rate as the scheduler uses it (the table's figure times what
-    was learned, ``speed.py``), beside the table's own figure and what the answers say now
-    (the rate in use follows it once it leaves the hysteresis band)."""
+    its kind learned and its deviation in use, ``speed.py``), beside the table's own figure
+    and what the instance's own answers say."""
 
     def __init__(self, board: LoadBoard, table_rates: Callable[[], Mapping[str, float]]) -> None:
         self.board = board
@@ -196,8 +248,8 @@ class SpeedCollector(Collector):
         learned = GaugeMetricFamily(
             "fedinfer_edge_prefill_tokens_per_s",
             "Prefill tokens/s per instance: the table's figure (source=table), the one the "
-            "scheduler uses after learning from the engine's answers (source=learned), and what "
-            "the answers say now (source=observed; learned follows it once 15 % apart)",
+            "scheduler uses, learned from the answers of the instance's kind (source=learned), "
+            "and what the instance's own answers say (source=observed)",
             labels=["instance", "source"],
         )
         for instance, rate in sorted(self.table_rates().items()):

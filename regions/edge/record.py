@@ -19,7 +19,6 @@ from regions.edge.load import LoadBoard
 from regions.edge.metering import Meter
 from regions.edge.observability import EdgeMetrics
 from regions.edge.scheduler import Decision
-from regions.edge.speed import in_use, learned
 from regions.tables.usage import USAGE_SCHEMA_VERSION
 
 #: Less time than this at the gateway is the decision itself, not a wait for a slot.
@@ -101,9 +100,7 @@ class Recorder:
             and winner.slot_s == 0.0
             and ctx.queue_s < NO_WAIT_S
         ):
-            load = self.loads.get(instance)
-            load.learned_speed = learned(load.learned_speed, load.speed, winner.ttft_s, ttft)
-            load.speed = in_use(load.speed, load.learned_speed)
+            self.loads.learn(instance, winner.ttft_s, ttft)
         if prompt is not None:
             series.prompt_tokens += prompt
 

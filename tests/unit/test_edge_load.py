@@ -28,7 +28,7 @@ def test_a_scrape_uses_its_own_timeout_not_the_probe_clients() -> None:
 
     async def run() -> LoadBoard:
         board = LoadBoard(scrape_timeout_s=7.5)
-        board.sync(["i-1"])
+        board.sync({"i-1": "m"})
         # The shared client carries the health probe's short timeout.
         async with httpx.AsyncClient(
             transport=httpx.MockTransport(handler), timeout=httpx.Timeout(1.0)
@@ -68,7 +68,7 @@ def test_a_slow_engine_does_not_hold_back_the_other_engines_readings() -> None:
 
     async def run() -> None:
         board = LoadBoard(scrape_timeout_s=10.0)
-        board.sync(["fast", "slow"])
+        board.sync(dict.fromkeys(["fast", "slow"], "m"))
         async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
             loop = asyncio.create_task(
                 scrape_loop(
@@ -98,7 +98,7 @@ def test_an_engine_a_peer_read_recently_is_not_scraped_again_and_readings_are_sh
 
     async def run() -> LoadBoard:
         board = LoadBoard()
-        board.sync(["mine", "theirs"])
+        board.sync(dict.fromkeys(["mine", "theirs"], "m"))
         board.on_scraped = lambda inst, engine: shared.append((inst, engine.num_requests_running))
         targets = [("mine", "http://mine"), ("theirs", "http://theirs")]
         async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:

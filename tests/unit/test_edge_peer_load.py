@@ -35,7 +35,7 @@ RATE = 1000.0  # prefill tokens/s
 
 def board_of(*ids: str) -> LoadBoard:
     board = LoadBoard()
-    board.sync(list(ids))
+    board.sync(dict.fromkeys(ids, "m"))
     return board
 
 

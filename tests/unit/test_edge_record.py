@@ -38,7 +38,7 @@ class NoSink:
 def recorder(tmp_path: Path) -> Recorder:
     meter = Meter(MeteringConfig(spool_dir=tmp_path), NoSink())
     loads = LoadBoard()
-    loads.sync(["us-1"])
+    loads.sync({"us-1": "m"})
     return Recorder(EdgeMetrics(), Admission("us-east"), loads, "us-east", meter, Budgets(None))
 
 
