@@ -165,11 +165,15 @@ class InstanceLoad:
 
 @dataclass
 class KindSpeed:
-    """What the instances of one kind learned together: their common scale (``speed.py``)."""
+    """What the instances of one kind learned together: their common scale (``speed.py``).
+    Each member's deviation from it is moved at the member's own answers."""
 
-    members: list[str] = field(default_factory=list)
     scale: float = 1.0
     taught: int = 0
+    members: list[InstanceLoad] = field(default_factory=list)
+    #: The members' median learned scale, taken again every ``len(members)`` answers.
+    usual: float = 1.0
+    answers: int = 0
 
 
 class LoadBoard:
@@ -183,7 +187,7 @@ class LoadBoard:
     def __init__(self, scrape_timeout_s: float = 2.0) -> None:
         self.loads: dict[str, InstanceLoad] = {}
         self.kinds: dict[Hashable, KindSpeed] = {}
-        self.kind_of: dict[str, Hashable] = {}
+        self.kind_of: dict[str, KindSpeed] = {}
         self.scrape_timeout_s = scrape_timeout_s
         #: Called when this edge sends or ends a request (peer sync publishes soon after).
         self.on_change: Callable[[], None] | None = None
@@ -194,14 +198,22 @@ class LoadBoard:
         """Keep the loads of the table's instances (id -> its kind: the instances whose speed
         is learned together, ``speed.py``)."""
         self.loads = {i: self.loads.get(i) or InstanceLoad() for i in kinds}
-        members: dict[Hashable, list[str]] = {}
-        for instance, kind in kinds.items():
-            members.setdefault(kind, []).append(instance)
-        self.kinds = {k: self.kinds.get(k) or KindSpeed() for k in members}
-        self.kind_of = dict(kinds)
-        for key, ids in members.items():
-            self.kinds[key].members = ids
-            self._settle(self.kinds[key])
+        old = {key: kind for key, kind in self.kinds.items()}
+        self.kinds = {}
+        self.kind_of = {}
+        for instance, key in kinds.items():
+            kind = self.kinds.get(key)
+            if kind is None:
+                kind = self.kinds[key] = (
+                    KindSpeed(old[key].scale, old[key].taught) if key in old else KindSpeed()
+                )
+            kind.members.append(self.loads[instance])
+            self.kind_of[instance] = kind
+        for kind in self.kinds.values():
+            members = kind.members
+            kind.usual = typical([m.learned_speed for m in members if known(m.taught)])
+            for load in members:
+                load.speed = kind.scale * load.deviation
 
     def learn(self, instance: str, predicted_s: float, observed_s: float) -> None:
         """One answer of ``instance``, predicted at ``predicted_s`` (the rate-bound part of its
@@ -212,20 +224,22 @@ class LoadBoard:
         if load is None or said is None:
             return
         load.learned_speed, load.taught = learned(load.learned_speed, said, load.taught)
-        kind = self.kinds[self.kind_of[instance]]
-        per_instance = GAIN / len(kind.members)
+        kind = self.kind_of[instance]
+        members = kind.members
+        per_instance = GAIN / len(members)
         kind.scale, kind.taught = learned(
             kind.scale, said / load.deviation, kind.taught, per_instance
         )
-        self._settle(kind)
-
-    def _settle(self, kind: KindSpeed) -> None:
-        loads = [self.loads[i] for i in kind.members]
-        usual = typical(load.learned_speed for load in loads if known(load.taught))
-        for load in loads:
-            if known(load.taught):
-                load.deviation = deviation_in_use(load.deviation, load.learned_speed / usual)
-            load.speed = kind.scale * load.deviation
+        if len(members) > 1 and known(load.taught):
+            kind.answers += 1
+            # The median again once a round of answers, and as a member joins it.
+            if kind.answers >= len(members) or not known(load.taught - 1):
+                kind.answers = 0
+                kind.usual = typical([m.learned_speed for m in members if known(m.taught)])
+            load.deviation = deviation_in_use(load.deviation, load.learned_speed / kind.usual)
+        scale = kind.scale
+        for member in members:
+            member.speed = scale * member.deviation
 
     def get(self, instance: str) -> InstanceLoad:
         load = self.loads.get(instance)

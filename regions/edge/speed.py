@@ -35,8 +35,6 @@ the routing benchmark's 5x case).
 from __future__ import annotations
 
 import math
-import statistics
-from collections.abc import Iterable
 
 #: Share of the log-distance one observation moves the learned scale (~1/GAIN answers).
 GAIN = 0.05
@@ -59,11 +57,20 @@ def learned(scale: float, said: float, taught: int, gain: float = GAIN) -> tuple
     """The learned ``scale`` after an answer ``said`` another, and the answers it counts now
     (``taught`` before). A step held at its bound is not counted: the running mean starts
     from the first answer near the scale, not from the walk toward it."""
-    share = max(gain, 1.0 / (taught + 1))
-    step = math.exp(share * math.log(said / scale))
-    bounded = min(max(step, 1.0 / MAX_STEP), MAX_STEP)
-    after = min(max(scale * bounded, 1.0 / MAX_SCALE), MAX_SCALE)
-    return after, taught + (bounded == step)
+    # Plain comparisons, not min/max: this runs once per streamed answer, twice.
+    share = gain if taught * gain >= 1.0 else 1.0 / (taught + 1)
+    step = (said / scale) ** share
+    counted = 1
+    if step > MAX_STEP:
+        step, counted = MAX_STEP, 0
+    elif step * MAX_STEP < 1.0:
+        step, counted = 1.0 / MAX_STEP, 0
+    after = scale * step
+    if after > MAX_SCALE:
+        after = MAX_SCALE
+    elif after * MAX_SCALE < 1.0:
+        after = 1.0 / MAX_SCALE
+    return after, taught + counted
 
 
 def in_use(used: float, scale: float) -> float:
@@ -88,8 +95,7 @@ def known(taught: int) -> bool:
     return taught * GAIN >= 1.0
 
 
-def typical(scales: Iterable[float]) -> float:
-    """The typical scale of a kind's instances: their median (one slow engine does not move
-    it, so it alone deviates), 1.0 when none has learned enough."""
-    logs = [math.log(s) for s in scales]
-    return math.exp(statistics.median(logs)) if logs else 1.0
+def typical(scales: list[float]) -> float:
+    """The typical scale of a kind's instances: their median, the upper one of an even count
+    (one slow engine does not move it, so it alone deviates); 1.0 when none is known yet."""
+    return sorted(scales)[len(scales) // 2] if scales else 1.0

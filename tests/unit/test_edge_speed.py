@@ -144,3 +144,23 @@ def test_the_scale_stays_within_its_bounds(scale: float, said: float, taught: in
     assert counted in (taught, taught + 1)
     assert 1 / MAX_SCALE <= after <= MAX_SCALE
     assert scale / MAX_STEP - 1e-12 <= after <= scale * MAX_STEP + 1e-12
+
+
+def test_a_new_table_keeps_what_the_kinds_learned() -> None:
+    board = board_of(*"abcd")
+    teach(board, dict.fromkeys("abcd", 0.2), 40)
+    board.sync({**dict.fromkeys("abcde", KIND)})
+    teach(board, dict.fromkeys("abcde", 0.2), 1)
+    for instance in "abcde":
+        assert board.get(instance).speed == pytest.approx(0.2, rel=0.01)
+        assert board.get(instance).deviation == 1.0
+
+
+def test_identical_engines_never_deviate_while_their_kind_learns() -> None:
+    """As each becomes known its deviation is judged against the median of the known ones,
+    never against a median taken before any was known."""
+    board = board_of(*"abcd")
+    for _ in range(60):
+        teach(board, dict.fromkeys("abcd", 0.2), 1)
+        assert {board.get(i).deviation for i in "abcd"} == {1.0}
+    assert board.get("a").speed == pytest.approx(0.2, rel=1e-9)
