@@ -63,6 +63,8 @@ class Record:
     cached_tokens: int = 0
     completion_tokens: int = 0
     route: str = ""  # x-fedinfer-route header (edge) or the engine URL (oracle)
+    #: Seconds the request waited in the edge's gateway line (its ``Server-Timing: queue``).
+    queue_s: float = 0.0
     url: str = ""
     text: str = field(default="", repr=False)
 
@@ -91,6 +93,7 @@ async def _one_request(
             async with http.post(f"{url}/v1/chat/completions", data=body, headers=headers) as resp:
                 rec.status = resp.status
                 rec.route = resp.headers.get("x-fedinfer-route", url)
+                rec.queue_s = gateway_wait(resp.headers.get("server-timing", ""))
                 if resp.status != 200:
                     rec.error = (await resp.read())[:200].decode(errors="replace")
                     return
@@ -125,6 +128,15 @@ async def _one_request(
         rec.error = "timeout"
     except aiohttp.ClientError as exc:
         rec.error = f"{type(exc).__name__}: {exc}"[:200]
+
+
+def gateway_wait(server_timing: str) -> float:
+    """The ``queue`` entry of an edge's ``Server-Timing`` header, in seconds (0 without)."""
+    for part in server_timing.split(","):
+        name, _, dur = part.strip().partition(";dur=")
+        if name == "queue" and dur:
+            return float(dur) / 1000
+    return 0.0
 
 
 def _body(

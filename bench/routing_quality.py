@@ -334,6 +334,8 @@ def run_policy(
         f"[{sc.name}/{cfg.seed}] {policy:12s} TTFT mean {result['ttft_mean_s'] * 1000:7.1f} ms  "
         f"p50 {result['ttft_p50_s'] * 1000:7.1f}  p99 {result['ttft_p99_s'] * 1000:7.1f}  "
         f"hit {result['hit_rate']:.3f}  {result['completed_per_s']:.2f} req/s  "
+        f"gateway wait {result['gateway_wait_mean_s'] * 1000:.1f} ms "
+        f"({result['gateway_waited_share']:.0%} waited)  "
         f"errors {result['errors']}  engine share max {result['max_engine_share']:.2f}  "
         f"cpu { ({k: round(v, 2) if v is not None else None for k, v in cpu_share.items()}) }  "
         f"lag p99 {result['client_lag']['p99_ms']:.1f} ms",

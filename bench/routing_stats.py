@@ -112,6 +112,9 @@ def summarise(records: list[Record], lo: float, hi: float) -> dict[str, Any]:
         "ttft_p99_s": percentile(ttft, 99),
         "ttft_p99_with_failures_s": _p_inf(ttft_with_failures, 99),
         "route_reasons": reasons,
+        # The part of TTFT spent in the edge's gateway line (0 for the oracle, no edge).
+        "gateway_wait_mean_s": statistics.fmean(r.queue_s for r in ok) if ok else math.nan,
+        "gateway_waited_share": sum(r.queue_s > 0.001 for r in ok) / len(ok) if ok else math.nan,
         "e2e_mean_s": statistics.fmean(e2e) if e2e else math.nan,
         "e2e_p99_s": percentile(e2e, 99),
         "sent_per_s": len(window) / span,
