@@ -81,13 +81,17 @@ test-vllm: $(STAMP) vllm-env
 bench-overhead: $(STAMP)
 	$(BIN)/python -m bench overhead
 
-## bench-routing also runs the several-edges cases on the exact path (tokenizer + KV events),
-## the one view the edges share in production, over 84 s of arrivals: over 36 s one run's ratio
-## to one edge carried about +-5 % of noise, as much as the target allows.
+## bench-routing runs the several-edges cases apart, over 84 s of arrivals, on the byte estimate
+## and on the exact path (tokenizer + KV events, the one view the edges share in production):
+## over 36 s one edge's own mean moved by +-5 % between runs of the same code, as much as the
+## several-edges target allows.
+SEVERAL_EDGES := fedinfer,fedinfer-2edges,fedinfer-3edges,fedinfer-2workers
 bench-routing: $(STAMP)
-	$(BIN)/python -m bench routing
+	$(BIN)/python -m bench routing --policies round_robin,least_loaded,oracle,fedinfer
+	$(BIN)/python -m bench routing --scenario uniform-60,zipf-90 --policies $(SEVERAL_EDGES) \
+	  --duration 84
 	$(BIN)/python -m bench routing --exact-prefix --scenario uniform-60,zipf-90 \
-	  --policies fedinfer,fedinfer-2edges,fedinfer-3edges,fedinfer-2workers --duration 84
+	  --policies $(SEVERAL_EDGES) --duration 84
 
 ## make bench-federation: table propagation and evacuation on the real control plane
 ## (PostgreSQL DATABASE_URL, Redis REDIS_URL whose DB it flushes; docs/benchmarks.md)
