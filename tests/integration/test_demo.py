@@ -129,25 +129,38 @@ def test_demo_federates_three_regions_with_traffic_and_an_evacuation(
     ).json()["token"]
     auth = {"Authorization": f"Token {token}"}
 
-    def on_latest_version() -> bool:
-        rows = httpx.get(f"{api}/routing-tables/", headers=auth, timeout=5).json()["results"]
-        for row in rows:
+    def tables() -> list[dict[str, Any]]:
+        rows: list[dict[str, Any]] = httpx.get(
+            f"{api}/routing-tables/", headers=auth, timeout=5
+        ).json()["results"]
+        return rows
+
+    # The demo's traffic spends budgets, and their leases are recompiled every few seconds:
+    # a newer table may be out before the last one's heartbeat (CI, 2026-12-03: versions 56-60
+    # in 12 s). Each edge must report a table at least as new as the latest when this starts.
+    wait_until(
+        lambda: all(row["latest_version"] is not None for row in tables()),
+        timeout=15,
+        what="a table for every region",
+    )
+    floor = {row["region"]: row["latest_version"] for row in tables()}
+    assert len(floor) == 3
+
+    def on_a_recent_version() -> bool:
+        for row in tables():
             (edge,) = row["edges"]
             ops = endpoints["operators"][row["region"]]
             health = httpx.get(f"{ops}/healthz", timeout=5).json()
             assert health["table_source"] == "control-plane"
-            if not (
-                row["latest_version"] is not None
-                and edge["name"] == f"demo-{row['region']}"
-                and edge["applied_table_version"] == row["latest_version"]
-                and health["table_version"] == row["latest_version"]
-            ):
+            assert edge["name"] == f"demo-{row['region']}"
+            applied = edge["applied_table_version"]
+            if applied is None or not floor[row["region"]] <= applied <= row["latest_version"]:
                 return False
-        return len(rows) == 3
+            if not applied <= health["table_version"] <= row["latest_version"]:
+                return False
+        return True
 
-    wait_until(
-        on_latest_version, timeout=15, what="every edge's heartbeat on its region's latest table"
-    )
+    wait_until(on_a_recent_version, timeout=15, what="every edge's heartbeat on a recent table")
 
     # The traffic generator's requests succeed, each tenant served where it may be.
     traffic_log = demo_dir / "logs" / "traffic.log"
