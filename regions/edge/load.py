@@ -175,6 +175,11 @@ class KindSpeed:
     usual: float = 1.0
     answers: int = 0
 
+    def take_usual(self) -> None:
+        """The median of the members that have learned enough (``speed.known``)."""
+        self.answers = 0
+        self.usual = typical([m.learned_speed for m in self.members if known(m.taught)])
+
 
 class LoadBoard:
     """instance id → :class:`InstanceLoad`, kept in step with the table.
@@ -198,7 +203,7 @@ class LoadBoard:
         """Keep the loads of the table's instances (id -> its kind: the instances whose speed
         is learned together, ``speed.py``)."""
         self.loads = {i: self.loads.get(i) or InstanceLoad() for i in kinds}
-        old = {key: kind for key, kind in self.kinds.items()}
+        old = self.kinds
         self.kinds = {}
         self.kind_of = {}
         for instance, key in kinds.items():
@@ -210,9 +215,8 @@ class LoadBoard:
             kind.members.append(self.loads[instance])
             self.kind_of[instance] = kind
         for kind in self.kinds.values():
-            members = kind.members
-            kind.usual = typical([m.learned_speed for m in members if known(m.taught)])
-            for load in members:
+            kind.take_usual()
+            for load in kind.members:
                 load.speed = kind.scale * load.deviation
 
     def learn(self, instance: str, predicted_s: float, observed_s: float) -> None:
@@ -234,8 +238,7 @@ class LoadBoard:
             kind.answers += 1
             # The median again once a round of answers, and as a member joins it.
             if kind.answers >= len(members) or not known(load.taught - 1):
-                kind.answers = 0
-                kind.usual = typical([m.learned_speed for m in members if known(m.taught)])
+                kind.take_usual()
             load.deviation = deviation_in_use(load.deviation, load.learned_speed / kind.usual)
         scale = kind.scale
         for member in members:

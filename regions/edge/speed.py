@@ -42,6 +42,8 @@ MAX_STEP = 1.25
 MAX_SCALE = 8.0
 MIN_S = 0.005
 HYSTERESIS = 1.15
+#: A deviation back within this of its kind's is the kind's again (half the band, in log).
+RETURN_BAND = math.sqrt(HYSTERESIS)
 
 
 def answer_scale(used: float, predicted_s: float, observed_s: float) -> float | None:
@@ -84,7 +86,7 @@ def deviation_in_use(used: float, ratio: float) -> float:
     """The deviation from its kind the scheduler uses, from the learned ``ratio``: ``used``
     until the ratio leaves its band, and back to the kind's own (1.0) once within half the
     band of it, so identical engines that noise had once set apart are identical again."""
-    if used != 1.0 and math.sqrt(1 / HYSTERESIS) <= ratio <= math.sqrt(HYSTERESIS):
+    if used != 1.0 and 1.0 / RETURN_BAND <= ratio <= RETURN_BAND:
         return 1.0
     return in_use(used, ratio)
 
