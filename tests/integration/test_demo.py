@@ -55,6 +55,16 @@ def _summaries(log: Path) -> list[Summary]:
     return out
 
 
+def _admin_auth(api: str) -> dict[str, str]:
+    """The headers of the demo's admin for the control plane's API at ``api``."""
+    token = httpx.post(
+        f"{api}/auth/token/",
+        json={"username": "admin", "password": "fedinfer-demo"},
+        timeout=CONTROL_PLANE_S,
+    ).json()["token"]
+    return {"Authorization": f"Token {token}"}
+
+
 def _demo_env(var_dir: Path) -> dict[str, str]:
     """The demo's embedded defaults (SQLite under var/, filesystem broker), not the test's."""
     env = {**os.environ, "FEDINFER_VAR_DIR": str(var_dir), "FEDINFER_MODE": "embedded"}
@@ -129,12 +139,7 @@ def test_demo_federates_three_regions_with_traffic_and_an_evacuation(
     # The edges run on the control plane's signed tables and report back by heartbeat.
     api = f"{endpoints['control_plane']}/api/v1"
     assert httpx.get(f"{api}/regions/", timeout=CONTROL_PLANE_S).status_code in (401, 403)
-    token = httpx.post(
-        f"{api}/auth/token/",
-        json={"username": "admin", "password": "fedinfer-demo"},
-        timeout=CONTROL_PLANE_S,
-    ).json()["token"]
-    auth = {"Authorization": f"Token {token}"}
+    auth = _admin_auth(api)
 
     def tables() -> list[dict[str, Any]]:
         rows: list[dict[str, Any]] = httpx.get(
@@ -322,21 +327,11 @@ def test_demo_fleet_follows_the_day_and_heals_without_a_command(
     engines = LocalProvisioner(tmp_path / "demo" / "engines")
     assert set(engines.running()) == {name for name, _url in endpoints["instances"]}
     api = f"{endpoints['control_plane']}/api/v1"
-    token = httpx.post(
-        f"{api}/auth/token/",
-        json={"username": "admin", "password": "fedinfer-demo"},
-        timeout=CONTROL_PLANE_S,
-    ).json()["token"]
-    auth = {"Authorization": f"Token {token}"}
+    auth = _admin_auth(api)
 
     # An engine dies: the worker fails its instance and starts a replacement; no command.
-    fixed = [
-        d
-        for d in httpx.get(f"{api}/deployments/", headers=auth, timeout=CONTROL_PLANE_S).json()[
-            "results"
-        ]
-        if not d["autoscale"]
-    ]
+    rows = httpx.get(f"{api}/deployments/", headers=auth, timeout=CONTROL_PLANE_S).json()
+    fixed = [d for d in rows["results"] if not d["autoscale"]]
     deployment = fixed[0]["id"]
 
     def instances() -> dict[str, str]:
