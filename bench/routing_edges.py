@@ -8,8 +8,9 @@ core: the client's pooled connections land on either worker by the kernel's hash
 session's turns land on both. Each
 edge's table carries the bench's tenants and ``local_edges`` (how many edges share the rate
 limits). Targets: mean TTFT and hit rate within 5 % of the one-edge ``fedinfer`` run of the same
-scenario, and the rate limit held: after the replay, :func:`probe_rate_limit` sends one tenant
-at four times its limit through every edge in turn and counts what was admitted.
+scenario (with ``--repeat``, of its mean over the repetitions: :func:`pooled_edge_targets`), and
+the rate limit held: after the replay, :func:`probe_rate_limit` sends one tenant at four times
+its limit through every edge in turn and counts what was admitted.
 
 *Repeated seeds*: a scenario run with several seeds (``skewed-90`` by default) or several
 times (``--repeat``) is judged in each run and across them (:func:`repeated_targets`: the
@@ -23,6 +24,7 @@ import asyncio
 import hashlib
 import math
 import os
+import statistics
 import time
 from collections.abc import Iterable
 from dataclasses import fields
@@ -151,13 +153,20 @@ async def probe_rate_limit(urls: list[str], model: str, processes: int = 0) -> d
     }
 
 
-def edge_targets(results: dict[str, dict[str, Any]], check: Any) -> None:
-    """Targets of the multi-edge policies against the one-edge ``fedinfer`` run."""
+def several(policy: str) -> bool:
+    """A policy judged against one edge: several edge processes serving the client."""
+    return processes_of(policy) > 1 and policy != IDLE_EDGES
+
+
+def edge_targets(results: dict[str, dict[str, Any]], check: Any, ratios: bool = True) -> None:
+    """Targets of the multi-edge policies against the one-edge ``fedinfer`` run; without
+    ``ratios`` (a run that is one of several repetitions) only the rate limit: the ratios are
+    judged over the repetitions (:func:`pooled_edge_targets`)."""
     one = results.get("fedinfer")
     for policy, r in results.items():
-        if processes_of(policy) == 1 or policy == IDLE_EDGES:
+        if not several(policy):
             continue
-        if one is not None:
+        if one is not None and ratios:
             check(f"{policy}_mean_ttft_vs_one_edge", r["ttft_mean_s"] / one["ttft_mean_s"],
                   1.05, "<=")  # fmt: skip
             check(f"{policy}_hit_rate_vs_one_edge", r["hit_rate"] / one["hit_rate"], 0.95, ">=")
@@ -205,3 +214,43 @@ def _spread(values: Iterable[float]) -> float:
     """``max / min - 1`` over the values that are numbers (NaN: none are)."""
     xs = [v for v in values if not math.isnan(v)]
     return max(xs) / min(xs) - 1.0 if xs else math.nan
+
+
+def pooled_edge_targets(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Across repetitions of one workload: each several-edges policy's mean TTFT and hit rate,
+    averaged over the repetitions, within 5 % of one edge's averaged over the same ones.
+
+    Why pooled: at ~90 % load one edge's mean TTFT moved by +-5 % between repetitions of the
+    same workload on a steady machine (188.9-208.4 ms, ``docs/benchmarks.md`` section 2), as
+    wide as the target, so one run's ratio judged that run's luck as often as the edges. The
+    repetitions run the policies in the same order each time, so a machine slowing down
+    between repetitions weighs on every policy alike. Each repetition's own ratio is kept as
+    context, not judged."""
+    usable = [r["results"] for r in runs.values() if "fedinfer" in r["results"]]
+    policies = [p for p in (usable[0] if usable else {}) if several(p)]
+    policies = [p for p in policies if all(p in res for res in usable)]
+    out: dict[str, Any] = {"repetitions": len(usable), "per_run": {}, "targets": {}}
+    if not policies:
+        return out
+
+    def mean_of(policy: str, key: str) -> float:
+        return statistics.fmean(res[policy][key] for res in usable)
+
+    one_ttft, one_hit = mean_of("fedinfer", "ttft_mean_s"), mean_of("fedinfer", "hit_rate")
+    out["one_edge_mean_ttft_s"] = [res["fedinfer"]["ttft_mean_s"] for res in usable]
+    for policy in policies:
+        out["per_run"][policy] = {
+            "mean_ttft_s": [res[policy]["ttft_mean_s"] for res in usable],
+            "mean_ttft_vs_one_edge": [
+                res[policy]["ttft_mean_s"] / res["fedinfer"]["ttft_mean_s"] for res in usable
+            ],
+        }
+        ttft = mean_of(policy, "ttft_mean_s") / one_ttft
+        hit = mean_of(policy, "hit_rate") / one_hit
+        out["targets"][f"{policy}_mean_ttft_vs_one_edge"] = {
+            "value": ttft, "bound": 1.05, "op": "<=", "met": bool(ttft <= 1.05)
+        }  # fmt: skip
+        out["targets"][f"{policy}_hit_rate_vs_one_edge"] = {
+            "value": hit, "bound": 0.95, "op": ">=", "met": bool(hit >= 0.95)
+        }  # fmt: skip
+    return out

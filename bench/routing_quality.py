@@ -394,13 +394,15 @@ def run(
                 f"[{sc.name}] every seed at the mean capacity {cal['capacity_rps']:.2f} req/s",
                 flush=True,
             )
+        pooled = repeat > 1 and len(cfgs) == 1  # repetitions of one workload
         runs = {
             f"{seed}.{k}" if repeat > 1 else str(seed): run_scenario(
-                c, sc, policies, logdir, tmp, cal, fixed_sessions=len(cfgs) > 1
+                c, sc, policies, logdir, tmp, cal, fixed_sessions=len(cfgs) > 1,
+                edge_ratios=not pooled,
             )
             for seed, c in cfgs.items()
             for k in range(1, repeat + 1)
-        }
+        }  # fmt: skip
         if len(runs) == 1:
             out["scenarios"][sc.name] = next(iter(runs.values()))
             continue
@@ -408,6 +410,8 @@ def run(
             out["scenarios"][f"{sc.name}@seed{label}"] = result
         if all({"oracle", "fedinfer"} <= r["results"].keys() for r in runs.values()):
             out.setdefault("repeated", {})[sc.name] = routing_edges.repeated_targets(runs)
+        if pooled and any(routing_edges.several(p) for p in policies):
+            out.setdefault("several_edges", {})[sc.name] = routing_edges.pooled_edge_targets(runs)
     out["finished"] = utc_now()
     out["machine_after"] = machine_info()
     path = write_result("routing_quality", out)
@@ -438,10 +442,11 @@ def run_scenario(
     cal: dict[str, Any],
     *,
     fixed_sessions: bool,
+    edge_ratios: bool = True,
 ) -> dict[str, Any]:
     """Replay one workload at ``sc.load`` x ``cal``'s capacity with every policy, on fresh
     processes; with ``fixed_sessions`` the session count is the rate's expectation, the same
-    for every seed."""
+    for every seed; without ``edge_ratios`` the several edges are judged across repetitions."""
     request_rate = sc.load * cal["capacity_rps"]
     spec = replace(base_spec(cfg, sc), session_rate=request_rate / base_spec(cfg, sc).mean_turns)
     if fixed_sessions:
@@ -472,7 +477,7 @@ def run_scenario(
             "top_prompt_session_share": top_share,
         },
         "results": results,
-        "targets": targets(results),
+        "targets": targets(results, edge_ratios),
     }
 
 
