@@ -29,6 +29,7 @@ Per scenario:
    round-robin balancer, then one tenant sent over its rate limit through all of them
    (``bench/routing_edges.py``); ``fedinfer-2workers``: one edge of two worker processes
    (``--workers 2``) on the edge's one core, the kernel spreading the client's connections.
+   With ``--repeat`` they are judged on their means over the repetitions, not in each run.
 
 With ``--exact-prefix`` every process runs on the bench model's real tokenizer: the engines
 hash blocks as vLLM's ``sha256_cbor`` and publish KV events, the edges tokenize each prompt and
