@@ -6,7 +6,7 @@ import datetime as dt
 import json
 import math
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +37,20 @@ def spread(values: Sequence[float]) -> dict[str, float]:
         "max": max(vals),
         "n": len(vals),
     }
+
+
+#: Records one target: ``check(name, value, bound, op)``, ``op`` one of ``<=``, ``<``, ``>=``.
+Check = Callable[[str, float, float, str], None]
+
+
+def checker(into: dict[str, Any]) -> Check:
+    """A :data:`Check` that records each target's value, bound and verdict in ``into``."""
+
+    def check(name: str, value: float, bound: float, op: str) -> None:
+        met = value <= bound if op == "<=" else value < bound if op == "<" else value >= bound
+        into[name] = {"value": value, "bound": bound, "op": op, "met": bool(met)}
+
+    return check
 
 
 def fmt(v: float, nd: int = 2) -> str:

@@ -33,6 +33,7 @@ from typing import Any
 import aiohttp
 import orjson
 
+from bench.report import Check, checker
 from regions.edge.config import EdgeConfig
 from regions.tables.schema import TenantPolicy
 
@@ -158,7 +159,13 @@ def several(policy: str) -> bool:
     return processes_of(policy) > 1 and policy != IDLE_EDGES
 
 
-def edge_targets(results: dict[str, dict[str, Any]], check: Any, ratios: bool = True) -> None:
+def vs_one_edge(policy: str, r: dict[str, Any], one: dict[str, Any], check: Check) -> None:
+    """Mean TTFT within 5 % of one edge's and hit rate at least 95 % of it."""
+    check(f"{policy}_mean_ttft_vs_one_edge", r["ttft_mean_s"] / one["ttft_mean_s"], 1.05, "<=")
+    check(f"{policy}_hit_rate_vs_one_edge", r["hit_rate"] / one["hit_rate"], 0.95, ">=")
+
+
+def edge_targets(results: dict[str, dict[str, Any]], check: Check, ratios: bool = True) -> None:
     """Targets of the multi-edge policies against the one-edge ``fedinfer`` run; without
     ``ratios`` (a run that is one of several repetitions) only the rate limit: the ratios are
     judged over the repetitions (:func:`pooled_edge_targets`)."""
@@ -167,9 +174,7 @@ def edge_targets(results: dict[str, dict[str, Any]], check: Any, ratios: bool = 
         if not several(policy):
             continue
         if one is not None and ratios:
-            check(f"{policy}_mean_ttft_vs_one_edge", r["ttft_mean_s"] / one["ttft_mean_s"],
-                  1.05, "<=")  # fmt: skip
-            check(f"{policy}_hit_rate_vs_one_edge", r["hit_rate"] / one["hit_rate"], 0.95, ">=")
+            vs_one_edge(policy, r, one, check)
         probe = r.get("rate_limit")
         if probe:
             check(f"{policy}_rate_limit_admitted", probe["admitted"], probe["bound"], "<=")
@@ -233,11 +238,15 @@ def pooled_edge_targets(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
     if not policies:
         return out
 
-    def mean_of(policy: str, key: str) -> float:
-        return statistics.fmean(res[policy][key] for res in usable)
+    def pooled(policy: str) -> dict[str, float]:
+        return {
+            key: statistics.fmean(res[policy][key] for res in usable)
+            for key in ("ttft_mean_s", "hit_rate")
+        }
 
-    one_ttft, one_hit = mean_of("fedinfer", "ttft_mean_s"), mean_of("fedinfer", "hit_rate")
+    one = pooled("fedinfer")
     out["one_edge_mean_ttft_s"] = [res["fedinfer"]["ttft_mean_s"] for res in usable]
+    check = checker(out["targets"])
     for policy in policies:
         out["per_run"][policy] = {
             "mean_ttft_s": [res[policy]["ttft_mean_s"] for res in usable],
@@ -245,12 +254,5 @@ def pooled_edge_targets(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
                 res[policy]["ttft_mean_s"] / res["fedinfer"]["ttft_mean_s"] for res in usable
             ],
         }
-        ttft = mean_of(policy, "ttft_mean_s") / one_ttft
-        hit = mean_of(policy, "hit_rate") / one_hit
-        out["targets"][f"{policy}_mean_ttft_vs_one_edge"] = {
-            "value": ttft, "bound": 1.05, "op": "<=", "met": bool(ttft <= 1.05)
-        }  # fmt: skip
-        out["targets"][f"{policy}_hit_rate_vs_one_edge"] = {
-            "value": hit, "bound": 0.95, "op": ">=", "met": bool(hit >= 0.95)
-        }  # fmt: skip
+        vs_one_edge(policy, pooled(policy), one, check)
     return out

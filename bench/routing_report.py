@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from bench.report import fmt, markdown_table
+from bench.report import checker, fmt, markdown_table
 from bench.routing_edges import edge_targets
 
 #: The fedinfer edge with a table whose prefill speed is 5x the engines' real one: it must learn
@@ -20,11 +20,7 @@ def targets(results: dict[str, dict[str, Any]], edge_ratios: bool = True) -> dic
     f = results.get("fedinfer")
     if not f:
         return t
-
-    def check(name: str, value: float, bound: float, op: str) -> None:
-        met = value <= bound if op == "<=" else value < bound if op == "<" else value >= bound
-        t[name] = {"value": value, "bound": bound, "op": op, "met": bool(met)}
-
+    check = checker(t)
     if "round_robin" in results:
         rr = results["round_robin"]["ttft_mean_s"]
         check("mean_ttft_vs_round_robin", f["ttft_mean_s"] / rr, 0.5, "<=")
