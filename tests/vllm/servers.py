@@ -78,6 +78,8 @@ def server_env(cpu: int) -> dict[str, str]:
         HF_HUB_OFFLINE="1",
         TRANSFORMERS_OFFLINE="1",
         VLLM_NO_USAGE_STATS="1",
+        # /pause and /resume: the load-steering test holds a load still with them
+        VLLM_SERVER_DEV_MODE="1",
         DO_NOT_TRACK="1",
     )
     return env

@@ -12,6 +12,7 @@ import json
 import threading
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -292,9 +293,7 @@ def test_openai_sdk_streaming_through_the_edge(
     assert finals[-1] == "length"
 
 
-def load_views(
-    edge: EdgeProcess, servers: tuple[VllmServer, ...], errors: list[BaseException]
-) -> str:
+def load_views(edge: EdgeProcess, servers: tuple[VllmServer, ...]) -> str:
     """The edge's view of each server next to the server's own /metrics (for a failure)."""
     detail = httpx.get(edge.ops_url + "/healthz", timeout=10).json()["detail"]
     views = []
@@ -304,20 +303,7 @@ def load_views(
             f"{server.name}: edge {detail[server.name]}, engine running "
             f"{engine.num_requests_running} waiting {engine.num_requests_waiting}"
         )
-    return "; ".join(views) + f"; load-thread errors: {errors!r}"
-
-
-def steered_routes(
-    routes: list[dict[str, str]], busy: VllmServer, idle: VllmServer
-) -> list[dict[str, str]]:
-    """Requests sent to the idle server with the busy one runner-up, slower by its load."""
-    return [
-        r
-        for r in routes
-        if r["instance"] == idle.name
-        and r["runner_up"].split(":")[0] == busy.name
-        and float(r["runner_up"].split(":")[1]) > score_terms(r)["ttft_ms"]
-    ]
+    return "; ".join(views)
 
 
 def edge_outstanding(edge: EdgeProcess, instance: str) -> int:
@@ -334,74 +320,93 @@ def edge_outstanding(edge: EdgeProcess, instance: str) -> int:
     return int(resp.json()["detail"][instance]["outstanding"])
 
 
+@contextmanager
+def held_load(server: VllmServer, requests: int) -> Iterator[int]:
+    """``requests`` generations sent to ``server`` directly, held running in its engine.
+
+    Once they all run, vLLM's ``/pause?mode=keep`` (dev mode) freezes them in place: the
+    engine keeps them as running requests and its ``/metrics`` keeps reporting them, whatever
+    the speed of the machine. (Generations left to run on a CPU server come and go in
+    between, and were read as idle whenever all of them had just ended.) Yields the running
+    count the frozen engine reports; ``/resume`` lets them finish, and each must succeed."""
+    answers: list[int] = []
+    errors: list[BaseException] = []
+
+    def generate(i: int) -> None:
+        try:
+            body = chat(None, f"held {i}", max_tokens=400)
+            resp = httpx.post(server.base_url + "/v1/chat/completions", json=body, timeout=300)
+            answers.append(resp.status_code)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=generate, args=(i,)) for i in range(requests)]
+    for thread in threads:
+        thread.start()
+    paused = False
+    try:
+        wait_for(
+            lambda: scrape(server).num_requests_running >= requests,
+            60,
+            f"{requests} requests running on {server.name}",
+            lambda: f"{scrape(server)}; errors {errors!r}",
+        )
+        pause = httpx.post(server.base_url + "/pause", params={"mode": "keep"}, timeout=30)
+        assert pause.status_code == 200, pause.text
+        paused = True
+        frozen = scrape(server)
+        assert frozen.num_requests_running >= 1, frozen
+        yield frozen.num_requests_running
+    finally:
+        if paused:
+            httpx.post(server.base_url + "/resume", timeout=30).raise_for_status()
+        for thread in threads:
+            thread.join(timeout=300)
+    assert not errors, errors
+    assert answers == [200] * requests, answers
+
+
 def test_edge_routes_on_the_engines_real_metrics(
     edge: EdgeProcess, vllm_pair: tuple[VllmServer, VllmServer]
 ) -> None:
     """Load the edge never saw (sent to one server directly) steers its choice to the other."""
     busy, idle = vllm_pair
-    stop = threading.Event()
-    errors: list[BaseException] = []
-
-    def keep_busy(worker: int) -> None:
-        # One long generation after another until told to stop: the load never pauses.
-        n = 0
-        try:
-            while not stop.is_set():
-                # Long generations (the prompt is ~20 tokens of the 1024 allowed) keep the gaps
-                # between one request and the next short against the time each one runs, and
-                # lengths that differ per worker keep the four from finishing all at once.
-                length = 900 - 150 * worker
-                post_chat(busy.base_url, chat(None, f"keep going {worker}.{n}", max_tokens=length))
-                n += 1
-        except BaseException as exc:
-            errors.append(exc)
-
-    workers = [threading.Thread(target=keep_busy, args=(i,)) for i in range(4)]
-    for worker in workers:
-        worker.start()
-    routes = []
-    try:
-        wait_for(lambda: scrape(busy).num_requests_running >= 1, 60, "a request on " + busy.name)
-        # At least four requests, and up to twelve until two were steered: a request decided in
-        # one of the busy server's idle gaps (all its generations just ended) sees a tie, which
-        # rotates; every request is checked below whatever the gaps.
-        for i in range(12):
-            if i >= 4 and len(steered_routes(routes, busy, idle)) >= 2:
-                break
-            # On one CPU core the busy server runs one or two of the four generations at a time
-            # and answers the edge's scrapes late: wait until the edge's own view (its scrapes,
-            # nothing it sent) has the busy server loaded and the idle one not, so the check is
-            # about the decision made on that view, not about how fast a starved server answers.
-            wait_for(
-                lambda: (
-                    edge_outstanding(edge, busy.name) > 0 and edge_outstanding(edge, idle.name) == 0
-                ),
-                60,
-                "the edge seeing load on the busy server only",
-                lambda: load_views(edge, vllm_pair, errors),
-            )
-            resp = httpx.post(
-                edge.base_url + "/v1/chat/completions",
-                json=chat(None, f"while {busy.name} is busy, request {i}"),
-                timeout=60,
-            )
+    with held_load(busy, requests=4) as running:
+        # The edge sent the busy server nothing: it knows the load only from its scrapes.
+        wait_for(
+            lambda: (
+                edge_outstanding(edge, busy.name) == running
+                and edge_outstanding(edge, idle.name) == 0
+            ),
+            30,
+            f"the edge reading {running} requests on {busy.name} and none on {idle.name}",
+            lambda: load_views(edge, vllm_pair),
+        )
+        routes = []
+        for i in range(4):
+            try:
+                resp = httpx.post(
+                    edge.base_url + "/v1/chat/completions",
+                    json=chat(None, f"while {busy.name} is busy, request {i}"),
+                    timeout=60,
+                )
+            except httpx.ReadTimeout as exc:
+                # Only the paused server holds an answer back this long.
+                views = load_views(edge, vllm_pair)
+                raise AssertionError(
+                    f"request {i} was sent to the paused {busy.name}: {views}"
+                ) from exc
             assert resp.status_code == 200, resp.text
             routes.append(route_of(resp.headers.get("x-fedinfer-route")))
-    finally:
-        stop.set()
-        for worker in workers:
-            worker.join(timeout=120)
-    assert not errors, errors
-    # On one core the busy server has short idle gaps between its generations: a request the
-    # edge decided in such a gap sees a tie (which rotates) and may go to either server. What
-    # must hold: the edge never sends to the busy server while it reads it as loaded, and it
-    # did see it loaded — slower by what its real /metrics say, since the edge sent it nothing
-    # and nothing is cached either side (the prompts are shorter than a block).
+    # Every request goes to the idle server, the busy one runner-up and slower by its scraped
+    # load alone: the prompts are shorter than a block, so nothing is cached on either side.
+    # Without the scrapes the two would tie, and ties rotate between them.
     for r in routes:
+        assert r["instance"] == idle.name, routes
+        runner_up, runner_up_ttft = r["runner_up"].split(":")
+        assert runner_up == busy.name, routes
+        assert float(runner_up_ttft) > score_terms(r)["ttft_ms"], routes
         assert score_terms(r)["cached"] == 0, routes
-        if r["instance"] == busy.name:
-            assert score_terms(r)["load"] == 0, routes
-    assert len(steered_routes(routes, busy, idle)) >= 2, routes
 
 
 def test_repeated_prefix_lands_on_the_server_that_holds_it(
