@@ -24,10 +24,12 @@ import asyncio
 import hashlib
 import math
 import os
+import secrets
 import statistics
 import time
 from collections.abc import Iterable
 from dataclasses import fields
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -52,9 +54,15 @@ BURST_S: float = next(f.default for f in fields(EdgeConfig) if f.name == "rate_b
 PEER_REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
 
 
-def peer_args(url: str, edges: int) -> list[str]:
-    """The edges' peer-sync flag: with several edges and a Redis to share it over."""
-    return ["--peer-redis-url", url] if url and edges > 1 else []
+def peer_args(url: str, edges: int, keys_file: Path) -> list[str]:
+    """The edges' peer-sync flags: with several edges and a Redis to share it over, and the
+    key ring that signs their reports (written to ``keys_file`` once, a fresh key per run)."""
+    if not url or edges <= 1:
+        return []
+    if not keys_file.exists():
+        keys_file.write_text(f"bench={secrets.token_hex(16)}\n")
+        keys_file.chmod(0o600)
+    return ["--peer-redis-url", url, "--peer-keys-file", str(keys_file)]
 
 
 #: Diagnostic, not in the default run: three edges running (scraping and probing every engine)

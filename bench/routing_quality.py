@@ -271,7 +271,8 @@ def run_policy(
                 start_edge(pg, table, policy=edge_policy, cpus=EDGE_CPUS, model=cfg.model,
                            name=f"edge{k}", admits=True, workers=workers,
                            extra=[*cfg.edge_args(),
-                                  *routing_edges.peer_args(cfg.peer_redis_url, processes)])
+                                  *routing_edges.peer_args(cfg.peer_redis_url, processes,
+                                                          tmp / "peer-keys")])
                 for k in range(n_edges)
             ]  # fmt: skip
             if cfg.tokenizer:

@@ -92,6 +92,9 @@ class EdgeConfig:
     #: The region's Redis, where its edges share their live load (``peer_load.py``); None:
     #: this edge sees the others' requests only in the engines' scraped ``/metrics``.
     peer_redis_url: str | None = None
+    #: The region's peer-sync keys (``peer_auth.peer_keys``) that sign and verify those
+    #: reports: the first signs, every one verifies. Required with ``peer_redis_url``.
+    peer_keys: Mapping[str, bytes] = field(default_factory=dict)
     #: Seconds of a tenant's rate a token bucket holds (burst), see admission.py.
     rate_burst_s: float = 2.0
     #: Keys that sign and verify forwarded requests (hop.py): a verified hop is not charged

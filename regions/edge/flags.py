@@ -73,6 +73,13 @@ def _table_source_flags(p: argparse.ArgumentParser) -> None:
         "edges, so a spilled request is rate-charged once (default: $FEDINFER_HOP_KEYS, else "
         "the table key ring in control-plane mode)",
     )
+    p.add_argument(
+        "--peer-keys-file",
+        type=Path,
+        help="file holding the key ring that signs and verifies the load reports the region's "
+        "edges share over --peer-redis-url (default: $FEDINFER_PEER_KEYS, else the table key "
+        "ring in control-plane mode; peer sync needs one)",
+    )
     p.add_argument("--state-dir", type=Path, help="persisted table (default var/edge-<region>)")
     p.add_argument(
         "--edge-name",

@@ -104,12 +104,19 @@ class GatewayLines:
         self.queued -= 1
         self.depth.dec()
 
-    def wake(self, inst: Instance) -> None:
-        """A slot of ``inst`` freed: wake the first waiter that wants it."""
+    def wake(self, inst: Instance, slots: int = 1) -> None:
+        """``slots`` slots of ``inst`` freed: wake the first waiters that want one, at most
+        ``slots`` of them (and never more than wait: the work is bounded by the line, not by
+        ``slots``)."""
         for name in (inst.model, *inst.adapters):
             line = self._lines.get(line_key(name, inst.role))
-            if line and self._wake_in(line, inst.id, None):
-                return
+            if not line:
+                continue
+            for waiter in line:
+                if slots <= 0:
+                    return
+                if self._wakes(waiter, inst.id):
+                    slots -= 1
 
     def wake_all(self) -> None:
         """The table changed: everyone re-decides."""
@@ -132,13 +139,20 @@ class GatewayLines:
             if not passed:
                 passed = waiter is after
                 continue
-            fut = waiter.fut
-            if (
-                (waiter.target is None or waiter.target == inst_id)
-                and fut is not None
-                and not fut.done()
-            ):
-                waiter.freed = inst_id
-                fut.set_result(None)
+            if self._wakes(waiter, inst_id):
                 return True
+        return False
+
+    @staticmethod
+    def _wakes(waiter: Waiter, inst_id: str) -> bool:
+        """Wake ``waiter`` for a freed slot of ``inst_id`` if it waits for one."""
+        fut = waiter.fut
+        if (
+            (waiter.target is None or waiter.target == inst_id)
+            and fut is not None
+            and not fut.done()
+        ):
+            waiter.freed = inst_id
+            fut.set_result(None)
+            return True
         return False

@@ -17,7 +17,14 @@ lost or late message harmless (the next one carries the difference); in-flight c
 replaced, not added. A peer silent for :data:`EXPIRE_S` is dropped (its in-flight no longer
 counted) and the scrapes alone carry its load again, as with Redis away;
 ``fedinfer_edge_peers`` shows how many are counted. Transport: the region's Redis, pub/sub
-channel ``fedinfer:edge-load:<region>``.
+channel ``fedinfer:edge-load:<region>``, each report signed with the region's peer key
+(``peer_auth.py``).
+
+What a report may do is bounded whoever sent it: only instances of the current table count
+(the rest of a report is ignored), a peer's in-flight at an instance is at most the
+instance's ``max_concurrency``, what it sent or ended there since its last report at most
+:data:`DELTA_PER_SLOT` per slot, at most :data:`MAX_PEERS` peers are counted, and a peer
+that goes silent frees its slots with one call per instance (``on_freed(instance, n)``).
 
 :class:`PeerLoads` folds reports in, :class:`DemandMeter` and :func:`demand_shares` set the
 rate-limit shares; all pure. Their I/O is ``peer_sync.py``.
@@ -35,7 +42,9 @@ import orjson
 
 from regions.edge.admission import TenantState
 from regions.edge.load import LoadBoard
+from regions.edge.peer_auth import MAX_AGE_MS, MAX_SKEW_MS
 from regions.engines.metrics import EngineLoad
+from regions.tables.schema import MAX_LOCAL_EDGES
 
 log = logging.getLogger("fedinfer.edge.peers")
 
@@ -59,6 +68,9 @@ SHARE_FLOOR = 0.2
 SHARE_STEP = 0.2
 #: Requests/s a report may claim for one tenant (anything above is malformed).
 MAX_DEMAND = 1e6
+#: Tenants a report may carry demand for (a longer report is malformed); an edge with more
+#: in demand reports the busiest (``peer_sync.PeerSync._measure``).
+MAX_DEMANDS = 16_384
 #: One instance's counts in a message: sent, ended, uncached tokens sent, in flight.
 Counts = tuple[int, int, int, int]
 #: A prompt's block hashes (``prefix_index.py``) and the instance it was sent to.
@@ -76,6 +88,23 @@ Reading = tuple[int, int, float]
 MAX_READINGS = 1024
 #: A count in a reading above this is malformed.
 MAX_READING_COUNT = 1_000_000
+#: Instances per report (a region's instances, as for readings); a longer report is malformed.
+MAX_REPORT_INSTANCES = MAX_READINGS
+#: A running total above this is malformed (a 64-bit signed counter never gets there).
+MAX_TOTAL = (1 << 63) - 1
+#: Requests a peer may say it sent (or saw end) at one instance between two of its reports,
+#: per slot of the instance (its ``max_concurrency``): reports come every few ms to
+#: :data:`EXPIRE_S` apart, so each slot would turn over 64 times a second; more is clamped.
+DELTA_PER_SLOT = 64
+#: Uncached prompt tokens one request may add to an instance's pending prefill (a 1M-token
+#: context); more is clamped.
+MAX_UNCACHED_PER_REQUEST = 1 << 20
+#: Other edge processes of a region counted at most (the table's most: ``local_edges``); a
+#: new one past it is refused (counted) until one goes silent.
+MAX_PEERS = MAX_LOCAL_EDGES
+#: How long a peer's last sequence number is kept after it was last heard: past the age a
+#: signed message may have (``peer_auth.MAX_AGE_MS``), so none of its messages can be replayed.
+SEQ_MEMORY_S = (MAX_AGE_MS + MAX_SKEW_MS) / 1000.0 + EXPIRE_S
 #: A session key (``sessions.session_key``) and the instance an edge placed it on.
 Placed = tuple[int, str]
 #: Sessions placed per report (~20 KiB); beyond, until the next report, the peers do not hear
@@ -132,7 +161,7 @@ class Report(NamedTuple):
     readings: dict[str, Reading]
 
 
-def decode(data: bytes) -> Report | None:
+def decode(data: bytes | memoryview) -> Report | None:
     """A peer's report, or None for anything malformed."""
     if len(data) > MAX_MESSAGE_BYTES:
         return None
@@ -145,24 +174,16 @@ def decode(data: bytes) -> Report | None:
     peer, body = doc.get("p"), doc.get("i")
     if not isinstance(peer, str) or not 0 < len(peer) <= 128 or not isinstance(body, dict):
         return None
-    out: dict[str, Counts] = {}
-    for inst, counts in body.items():
-        if (
-            not isinstance(counts, list)
-            or len(counts) != 4
-            or not all(type(n) is int and n >= 0 for n in counts)
-        ):
-            return None
-        out[inst] = (counts[0], counts[1], counts[2], counts[3])
+    out = _counts(body)
     chains = _chains(doc.get("x", []))
     sessions = _sessions(doc.get("s", []))
     readings = _readings(doc.get("e", {}))
-    if chains is None or sessions is None or readings is None:
+    if out is None or chains is None or sessions is None or readings is None:
         return None
     if doc.get("f") is not True:
         return Report(peer, out, None, chains, sessions, readings)
     raw_demand = doc.get("d")
-    if not isinstance(raw_demand, dict):
+    if not isinstance(raw_demand, dict) or len(raw_demand) > MAX_DEMANDS:
         return None
     demand: dict[str, float] = {}
     for slug, rate in raw_demand.items():
@@ -170,6 +191,21 @@ def decode(data: bytes) -> Report | None:
             return None
         demand[slug] = float(rate)
     return Report(peer, out, demand, chains, sessions, readings)
+
+
+def _counts(body: dict[str, object]) -> dict[str, Counts] | None:
+    if len(body) > MAX_REPORT_INSTANCES:
+        return None
+    out: dict[str, Counts] = {}
+    for inst, counts in body.items():
+        if (
+            not isinstance(counts, list)
+            or len(counts) != 4
+            or not all(type(n) is int and 0 <= n <= MAX_TOTAL for n in counts)
+        ):
+            return None
+        out[inst] = (counts[0], counts[1], counts[2], counts[3])
+    return out
 
 
 def _chains(raw: object) -> list[Chain] | None:
@@ -231,7 +267,9 @@ class PeerLoads:
     """The other edges' last reports, folded into the load board.
 
     ``rate_of(instance)``: its prefill tokens/s as the scheduler uses it (drains the pending
-    prefill); ``on_freed(instance)``: a peer's request there ended (wakes a gateway waiter).
+    prefill); ``capacity_of(instance)``: its ``max_concurrency`` in the current table, None
+    for an instance not in it (ignored); ``on_freed(instance, n)``: ``n`` of the peers'
+    requests there ended (wakes up to ``n`` gateway waiters).
     """
 
     def __init__(
@@ -239,13 +277,32 @@ class PeerLoads:
         board: LoadBoard,
         me: str,
         rate_of: Callable[[str], float],
-        on_freed: Callable[[str], None],
+        on_freed: Callable[[str, int], None],
+        capacity_of: Callable[[str], int | None],
     ) -> None:
         self.board = board
         self.me = me
         self.rate_of = rate_of
         self.on_freed = on_freed
+        self.capacity_of = capacity_of
         self.peers: dict[str, Peer] = {}
+        #: Peer id → (its last sequence number accepted, when): kept :data:`SEQ_MEMORY_S`
+        #: after the peer was last heard, so none of its messages is applied twice.
+        self._seqs: dict[str, tuple[int, float]] = {}
+
+    def accept(self, peer_id: str, seq: int, now: float) -> str | None:
+        """Whether a verified message (``peer_auth.open_sealed``) may be applied: None, its
+        sequence number then recorded; else why not (``replayed``: not newer than the last
+        one of that peer; ``too_many_peers``: a new peer past :data:`MAX_PEERS`)."""
+        last = self._seqs.get(peer_id)
+        if last is not None and seq <= last[0]:
+            return "replayed"
+        if peer_id not in self.peers and (
+            len(self.peers) >= MAX_PEERS or (last is None and len(self._seqs) >= 4 * MAX_PEERS)
+        ):
+            return "too_many_peers"
+        self._seqs[peer_id] = (seq, now)
+        return None
 
     def apply(
         self,
@@ -253,31 +310,36 @@ class PeerLoads:
         counts: Mapping[str, Counts],
         now: float,
         demand: Mapping[str, float] | None = None,
-    ) -> None:
+    ) -> int:
         """A peer's report: add what it sent and ended since its last one, take its in-flight
         (and, in a full report — one with ``demand`` — its demand per tenant). A full report
-        replaces what the peer said of every instance; a report of changes updates those."""
+        replaces what the peer said of every instance; a report of changes updates those.
+        Instances not in the table are left out, counts past the instance's bounds clamped;
+        the number of counts clamped (a well-behaved peer's: 0)."""
         if peer_id == self.me:
-            return
+            return 0
+        known, clamped = self._bounded(counts)
         peer = self.peers.get(peer_id)
         if peer is None:
+            if len(self.peers) >= MAX_PEERS:
+                return clamped
             # Unknown (new, or expired and back): its totals so far are the baseline; what they
             # covered is in the engines' next scrape already.
-            self.peers[peer_id] = Peer(now, dict(counts), dict(demand or {}))
-            self._recount(counts)
-            return
+            self.peers[peer_id] = Peer(now, known, dict(demand or {}))
+            self._recount(known)
+            return clamped
         peer.seen_at = now
         old = peer.counts
         if demand is None:
-            peer.counts = {**old, **counts}
-            changed: Iterable[str] = counts.keys()
+            peer.counts = {**old, **known}
+            changed: Iterable[str] = known.keys()
         else:
             peer.demand = dict(demand)
-            peer.counts = dict(counts)
-            changed = counts.keys() | old.keys()
+            peer.counts = known
+            changed = known.keys() | old.keys()
         self._recount(changed)  # first: the pending rule reads in-flight
         loads = self.board.loads
-        for inst, (sent, ended, uncached, _) in counts.items():
+        for inst, (sent, ended, uncached, _) in known.items():
             load = loads.get(inst)
             before = old.get(inst)
             if load is None or before is None:
@@ -285,17 +347,42 @@ class PeerLoads:
             d_sent, d_ended, d_unc = sent - before[0], ended - before[1], uncached - before[2]
             if d_sent < 0 or d_ended < 0 or d_unc < 0:
                 continue  # totals went down: the peer restarted its count; new baseline
+            most = DELTA_PER_SLOT * (self.capacity_of(inst) or 1)
+            if d_sent > most or d_ended > most:
+                clamped += 1
+                d_sent, d_ended = min(d_sent, most), min(d_ended, most)
+            if d_unc > d_sent * MAX_UNCACHED_PER_REQUEST:
+                clamped += 1
+                d_unc = d_sent * MAX_UNCACHED_PER_REQUEST
             if d_sent or d_ended:
                 load.peers_sent(d_sent, d_ended, d_unc, now, self.rate_of(inst))
+        return clamped
+
+    def _bounded(self, counts: Mapping[str, Counts]) -> tuple[dict[str, Counts], int]:
+        """The counts of the table's instances, in-flight clamped to each one's slots; and
+        how many were clamped."""
+        capacity_of = self.capacity_of
+        known: dict[str, Counts] = {}
+        clamped = 0
+        for inst, c in counts.items():
+            cap = capacity_of(inst)
+            if cap is None:
+                continue
+            if c[3] > cap:
+                clamped += 1
+                c = (c[0], c[1], c[2], cap)
+            known[inst] = c
+        return known, clamped
 
     def read(self, readings: Mapping[str, Reading], now: float) -> int:
         """A peer's readings of the engines, taken as this edge's own scrapes; how many were
-        of instances this edge knows."""
+        of instances this edge knows (of the table: the rest are ignored)."""
         loads = self.board.loads
+        capacity_of = self.capacity_of
         used = 0
         for inst, (running, waiting, kv) in readings.items():
             load = loads.get(inst)
-            if load is not None:
+            if load is not None and capacity_of(inst) is not None:
                 load.shared(EngineLoad(running, waiting, kv), now)
                 used += 1
         return used
@@ -307,10 +394,15 @@ class PeerLoads:
             counts = self.peers.pop(pid).counts
             log.info("edge peer %s silent for %.1f s: no longer counted", pid, EXPIRE_S)
             self._recount(counts)
+        seqs = self._seqs
+        for pid in [pid for pid, (_, at) in seqs.items() if now - at > SEQ_MEMORY_S]:
+            if pid not in self.peers:
+                del seqs[pid]
         return len(self.peers)
 
     def _recount(self, instances: Iterable[str]) -> None:
-        """Each instance's in-flight at the peers, summed again (replaced, never drifting)."""
+        """Each instance's in-flight at the peers, summed again (replaced, never drifting);
+        slots freed are told once per instance, however many."""
         loads = self.board.loads
         for inst in instances:
             load = loads.get(inst)
@@ -323,8 +415,8 @@ class PeerLoads:
                     total += c[3]
             freed = load.peer_inflight - total
             load.peer_inflight = total
-            for _ in range(freed):
-                self.on_freed(inst)
+            if freed > 0:
+                self.on_freed(inst, freed)
 
 
 class DemandMeter:
@@ -355,6 +447,15 @@ class DemandMeter:
         self._seen = seen
         self.rates = rates
         return rates
+
+
+def busiest(demand: Mapping[str, float]) -> dict[str, float]:
+    """The demand a report carries: every tenant's, or past :data:`MAX_DEMANDS` (more than
+    peers accept) the busiest tenants'."""
+    if len(demand) <= MAX_DEMANDS:
+        return dict(demand)
+    ranked = sorted(demand.items(), key=lambda item: item[1], reverse=True)
+    return dict(ranked[:MAX_DEMANDS])
 
 
 def demand_shares(

@@ -1,7 +1,14 @@
 """The I/O of peer sync (``peer_load.py``): publish this edge's reports and fold in the
 other edges' over the region's Redis, pub/sub channel ``fedinfer:edge-load:<region>``.
 Reconnects with backoff while Redis is away; meanwhile the peers expire and every edge routes
-on its own view and the scrapes."""
+on its own view and the scrapes.
+
+Anyone who reaches that Redis can publish on the channel: each report is sealed with the
+region's peer key (``peer_auth.py``) and a message is applied only once its header, age, MAC
+and sequence number hold, before its JSON is decoded; every refusal is counted in
+``fedinfer_edge_peer_messages{result=...}``, and the receiving loop yields to the edge's
+other work every :data:`YIELD_EVERY` messages, so a flood on the channel cannot hold the
+event loop."""
 
 from __future__ import annotations
 
@@ -10,9 +17,10 @@ import contextlib
 import logging
 import math
 import os
+import re
 import secrets
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import redis
@@ -20,6 +28,7 @@ import redis.asyncio as aioredis
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from regions.edge.admission import Admission
+from regions.edge.peer_auth import PEER_ID, SEAL_BYTES, open_sealed, peer_of, seal
 from regions.edge.peer_load import (
     HEARTBEAT_S,
     MAX_CHAIN_BLOCKS,
@@ -35,7 +44,9 @@ from regions.edge.peer_load import (
     PeerLoads,
     Placed,
     Reading,
+    Report,
     board_counts,
+    busiest,
     decode,
     demand_shares,
     encode,
@@ -52,6 +63,25 @@ log = logging.getLogger("fedinfer.edge.peers")
 MIN_INTERVAL_S = 0.005
 #: Reconnect backoff while Redis is away.
 RETRY_S = (0.2, 5.0)
+#: Messages received in a row before the subscriber lets the event loop run other work.
+YIELD_EVERY = 16
+#: What becomes of a message received (``fedinfer_edge_peer_messages{result}``): applied;
+#: applied with counts clamped to the instance's bounds; or refused, and why.
+RESULTS = (
+    "applied",
+    "clamped",
+    "unsigned",
+    "malformed",
+    "unknown_key",
+    "stale",
+    "bad_signature",
+    "replayed",
+    "too_many_peers",
+)
+
+
+def wall_ms() -> int:
+    return time.time_ns() // 1_000_000
 
 
 def channel(region: str) -> str:
@@ -69,7 +99,18 @@ class PeerSync:
         peers: PeerLoads,
         registry: CollectorRegistry,
         admission: Admission | None = None,
+        *,
+        keys: Mapping[str, bytes],
+        clock_ms: Callable[[], int] = wall_ms,
     ) -> None:
+        if not keys:
+            raise ValueError("peer sync needs the region's peer keys to sign its reports")
+        #: The region's peer keys (``peer_auth.peer_keys``): the first signs, all verify.
+        self.keys = keys
+        self.clock_ms = clock_ms
+        #: This edge's messages so far (each one's sequence number).
+        self.seq = 0
+        self._me = peers.me.encode()
         self.url = url
         self.channel = channel(region)
         self.peers = peers
@@ -107,10 +148,14 @@ class PeerSync:
         )
         self.messages = Counter(
             "fedinfer_edge_peer_messages",
-            "Load reports received from the region's other edges, by outcome",
+            "Messages received on the region's load channel, by outcome: applied, clamped "
+            "(applied, counts past an instance's bounds cut), or refused (unsigned, malformed, "
+            "unknown_key, stale, bad_signature, replayed, too_many_peers)",
             ["result"],
             registry=registry,
         )
+        for result in RESULTS:
+            self.messages.labels(result)
         self.oversized = Counter(
             "fedinfer_edge_peer_reports_oversized",
             "Reports not sent because they exceeded the size peers accept",
@@ -224,8 +269,10 @@ class PeerSync:
                         "peer sync: a %d-byte report exceeds the limit; not sent", len(message)
                     )
                     continue
+                self.seq += 1
+                sealed = seal(self.keys, self.peers.me, self.seq, self.clock_ms(), message)
                 try:
-                    await client.publish(self.channel, message)
+                    await client.publish(self.channel, sealed)
                     self._published = counts
                     if demand is not None:
                         self._demand = demand
@@ -245,7 +292,7 @@ class PeerSync:
         admission = self.admission
         if admission is None or not admission.enabled:
             return {}
-        return self.meter.update(admission.limited(), now)
+        return busiest(self.meter.update(admission.limited(), now))
 
     def _share(self, now: float) -> None:
         """Give each tenant's limits to the edges in proportion to their published demand,
@@ -277,11 +324,16 @@ class PeerSync:
                 await pubsub.subscribe(self.channel)
                 self.up.set(1)
                 backoff = RETRY_S[0]
+                received = 0
                 while True:
-                    # Blocks until a message (peers publish every HEARTBEAT_S at least).
+                    # Blocks until a message (peers publish every HEARTBEAT_S at least); a
+                    # message already buffered returns at once, hence the yield below.
                     message = await pubsub.get_message(timeout=None)
                     if message is not None and message.get("type") == "message":
                         self._receive(message["data"])
+                        received += 1
+                        if received % YIELD_EVERY == 0:
+                            await asyncio.sleep(0)
             except (OSError, redis.RedisError) as exc:
                 log.warning("peer sync: subscription to %s lost: %s", self.channel, exc)
             finally:
@@ -293,35 +345,66 @@ class PeerSync:
             backoff = min(backoff * 2, RETRY_S[1])
 
     def _receive(self, data: object) -> None:
-        parsed = decode(data) if isinstance(data, bytes) else None
-        if parsed is None:
-            self.messages.labels("invalid").inc()
-            return
-        if parsed.peer == self.peers.me:
-            return
-        self.messages.labels("applied").inc()
+        """One message off the channel: applied if it holds, else refused and counted."""
         now = time.monotonic()
+        parsed = self._open(data, now)
+        if parsed is not None:
+            self._apply(parsed, now)
+
+    def _open(self, data: object, now: float) -> Report | None:
+        """A message's report if it is another edge's, signed, fresh, not seen before and
+        well-formed (``peer_auth.open_sealed``, ``PeerLoads.accept``, ``decode``); else
+        None, the refusal counted (this edge's own messages are skipped uncounted)."""
+        if not isinstance(data, bytes) or len(data) > MAX_MESSAGE_BYTES + SEAL_BYTES:
+            self.messages.labels("malformed").inc()
+            return None
+        if peer_of(data) == self._me:
+            return None  # this edge's own, back from the channel
+        opened = open_sealed(data, self.keys, self.clock_ms())
+        if isinstance(opened, str):
+            self.messages.labels(opened).inc()
+            return None
+        refused = self.peers.accept(opened.peer, opened.seq, now)
+        if refused is not None:
+            self.messages.labels(refused).inc()
+            return None
+        parsed = decode(opened.body)
+        if parsed is None or parsed.peer != opened.peer:
+            self.messages.labels("malformed").inc()
+            return None
+        return parsed
+
+    def _apply(self, parsed: Report, now: float) -> None:
         heard = len(self.peers.peers)
         if parsed.readings:
             # First: the counts that follow were sent after (most of) these readings.
             self.readings.labels("peer").inc(self.peers.read(parsed.readings, now))
-        self.peers.apply(parsed.peer, parsed.counts, now, parsed.demand)
+        clamped = self.peers.apply(parsed.peer, parsed.counts, now, parsed.demand)
+        self.messages.labels("clamped" if clamped else "applied").inc()
         if parsed.demand is not None or len(self.peers.peers) != heard:
             self._share(now)
+        in_table = self.peers.capacity_of
         on_chain = self.on_chain
         if on_chain is not None:
             for instance, hashes in parsed.chains:
-                on_chain(instance, hashes)
+                if in_table(instance) is not None:
+                    on_chain(instance, hashes)
         on_session = self.on_session
         if on_session is not None:
             for key, instance in parsed.sessions:
-                on_session(key, instance)
+                if in_table(instance) is not None:
+                    on_session(key, instance)
 
 
 def peer_id(name: str | None) -> str:
     """This edge process's id on the channel: its name (if any), host, pid and a nonce (a
-    restarted container may have the same host name and pid)."""
-    return f"{name or 'edge'}@{os.uname().nodename}:{os.getpid()}:{secrets.token_hex(3)}"
+    restarted container may have the same host name and pid), within what peers accept
+    (``peer_auth.PEER_ID``)."""
+    host = re.sub(r"[^A-Za-z0-9.-]", "-", os.uname().nodename)[:32]
+    own = f"{name or 'edge'}@{host}:{os.getpid()}:{secrets.token_hex(3)}"
+    if not PEER_ID.fullmatch(own.encode()):
+        raise ValueError(f"edge name {name!r} cannot name this edge on the peer channel")
+    return own
 
 
 def build_peer_sync(edge: Edge) -> PeerSync | None:
@@ -334,27 +417,32 @@ def build_peer_sync(edge: Edge) -> PeerSync | None:
     def rate_of(instance: str) -> float:
         return edge.prefill_rates.get(instance, 0.0) * edge.loads.get(instance).speed
 
-    def freed(instance: str) -> None:
+    def freed(instance: str, slots: int) -> None:
         inst = edge.instances.get(instance)
         if inst is not None:
-            edge.lines.wake(inst)
+            edge.lines.wake(inst, slots)
+
+    def capacity(instance: str) -> int | None:
+        inst = edge.instances.get(instance)
+        return None if inst is None else inst.max_concurrency
 
     def chain(instance: str, hashes: Sequence[int]) -> None:
-        """Another edge sent this prompt to ``instance``: it will hold its blocks."""
-        if instance in edge.instances:
-            edge.prefix.insert(hashes, instance, time.monotonic())
+        """Another edge sent this prompt to ``instance`` (of the table): it will hold its
+        blocks."""
+        edge.prefix.insert(hashes, instance, time.monotonic())
 
     def session(key: int, instance: str) -> None:
-        """Another edge placed this session on ``instance``: keep its next turns there."""
-        if instance in edge.instances:
-            edge.sessions.remember(key, instance)
+        """Another edge placed this session on ``instance`` (of the table): keep its next
+        turns there."""
+        edge.sessions.remember(key, instance)
 
     sync = PeerSync(
         cfg.peer_redis_url,
         cfg.region,
-        PeerLoads(edge.loads, peer_id(cfg.holder), rate_of, freed),
+        PeerLoads(edge.loads, peer_id(cfg.holder), rate_of, freed, capacity),
         edge.metrics.registry,
         edge.admission,
+        keys=cfg.peer_keys,
     )
     edge.placement.on_sent = sync.sent
     edge.forwarder.on_session = sync.session_placed

@@ -18,10 +18,14 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import orjson
 import pytest
+import redis as redis_py
 
+from regions.edge.peer_auth import peer_keys, seal
 from regions.edge.sessions import home, session_key
 from regions.supervisor import wait_http, wait_until
+from regions.tables.signing import parse_key_ring
 from tests.integration.redis_support import PrivateRedis
 from tests.integration.test_edge_support import (
     EdgeProc,
@@ -36,17 +40,24 @@ from tests.integration.test_edge_support import (
 TOKEN_DELAY_S = 0.05
 
 
+#: The region's peer-sync key ring (``--peer-keys-file``).
+PEER_RING = "p2=peer-secret-new,p1=peer-secret-old"
+
+
 class Region:
     def __init__(self, tmp: Path, redis: PrivateRedis, table: dict[str, Any]) -> None:
         self.tmp = tmp
         self.redis = redis
         self.table = table
         self.edges: list[EdgeProc] = []
+        self.peer_keys = tmp / "peer-keys"
+        self.peer_keys.write_text(PEER_RING)
 
     def start_edge(self, name: str, *extra: str) -> EdgeProc:
         own = self.tmp / name
         own.mkdir(exist_ok=True)
-        args = ("--peer-redis-url", self.redis.url, "--scrape-interval", "60")
+        args: tuple[str, ...] = ("--peer-redis-url", self.redis.url)
+        args += ("--peer-keys-file", str(self.peer_keys), "--scrape-interval", "60")
         edge = start_edge(own, self.table, *args, "--edge-name", name, *extra)
         self.edges.append(edge)
         return edge
@@ -343,3 +354,117 @@ def test_a_tenant_reaching_one_edge_gets_its_limit_there_and_the_region_holds_it
     admitted, span = offer([a.url, b.url], 6.0)
     bound = LIMIT_RPS * span + LIMIT_RPS * BURST_S + 2
     assert LIMIT_RPS * 4.0 <= admitted <= bound, (admitted, bound)
+
+
+# ---------------------------------------------------------------- a hostile publisher
+
+
+def refused(edge: EdgeProc) -> dict[str, float]:
+    """``fedinfer_edge_peer_messages_total`` at ``edge``, by result."""
+    out: dict[str, float] = {}
+    for line in httpx.get(edge.ops + "/metrics", timeout=5).text.splitlines():
+        if line.startswith("fedinfer_edge_peer_messages_total{"):
+            label, value = line.rsplit(" ", 1)
+            out[label.split('"')[1]] = float(value)
+    return out
+
+
+def prompt(edge: EdgeProc) -> float:
+    """Seconds for the edge's operator /healthz and a chat request through it (both must
+    answer, the chat 200)."""
+    started = time.monotonic()
+    assert httpx.get(edge.ops + "/healthz", timeout=5).status_code == 200
+    assert chat(edge.url, timeout=5).status_code == 200
+    return time.monotonic() - started
+
+
+def test_a_hostile_publisher_on_the_channel_stalls_no_edge_and_is_refused(
+    region: Region,
+) -> None:
+    """Anyone who reaches the region's Redis publishes on its load channel: floods of unsigned
+    reports of 2**64-1 in flight from thousands of fake peers, reports signed with a guessed
+    key, stale ones, garbage. Both edges keep answering within a second, count no new peer and
+    count the refusals; a report signed with the region's key (a key holder gone wrong) is
+    clamped to the table, its silence frees the slots, and its replay is refused."""
+    a, b = region.edges
+    channel = "fedinfer:edge-load:" + region.table["region"]
+    keys = peer_keys(parse_key_ring(PEER_RING), region.table["region"])
+    guessed = peer_keys({"p2": "guessed"}, region.table["region"])
+    absurd = {"fast": [2**64 - 1] * 4, "slow": [2**64 - 1] * 4, "ghost": [2**64 - 1] * 4}
+
+    def now_ms() -> int:
+        return time.time_ns() // 1_000_000
+
+    def hostile(k: int) -> bytes:
+        body = orjson.dumps({"p": f"evil-{k}", "i": absurd})
+        kind = k % 5
+        if kind == 0:
+            return body  # unsigned, a fake peer each time
+        if kind == 1:
+            return seal(guessed, f"evil-{k}", 1, now_ms(), body)
+        if kind == 2:
+            return seal(keys, f"evil-{k}", 1, now_ms() - 60_000, body)  # stale
+        if kind == 3:
+            return b"fp1 p2 evil/../1 1 " + str(now_ms()).encode() + b"\n" + body + b"0" * 64
+        return os.urandom(512)
+
+    client = redis_py.Redis.from_url(region.redis.url)
+    stop = threading.Event()
+    sent: list[int] = []
+
+    def flood() -> None:
+        """At most 60,000 messages or until told to stop (bounded in count and time)."""
+        k = 0
+        deadline = time.monotonic() + 20
+        while k < 60_000 and not stop.is_set() and time.monotonic() < deadline:
+            pipe = client.pipeline(transaction=False)
+            for _ in range(200):
+                pipe.publish(channel, hostile(k))
+                k += 1
+            pipe.execute()
+        sent.append(k)
+
+    flooding = threading.Thread(target=flood, daemon=True)
+    flooding.start()
+    try:
+        wait_until(lambda: sum(refused(b).values()) > 2000, timeout=10, what="the flood at b")
+        for _ in range(5):
+            for edge in (a, b):
+                took = prompt(edge)
+                assert took < 1.0, f"{took:.2f} s under the flood"
+    finally:
+        stop.set()
+        flooding.join(30)
+    assert sent and sent[0] >= 2000
+    for edge in (a, b):
+        counts = refused(edge)
+        for result in ("unsigned", "bad_signature", "stale", "malformed"):
+            assert counts[result] > 100, counts
+        assert peers_counted(edge) == 1  # only the other edge
+        # Nothing in flight anywhere once the other edge's last report is in (a few ms).
+        wait_until(
+            lambda e=edge: all(d["peer_inflight"] == 0 for d in detail(e).values()),
+            timeout=5,
+            what="no peer in flight",
+        )
+
+    # Signed with the region's key: clamped to each instance's one slot, ghost ignored.
+    evil = "evil@h:1:abcdef"
+    forged = seal(keys, evil, 1, now_ms(), orjson.dumps({"p": evil, "i": {"fast": [0] * 4}}))
+    client.publish(channel, forged)
+    body = orjson.dumps({"p": evil, "i": {k: [2**63 - 1] * 4 for k in ("fast", "slow", "ghost")}})
+    absurd_report = seal(keys, evil, 2, now_ms(), body)
+    client.publish(channel, absurd_report)
+    wait_until(lambda: refused(b).get("clamped", 0) >= 1, timeout=5, what="clamped at b")
+    assert "ghost" not in detail(b)
+    # Silent now: within the expiry its slots are free again, and the edges served throughout.
+    wait_until(
+        lambda: all(d["peer_inflight"] == 0 for e in (a, b) for d in detail(e).values()),
+        timeout=5,
+        what="the signed forger expired",
+    )
+    client.publish(channel, absurd_report)  # replayed while still fresh
+    wait_until(lambda: refused(a).get("replayed", 0) >= 1, timeout=5, what="replay refused")
+    for edge in (a, b):
+        assert prompt(edge) < 1.0
+        assert all(d["peer_inflight"] == 0 for d in detail(edge).values())

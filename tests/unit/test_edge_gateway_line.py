@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 from prometheus_client import CollectorRegistry, Gauge
 
@@ -75,5 +76,27 @@ def test_a_waiter_past_its_deadline_does_not_wait() -> None:
         assert await gateway.wait(line, waiter, "i-1", 0.0) is False
         gateway.leave(line, waiter)
         assert gateway.targeted == {"i-1": 0} and gateway.queued == 0
+
+    asyncio.run(main())
+
+
+def test_slots_freed_at_once_wake_as_many_waiters_as_wait_in_bounded_work() -> None:
+    """A peer's slots freed together (peer sync): one call wakes that many waiters, never
+    more, and the work is the line's length whatever the count (2**63 slots included)."""
+
+    async def main() -> None:
+        gateway = lines()
+        line = gateway.line("llama")
+        waiters = [gateway.join(line) for _ in range(4)]
+        assert all(w is not None for w in waiters)
+        waits = [asyncio.create_task(gateway.wait(line, w, "i-1", 5.0)) for w in waiters if w]
+        await asyncio.sleep(0)
+        inst = Instance(id="i-1", url="http://127.0.0.1:9", model="llama")
+        gateway.wake(inst, 2)
+        assert [w.freed for w in waiters if w] == ["i-1", "i-1", None, None]
+        started = time.perf_counter()
+        gateway.wake(inst, 2**63)
+        assert time.perf_counter() - started < 0.01
+        assert all(await asyncio.gather(*waits))
 
     asyncio.run(main())

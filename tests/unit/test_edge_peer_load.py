@@ -3,24 +3,31 @@ publishes is counted here as if this edge had sent it, without drift or double c
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import orjson
 import pytest
 from prometheus_client import CollectorRegistry
 
 from regions.edge.admission import Admission
 from regions.edge.load import LoadBoard
+from regions.edge.peer_auth import peer_keys, seal
 from regions.edge.peer_load import (
     EXPIRE_S,
     MAX_CHAIN_BLOCKS,
     MAX_CHAINS,
+    MAX_DEMANDS,
     MAX_MESSAGE_BYTES,
     MAX_READINGS,
     MAX_REPORT_BLOCKS,
+    MAX_REPORT_INSTANCES,
     MAX_SESSIONS,
+    MAX_TOTAL,
     SHARE_FLOOR,
     DemandMeter,
     PeerLoads,
     board_counts,
+    busiest,
     decode,
     demand_shares,
     encode,
@@ -39,9 +46,26 @@ def board_of(*ids: str) -> LoadBoard:
     return board
 
 
-def peers_of(board: LoadBoard, freed: list[str] | None = None) -> PeerLoads:
+#: Every instance's max_concurrency in these tests' table.
+CAP = 64
+#: The region's peer keys (``peer_auth.py``).
+KEYS = peer_keys({"k1": "peer-secret"}, "r1")
+
+
+def capacity_in(board: LoadBoard) -> Callable[[str], int | None]:
+    """The table's instances are the board's, each with :data:`CAP` slots."""
+    return lambda inst: CAP if inst in board.loads else None
+
+
+def peers_of(board: LoadBoard, freed: list[tuple[str, int]] | None = None) -> PeerLoads:
     sink = freed if freed is not None else []
-    return PeerLoads(board, "me", lambda _inst: RATE, sink.append)
+    return PeerLoads(
+        board, "me", lambda _inst: RATE, lambda inst, n: sink.append((inst, n)), capacity_in(board)
+    )
+
+
+def sync_of(board: LoadBoard) -> PeerSync:
+    return PeerSync("redis://unused", "r1", peers_of(board), CollectorRegistry(), keys=KEYS)
 
 
 def scraped(board: LoadBoard, inst: str, running: int, now: float) -> None:
@@ -75,7 +99,7 @@ def test_a_lost_message_loses_nothing_the_next_one_carries_the_difference() -> N
 
 def test_peers_in_flight_is_replaced_not_added_and_a_freed_slot_wakes_a_waiter() -> None:
     board = board_of("i-1")
-    freed: list[str] = []
+    freed: list[tuple[str, int]] = []
     peers = peers_of(board, freed)
     peers.apply("b", {"i-1": (4, 0, 0, 4)}, 0.0)
     peers.apply("b", {"i-1": (4, 0, 0, 4)}, 0.1)  # a heartbeat repeats the same counts
@@ -83,18 +107,18 @@ def test_peers_in_flight_is_replaced_not_added_and_a_freed_slot_wakes_a_waiter()
     assert board.loads["i-1"].peer_inflight == 5
     peers.apply("b", {"i-1": (4, 2, 0, 2)}, 0.2)
     assert board.loads["i-1"].peer_inflight == 3
-    assert freed == ["i-1", "i-1"]
+    assert freed == [("i-1", 2)]
 
 
 def test_a_silent_peer_stops_counting_and_its_slots_are_freed() -> None:
     board = board_of("i-1")
-    freed: list[str] = []
+    freed: list[tuple[str, int]] = []
     peers = peers_of(board, freed)
     peers.apply("b", {"i-1": (3, 0, 0, 3)}, 0.0)
     assert peers.expire(EXPIRE_S) == 1  # not yet silent long enough
     assert peers.expire(EXPIRE_S + 0.01) == 0
     assert board.loads["i-1"].peer_inflight == 0
-    assert freed == ["i-1"] * 3
+    assert freed == [("i-1", 3)]
 
 
 def test_a_restarted_peer_sets_a_new_baseline_instead_of_taking_requests_back() -> None:
@@ -158,14 +182,14 @@ def test_a_report_of_changes_updates_those_instances_a_full_one_replaces_all() -
 
 
 def test_prompts_placed_on_the_estimate_travel_with_the_next_report_bounded() -> None:
-    sync = PeerSync("redis://unused", "r1", peers_of(board_of("i-1")), CollectorRegistry())
+    sync = sync_of(board_of("i-1"))
     sync.sent("i-1", list(range(MAX_CHAIN_BLOCKS + 10)))  # a huge prompt: its head
     for _ in range(MAX_CHAINS + 5):
         sync.sent("i-1", [1, 2, 3])
     assert len(sync._chains) == MAX_CHAINS
     assert len(sync._chains[0][1]) == MAX_CHAIN_BLOCKS
     assert sync.chains_dropped._value.get() == 6
-    sync = PeerSync("redis://unused", "r1", peers_of(board_of("i-1")), CollectorRegistry())
+    sync = sync_of(board_of("i-1"))
     for _ in range(5):
         sync.sent("i-1", [2**64 - 1 - k for k in range(MAX_CHAIN_BLOCKS)])  # 20 digits each
     assert sum(len(h) for _, h in sync._chains) == MAX_REPORT_BLOCKS  # the fifth left out
@@ -176,7 +200,7 @@ def test_prompts_placed_on_the_estimate_travel_with_the_next_report_bounded() ->
 
 
 def test_sessions_placed_travel_with_the_next_report_bounded() -> None:
-    sync = PeerSync("redis://unused", "r1", peers_of(board_of("i-1")), CollectorRegistry())
+    sync = sync_of(board_of("i-1"))
     for k in range(MAX_SESSIONS + 3):
         sync.session_placed(2**64 - 1 - k, "i-1")
     assert len(sync._sessions) == MAX_SESSIONS
@@ -188,7 +212,7 @@ def test_sessions_placed_travel_with_the_next_report_bounded() -> None:
 
 
 def test_an_edge_shares_its_readings_within_what_peers_accept() -> None:
-    sync = PeerSync("redis://unused", "r1", peers_of(board_of("i-1")), CollectorRegistry())
+    sync = sync_of(board_of("i-1"))
     sync.scraped("i-1", EngineLoad(10**9, 3, 1.7))  # an engine claiming absurd numbers
     sync.scraped("i-1", EngineLoad(10**9, 3, float("nan")))
     report = decode(encode("b", {}, None, readings=sync._readings))
@@ -245,6 +269,11 @@ def test_malformed_or_oversized_messages_are_refused() -> None:
         orjson.dumps({"p": "b", "i": {}, "f": True, "d": {"acme": -1.0}}),
         orjson.dumps({"p": "b", "i": {}, "f": True, "d": {"acme": "many"}}),
         orjson.dumps({"p": "b", "i": {}, "f": True, "d": [1.0]}),
+        orjson.dumps(
+            {"p": "b", "i": {}, "f": True, "d": {f"t{k}": 1 for k in range(MAX_DEMANDS + 1)}}
+        ),
+        orjson.dumps({"p": "b", "i": {f"i-{k}": [0] * 4 for k in range(MAX_REPORT_INSTANCES + 1)}}),
+        orjson.dumps({"p": "b", "i": {"i-1": [1, 0, 10, MAX_TOTAL + 1]}}),
         b'{"p":"b","i":{}}' + b" " * MAX_MESSAGE_BYTES,
     ):
         assert decode(bad) is None, bad[:60]
@@ -288,7 +317,7 @@ def test_demand_is_the_rate_of_requests_reaching_the_limits_admitted_or_not() ->
 
 
 def test_shares_follow_the_demand_and_every_edge_computes_a_sum_of_one() -> None:
-    a, b, c = {"acme": 9.0}, {"acme": 1.0}, {}
+    a, b, c = {"acme": 9.0}, {"acme": 1.0}, dict[str, float]()
     shares = [
         demand_shares(a, [b, c], 3)["acme"],
         demand_shares(b, [a, c], 3)["acme"],
@@ -322,8 +351,11 @@ def test_two_edges_never_give_a_tenant_more_than_its_limit_as_its_traffic_moves(
     for me in ("a", "b"):
         admission = Admission("r1")
         admission.load(limited_table(2), 0.0)
-        peers = PeerLoads(board_of(), me, lambda _i: RATE, lambda _i: None)
-        syncs.append(PeerSync("redis://unused", "r1", peers, CollectorRegistry(), admission))
+        board = board_of()
+        peers = PeerLoads(board, me, lambda _i: RATE, lambda _i, _n: None, capacity_in(board))
+        syncs.append(
+            PeerSync("redis://unused", "r1", peers, CollectorRegistry(), admission, keys=KEYS)
+        )
     a, b = syncs
 
     def rates() -> float:
@@ -339,7 +371,9 @@ def test_two_edges_never_give_a_tenant_more_than_its_limit_as_its_traffic_moves(
         demand = src._measure(now)
         src._demand = demand  # published: the source reshares (as in its loop), and ...
         src._share(now)
-        dst._receive(encode(src.peers.me, {}, demand))  # ... a ms later, the peer
+        src.seq += 1
+        report = encode(src.peers.me, {}, demand)
+        dst._receive(seal(KEYS, src.peers.me, src.seq, src.clock_ms(), report))  # ... the peer
         assert rates() <= 10.0 * 1.002
 
     publish(a, b, 0.0)
@@ -368,3 +402,11 @@ def test_shares_step_towards_their_targets_together_and_leave_at_one_over_n() ->
     # One step of the odd phase moves a share by a fifth of the gap, not all the way to 0.9.
     assert step_shares({}, {"acme": 0.9}, 0.5) == {"acme": 0.58}
     assert step_shares({"acme": 0.5005}, {}, 0.5) == {}  # back at 1/n: left out
+
+
+def test_a_report_carries_the_busiest_tenants_demand_within_what_peers_accept() -> None:
+    demand = {f"t{k}": float(k) for k in range(MAX_DEMANDS + 10)}
+    carried = busiest(demand)
+    assert len(carried) == MAX_DEMANDS and "t0" not in carried and f"t{MAX_DEMANDS + 9}" in carried
+    assert decode(encode("b", {}, carried)) is not None
+    assert busiest({"acme": 1.0}) == {"acme": 1.0}
