@@ -257,6 +257,9 @@ def run(requests: int = 2000, concurrency: int = 8, native_reps: int = 5) -> dic
         flush_s = round(min(60.0, DEFAULT_FLUSH_S * slowdown), 3)
         metered = ["--usage-spool-dir", str(tmp / "spool"), "--usage-redis-url", redis_url]
         metered += ["--usage-flush-interval", str(flush_s)]
+        credential = tmp / "edge-metered.credential"  # signs its stream entries
+        credential.write_text("bench-edge-credential")
+        metered += ["--edge-name", "edge-metered", "--credential-file", str(credential)]
         proc, url = start_edge_under_callgrind(pg, table, "edge-metered", tmp, metered)
         edges["edge-metered"] = measure_edge(
             proc, url, tmp, bodies, requests, concurrency, flush_s * 1.5

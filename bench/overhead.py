@@ -227,6 +227,10 @@ def run(
         if usage_redis_url:
             metered = ["--usage-spool-dir", str(tmp / "spool"), "--usage-redis-url"]
             metered.append(usage_redis_url)
+            # Stream entries are signed with the edge's credential (nothing ingests them here).
+            credential = tmp / "edge-metered.credential"
+            credential.write_text("bench-edge-credential")
+            metered += ["--edge-name", "edge-metered", "--credential-file", str(credential)]
             proc, url, _ = start_edge(
                 pg, table, cpus=ROUTER_CPUS, name="edge-metered", extra=metered
             )

@@ -1,6 +1,6 @@
 from django.urls import path
 
-from console.views import audit, auth, catalog, fleet, reports, routing, tenants
+from console.views import audit, auth, catalog, dead_letters, fleet, reports, routing, tenants
 
 app_name = "console"
 
@@ -29,6 +29,12 @@ urlpatterns = [
     path("keys/<int:pk>/rotate/", tenants.key_rotate, name="key-rotate"),
     path("usage/", reports.usage, name="usage"),
     path("costs/", reports.costs, name="costs"),
+    path("dead-letters/", dead_letters.dead_letter_list, name="dead-letters"),
+    path(
+        "dead-letters/<int:pk>/replay/",
+        dead_letters.dead_letter_replay,
+        name="dead-letter-replay",
+    ),
     path("audit/", audit.audit_log, name="audit"),
     path("users/", audit.user_list, name="users"),
 ]

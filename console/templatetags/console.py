@@ -49,6 +49,7 @@ _SECTIONS = (
     ("usage", "usage"),
     ("costs", "costs"),
     ("audit", "audit"),
+    ("dead-letter", "dead-letters"),
     ("users", "users"),
 )
 
@@ -66,3 +67,12 @@ def nav_section(url_name: str | None) -> str:
 def key_status(key: Any, now: Any) -> str:
     """An API key's status at ``now``: 'active', 'expired' or 'revoked'."""
     return str(key.status_at(now))
+
+
+@register.filter
+def fill_class(share: float | None) -> str:
+    """A meter's width as a class (``w-0`` … ``w-100``, console.css): the CSP allows no
+    ``style`` attribute, and a share over 1 fills the meter."""
+    if share is None:
+        return "w-0"
+    return f"w-{max(0, min(100, round(float(share) * 100)))}"

@@ -233,3 +233,44 @@ class FleetHour(models.Model):
 
     def __str__(self) -> str:
         return f"{self.hour:%Y-%m-%d %H}h fleet"
+
+
+class UsageDeadLetter(models.Model):
+    """A usage document refused at ingestion, with why, for an operator to list and replay
+    (``services.usage_dead_letter_replay``).
+
+    Per-record refusals keep the one record; a stream entry that is not authenticated (unknown
+    edge, bad MAC) is kept whole with its MAC, so a replay checks the MAC again. Bounded:
+    a document is cut at :data:`DEAD_LETTER_DOCUMENT_MAX` bytes (a cut one is listed, never
+    replayed) and only the newest :data:`DEAD_LETTER_MAX_ROWS` rows are kept
+    (``services.usage_dead_letters_add`` deletes the oldest and counts them).
+    """
+
+    class Source(models.TextChoices):
+        STREAM = "stream", "Redis usage stream"
+        HTTP = "http", "HTTP usage endpoint"
+
+    received_at = models.DateTimeField(db_index=True)
+    source = models.CharField(max_length=8, choices=Source.choices)
+    #: The edge that sent it: authenticated, or only claimed when ``authenticated`` is false.
+    edge = models.CharField(max_length=63, blank=True)
+    region = models.CharField(max_length=63, blank=True)
+    authenticated = models.BooleanField(default=True)
+    #: The stream entry's MAC (hex) when it was not authenticated ("" otherwise).
+    mac = models.CharField(max_length=64, blank=True)
+    document = models.BinaryField()
+    truncated = models.BooleanField(default=False)
+    reason = models.CharField(max_length=300)
+    #: SHA-256 of source, edge and document: the same refusal received twice is kept once.
+    fingerprint = models.CharField(max_length=64, unique=True)
+
+    class Meta:
+        ordering = ["-id"]
+
+    def __str__(self) -> str:
+        return f"{self.received_at:%Y-%m-%d %H:%M} {self.source} {self.edge or '-'}: {self.reason}"
+
+
+#: The most bytes of a document a dead letter keeps, and the most rows kept.
+DEAD_LETTER_DOCUMENT_MAX = 32 * 1024
+DEAD_LETTER_MAX_ROWS = 10_000

@@ -19,6 +19,7 @@ from django.db import connection
 from django.db.models import DecimalField, Q, QuerySet, Sum
 from django.db.models.functions import TruncDate
 
+from federation.metering.admission import USAGE_LATE_LIMIT
 from federation.metering.models import (
     USAGE_SUMS,
     CountedSpend,
@@ -27,6 +28,7 @@ from federation.metering.models import (
     PoolHour,
     StaleUsageHour,
     UsageDay,
+    UsageDeadLetter,
     UsageHour,
     UsageRecord,
 )
@@ -194,7 +196,8 @@ class Statement:
     lines: list[dict[str, Any]]
     total_usd: Decimal
     monthly_budget_usd: Decimal | None
-    #: The month has ended and every hour of it is rolled up: the figures are final.
+    #: The month ended :data:`~federation.metering.admission.USAGE_LATE_LIMIT` ago (no record
+    #: of it is admitted any more) and every hour of it is rolled up: the figures are final.
     final: bool
     #: Its keys' spend (those that spent or have a budget of their own).
     keys: list[KeySpend] = field(default_factory=list)
@@ -216,7 +219,7 @@ def tenant_statement(*, tenant: Tenant, month: date, now: datetime) -> Statement
         lines=lines,
         total_usd=sum((line["price_usd"] for line in lines), start=Decimal(0)),
         monthly_budget_usd=tenant.monthly_budget_usd,
-        final=now >= end and not stale,
+        final=now >= end + USAGE_LATE_LIMIT and not stale,
         keys=key_month_spend(tenant=tenant, month=month),
     )
 
@@ -308,3 +311,15 @@ def recent_requests(
         .order_by("-started_at")
         .values_list("entry_region", "region", "ttft_ms", "status")[:limit]
     )
+
+
+def usage_dead_letters(
+    *, source: str | None = None, edge: str | None = None
+) -> QuerySet[UsageDeadLetter]:
+    """Refused usage documents, newest first, optionally of one source or edge."""
+    letters = UsageDeadLetter.objects.order_by("-id")
+    if source:
+        letters = letters.filter(source=source)
+    if edge:
+        letters = letters.filter(edge=edge)
+    return letters

@@ -9,6 +9,8 @@ from what the records say.
 
 from __future__ import annotations
 
+import hashlib
+import logging
 import uuid
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -22,11 +24,23 @@ from django.db.models import Count, F, Q, QuerySet, Sum
 from django.utils import timezone
 
 from federation.core.audit import Actor, audit_record
-from federation.inventory.models import Instance, InstanceInterval, LanguageModel
+from federation.inventory.models import Edge, Instance, InstanceInterval, LanguageModel, Region
 from federation.metering import partitions
+from federation.metering.admission import (
+    MAX_PRICE_USD,
+    SenderFacts,
+    UsageFault,
+    UsageSender,
+    column_fault,
+    sender_fault,
+    storable_time,
+)
 from federation.metering.cost import ZERO, InstanceHour, PoolHourCost, pool_hour_cost
 from federation.metering.fleet_hours import fleet_for_hour
+from federation.metering.metrics import DEAD_LETTERS_EVICTED
 from federation.metering.models import (
+    DEAD_LETTER_DOCUMENT_MAX,
+    DEAD_LETTER_MAX_ROWS,
     DIMENSIONS,
     USAGE_SUMS,
     CountedSpend,
@@ -34,27 +48,53 @@ from federation.metering.models import (
     PoolHour,
     StaleUsageHour,
     UsageDay,
+    UsageDeadLetter,
     UsageHour,
     UsageRecord,
 )
 from federation.metering.pricing import FREE, PRICE_DECIMALS, Price, request_price
 from federation.tenancy.models import Tenant
-from regions.tables.schema import holds_for
+from federation.tenancy.residency import ResidencyPolicy
 from regions.tables.usage import UsageRecord as UsageDocument
-from regions.tables.usage import UsageRecordError, decode_record
+from regions.tables.usage import UsageRecordError, decode_record, usage_batch_verify
+
+log = logging.getLogger("fedinfer.metering")
 
 #: Statuses counted as errors in the rollups (the edge's refusals are not records at all).
 ERROR_STATUS = 400
 
 
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    """A document of a batch that was not stored: its place in the batch, itself, and why."""
+
+    index: int
+    document: bytes
+    reason: str
+
+
 @dataclass(slots=True)
 class IngestResult:
-    #: Records in the batch that decoded (stored now, or already stored before).
+    #: Records in the batch that passed the checks (stored now, or already stored before).
     accepted: int = 0
-    #: Documents that are not usage records, with why: kept aside by the caller, not retried.
-    rejected: list[tuple[bytes, str]] = field(default_factory=list)
+    #: Documents refused, with why: kept in the dead-letter by :func:`usage_ingest` when it is
+    #: given a ``source``, never retried.
+    rejected: list[Refusal] = field(default_factory=list)
     #: Some record was of a tenant with a budget: the caller re-leases budgets to the edges.
     budgeted: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class DeadLetterIn:
+    """A refused document to keep (:func:`usage_dead_letters_add`)."""
+
+    source: str
+    edge: str
+    region: str
+    document: bytes
+    reason: str
+    authenticated: bool = True
+    mac: str = ""
 
 
 class PriceBook:
@@ -118,51 +158,199 @@ def model_price_set(
 
 
 def usage_ingest(
-    *, documents: Sequence[bytes], region: str | None = None, edge: str | None = None
+    *,
+    documents: Sequence[bytes],
+    sender: UsageSender | None = None,
+    source: str | None = None,
+    now: datetime | None = None,
 ) -> IngestResult:
-    """Store, priced, every record in ``documents`` not stored yet; mark their hours stale.
+    """Store, priced, every record in ``documents`` that passes the checks and is not stored
+    yet; mark their hours stale.
 
-    One transaction: all of the batch or none of it. A document that is not a valid record
-    (or, with ``region`` and ``edge``, a record of another region or edge: an edge reports
-    only its own and its workers') is returned in ``rejected`` rather than raised, so it cannot
-    hold the stream up.
+    Every document is checked alone (``admission.py``) and one that fails is refused alone, so
+    it cannot hold up its batch or the stream: records that do not decode, convert or fit their
+    columns always; with a ``sender`` (an authenticated edge), also records of another region
+    or edge, of a tenant its region may not serve, of an unknown model, or outside the time
+    window. With a ``source`` the refused ones go to the dead-letter in the same transaction
+    as the stored ones. Callers without a ``sender`` are the control plane's own (the demo's
+    history, benchmarks).
     """
     result = IngestResult()
-    records: list[UsageDocument] = []
-    for document in documents:
+    decoded: list[tuple[int, UsageDocument, datetime]] = []
+    for index, document in enumerate(documents):
         try:
             record = decode_record(document)
-        except UsageRecordError as exc:
-            result.rejected.append((document, str(exc)))
+            at = storable_time(record)
+        except (UsageRecordError, UsageFault) as exc:
+            result.rejected.append(Refusal(index, document, str(exc)))
             continue
-        if region is not None and record.region != region:
-            result.rejected.append((document, f"a record of region {record.region!r}"))
+        fault = column_fault(record)
+        if fault is not None:
+            result.rejected.append(Refusal(index, document, fault))
             continue
-        if edge is not None and not holds_for(edge, record.edge or ""):
-            result.rejected.append((document, f"a record of edge {record.edge!r}"))
-            continue
-        records.append(record)
-    if not records:
-        return result
-    started = [datetime.fromtimestamp(r.started_at, tz=UTC) for r in records]
-    pools = _pools_of({r.instance for r in records})
-    prices = PriceBook(r.model for r in records)
-    rows = [
-        _row(record, at, pools.get(record.instance, ""), prices)
-        for record, at in zip(records, started, strict=True)
-    ]
+        decoded.append((index, record, at))
+    if sender is not None and decoded:
+        facts = _sender_facts(sender, [r for _, r, _ in decoded], now or timezone.now())
+        kept = []
+        for index, record, at in decoded:
+            fault = sender_fault(record, at, sender, facts)
+            if fault is None:
+                kept.append((index, record, at))
+            else:
+                result.rejected.append(Refusal(index, documents[index], fault))
+        decoded = kept
+    rows: list[Row] = []
+    stored: list[tuple[UsageDocument, datetime]] = []
+    if decoded:
+        pools = _pools_of({r.instance for _, r, _ in decoded})
+        prices = PriceBook(r.model for _, r, _ in decoded)
+        for index, record, at in decoded:
+            row = _row(record, at, pools.get(record.instance, ""), prices)
+            if not -MAX_PRICE_USD < row[COLUMNS.index("price_usd")] < MAX_PRICE_USD:
+                result.rejected.append(Refusal(index, documents[index], "price overflows"))
+                continue
+            rows.append(row)
+            stored.append((record, at))
+    result.rejected.sort(key=lambda refusal: refusal.index)
     with transaction.atomic():
-        partitions.ensure_months({(at.year, at.month) for at in started})
-        _insert(rows)
-        _mark_stale({at.replace(minute=0, second=0, microsecond=0) for at in started})
-    result.accepted = len(records)
-    tenants = {r.tenant for r in records if r.tenant}
+        if rows:
+            partitions.ensure_months({(at.year, at.month) for _, at in stored})
+            _insert(rows)
+            _mark_stale({at.replace(minute=0, second=0, microsecond=0) for _, at in stored})
+        if source is not None and result.rejected:
+            usage_dead_letters_add(
+                letters=[
+                    DeadLetterIn(
+                        source=source,
+                        edge=sender.edge if sender else "",
+                        region=sender.region if sender else "",
+                        document=refusal.document,
+                        reason=refusal.reason,
+                    )
+                    for refusal in result.rejected
+                ]
+            )
+    result.accepted = len(rows)
+    tenants = {r.tenant for r, _ in stored if r.tenant}
     result.budgeted = bool(tenants) and (
         Tenant.objects.filter(slug__in=tenants)
         .filter(Q(monthly_budget_usd__isnull=False) | Q(api_keys__monthly_budget_usd__isnull=False))
         .exists()
     )
     return result
+
+
+def _sender_facts(sender: UsageSender, records: list[UsageDocument], now: datetime) -> SenderFacts:
+    """The tenants, models and region facts the batch's checks need (three queries)."""
+    slugs = {r.tenant for r in records if r.tenant}
+    tenants = {
+        t.slug: ResidencyPolicy.of(
+            t.allowed_jurisdictions, (r.code for r in t.allowed_regions.all())
+        )
+        for t in Tenant.objects.filter(slug__in=slugs).prefetch_related("allowed_regions")
+    }
+    models = LanguageModel.objects.filter(name__in={r.model for r in records})
+    jurisdiction = Region.objects.filter(code=sender.region).values_list("jurisdiction", flat=True)
+    return SenderFacts(
+        now=now,
+        jurisdiction=jurisdiction.first() or "",
+        tenants=tenants,
+        models=frozenset(models.values_list("name", flat=True)),
+    )
+
+
+def usage_dead_letters_add(*, letters: Sequence[DeadLetterIn], now: datetime | None = None) -> int:
+    """Keep refused documents for an operator (each once however often it arrives), then
+    delete the oldest rows beyond :data:`DEAD_LETTER_MAX_ROWS`; the number deleted."""
+    received_at = now or timezone.now()
+    rows = []
+    for letter in letters:
+        identity = f"{letter.source}\n{letter.edge}\n{letter.mac}\n".encode()
+        rows.append(
+            UsageDeadLetter(
+                received_at=received_at,
+                source=letter.source,
+                edge=letter.edge[:63],
+                region=letter.region[:63],
+                authenticated=letter.authenticated,
+                mac=letter.mac[:64],
+                document=letter.document[:DEAD_LETTER_DOCUMENT_MAX],
+                truncated=len(letter.document) > DEAD_LETTER_DOCUMENT_MAX,
+                reason=letter.reason[:300],
+                fingerprint=hashlib.sha256(identity + letter.document).hexdigest(),
+            )
+        )
+    with transaction.atomic():
+        UsageDeadLetter.objects.bulk_create(rows, ignore_conflicts=True)
+        oldest_kept = (
+            UsageDeadLetter.objects.order_by("-id")
+            .values_list("id", flat=True)[DEAD_LETTER_MAX_ROWS - 1 : DEAD_LETTER_MAX_ROWS]
+            .first()
+        )
+        evicted = 0
+        if oldest_kept is not None:
+            evicted, _ = UsageDeadLetter.objects.filter(id__lt=oldest_kept).delete()
+    if evicted:
+        DEAD_LETTERS_EVICTED.inc(evicted)
+        log.error("usage dead-letter full: %d oldest rows deleted", evicted)
+    return evicted
+
+
+@dataclass(frozen=True, slots=True)
+class ReplayResult:
+    accepted: int
+    #: Why the rest is still refused (empty: the dead letter was removed).
+    refused: list[str]
+
+
+def usage_dead_letter_replay(*, actor: Actor, letter: UsageDeadLetter) -> ReplayResult:
+    """Run a dead letter through ingestion's checks again as the edge that sent it (a stream
+    entry's MAC checked again first); store what passes now, remove the letter when all of it
+    did, else keep it with the new reasons. Idempotent: records are stored once by their key.
+    Audited (the audit event also recompiles the routing tables, which re-reads spend)."""
+    with transaction.atomic():
+        letter = UsageDeadLetter.objects.select_for_update().get(pk=letter.pk)
+        sender, documents, refused = _replay_input(letter)
+        accepted = 0
+        if sender is not None:
+            result = usage_ingest(documents=documents, sender=sender)
+            accepted = result.accepted
+            refused = [refusal.reason for refusal in result.rejected]
+        audit_record(
+            actor=actor,
+            action="usage_dead_letter.replay",
+            obj=letter,
+            changes={"accepted": accepted, "refused": refused[:10]},
+        )
+        if refused:
+            letter.reason = "; ".join(refused)[:300]
+            letter.save(update_fields=["reason"])
+        else:
+            letter.delete()
+    return ReplayResult(accepted=accepted, refused=refused)
+
+
+def _replay_input(letter: UsageDeadLetter) -> tuple[UsageSender | None, list[bytes], list[str]]:
+    """Who the letter is replayed as, its documents, or why it cannot be replayed."""
+    document = bytes(letter.document)
+    if letter.truncated:
+        return None, [], [f"cut at {DEAD_LETTER_DOCUMENT_MAX} bytes: not replayable"]
+    if letter.authenticated:
+        if not letter.edge or not letter.region:
+            return None, [], ["no sender: not replayable"]
+        return UsageSender(letter.edge, letter.region), [document], []
+    edge = Edge.objects.select_related("region").filter(name=letter.edge).first()
+    if edge is None or not edge.credential_hash or not letter.mac:
+        return None, [], ["bad mac"]
+    key = edge.credential_hash.encode("ascii")
+    try:
+        mac = bytes.fromhex(letter.mac)
+    except ValueError:
+        return None, [], ["bad mac"]
+    if not usage_batch_verify(key, edge.name, document, mac):
+        return None, [], ["bad mac"]
+    lines = [line for line in document.split(b"\n") if line]
+    return UsageSender(edge.name, edge.region.code), lines, []
 
 
 #: Columns of a usage row, in the order :func:`_row` builds them.

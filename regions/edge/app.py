@@ -105,6 +105,7 @@ class Edge:
         self.several_edges = False
         self.ramping = False
         self.models_body = b""
+        self.tenant_models_bodies: dict[str, bytes] = {}
         self.meter = _meter(cfg)
         if self.meter is not None:
             self.metrics.registry.register(UsageCollector(self.meter))
@@ -203,15 +204,14 @@ class Edge:
         self.cold.load(table)
         self.cold.release(self.by_model)
         now = int(time.time())
-        self.models_body = orjson.dumps(
-            {
-                "object": "list",
-                "data": [
-                    {"id": m, "object": "model", "created": now, "owned_by": "fedinfer"}
-                    for m in sorted({*served_models(table), *self.cold.models})
-                ],
-            }
-        )
+        names = sorted({*served_models(table), *self.cold.models})
+        private = table.private_adapters
+        self.models_body = _models_body([m for m in names if m not in private], now)
+        # A tenant allowed private adapters sees them listed; nobody else learns they exist.
+        self.tenant_models_bodies = {
+            slug: _models_body([m for m in names if m not in private or slug in private[m]], now)
+            for slug in {s for allowed in private.values() for s in allowed}
+        }
         self.metrics.table_version.set(table.version)
         self._update_healthy_gauge()
 
@@ -416,14 +416,16 @@ class Edge:
                 return
             await self._serve(scope, receive, send, endpoint)
         elif path == "/v1/models" and method == "GET":
+            body = self.models_body
             if self.admission.enabled:
                 auth = next((v for k, v in scope["headers"] if k == b"authorization"), None)
                 try:
-                    self.admission.authenticate(auth, time.time())
+                    tenant = self.admission.authenticate(auth, time.time())
                 except EdgeError as err:
                     await self.relay.error(send, err)
                     return
-            await respond(send, 200, self.models_body, JSON)
+                body = self.tenant_models_bodies.get(tenant.slug, body)
+            await respond(send, 200, body, JSON)
         else:
             await self.relay.error(
                 send, EdgeError(404, f"no route for {method} {path}", "not_found")
@@ -489,6 +491,18 @@ class Edge:
         return not cold or await self.cold.hold_or_refuse(ctx, self.relay, self.metrics.cold)
 
 
+def _models_body(names: list[str], now: int) -> bytes:
+    """The OpenAI ``/v1/models`` answer listing ``names``."""
+    return orjson.dumps(
+        {
+            "object": "list",
+            "data": [
+                {"id": m, "object": "model", "created": now, "owned_by": "fedinfer"} for m in names
+            ],
+        }
+    )
+
+
 def _meter(cfg: EdgeConfig) -> Meter | None:
     """The edge's meter with its sink: the Redis usage stream, else the control plane."""
     metering = cfg.metering
@@ -496,7 +510,11 @@ def _meter(cfg: EdgeConfig) -> Meter | None:
         return None
     sink: UsageSink
     if metering.redis_url is not None:
-        sink = RedisStreamSink(metering.redis_url)
+        if metering.stream_edge is None or metering.stream_key is None:
+            raise ValueError("the usage stream needs the edge's name and credential")
+        sink = RedisStreamSink(
+            metering.redis_url, edge=metering.stream_edge, key=metering.stream_key
+        )
     elif cfg.sync is not None and cfg.sync.edge_name:
         sink = ControlPlaneSink(cfg.sync.usage_url(), cfg.sync.credential)
     else:

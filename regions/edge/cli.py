@@ -19,6 +19,7 @@ from regions.edge.flags import build_parser
 from regions.edge.health import HealthConfig
 from regions.edge.hop import hop_keys
 from regions.edge.metering import MeteringConfig
+from regions.edge.peer_auth import peer_keys
 from regions.edge.scheduler import SchedulerConfig
 from regions.edge.server import EdgeServer, ServerLimits
 from regions.edge.sync import SyncConfig, initial_table
@@ -32,6 +33,7 @@ from regions.tables.schema import (
     lease_holder,
 )
 from regions.tables.signing import parse_key_ring
+from regions.tables.usage import usage_stream_key
 
 log = logging.getLogger("fedinfer.edge")
 
@@ -85,6 +87,11 @@ def _metering_from_args(opts: argparse.Namespace, sync: SyncConfig | None) -> Me
         raise ValueError(
             "--usage-spool-dir needs --usage-redis-url, or --control-plane with --edge-name"
         )
+    stream_key = None
+    if opts.usage_redis_url is not None:
+        if not opts.edge_name:
+            raise ValueError(_STREAM_IDENTITY)
+        stream_key = usage_stream_key(sync.credential if sync else _credential(opts))
     if not 0.001 <= opts.usage_flush_interval <= 60.0:
         raise ValueError("--usage-flush-interval must be between 0.001 and 60 seconds")
     return MeteringConfig(
@@ -93,7 +100,29 @@ def _metering_from_args(opts: argparse.Namespace, sync: SyncConfig | None) -> Me
         max_bytes=opts.usage_spool_max_bytes,
         full_policy=opts.usage_spool_full,
         redis_url=opts.usage_redis_url,
+        stream_edge=opts.edge_name if opts.usage_redis_url is not None else None,
+        stream_key=stream_key,
     )
+
+
+#: The usage stream takes only batches signed as a registered edge.
+_STREAM_IDENTITY = (
+    "--usage-redis-url needs --edge-name and the edge's --credential-file: the worker "
+    "ingests only stream entries signed with a registered edge's credential"
+)
+
+
+def _credential(opts: argparse.Namespace) -> str:
+    """The edge's credential from ``--credential-file`` (never from argv)."""
+    if opts.credential_file is None:
+        raise ValueError(_STREAM_IDENTITY)
+    try:
+        credential = str(opts.credential_file.read_text()).strip()
+    except OSError as exc:
+        raise ValueError(f"cannot read credential file {opts.credential_file}: {exc}") from exc
+    if not credential:
+        raise ValueError(f"credential file {opts.credential_file} is empty")
+    return credential
 
 
 def ring_text(path: Path | None, env: str) -> str:
@@ -113,7 +142,11 @@ def ring_text(path: Path | None, env: str) -> str:
 def sync_from_args(opts: argparse.Namespace) -> SyncConfig | None:
     """Control-plane mode settings; a missing or malformed one is a clear error."""
     if opts.control_plane is None:
-        for flag in ("credential_file", "table_keys_file"):
+        # A file-mode edge's credential signs its usage stream entries.
+        alone = (
+            ("table_keys_file",) if opts.usage_redis_url else ("credential_file", "table_keys_file")
+        )
+        for flag in alone:
             if getattr(opts, flag) is not None:
                 raise ValueError(f"--{flag.replace('_', '-')} needs --control-plane")
         return None
@@ -142,6 +175,20 @@ def sync_from_args(opts: argparse.Namespace) -> SyncConfig | None:
     )
 
 
+def peer_keys_from_args(opts: argparse.Namespace, sync: SyncConfig | None) -> dict[str, bytes]:
+    """The region's peer-sync keys: from ``--peer-keys-file`` / ``$FEDINFER_PEER_KEYS``, else
+    the table key ring (control-plane mode). Peer sync without any is refused: its channel is
+    open to whoever reaches the Redis."""
+    text = ring_text(opts.peer_keys_file, "FEDINFER_PEER_KEYS")
+    ring = parse_key_ring(text) if text else (dict(sync.keys) if sync else {})
+    if opts.peer_redis_url and not ring:
+        raise ValueError(
+            "--peer-redis-url needs a key ring to sign the edges' load reports: "
+            "--peer-keys-file (or $FEDINFER_PEER_KEYS), or the table key ring of --control-plane"
+        )
+    return peer_keys(ring, opts.region)
+
+
 def config_from_args(opts: argparse.Namespace) -> EdgeConfig:
     sync = sync_from_args(opts)
     hop_text = ring_text(opts.hop_keys_file, "FEDINFER_HOP_KEYS")
@@ -152,6 +199,7 @@ def config_from_args(opts: argparse.Namespace) -> EdgeConfig:
         name=opts.edge_name,
         sync=sync,
         hop_keys=hop_keys(ring),
+        peer_keys=peer_keys_from_args(opts, sync),
         scheduler=SchedulerConfig(
             policy=opts.policy,
             affinity_factor=opts.affinity_factor,

@@ -45,6 +45,9 @@ class MeteringConfig:
     full_policy: FullPolicy = "refuse"
     #: Ship to this Redis's usage stream; None: to the control plane's usage endpoint.
     redis_url: str | None = None
+    #: The edge's name and MAC key on that stream (``usage_stream_key`` of its credential).
+    stream_edge: str | None = None
+    stream_key: bytes | None = None
     flush_interval_s: float = FLUSH_INTERVAL_S
 
 

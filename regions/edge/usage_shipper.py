@@ -21,7 +21,14 @@ import redis
 import redis.asyncio as aioredis
 
 from regions.edge.usage_spool import Batch, UsageSpool
-from regions.tables.usage import USAGE_FIELD, USAGE_STREAM
+from regions.tables.usage import (
+    USAGE_EDGE_FIELD,
+    USAGE_FIELD,
+    USAGE_MAC_FIELD,
+    USAGE_STREAM,
+    USAGE_STREAM_MAX_ENTRIES,
+    usage_batch_mac,
+)
 
 log = logging.getLogger("fedinfer.edge.usage")
 
@@ -52,19 +59,58 @@ class UsageSink(Protocol):
     async def close(self) -> None: ...
 
 
+class StreamFull(SinkRefused):
+    """The usage stream holds its most entries: the worker is behind (or down)."""
+
+
+#: Append only while the stream is below its bound, atomically (one script: no other writer
+#: can add between the length check and the append). ``MAXLEN`` is then never reached by an
+#: append, so it never trims an entry the worker has not acknowledged; it bounds the stream
+#: against a writer that skips this script. Returns false when full.
+_APPEND_BELOW_BOUND = """
+if redis.call('XLEN', KEYS[1]) >= tonumber(ARGV[1]) then return false end
+return redis.call('XADD', KEYS[1], 'MAXLEN', ARGV[1], '*',
+                  ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[7])
+"""
+
+
 class RedisStreamSink:
     """Appends each batch to :data:`USAGE_STREAM` as one entry (newline-delimited records): all
     or none of it, and one command per batch rather than per record, which is what keeps
-    metering's cost per request in microseconds."""
+    metering's cost per request in microseconds.
 
-    def __init__(self, url: str, *, stream: str = USAGE_STREAM, timeout_s: float = 5.0) -> None:
+    Each entry names its edge and carries the edge's MAC of the batch (``usage_batch_mac``,
+    keyed by the SHA-256 of the edge's credential): the worker ingests it only as that edge.
+    The stream is bounded at ``max_entries`` without ever losing a record: the append is refused
+    (:class:`StreamFull`, treated like a sink away) while the stream is that long, so the batch
+    stays in the edge's spool and is retried with backoff; the worker deletes entries only
+    after it has acknowledged them."""
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        edge: str,
+        key: bytes,
+        stream: str = USAGE_STREAM,
+        timeout_s: float = 5.0,
+        max_entries: int = USAGE_STREAM_MAX_ENTRIES,
+    ) -> None:
         self.stream = stream
+        self.edge = edge
+        self.max_entries = max_entries
+        self._key = key
         self._redis = aioredis.Redis.from_url(
             url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s
         )
+        self._append = self._redis.register_script(_APPEND_BELOW_BOUND)
 
     async def send(self, data: bytes) -> None:
-        await self._redis.xadd(self.stream, {USAGE_FIELD: data})
+        mac = usage_batch_mac(self._key, self.edge, data)
+        fields = (USAGE_FIELD, data, USAGE_EDGE_FIELD, self.edge.encode(), USAGE_MAC_FIELD, mac)
+        added = await self._append(keys=[self.stream], args=[self.max_entries, *fields])
+        if not added:
+            raise StreamFull(f"usage stream {self.stream} holds {self.max_entries} entries")
 
     async def close(self) -> None:
         await self._redis.aclose()

@@ -17,6 +17,8 @@ upgraded.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 from collections.abc import Callable
 from typing import Any
 
@@ -32,6 +34,31 @@ NAMED_SCHEMA_VERSION = 1
 #: consumer group.
 USAGE_STREAM = "fedinfer:usage"
 USAGE_FIELD = b"r"
+#: The entry's sender (the edge's registered name) and its MAC over name and batch
+#: (:func:`usage_batch_mac`): the worker ingests an entry only as its MAC's edge.
+USAGE_EDGE_FIELD = b"e"
+USAGE_MAC_FIELD = b"m"
+#: The most entries the stream holds: an edge sends nothing while the stream is this long
+#: (its records wait in its spool), so ``XADD``'s own ``MAXLEN`` at the same bound never has
+#: anything to cut (``regions/edge/usage_shipper.py``).
+USAGE_STREAM_MAX_ENTRIES = 100_000
+
+
+def usage_stream_key(credential: str) -> bytes:
+    """The MAC key of an edge's stream entries: the SHA-256 (hex) of its credential, which is
+    what the control plane stores (``Edge.credential_hash``), so neither side keeps another
+    secret and a rotation changes both."""
+    return hashlib.sha256(credential.encode("utf-8")).hexdigest().encode("ascii")
+
+
+def usage_batch_mac(key: bytes, edge: str, batch: bytes) -> bytes:
+    """HMAC-SHA256 over the edge's name, a newline (no name holds one) and the batch."""
+    return hmac.new(key, edge.encode("utf-8") + b"\n" + batch, hashlib.sha256).digest()
+
+
+def usage_batch_verify(key: bytes, edge: str, batch: bytes, mac: bytes) -> bool:
+    """Whether ``mac`` is the edge's MAC of the batch (compared in constant time)."""
+    return hmac.compare_digest(usage_batch_mac(key, edge, batch), mac)
 
 
 class UsageRecord(msgspec.Struct, frozen=True, forbid_unknown_fields=True, gc=False):

@@ -23,9 +23,10 @@ from django.utils import timezone
 
 from federation.inventory.models import Edge
 from federation.inventory.services import edge_register
+from federation.metering.models import UsageDeadLetter
 from federation.metering.pricing import Price, request_price
 from federation.metering.services import model_price_set
-from federation.metering.stream import REJECTED_STREAM, usage_stream_consume
+from federation.metering.stream import usage_stream_consume
 from federation.routing.compiler import compile_fleet_tables
 from federation.routing.selectors import fleet_snapshot
 from federation.tenancy.models import Tenant
@@ -43,6 +44,7 @@ from tests.integration.inventory_factories import (
     make_region,
 )
 from tests.integration.test_edge_support import EdgeProc, engine_sims, start_edge
+from tests.integration.usage_stream_support import stream_args, stream_edge
 
 pytestmark = pytest.mark.django_db
 
@@ -121,6 +123,7 @@ def world(tmp_path: Path) -> Iterator[World]:
             deployment = make_deployment(model, make_pool(region))
             make_instance(deployment, f"{code}-1", "ready", endpoint_url=engine["url"])
             edge_register(actor=None, region=region, name=f"edge-{code}", url="http://e.invalid:1")
+            stream_edge(region, f"edge-{code}")  # its credential signs its stream entries
         # Both edges are alive: budgets are leased to edges with a fresh heartbeat.
         Edge.objects.update(last_heartbeat_at=timezone.now())
         model_price_set(
@@ -138,8 +141,7 @@ def world(tmp_path: Path) -> Iterator[World]:
                 started[code] = start_edge(
                     where,
                     doc,
-                    "--edge-name",
-                    f"edge-{code}",
+                    *stream_args(where, f"edge-{code}"),
                     "--usage-spool-dir",
                     str(where / "spool"),
                     "--usage-redis-url",
@@ -200,7 +202,7 @@ def ingest(expected: int) -> None:
 
     def everything_counted() -> bool:
         result = usage_stream_consume(client, consumer="test")
-        assert result.rejected == 0, client.xrange(REJECTED_STREAM)
+        assert result.rejected == 0, list(UsageDeadLetter.objects.values_list("reason"))
         stored["n"] += result.records
         return stored["n"] >= expected
 

@@ -22,6 +22,7 @@ from federation.metering.models import UsageRecord
 from federation.metering.pricing import Price
 from federation.metering.services import model_price_set
 from federation.metering.stream import usage_stream_consume
+from federation.tenancy.models import Tenant
 from regions.supervisor import wait_until
 from regions.tables.usage import USAGE_FIELD, USAGE_STREAM, decode_record
 from tests.integration.inventory_factories import (
@@ -32,6 +33,7 @@ from tests.integration.inventory_factories import (
     make_region,
 )
 from tests.integration.test_edge_support import EdgeProc, engine_sims, start_edge, table_doc
+from tests.integration.usage_stream_support import stream_args, stream_edge
 
 REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/15")
 KEY = "fi_AbCdEf12_" + "s" * 43
@@ -67,7 +69,13 @@ def edge(tmp_path: Path, stream: redis.Redis) -> Iterator[EdgeProc]:
         ]
         spool = tmp_path / "spool"
         proc = start_edge(
-            tmp_path, doc, "--usage-spool-dir", str(spool), "--usage-redis-url", REDIS_URL
+            tmp_path,
+            doc,
+            *stream_args(tmp_path),
+            "--usage-spool-dir",
+            str(spool),
+            "--usage-redis-url",
+            REDIS_URL,
         )
         try:
             yield proc
@@ -170,6 +178,8 @@ def test_the_control_plane_prices_exactly_what_the_edge_metered(
     region = make_region("us-east")
     model = make_model()
     make_instance(make_deployment(model, make_pool(region)), "us-1", state="ready")
+    stream_edge(region)  # the edge's entries are ingested as this registered edge's
+    Tenant.objects.create(slug="acme", name="Acme")
     model_price_set(
         actor=None, model=model, price=PRICE, effective_from=datetime.now(UTC) - timedelta(days=1)
     )

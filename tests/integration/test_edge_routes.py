@@ -27,6 +27,7 @@ from tests.integration.test_edge_support import (
     start_edge,
     table_doc,
 )
+from tests.integration.usage_stream_support import stream_args
 
 REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/15")
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
@@ -104,6 +105,7 @@ def _edge(
         str(MAX_BODY),
         "--queue-size",
         "0",
+        *stream_args(tmp / region, f"edge-{region}"),
         "--usage-spool-dir",
         str(tmp / region / "spool"),
         "--usage-redis-url",

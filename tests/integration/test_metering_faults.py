@@ -19,6 +19,7 @@ import redis
 
 from federation.metering.models import UsageRecord
 from federation.metering.stream import GROUP, usage_stream_consume
+from federation.tenancy.models import Tenant
 from regions.supervisor import wait_until
 from regions.tables.usage import USAGE_STREAM, decode_record
 from tests.integration.inventory_factories import (
@@ -30,6 +31,7 @@ from tests.integration.inventory_factories import (
 )
 from tests.integration.redis_support import PrivateRedis, private_redis  # noqa: F401
 from tests.integration.test_edge_support import EdgeProc, engine_sims, start_edge, table_doc
+from tests.integration.usage_stream_support import stream_args, stream_edge
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 KEY = "fi_FaUlTs01_" + "k" * 43
@@ -48,7 +50,14 @@ def edge_with_metering(tmp: Path, engine_url: str, redis_url: str, *args: str) -
     ]
     spool = tmp / "spool"  # the same spool across restarts
     return start_edge(
-        tmp, doc, "--usage-spool-dir", str(spool), "--usage-redis-url", redis_url, *args
+        tmp,
+        doc,
+        *stream_args(tmp),
+        "--usage-spool-dir",
+        str(spool),
+        "--usage-redis-url",
+        redis_url,
+        *args,
     )
 
 
@@ -160,7 +169,10 @@ def test_usage_is_exact_through_redis_edge_and_worker_faults(
     tmp_path: Path,
     private_redis: PrivateRedis,  # noqa: F811
 ) -> None:
-    make_instance(make_deployment(make_model(), make_pool(make_region("us-east"))), "us-1", "ready")
+    region = make_region("us-east")
+    make_instance(make_deployment(make_model(), make_pool(region)), "us-1", "ready")
+    stream_edge(region)  # the edge's entries are ingested as this registered edge's
+    Tenant.objects.create(slug="acme", name="Acme")
     client = redis.Redis.from_url(private_redis.url)
     answers: list[dict[str, Any]] = []
     with engine_sims(tmp_path, 1, MODEL, "--zero-latency") as engines:

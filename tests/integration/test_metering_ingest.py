@@ -20,6 +20,7 @@ from federation.metering.models import (
     FleetHour,
     PoolHour,
     StaleUsageHour,
+    UsageDeadLetter,
     UsageHour,
     UsageRecord,
 )
@@ -32,9 +33,9 @@ from federation.metering.services import (
     usage_hours_refresh,
     usage_ingest,
 )
-from federation.metering.stream import GROUP, REJECTED_STREAM, usage_stream_consume
+from federation.metering.stream import GROUP, usage_stream_consume
 from federation.tenancy.models import Tenant
-from regions.tables.usage import USAGE_FIELD, USAGE_STREAM, encode_record
+from regions.tables.usage import USAGE_STREAM, encode_record
 from regions.tables.usage import UsageRecord as Doc
 from tests.integration.inventory_factories import (
     make_deployment,
@@ -44,6 +45,7 @@ from tests.integration.inventory_factories import (
     make_region,
     services_clock,
 )
+from tests.integration.usage_stream_support import STREAM_EDGE, signed, stream_edge
 
 pytestmark = pytest.mark.django_db
 
@@ -196,7 +198,7 @@ def test_bad_documents_are_returned_with_the_reason_and_the_rest_is_stored(fleet
         documents=[b"{not json", encode_record(too_cached), encode_record(doc(2, fleet, "acme"))]
     )
     assert result.accepted == 1
-    assert [reason.split(":")[0] for _, reason in result.rejected] == [
+    assert [refusal.reason.split(":")[0] for refusal in result.rejected] == [
         "usage record does not decode",
         "token counts must be >= 0, cached within the prompt",
     ]
@@ -206,34 +208,37 @@ def test_bad_documents_are_returned_with_the_reason_and_the_rest_is_stored(fleet
 @pytest.fixture
 def stream() -> redis.Redis:
     client = redis.Redis.from_url(os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/15"))
-    client.delete(USAGE_STREAM, REJECTED_STREAM)
+    client.delete(USAGE_STREAM)
     yield client
-    client.delete(USAGE_STREAM, REJECTED_STREAM)
+    client.delete(USAGE_STREAM)
 
 
 def test_the_stream_is_acknowledged_after_the_commit_and_a_dead_consumers_batch_is_claimed(
     fleet: str, stream: redis.Redis
 ) -> None:
+    stream_edge(Region.objects.get(code="us-east"))
     for i in range(30):
-        stream.xadd(USAGE_STREAM, {USAGE_FIELD: encode_record(doc(i, fleet, "acme"))})
+        stream.xadd(USAGE_STREAM, signed(encode_record(doc(i, fleet, "acme", edge=STREAM_EDGE))))
     stream.xadd(USAGE_STREAM, {b"other": b"x"})
     # A worker that read ten entries and was killed before it committed.
     stream.xgroup_create(USAGE_STREAM, GROUP, id="0")
     stream.xreadgroup(GROUP, "dead-worker", {USAGE_STREAM: ">"}, count=10)
 
-    first = usage_stream_consume(stream, consumer="live", batch=8)
+    with services_clock(HOUR + timedelta(hours=1)):
+        first = usage_stream_consume(stream, consumer="live", batch=8)
     assert first.records == 20  # the 20 entries nobody had read (and one with no record)
     assert first.rejected == 1
     assert UsageRecord.objects.count() == 20
     assert stream.xpending(USAGE_STREAM, GROUP)["pending"] == 10  # the dead worker's, unacked
 
-    second = usage_stream_consume(stream, consumer="live", batch=8, claim_idle_ms=0)
+    with services_clock(HOUR + timedelta(hours=1)):
+        second = usage_stream_consume(stream, consumer="live", batch=8, claim_idle_ms=0)
     assert second.records == 10
     assert UsageRecord.objects.count() == 30
     assert stream.xpending(USAGE_STREAM, GROUP)["pending"] == 0
     assert stream.xlen(USAGE_STREAM) == 0
-    [(_, rejected)] = stream.xrange(REJECTED_STREAM)
-    assert b"has no record" in rejected[b"reason"]
+    [rejected] = UsageDeadLetter.objects.all()
+    assert "has no record" in rejected.reason and not rejected.authenticated
 
 
 def test_an_edge_posts_its_own_regions_usage_and_a_2xx_means_it_is_stored(fleet: str) -> None:
@@ -261,10 +266,13 @@ def test_an_edge_posts_its_own_regions_usage_and_a_2xx_means_it_is_stored(fleet:
             "POST", f"/api/v1/edges/{name}/usage", body, content_type="application/x-ndjson"
         )
 
-    r = post("edge-us")
+    with services_clock(HOUR + timedelta(hours=1)):
+        r = post("edge-us")
     assert r.status_code == 200, r.content
     assert r.json()["accepted"] == 4
-    foreign_region, foreign_edge, *not_its_workers, broken = r.json()["rejected"]
+    refused = r.json()["rejected"]
+    assert [x["index"] for x in refused] == list(range(4, 4 + len(refused)))
+    foreign_region, foreign_edge, *not_its_workers, broken = [x["reason"] for x in refused]
     assert foreign_region == "a record of region 'eu-west'"
     assert foreign_edge == "a record of edge 'edge-eu'"
     assert not_its_workers == [
@@ -272,7 +280,9 @@ def test_an_edge_posts_its_own_regions_usage_and_a_2xx_means_it_is_stored(fleet:
         for name in ("edge-eu.1", "edge-us.x", "edge-us.01", "edge-us.32")
     ]
     assert broken.startswith("usage record does not decode")
-    assert post("edge-us").json()["accepted"] == 4  # sent again: stored once
+    with services_clock(HOUR + timedelta(hours=1)):
+        assert post("edge-us").json()["accepted"] == 4  # sent again: stored once
+    assert UsageDeadLetter.objects.filter(source="http", edge="edge-us").count() == 7  # once
     assert UsageRecord.objects.count() == 4
     assert UsageRecord.objects.filter(edge="edge-us.1").count() == 1
     assert post(other.name).status_code == 403  # not its own name
@@ -299,9 +309,11 @@ def test_the_workers_tasks_ingest_the_stream_and_roll_up(
     from workers.tasks import usage_ingest_task, usage_rollup_task
 
     settings.REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/15")
+    stream_edge(Region.objects.get(code="us-east"))
     for i in range(5):
-        stream.xadd(USAGE_STREAM, {USAGE_FIELD: encode_record(doc(i, fleet, "acme"))})
-    assert usage_ingest_task() == 5
+        stream.xadd(USAGE_STREAM, signed(encode_record(doc(i, fleet, "acme", edge=STREAM_EDGE))))
+    with services_clock(HOUR + timedelta(hours=1)):
+        assert usage_ingest_task() == 5
     assert usage_rollup_task() >= 1
     assert UsageHour.objects.get(hour=HOUR, tenant="acme").requests == 5
 

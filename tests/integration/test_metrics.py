@@ -21,19 +21,20 @@ from django.utils import timezone
 from prometheus_client.parser import text_string_to_metric_families
 from rest_framework.test import APIClient
 
-from federation.inventory.models import Deployment
+from federation.inventory.models import Deployment, Region
+from federation.metering.models import UsageDeadLetter
 from federation.metering.pricing import Price
 from federation.metering.selectors import tenant_month_spend
 from federation.metering.services import model_price_set, usage_hours_refresh
-from federation.metering.stream import REJECTED_STREAM
 from federation.routing import services
 from federation.routing.models import RoutingTableVersion
 from federation.tenancy.models import Tenant
 from regions.supervisor import Supervisor, free_port, wait_until
-from regions.tables.usage import USAGE_FIELD, USAGE_STREAM, encode_record
+from regions.tables.usage import USAGE_STREAM, USAGE_STREAM_MAX_ENTRIES, encode_record
 from regions.tables.usage import UsageRecord as Doc
 from tests.integration.control_plane_support import FEDINFER, own_redis, subprocess_env
 from tests.integration.test_routing_distribution import Fleet, build_fleet, heartbeat
+from tests.integration.usage_stream_support import STREAM_EDGE, signed, stream_edge
 from workers.tasks import usage_ingest_task
 
 Labels = dict[str, str]
@@ -194,6 +195,7 @@ def _usage(model: str, tenant: str, i: int) -> bytes:
             cached_tokens=0,
             completion_tokens=50_000,
             duration_ms=900.0,
+            edge=STREAM_EDGE,
         )
     )
 
@@ -212,22 +214,29 @@ def test_ingest_lag_rejections_and_budget_ratio_after_ingestion(
     )
     make_tenant("acme", monthly_budget_usd=Decimal("0.50"))
     make_tenant("globex")  # no budget: no series
+    stream_edge(Region.objects.get(code="eu-west"))
     assert value(scrape(), "fedinfer_cp_usage_ingest_lag_seconds") == 0
 
     # Two shipments, the oldest two minutes old, and an entry that is no usage at all.
     old_ms = int((time.time() - 120) * 1000)
-    own_redis_db.xadd(USAGE_STREAM, {USAGE_FIELD: _usage(model.name, "acme", 1)}, id=f"{old_ms}-0")
-    own_redis_db.xadd(USAGE_STREAM, {USAGE_FIELD: _usage(model.name, "acme", 2)})
+    own_redis_db.xadd(USAGE_STREAM, signed(_usage(model.name, "acme", 1)), id=f"{old_ms}-0")
+    own_redis_db.xadd(USAGE_STREAM, signed(_usage(model.name, "acme", 2)))
     own_redis_db.xadd(USAGE_STREAM, {b"not-usage": b"x"})
     before = scrape()
     assert 119 < (value(before, "fedinfer_cp_usage_ingest_lag_seconds") or 0) < 180
+    assert value(before, "fedinfer_cp_usage_stream_entries") == 3
+    assert value(before, "fedinfer_cp_usage_stream_max_entries") == USAGE_STREAM_MAX_ENTRIES
+    assert value(before, "fedinfer_cp_usage_dead_letters") == 0
     assert usage_ingest_task.apply().get() == 2
     usage_hours_refresh()
     after = scrape()
     assert value(after, "fedinfer_cp_usage_ingest_lag_seconds") == 0
     rejected = value(after, "fedinfer_cp_usage_rejected_total") or 0
     assert rejected == (value(before, "fedinfer_cp_usage_rejected_total") or 0) + 1
-    assert own_redis_db.xlen(REJECTED_STREAM) == 1
+    assert UsageDeadLetter.objects.count() == 1
+    assert value(after, "fedinfer_cp_usage_dead_letters") == 1
+    assert value(after, "fedinfer_cp_usage_stream_entries") == 0
+    assert value(after, "fedinfer_cp_usage_stream_pending") == 0
     spent = tenant_month_spend(now=timezone.now())["acme"]
     assert spent > 0
     ratio = value(after, "fedinfer_cp_tenant_budget_used_ratio", tenant="acme")

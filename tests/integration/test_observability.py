@@ -176,4 +176,4 @@ def test_the_demo_scrape_configuration_passes_promtool(tmp_path: Path) -> None:
     result = promtool("check", "config", str(path))
     assert result.returncode == 0, result.stdout + result.stderr
     alerts = sum(path.read_text().count("- alert: ") for path in RULES)
-    assert alerts == 11 and f"SUCCESS: {alerts} rules found" in result.stdout
+    assert alerts == 15 and f"SUCCESS: {alerts} rules found" in result.stdout

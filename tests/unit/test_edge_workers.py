@@ -37,8 +37,10 @@ def parse(*args: str, tmp: Path) -> argparse.Namespace:
 
 
 def test_each_worker_but_the_first_keeps_its_state_and_spool_apart(tmp_path: Path) -> None:
+    (tmp_path / "credential").write_text("edge-credential")
     opts = parse("--usage-spool-dir", str(tmp_path / "spool"), "--usage-redis-url",
-                 "redis://x", "--edge-name", "e1", tmp=tmp_path)  # fmt: skip
+                 "redis://x", "--edge-name", "e1", "--credential-file",
+                 str(tmp_path / "credential"), tmp=tmp_path)  # fmt: skip
     cfg = config_from_args(opts)
     assert cfg.metering is not None
     first, second = worker_config(cfg, 0, 2), worker_config(cfg, 1, 2)

@@ -12,6 +12,7 @@ from regions.edge.cli import build_parser, config_from_args
 from regions.edge.metering import Meter
 from regions.edge.usage_shipper import UsageShipper
 from regions.edge.usage_spool import UsageSpool
+from regions.tables.usage import usage_stream_key
 
 
 class Sink:
@@ -80,7 +81,9 @@ def test_a_batch_larger_than_the_sinks_goes_from_disk_in_pieces(tmp_path: Path) 
 
 def test_the_flush_interval_flag_sets_the_shippers_interval(tmp_path: Path) -> None:
     args = ["--region", "r1", "--table", "t.json", "--usage-spool-dir", str(tmp_path)]
-    args += ["--usage-redis-url", "redis://127.0.0.1:1/0"]
+    (tmp_path / "credential").write_text("edge-credential")
+    args += ["--usage-redis-url", "redis://127.0.0.1:1/0", "--edge-name", "e1"]
+    args += ["--credential-file", str(tmp_path / "credential")]
     default = config_from_args(build_parser().parse_args(args))
     assert default.metering is not None and default.metering.flush_interval_s == 0.2
     opts = build_parser().parse_args([*args, "--usage-flush-interval", "0.5"])
@@ -90,3 +93,18 @@ def test_the_flush_interval_flag_sets_the_shippers_interval(tmp_path: Path) -> N
     for bad in ("0", "-1", "61"):
         with pytest.raises(ValueError, match="--usage-flush-interval"):
             config_from_args(build_parser().parse_args([*args, "--usage-flush-interval", bad]))
+
+
+def test_shipping_to_the_stream_needs_the_edges_name_and_credential(tmp_path: Path) -> None:
+    """The worker ingests only entries signed with a registered edge's credential: an edge
+    that could not sign them is refused at start-up, with what it needs."""
+    args = ["--region", "r1", "--table", "t.json", "--usage-spool-dir", str(tmp_path)]
+    args += ["--usage-redis-url", "redis://127.0.0.1:1/0"]
+    (tmp_path / "credential").write_text("edge-credential\n")
+    for missing in (["--edge-name", "e1"], ["--credential-file", str(tmp_path / "credential")]):
+        with pytest.raises(ValueError, match="--usage-redis-url needs --edge-name and"):
+            config_from_args(build_parser().parse_args([*args, *missing]))
+    named = [*args, "--edge-name", "e1", "--credential-file", str(tmp_path / "credential")]
+    cfg = config_from_args(build_parser().parse_args(named)).metering
+    assert cfg is not None and cfg.stream_edge == "e1"
+    assert cfg.stream_key == usage_stream_key("edge-credential")

@@ -9,13 +9,12 @@ are for admins and operators.
 
 from __future__ import annotations
 
-import csv
-import io
 from datetime import UTC, date, datetime, time, timedelta
 from typing import Any
 
 from django.contrib.auth.models import AnonymousUser
 from django.http import HttpResponse
+from django.utils import timezone
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema
 from rest_framework import serializers
@@ -27,6 +26,7 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from federation.api.schema import FIELD_ERRORS, FORBIDDEN, UNAUTHENTICATED
+from federation.core.csv_export import csv_attachment
 from federation.core.roles import TENANT_VIEWER, is_staff_role, role_of
 from federation.metering.models import DIMENSIONS
 from federation.metering.selectors import (
@@ -145,14 +145,7 @@ class UsageQueryInput(RangeInput):
 def _render(rows: list[dict[str, Any]], fmt: str, name: str) -> HttpResponse | Response:
     if fmt == "json":
         return Response({"results": rows})
-    out = io.StringIO()
-    if rows:
-        writer = csv.DictWriter(out, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
-    response = HttpResponse(out.getvalue(), content_type="text/csv; charset=utf-8")
-    response["Content-Disposition"] = f'attachment; filename="{name}.csv"'
-    return response
+    return csv_attachment(rows, name)
 
 
 def _text(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -238,7 +231,8 @@ class StatementInput(serializers.Serializer):
 
 class StatementView(APIView):
     """A tenant's statement for one month: requests, tokens and price by model, the total and
-    its budget; ``final`` once the month has ended and every hour of it is rolled up; the spend
+    its budget; ``final`` once the month's late records can no longer arrive (a week after its
+    end) and every hour of it is rolled up; the spend
     of each of its keys (over all the prefixes a rotated key had) with the key's own budget."""
 
     authentication_classes = [UsageKeyAuthentication, TokenAuthentication, SessionAuthentication]
@@ -271,9 +265,7 @@ class StatementView(APIView):
         if tenant is None or (own is not None and q.get("tenant") not in (None, own)):
             raise NotFound(f"No tenant {q.get('tenant') or slug!r}.")
         year, month = map(int, q["month"].split("-"))
-        statement = tenant_statement(
-            tenant=tenant, month=date(year, month, 1), now=datetime.now(UTC)
-        )
+        statement = tenant_statement(tenant=tenant, month=date(year, month, 1), now=timezone.now())
         lines = _text(
             [{k: v for k, v in line.items() if k != "cost_usd"} for line in statement.lines]
         )

@@ -17,6 +17,8 @@ from federation.api.schema import FORBIDDEN, NOT_FOUND, UNAUTHENTICATED
 from federation.api.views import nul_free_or_404
 from federation.core.metrics import USAGE_REJECTED
 from federation.inventory.models import Edge
+from federation.metering.admission import UsageSender
+from federation.metering.models import UsageDeadLetter
 from federation.metering.services import usage_ingest
 from federation.routing.api.authentication import (
     EdgeCredentialAuthentication,
@@ -38,8 +40,10 @@ class NdjsonParser(BaseParser):
 
 
 class EdgeUsageView(APIView):
-    """Usage records of the requests an edge served, one JSON document a line; stored (once
-    each, however often sent) before the answer, so a 2xx means the edge may drop them."""
+    """Usage records of the requests an edge served, one JSON document a line; each stored (once,
+    however often sent) or refused into the dead-letter before the answer, so a 2xx means the
+    edge may drop them. The answer lists the refused ones by their place in the body (0-based,
+    blank lines not counted) with why."""
 
     authentication_classes = [EdgeCredentialAuthentication]
     permission_classes = [IsEdge]
@@ -49,7 +53,10 @@ class EdgeUsageView(APIView):
         operation_id="edge_usage",
         request={"application/x-ndjson": OpenApiTypes.BINARY},
         responses={
-            200: OpenApiResponse(description="Stored: {accepted, rejected: [reason, ...]}."),
+            200: OpenApiResponse(
+                description="Stored: {accepted, rejected: [{index, reason}, ...]}: every "
+                "record is either stored or kept in the dead-letter, so the edge drops the batch."
+            ),
             401: UNAUTHENTICATED,
             403: FORBIDDEN,
             404: NOT_FOUND,
@@ -65,11 +72,15 @@ class EdgeUsageView(APIView):
             raise PermissionDenied("An edge may report usage only for itself.")
         data = request.data
         documents = [d for d in data if isinstance(d, bytes)] if isinstance(data, list) else []
-        result = usage_ingest(documents=documents, region=target.region.code, edge=name)
+        result = usage_ingest(
+            documents=documents,
+            sender=UsageSender(edge=name, region=target.region.code),
+            source=UsageDeadLetter.Source.HTTP,
+        )
         if result.budgeted:
             routing_tables_schedule_budget_release()
-        rejected = [why for _, why in result.rejected]
+        rejected = [{"index": r.index, "reason": r.reason} for r in result.rejected]
         USAGE_REJECTED.inc(len(rejected))
         if rejected:
-            log.error("edge %s: %d usage records rejected: %s", name, len(rejected), rejected[:5])
+            log.error("edge %s: %d usage records refused: %s", name, len(rejected), rejected[:5])
         return Response({"accepted": result.accepted, "rejected": rejected})
