@@ -71,6 +71,12 @@ DEMAND_SPLIT_SOLVE = Histogram(
     "The demand split's linear programme (HiGHS), one observation per solve",
     buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 5),
 )
+HEARTBEAT_WORKERS_CLAMPED = Counter(
+    "fedinfer_cp_heartbeat_workers_clamped",
+    "Edge heartbeats that claimed more worker processes than the edge's max_workers (the "
+    "claim was clamped), by edge",
+    ["edge"],
+)
 USAGE_REJECTED = Counter(
     "fedinfer_cp_usage_rejected",
     "Usage documents refused at ingestion (kept on the rejected stream or answered to the edge)",

@@ -77,9 +77,9 @@ class LanguageModelAdmin(ReadOnlyAdmin):
 
 @admin.register(LoraAdapter)
 class LoraAdapterAdmin(ReadOnlyAdmin):
-    list_display = ["name", "base_model", "rank", "source"]
-    list_select_related = ["base_model"]
-    list_filter = ["base_model"]
+    list_display = ["name", "base_model", "rank", "owner", "source"]
+    list_select_related = ["base_model", "owner"]
+    list_filter = ["base_model", "owner"]
     search_fields = ["name", "base_model__name"]
 
 
@@ -118,7 +118,15 @@ class InstanceAdmin(ReadOnlyAdmin):
 
 @admin.register(Edge)
 class EdgeAdmin(ReadOnlyAdmin):
-    list_display = ["name", "region", "url", "last_heartbeat_at", "applied_table_version"]
+    list_display = [
+        "name",
+        "region",
+        "url",
+        "last_heartbeat_at",
+        "applied_table_version",
+        "workers",
+        "max_workers",
+    ]
     list_select_related = ["region"]
     list_filter = ["region"]
     search_fields = ["name", "url"]

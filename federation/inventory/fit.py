@@ -15,10 +15,11 @@ something the real engine or hardware refuses, so a deployment accepted here can
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from federation.inventory import engine_flags
 
 GIB = 1024**3
 
@@ -29,36 +30,7 @@ RUNTIME_OVERHEAD_GIB = 1.5
 # TP groups larger than this need NVLink: over PCIe the all-reduce dominates the step time.
 MAX_TP_WITHOUT_NVLINK = 2
 
-ENGINE_ARG_NAME = re.compile(r"^[a-z][a-z0-9-]*$")
-MAX_ENGINE_ARGS = 64
-MAX_ENGINE_ARG_NAME_LENGTH = 64
-MAX_ENGINE_ARG_STRING_LENGTH = 1000
-MAX_ENGINE_ARG_LIST_LENGTH = 64
-
-# Flags the platform sets itself when it starts an engine; a deployment may not override them.
-RESERVED_ENGINE_ARGS = frozenset(
-    {
-        "model",
-        "served-model-name",
-        "tensor-parallel-size",
-        "pipeline-parallel-size",
-        "data-parallel-size",
-        "host",
-        "port",
-        "gpu-memory-utilization",
-        "enable-lora",
-        "lora-modules",
-        "max-loras",
-        "max-lora-rank",
-        "api-key",
-        "ssl-keyfile",
-        "ssl-certfile",
-        "enable-prefix-caching",
-        "no-enable-prefix-caching",
-        # the edges compute the engines' block hashes (regions/engines/block_hash.py)
-        "prefix-caching-hash-algo",
-    }
-)
+# engine_args are checked against the allowlist of vLLM flags in engine_flags.py.
 
 
 @dataclass(frozen=True, slots=True)
@@ -347,68 +319,29 @@ def check_replicas(deployment: DeploymentSpec) -> list[Problem]:
     return problems
 
 
-def _is_scalar(value: Any) -> bool:
-    if isinstance(value, str):
-        return len(value) <= MAX_ENGINE_ARG_STRING_LENGTH and "\x00" not in value
-    return value is None or isinstance(value, bool | int | float)
-
-
 def check_engine_args(engine_args: Any, *, model: ModelSpec) -> list[Problem]:
-    """vLLM flags as ``{"max-num-seqs": 256}``: names without dashes in front, scalar or
-    list-of-scalar values, none of the flags the platform sets itself."""
-    if not isinstance(engine_args, Mapping):
-        return [Problem("engine_args", "must be an object of vLLM flag names to values")]
-    if len(engine_args) > MAX_ENGINE_ARGS:
-        return [Problem("engine_args", f"at most {MAX_ENGINE_ARGS} flags, got {len(engine_args)}")]
-    problems: list[Problem] = []
-    for name in sorted(engine_args, key=str):
-        value = engine_args[name]
-        if not isinstance(name, str) or len(name) > MAX_ENGINE_ARG_NAME_LENGTH:
-            problems.append(Problem("engine_args", f"flag name {name!r} is too long"))
-        elif not ENGINE_ARG_NAME.match(name):
-            problems.append(
-                Problem(
-                    "engine_args",
-                    f"flag name {name!r} must be a vLLM flag without leading dashes in "
-                    f"lowercase-with-hyphens form, like 'max-num-seqs'",
-                )
+    """vLLM flags as ``{"max-num-seqs": 256}``: only flags of the allowlist
+    (:mod:`~federation.inventory.engine_flags`), each with a value of its type, none the
+    platform sets itself; ``max-model-len`` within the model's context. Who may set the
+    admin-only flags is the service's check (it knows the actor)."""
+    problems = [
+        Problem("engine_args", text) for text in engine_flags.engine_args_problems(engine_args)
+    ]
+    if problems or not isinstance(engine_args, Mapping):
+        return problems
+    value = engine_args.get("max-model-len")
+    if value is not None and not (
+        isinstance(value, int)
+        and not isinstance(value, bool)
+        and 1 <= value <= model.max_context_tokens
+    ):
+        problems.append(
+            Problem(
+                "engine_args",
+                f"max-model-len must be an integer from 1 to the max_context_tokens "
+                f"{model.max_context_tokens} of {model.name}, got {value!r}",
             )
-        elif name in RESERVED_ENGINE_ARGS:
-            problems.append(
-                Problem(
-                    "engine_args",
-                    f"flag '{name}' is set by the platform and cannot be overridden",
-                )
-            )
-        elif isinstance(value, list):
-            if len(value) > MAX_ENGINE_ARG_LIST_LENGTH or not all(map(_is_scalar, value)):
-                problems.append(
-                    Problem(
-                        "engine_args",
-                        f"flag '{name}': a list must hold at most {MAX_ENGINE_ARG_LIST_LENGTH} "
-                        f"strings, numbers or booleans",
-                    )
-                )
-        elif not _is_scalar(value):
-            problems.append(
-                Problem(
-                    "engine_args",
-                    f"flag '{name}' must be a string (at most {MAX_ENGINE_ARG_STRING_LENGTH} "
-                    f"characters, no NUL), number, boolean, null or a list of those",
-                )
-            )
-        elif name == "max-model-len" and not (
-            isinstance(value, int)
-            and not isinstance(value, bool)
-            and 1 <= value <= model.max_context_tokens
-        ):
-            problems.append(
-                Problem(
-                    "engine_args",
-                    f"max-model-len must be an integer from 1 to the max_context_tokens "
-                    f"{model.max_context_tokens} of {model.name}, got {value!r}",
-                )
-            )
+        )
     return problems
 
 

@@ -19,6 +19,11 @@ from django.db import models
 from django.utils.regex_helper import _lazy_re_compile
 
 from federation.core.models import TimeStampedModel
+from regions.tables.schema import MAX_EDGE_WORKERS
+
+#: Worker processes an edge may run unless an operator allows more: each one is a holder of
+#: budget leases and a share of every rate limit, so the bound is what a heartbeat can claim.
+DEFAULT_EDGE_MAX_WORKERS = 8
 
 
 class ServiceURLValidator(URLValidator):
@@ -273,7 +278,17 @@ class LoraAdapter(TimeStampedModel):
         validators=[MinValueValidator(1), MaxValueValidator(512)]
     )
     source = models.CharField(
-        max_length=500, help_text="Where the engine loads it from (path or URI)."
+        max_length=500, help_text="Where the engine loads it from (path or URI); staff only."
+    )
+    #: A string reference: inventory imports no other domain (the tenancy app refers to it).
+    owner = models.ForeignKey(
+        "tenancy.Tenant",
+        null=True,
+        blank=True,
+        on_delete=models.PROTECT,
+        related_name="adapters",
+        help_text="The tenant whose adapter this is: only it sees it and may send requests "
+        "for it (other tenants get 404). Empty: a public adapter, offered to every tenant.",
     )
 
     class Meta:
@@ -444,8 +459,15 @@ class Edge(TimeStampedModel):
     applied_table_version = models.PositiveBigIntegerField(null=True, blank=True)
     workers = models.PositiveSmallIntegerField(
         default=1,
-        help_text="Worker processes it runs on its port, as its heartbeats say: each holds "
-        "budget leases of its own and is one of the region's edges for rate-limit shares.",
+        help_text="Worker processes it runs on its port, as its heartbeats say (at most "
+        "max_workers): each holds budget leases of its own and is one of the region's edges "
+        "for rate-limit shares.",
+    )
+    max_workers = models.PositiveSmallIntegerField(
+        default=DEFAULT_EDGE_MAX_WORKERS,
+        validators=[MinValueValidator(1), MaxValueValidator(MAX_EDGE_WORKERS)],
+        help_text="The most worker processes its heartbeats may claim (its --workers): a "
+        "claim above it is clamped, and a worker above it is refused.",
     )
     cold_demand = models.JSONField(
         default=dict,

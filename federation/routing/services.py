@@ -358,10 +358,13 @@ def edge_heartbeat_record(
     the holder :func:`~regions.tables.schema.lease_holder` names: each worker's instance load
     and cold demand are kept apart and added up, and its budget report is its own (it holds
     leases of its own). Only worker 0 speaks for the edge's table version: the workers sync
-    their tables each on its own, so their versions may differ for a moment.
+    their tables each on its own, so their versions may differ for a moment. ``workers`` is
+    a claim, believed up to the edge's configured ``max_workers`` (clamped above it, counted);
+    a ``worker`` at or above that bound is refused.
     """
     now = at or timezone.now()
     holder = lease_holder(edge.name, worker)
+    worker_in_bound_check(edge, worker)
     if worker > 0:
         return _worker_heartbeat_record(
             edge, holder, workers, applied_table_version, instances, budgets, cold, now
@@ -424,10 +427,50 @@ def _worker_heartbeat_record(
     return HeartbeatResult(edge=edge, updated_instances=updated, unknown_instances=unknown)
 
 
+#: (edge, claimed workers) already logged as clamped by this process: one line each, not one
+#: per heartbeat (the counter counts every one). At most edges x MAX_EDGE_WORKERS entries.
+_clamp_logged: set[tuple[str, int]] = set()
+
+
+def bounded_workers(claimed: int, max_workers: int) -> int:
+    """What the control plane believes of a claimed worker count: never above the edge's
+    configured ``max_workers`` (each worker is a lease holder and a rate-limit share, so one
+    credential claiming many would shrink every other edge's share of its region)."""
+    return max(1, min(claimed, max_workers))
+
+
+def worker_in_bound_check(edge: Edge, worker: int) -> None:
+    """A worker index at or above the edge's ``max_workers`` holds no lease and no share: its
+    heartbeat is refused, naming the bound an operator may raise."""
+    if worker >= edge.max_workers:
+        raise ValidationError(
+            {
+                "worker": [
+                    f"Worker {worker} is beyond edge {edge.name}'s max_workers "
+                    f"{edge.max_workers}: raise the edge's max_workers to run more."
+                ]
+            }
+        )
+
+
 def _set_workers(edge: Edge, workers: int) -> None:
-    """Record how many worker processes the edge runs; a change recompiles its region's
-    tables soon (debounced), so that a new worker is leased budgets and counted in every rate
-    limit's shares without waiting for the periodic compile."""
+    """Record how many worker processes the edge runs, as far as its ``max_workers`` allows
+    (a larger claim is clamped and counted); a change recompiles its region's tables soon
+    (debounced), so that a new worker is leased budgets and counted in every rate limit's
+    shares without waiting for the periodic compile."""
+    claimed = workers
+    workers = bounded_workers(claimed, edge.max_workers)
+    if workers != claimed:
+        metrics.HEARTBEAT_WORKERS_CLAMPED.labels(edge.name).inc()
+        if (edge.name, claimed) not in _clamp_logged:
+            _clamp_logged.add((edge.name, claimed))
+            logger.warning(
+                "edge %s claims %d workers, above its max_workers %d: counted as %d",
+                edge.name,
+                claimed,
+                edge.max_workers,
+                workers,
+            )
     if edge.workers != workers:
         edge.workers = workers
         transaction.on_commit(routing_tables_schedule_recompile, robust=True)

@@ -210,10 +210,10 @@ def test_zero_desired_replicas_is_a_scaled_to_zero_deployment() -> None:
         ({"tensor-parallel-size": 2}, "'tensor-parallel-size' is set by the platform"),
         ({"port": 9000}, "'port' is set by the platform"),
         ({"api-key": "x"}, "'api-key' is set by the platform"),
-        ({"max-num-seqs": {"a": 1}}, "must be a string"),
-        ({"stop": [1, [2]]}, "a list must hold"),
+        ({"max-num-seqs": {"a": 1}}, "'max-num-seqs' takes an integer"),
+        ({"cuda-graph-sizes": [1, [2]]}, "takes a list of 1 to 64 integers"),
         ({"max-model-len": 10**9}, "max-model-len must be an integer from 1 to"),
-        ({"max-model-len": "4096"}, "max-model-len must be an integer"),
+        ({"max-model-len": "4096"}, "'max-model-len' takes an integer"),
         ("--max-num-seqs 8", "must be an object"),
     ],
 )

@@ -16,6 +16,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -28,6 +29,41 @@ ENV_URL = "FEDINFER_ENGINE_URL"
 ENV_OWNER = "FEDINFER_ENGINES_DIR"
 #: Seconds between SIGTERM and SIGKILL of an engine's process group.
 STOP_GRACE_S = 10.0
+#: What of the worker's environment an engine gets: how to run (paths, locale, time zone),
+#: its GPUs (CUDA, NVIDIA, NCCL, torch, Triton), vLLM's and Hugging Face's own settings (the
+#: model cache, offline mode, the token its weights download with) and the network's proxies.
+#: Never the rest: the worker's environment holds the control plane's secrets
+#: (FEDINFER_SECRET_KEY, DATABASE_URL, REDIS_URL, FEDINFER_TABLE_KEYS...), and an engine runs
+#: model code (docs/operations.md, "Engine flags and environment").
+ENGINE_ENV_NAMES = frozenset(
+    {
+        "PATH",
+        "HOME",
+        "USER",
+        "LOGNAME",
+        "LANG",
+        "LANGUAGE",
+        "TZ",
+        "TMPDIR",
+        "PYTHONPATH",
+        "PYTHONHASHSEED",  # the simulator's block-hash seed, as vLLM's
+        "LD_LIBRARY_PATH",
+        "XDG_CACHE_HOME",
+        "OMP_NUM_THREADS",
+        "TRANSFORMERS_OFFLINE",
+        "TRANSFORMERS_CACHE",
+        "SSL_CERT_FILE",
+        "SSL_CERT_DIR",
+        "REQUESTS_CA_BUNDLE",
+        "HTTP_PROXY",
+        "HTTPS_PROXY",
+        "NO_PROXY",
+        "http_proxy",
+        "https_proxy",
+        "no_proxy",
+    }
+)
+ENGINE_ENV_PREFIXES = ("LC_", "CUDA_", "NVIDIA_", "NCCL_", "TORCH_", "TRITON_", "VLLM_", "HF_")
 
 
 class LocalProvisioner:
@@ -59,7 +95,7 @@ class LocalProvisioner:
             return found
         argv = self.argv(spec)
         env = {
-            **os.environ,
+            **engine_environment(os.environ),
             # Adapters are loaded where their demand appears (federation/fleet/adapters.py).
             "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True",
             ENV_NAME: spec.name,
@@ -108,6 +144,16 @@ class LocalProvisioner:
                 continue  # a child of an engine (same environment), not the engine itself
             found[env[ENV_NAME]] = Running(env[ENV_NAME], env.get(ENV_URL, ""), {"pid": pid})
         return found
+
+
+def engine_environment(worker_env: Mapping[str, str]) -> dict[str, str]:
+    """The part of the worker's environment an engine may see: the allowlisted names and
+    prefixes above, nothing else."""
+    return {
+        name: value
+        for name, value in worker_env.items()
+        if name in ENGINE_ENV_NAMES or name.startswith(ENGINE_ENV_PREFIXES)
+    }
 
 
 def _environ(pid: int) -> dict[str, str]:

@@ -179,18 +179,56 @@ class LanguageModelInput(ModelInputSerializer):
         fields = MODEL_FIELDS
 
 
+#: The tenant model, by the owner field: inventory imports no other domain.
+_TENANTS: Any = LoraAdapter._meta.get_field("owner").related_model
+ADAPTER_OWNER_HELP = (
+    "Slug of the tenant whose adapter this is: only it sees it and may use it (other tenants "
+    "get 404). Null: public, offered to every tenant."
+)
+
+
 class AdapterOutput(OutputModelSerializer):
+    """An adapter as staff see it. Tenant viewers get :class:`AdapterTenantOutput`."""
+
     base_model_name = serializers.CharField(source="base_model.name", read_only=True)
+    owner: serializers.SlugRelatedField[Any] = serializers.SlugRelatedField(
+        read_only=True, slug_field="slug", allow_null=True, help_text=ADAPTER_OWNER_HELP
+    )
 
     class Meta:
         model = LoraAdapter
-        fields = ("id", "base_model", "base_model_name", "name", "rank", "source", *TIMESTAMPS)
+        fields: tuple[str, ...] = (
+            "id",
+            "base_model",
+            "base_model_name",
+            "name",
+            "rank",
+            "owner",
+            "source",
+            *TIMESTAMPS,
+        )
+        extra_kwargs = {"source": {"help_text": "Where the engine loads it from; staff only."}}
+
+
+class AdapterTenantOutput(AdapterOutput):
+    """An adapter as a tenant viewer sees it: never where it is stored (``source``)."""
+
+    class Meta(AdapterOutput.Meta):
+        fields = tuple(f for f in AdapterOutput.Meta.fields if f != "source")
 
 
 class AdapterInput(ModelInputSerializer):
+    owner = SlugLookupField(
+        slug_field="slug",
+        queryset=_TENANTS.objects.all(),
+        allow_null=True,
+        required=False,
+        help_text=ADAPTER_OWNER_HELP,
+    )
+
     class Meta:
         model = LoraAdapter
-        fields = ("base_model", "name", "rank", "source")
+        fields = ("base_model", "name", "rank", "source", "owner")
 
 
 # --- deployments ---------------------------------------------------------------------------
@@ -228,7 +266,9 @@ class DeploymentOutput(OutputModelSerializer):
 class DeploymentUpdateInput(ModelInputSerializer):
     engine_args = serializers.DictField(
         required=False,
-        help_text="Extra vLLM flags without leading dashes, e.g. {'max-num-seqs': 256}.",
+        help_text="Extra vLLM flags without leading dashes, e.g. {'max-num-seqs': 256}: "
+        "only flags of the allowlist (docs/operations.md, 'Engine flags'), each with a value "
+        "of its type; those that run foreign code (trust-remote-code...) only by an admin.",
     )
     adapters = serializers.PrimaryKeyRelatedField(
         many=True,
@@ -304,6 +344,8 @@ class EdgeOutput(OutputModelSerializer):
             "url",
             "last_heartbeat_at",
             "applied_table_version",
+            "workers",
+            "max_workers",
             *TIMESTAMPS,
         )
 
@@ -313,10 +355,10 @@ class EdgeCreateInput(ModelInputSerializer):
 
     class Meta:
         model = Edge
-        fields = ("region", "name", "url")
+        fields = ("region", "name", "url", "max_workers")
 
 
 class EdgeUpdateInput(ModelInputSerializer):
     class Meta:
         model = Edge
-        fields = ("url", "last_heartbeat_at", "applied_table_version")
+        fields = ("url", "last_heartbeat_at", "applied_table_version", "max_workers")

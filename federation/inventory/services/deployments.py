@@ -9,8 +9,9 @@ from django.core.exceptions import ValidationError
 from django.db import transaction
 
 from federation.core.audit import Actor, audit_record
+from federation.core.roles import ADMIN, role_of
 from federation.core.services import Errors, model_apply, model_save, model_validate
-from federation.inventory import fit
+from federation.inventory import engine_flags, fit
 from federation.inventory.models import Deployment, GPUPool, LanguageModel, LoraAdapter
 from federation.inventory.services.fit_checks import (
     deployment_spec,
@@ -30,6 +31,31 @@ DEPLOYMENT_UPDATABLE = (
     "scale_to_zero_after_s",
     "engine_args",
 )
+
+
+def _foreign_code_changes(actor: Actor, old: Any, new: Any) -> dict[str, list[Any]]:
+    """The admin-only engine flags (code or files the engine would run or read) that ``new``
+    sets or changes; refused, naming them, unless ``actor`` is an admin."""
+    if not isinstance(new, Mapping):
+        return {}  # refused with the fit problems
+    changes = engine_flags.admin_only_changes(old, new)
+    if changes and role_of(actor) != ADMIN:
+        raise ValidationError(
+            {
+                "engine_args": [
+                    f"flag '{name}' makes the engine run or read code or files of your "
+                    f"choosing: only an admin may set it"
+                    for name in sorted(changes)
+                ]
+            }
+        )
+    return changes
+
+
+def _audit_foreign_code(actor: Actor, dep: Deployment, changes: dict[str, list[Any]]) -> None:
+    """An audit event of its own, so that an admin's trust in foreign code can be found."""
+    if changes:
+        audit_record(actor=actor, action="deployment.engine_foreign_code", obj=dep, changes=changes)
 
 
 def _check_fit(dep: Deployment, adapters: Sequence[LoraAdapter]) -> Errors:
@@ -78,6 +104,7 @@ def deployment_create(
     adapters: Sequence[LoraAdapter] = (),
 ) -> Deployment:
     """Place a model on a pool; refused with every violated fit constraint."""
+    foreign = _foreign_code_changes(actor, {}, engine_args)
     pool = locked_pool(pool)
     pool_accepts_placements_check(pool)
     dep = Deployment(
@@ -102,6 +129,7 @@ def deployment_create(
         obj=dep,
         changes={"adapters": [a.pk for a in adapters]},
     )
+    _audit_foreign_code(actor, dep, foreign)
     return dep
 
 
@@ -124,6 +152,7 @@ def deployment_update(
     dep = Deployment.objects.select_related("model").select_for_update().get(pk=deployment.pk)
     dep.pool = pool
     old_desired = dep.desired_replicas
+    foreign = _foreign_code_changes(actor, dep.engine_args, fields.get("engine_args", {}))
     diff = model_apply(dep, fields, updatable=DEPLOYMENT_UPDATABLE)
     if dep.desired_replicas > old_desired:
         pool_accepts_placements_check(pool)
@@ -138,6 +167,7 @@ def deployment_update(
             diff["adapters"] = [old_ids, new_ids]
     if diff:
         audit_record(actor=actor, action="deployment.update", obj=dep, changes=diff)
+    _audit_foreign_code(actor, dep, foreign)
     return dep
 
 

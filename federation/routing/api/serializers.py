@@ -88,7 +88,8 @@ class HeartbeatInput(InputSerializer):
         required=False,
         default=1,
         help_text="Worker processes the edge runs on its port (each holds its own budget "
-        "leases and counts as one of the region's edges for rate-limit shares).",
+        "leases and counts as one of the region's edges for rate-limit shares). Believed up "
+        "to the edge's max_workers, clamped above it; a worker at or above it is refused.",
     )
     instances = serializers.ListField(
         child=InstanceReportInput(), max_length=MAX_INSTANCE_REPORTS, required=False, default=list
