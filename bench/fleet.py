@@ -75,7 +75,7 @@ def start_engines(
     def events(i: int) -> list[str]:
         if not kv_events:
             return []
-        endpoint = f"tcp://*:{event_ports[i]}"
+        endpoint = f"tcp://[::ffff:127.0.0.1]:{event_ports[i]}"  # loopback only, as vLLM binds
         config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint}
         return ["--kv-events-config", json.dumps(config)]
 

@@ -1,7 +1,9 @@
 """vLLM KV-cache events, consumed by the edge to correct its prefix index.
 
 An engine started with ``--kv-events-config '{"enable_kv_cache_events": true, "publisher":
-"zmq", "endpoint": "tcp://*:5557"}'`` publishes ZMQ multipart messages ``[topic, seq, payload]``
+"zmq", "endpoint": "tcp://[::ffff:ENGINE_IP]:5557"}'`` (bound on the engine's own address: vLLM
+binds an endpoint with ``*`` or ``::``, and libzmq binds an IPv4-mapped address as the IPv4
+one) publishes ZMQ multipart messages ``[topic, seq, payload]``
 (``seq`` 8-byte big-endian from 0; ``payload`` msgpack of a ``KVEventBatch``: ``[ts, events,
 data_parallel_rank]``, each event ``BlockStored``, ``BlockRemoved`` or ``AllBlocksCleared``).
 The edge subscribes to every table instance that has a ``kv_events_endpoint``.
@@ -22,6 +24,13 @@ What the events say is used two ways:
 engine's set and the instance's byte-index entries. A ``seq`` gap (dropped messages) or joining
 a running engine makes the set unknown: it is logged and counted, the instance falls back to
 the byte estimate, and the next ``AllBlocksCleared`` or restart gives a known state again.
+
+The publisher is not authenticated (ZMQ PUB/SUB; the network keeps others away), so what a
+message may cost is bounded whatever it says: sizes, frames, events and hashes are checked
+from headers before decoding (the ``MAX_*`` caps), a batch is checked whole before any of it is
+applied, the work is done on the event loop in slices (:func:`in_slices`), and a refused
+message is counted by reason (``fedinfer_edge_kv_event_refused_total``) and applies nothing.
+What arrives on an endpoint only ever concerns the one instance the table gives it.
 """
 
 from __future__ import annotations
@@ -30,9 +39,9 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import Hashable, Iterable
+from collections.abc import Generator, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 import zmq
@@ -44,12 +53,16 @@ from regions.engines.block_hash import event_int
 from regions.tables.schema import Instance
 
 log = logging.getLogger("fedinfer.edge.kv_events")
+_T = TypeVar("_T")
 
 #: Entries the edge recorded this recently are never dropped by a capacity correction: the
 #: engine may not have prefilled (and reported) them yet.
 SETTLE_S = 2.0
 #: How often the capacity check runs when no event arrives (entries settle meanwhile).
 CHECK_INTERVAL_S = 0.5
+#: The prefix index is scanned for one instance (a clear forgets its entries, the capacity
+#: check drops its oldest) at most this often, however fast its events come.
+INDEX_SCAN_INTERVAL_S = CHECK_INTERVAL_S
 #: Media whose blocks are in the engine's GPU prefix cache (``None``: not said).
 _GPU_MEDIA = (None, "GPU")
 #: Resident blocks one engine may report (an H100's 80 GB holds a few hundred thousand blocks
@@ -57,8 +70,37 @@ _GPU_MEDIA = (None, "GPU")
 MAX_RESIDENT_BLOCKS = 1 << 22
 
 
+#: What one message may carry: beyond any of these it is refused whole and counted (reason in
+#: brackets), never partly applied. vLLM publishes one batch per engine step, whose new blocks are
+#: bounded by the step's batched tokens (a few thousand blocks); the caps leave a wide margin
+#: and bound what a hostile or broken publisher costs the edge per message.
+#: Bytes of a payload frame [frame_size]; also ``ZMQ_MAXMSGSIZE`` on the SUB socket: libzmq
+#: drops a connection that sends a larger frame before reading it, and reconnects.
+MAX_PAYLOAD_BYTES = 2 << 20
+#: Bytes of the topic frame [frame_size] (vLLM's topic is the configured string, e.g. "kv-events").
+MAX_TOPIC_BYTES = 256
+#: Frames of a message: vLLM sends exactly ``[topic, seq, payload]`` [frames].
+FRAMES = 3
+#: The largest ``seq``: vLLM counts from 0 per process; 2^63 and beyond is no sequence [seq].
+MAX_SEQ = (1 << 63) - 1
+#: Events in one batch [events], block hashes in one event and in one batch [hashes].
+MAX_EVENTS_PER_BATCH = 1 << 13
+MAX_HASHES_PER_EVENT = 1 << 14
+MAX_HASHES_PER_BATCH = 1 << 16
+#: Hashes applied between returns to the event loop (an event may be applied in parts: the
+#: whole batch was checked before the first part).
+_APPLY_CHUNK = 2048
+#: Fields of a batch or of an array-form event (vLLM has 3 and 7 today, appended ones allowed).
+_MAX_FIELDS = 32
+
+
 class EventFormatError(ValueError):
-    """A payload that is not a vLLM ``KVEventBatch``."""
+    """A message that is not a vLLM ``KVEventBatch`` or exceeds a cap; ``reason`` names which
+    (the label of ``fedinfer_edge_kv_event_refused``)."""
+
+    def __init__(self, detail: str, reason: str = "format") -> None:
+        super().__init__(detail)
+        self.reason = reason
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,44 +131,107 @@ class Batch:
     data_parallel_rank: int | None = None
 
 
-def _hashes(value: Any) -> tuple[Hashable, ...]:
+class _MapEvent(msgspec.Struct):
+    """An event in vLLM 0.32's map form, only the fields the edge reads: the rest (token ids,
+    extra keys) is skipped by the decoder without being built."""
+
+    type: str = ""
+    block_hashes: msgspec.Raw = msgspec.Raw()
+    block_size: msgspec.Raw = msgspec.Raw()
+    medium: msgspec.Raw = msgspec.Raw()
+
+
+class _MapBatch(msgspec.Struct):
+    ts: msgspec.Raw = msgspec.Raw()
+    events: msgspec.Raw = msgspec.Raw()
+    data_parallel_rank: msgspec.Raw = msgspec.Raw()
+
+
+_RawList = list[msgspec.Raw]
+_decode_batch = msgspec.msgpack.Decoder(_RawList | _MapBatch).decode
+_decode_whole = msgspec.msgpack.Decoder(msgspec.Raw).decode
+_decode_raws = msgspec.msgpack.Decoder(_RawList).decode
+_decode_event = msgspec.msgpack.Decoder(_MapEvent | _RawList).decode
+_decode_hashes = msgspec.msgpack.Decoder(list[int | bytes]).decode
+_decode_ts = msgspec.msgpack.Decoder(float).decode
+_decode_int = msgspec.msgpack.Decoder(int).decode
+_decode_str = msgspec.msgpack.Decoder(str | None).decode
+_decode_rank = msgspec.msgpack.Decoder(int | None).decode
+
+
+def msgpack_length(raw: bytes | memoryview | msgspec.Raw) -> int | None:
+    """The element count of a msgpack array or map from its header alone (None: neither), so
+    a count is checked before anything is built from it."""
+    view = memoryview(raw)
+    if not view:
+        return None
+    head = view[0]
+    if 0x80 <= head <= 0x9F:  # fixmap, fixarray
+        return head & 0x0F
+    if head in (0xDC, 0xDE) and len(view) >= 3:  # array 16, map 16
+        return int.from_bytes(view[1:3], "big")
+    if head in (0xDD, 0xDF) and len(view) >= 5:  # array 32, map 32
+        return int.from_bytes(view[1:5], "big")
+    return None
+
+
+def _decoded(decode: Any, raw: msgspec.Raw | bytes, what: str) -> Any:
+    try:
+        return decode(raw)
+    except msgspec.DecodeError as exc:  # ValidationError included
+        raise EventFormatError(f"{what}: {exc}") from None
+
+
+def _hashes(raw: msgspec.Raw) -> tuple[Hashable, ...]:
     """Event hashes as ints: vLLM sends the last 8 bytes as an int by default, the whole
-    digest as bytes under ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0``; both become the int."""
-    if not isinstance(value, list):
-        raise EventFormatError("block_hashes must be a list of ints or bytes")
-    out: list[Hashable] = []
-    for h in value:
-        if isinstance(h, bytes):
-            out.append(event_int(h))
-        elif isinstance(h, int) and not isinstance(h, bool):
-            out.append(h)
-        else:
-            raise EventFormatError("block_hashes must be a list of ints or bytes")
-    return tuple(out)
+    digest as bytes under ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0``; both become the int.
+    The count is checked from the array header, before any hash is decoded."""
+    n = msgpack_length(raw)
+    if n is not None and n > MAX_HASHES_PER_EVENT:
+        raise EventFormatError(f"{n} block hashes in one event", "hashes")
+    values = _decoded(_decode_hashes, raw, "block_hashes must be a list of ints or bytes")
+    return tuple(event_int(h) if isinstance(h, bytes) else h for h in values)
 
 
-def _event(raw: Any) -> Event | None:
+def _medium(raw: msgspec.Raw) -> str | None:
+    return _decoded(_decode_str, raw, "medium must be a string") if len(raw) else None
+
+
+def _block_size(raw: msgspec.Raw, tag: str) -> int:
+    size = _decoded(_decode_int, raw, "block_size must be an int") if len(raw) else None
+    if size is None or size < 1:
+        raise EventFormatError(f"{tag} without a block_size")
+    return int(size)
+
+
+def decode_event(raw: msgspec.Raw | bytes) -> Event | None:
     """One event: a map tagged by ``type`` (vLLM 0.32) or an array ``[tag, fields...]``
     (releases whose events were ``array_like``); None for an event type not known here."""
-    if isinstance(raw, dict):
-        tag = raw.get("type")
+    n = msgpack_length(raw)
+    if n is None or n > _MAX_FIELDS:
+        raise EventFormatError("an event must be a map or an array of a few fields")
+    parsed = _decoded(_decode_event, raw, "malformed event")
+    if isinstance(parsed, _MapEvent):
+        tag = parsed.type
         if tag == "BlockStored":
-            size = raw.get("block_size")
-            if not isinstance(size, int) or size < 1:
-                raise EventFormatError("BlockStored without a block_size")
-            return Stored(_hashes(raw.get("block_hashes")), size, raw.get("medium"))
+            size = _block_size(parsed.block_size, tag)
+            if not len(parsed.block_hashes):
+                raise EventFormatError("BlockStored without block_hashes")
+            return Stored(_hashes(parsed.block_hashes), size, _medium(parsed.medium))
         if tag == "BlockRemoved":
-            return Removed(_hashes(raw.get("block_hashes")), raw.get("medium"))
-    elif isinstance(raw, list) and raw:
-        tag = raw[0]
-        if tag == "BlockStored" and len(raw) >= 5:
-            if not isinstance(raw[4], int) or raw[4] < 1:
-                raise EventFormatError("BlockStored without a block_size")
-            return Stored(_hashes(raw[1]), raw[4], raw[6] if len(raw) > 6 else None)
-        if tag == "BlockRemoved" and len(raw) >= 2:
-            return Removed(_hashes(raw[1]), raw[2] if len(raw) > 2 else None)
+            if not len(parsed.block_hashes):
+                raise EventFormatError("BlockRemoved without block_hashes")
+            return Removed(_hashes(parsed.block_hashes), _medium(parsed.medium))
     else:
-        raise EventFormatError(f"an event must be a map or an array, not {type(raw).__name__}")
+        if not parsed:
+            raise EventFormatError("an array event must be [tag, fields...]")
+        tag = _decoded(_decode_str, parsed[0], "an event's tag must be a string") or ""
+        if tag == "BlockStored" and len(parsed) >= 5:
+            medium = _medium(parsed[6]) if len(parsed) > 6 else None
+            return Stored(_hashes(parsed[1]), _block_size(parsed[4], tag), medium)
+        if tag == "BlockRemoved" and len(parsed) >= 2:
+            medium = _medium(parsed[2]) if len(parsed) > 2 else None
+            return Removed(_hashes(parsed[1]), medium)
     if tag == "AllBlocksCleared":
         return Cleared()
     if tag in ("BlockStored", "BlockRemoved"):
@@ -134,26 +239,97 @@ def _event(raw: Any) -> Event | None:
     return None
 
 
-def decode_batch(payload: bytes) -> Batch:
+def split_batch(payload: bytes | memoryview) -> tuple[float, list[msgspec.Raw], int | None]:
+    """A ``KVEventBatch``'s timestamp, undecoded events and rank; every count is checked
+    from its header before the list is built."""
+    if len(payload) > MAX_PAYLOAD_BYTES:
+        raise EventFormatError(f"payload of {len(payload)} bytes", "frame_size")
+    n = msgpack_length(payload)
+    if n is None or n > _MAX_FIELDS:
+        try:
+            _decode_whole(payload)  # skimmed only to tell garbage from a wrong type
+        except msgspec.DecodeError as exc:
+            raise EventFormatError(f"not msgpack: {exc}", "msgpack") from None
+        raise EventFormatError("a batch must be [ts, events, ...]")
+    try:
+        raw = _decode_batch(payload)
+    except msgspec.ValidationError as exc:
+        raise EventFormatError(f"a batch must be [ts, events, ...]: {exc}") from None
+    except msgspec.DecodeError as exc:
+        raise EventFormatError(f"not msgpack: {exc}", "msgpack") from None
+    if isinstance(raw, _MapBatch):
+        ts_raw, events_raw, rank_raw = raw.ts, raw.events, raw.data_parallel_rank
+    elif len(raw) >= 2:
+        ts_raw, events_raw = raw[0], raw[1]
+        rank_raw = raw[2] if len(raw) > 2 else msgspec.Raw()
+    else:
+        raise EventFormatError("a batch must be [ts, events, ...]")
+    if not len(ts_raw) or not len(events_raw):
+        raise EventFormatError("a batch must be [ts, events, ...]")
+    ts = _decoded(_decode_ts, ts_raw, "a batch's ts must be a number")
+    count = msgpack_length(events_raw)
+    if count is not None and count > MAX_EVENTS_PER_BATCH:
+        raise EventFormatError(f"{count} events in one batch", "events")
+    events = _decoded(_decode_raws, events_raw, "a batch's events must be a list")
+    try:
+        rank = _decode_rank(rank_raw) if len(rank_raw) else None
+    except msgspec.DecodeError:
+        rank = None  # informational only
+    return float(ts), events, rank
+
+
+def decode_steps(payload: bytes | memoryview) -> Generator[None, None, Batch]:
+    """Decode a batch one event at a time, yielding between events (the subscriber returns
+    to the event loop when its slice is spent); :class:`EventFormatError` when the payload is
+    not a batch or exceeds a cap, before anything of it is applied."""
+    ts, raws, rank = split_batch(payload)
+    parsed: list[Event] = []
+    hashes = 0
+    for raw in raws:
+        event = decode_event(raw)
+        if event is not None:
+            if not isinstance(event, Cleared):
+                hashes += len(event.hashes)
+                if hashes > MAX_HASHES_PER_BATCH:
+                    raise EventFormatError(f"over {MAX_HASHES_PER_BATCH} hashes", "hashes")
+            parsed.append(event)
+        yield
+    return Batch(ts, tuple(parsed), rank)
+
+
+def run_steps(steps: Generator[None, None, _T]) -> _T:
+    """Run a step generator to its end at once (tests, and callers off the event loop)."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as stop:
+            return stop.value  # type: ignore[no-any-return]
+
+
+def decode_batch(payload: bytes | memoryview) -> Batch:
     """Decode a ``KVEventBatch`` payload; :class:`EventFormatError` when it is not one.
 
     Decoded from plain msgpack rather than into vLLM's Structs, so fields added by later
     releases (they are appended, with defaults) and unknown event types are skipped.
     """
-    try:
-        raw = msgspec.msgpack.decode(payload)
-    except msgspec.DecodeError as exc:
-        raise EventFormatError(f"not msgpack: {exc}") from None
-    if isinstance(raw, list) and len(raw) >= 2:
-        ts, events, rank = raw[0], raw[1], raw[2] if len(raw) > 2 else None
-    elif isinstance(raw, dict):
-        ts, events, rank = raw.get("ts"), raw.get("events"), raw.get("data_parallel_rank")
-    else:
-        raise EventFormatError("a batch must be [ts, events, ...]")
-    if not isinstance(ts, int | float) or not isinstance(events, list):
-        raise EventFormatError("a batch must be [ts, events, ...]")
-    parsed = tuple(e for e in map(_event, events) if e is not None)
-    return Batch(float(ts), parsed, rank if isinstance(rank, int) else None)
+    return run_steps(decode_steps(payload))
+
+
+def check_frames(frames: Sequence[bytes], count: int | None = None) -> int:
+    """The ``seq`` of a ``[topic, seq, payload]`` message (``count``: frames the message had,
+    when more were drained than kept); :class:`EventFormatError` otherwise."""
+    total = len(frames) if count is None else count
+    if total != FRAMES:
+        raise EventFormatError(f"{total} frames, not [topic, seq, payload]", "frames")
+    topic, seq, payload = frames
+    if len(topic) > MAX_TOPIC_BYTES or len(payload) > MAX_PAYLOAD_BYTES:
+        raise EventFormatError("a frame over its size cap", "frame_size")
+    if len(seq) != 8:
+        raise EventFormatError("seq is not 8 bytes", "seq")
+    value = int.from_bytes(seq, "big")
+    if value > MAX_SEQ:
+        raise EventFormatError(f"seq {value}", "seq")
+    return value
 
 
 def blocks_to_evict(believed_blocks: int, block_tokens: float, engine_tokens: int) -> int:
@@ -178,6 +354,8 @@ class EngineCache:
     next_seq: int | None = None
     #: The engine's block size in tokens, from its latest ``BlockStored`` (None: none yet).
     block_size: int | None = None
+    #: ``BlockStored`` events refused because they would pass :data:`MAX_RESIDENT_BLOCKS`.
+    overflows: int = 0
 
     def depth(self, hashes: Iterable[Hashable]) -> int:
         """How many leading ``hashes`` the engine holds: its cached prefix, in blocks, as
@@ -193,6 +371,27 @@ class EngineCache:
     def receive(self, seq: int, batch: Batch) -> tuple[bool, bool]:
         """Apply one message; returns ``(cleared, gap)``: the engine's cache was emptied (a
         clear or a restart), messages were missed (the count is unknown from here)."""
+        return run_steps(self.receive_steps(seq, batch))
+
+    def receive_steps(self, seq: int, batch: Batch) -> Generator[None, None, tuple[bool, bool]]:
+        """:meth:`receive`, yielding between events (and within large ones)."""
+        cleared, gap = self._sequence(seq)
+        for event in batch.events:
+            if isinstance(event, Cleared):
+                self._empty()
+                self.known = True
+                cleared = True
+            elif event.medium not in _GPU_MEDIA:
+                continue  # an offload tier: not in the GPU prefix cache
+            elif isinstance(event, Stored):
+                gap = not (yield from self._store(event)) or gap
+            else:
+                yield from self._remove(event)
+            yield
+        return cleared, gap
+
+    def _sequence(self, seq: int) -> tuple[bool, bool]:
+        """Follow ``seq``: ``(cleared, gap)`` for a restart or missed messages."""
         cleared = gap = False
         expected = self.next_seq
         if expected is None:
@@ -207,27 +406,31 @@ class EngineCache:
             self.known = False
             gap = True
         self.next_seq = seq + 1
-        for event in batch.events:
-            if isinstance(event, Cleared):
-                self._empty()
-                self.known = True
-                cleared = True
-            elif event.medium not in _GPU_MEDIA:
-                continue  # an offload tier: not in the GPU prefix cache
-            elif isinstance(event, Stored):
-                self.block_size = event.block_size
-                for h in event.hashes:
-                    if h not in self.blocks:
-                        self.blocks[h] = event.block_size
-                        self.tokens += event.block_size
-                if len(self.blocks) > MAX_RESIDENT_BLOCKS:
-                    self._empty()
-                    self.known = False
-                    gap = True
-            else:
-                for h in event.hashes:
-                    self.tokens -= self.blocks.pop(h, 0)
         return cleared, gap
+
+    def _store(self, event: Stored) -> Generator[None, None, bool]:
+        """Add the event's blocks; False (nothing added, the set emptied and unknown) when
+        they would take it past :data:`MAX_RESIDENT_BLOCKS`, checked before the first."""
+        blocks = self.blocks
+        new = {h for h in event.hashes if h not in blocks}
+        if len(blocks) + len(new) > MAX_RESIDENT_BLOCKS:
+            self._empty()  # more than any engine holds: not to be trusted
+            self.known = False
+            self.overflows += 1
+            return False
+        self.block_size = event.block_size
+        for n, h in enumerate(new, 1):
+            blocks[h] = event.block_size
+            self.tokens += event.block_size
+            if n % _APPLY_CHUNK == 0:
+                yield
+        return True
+
+    def _remove(self, event: Removed) -> Generator[None, None, None]:
+        for n, h in enumerate(event.hashes, 1):
+            self.tokens -= self.blocks.pop(h, 0)
+            if n % _APPLY_CHUNK == 0:
+                yield
 
     def _empty(self) -> None:
         self.blocks.clear()
@@ -262,10 +465,131 @@ class KvEventMetrics:
             ["instance"],
             registry=registry,
         )
+        self.refused = Counter(
+            "fedinfer_edge_kv_event_refused",
+            "KV-event messages refused whole (malformed or over a cap), by reason",
+            ["instance", "reason"],
+            registry=registry,
+        )
+        self.disconnects = Counter(
+            "fedinfer_edge_kv_event_disconnects",
+            "Connections to the KV-event publisher lost, among them those libzmq drops for a "
+            "frame over the size cap (ZMQ_MAXMSGSIZE); it reconnects",
+            ["instance"],
+            registry=registry,
+        )
+        self.throttled = Counter(
+            "fedinfer_edge_kv_event_throttled",
+            "Times a subscription stopped reading for the rest of a window: its messages took "
+            "more than its share of the event loop",
+            ["instance"],
+            registry=registry,
+        )
+        self.shared_endpoints = Gauge(
+            "fedinfer_edge_kv_event_shared_endpoints",
+            "Table instances not followed because another instance names the same endpoint",
+            registry=registry,
+        )
+
+
+#: Work one subscriber does on the event loop before it lets other tasks run.
+SLICE_S = 0.002
+#: Frames drained from an over-long message between returns to the event loop.
+_DRAIN_CHUNK = 1024
+#: Waits before a new connection after a lost one (:meth:`KvEventSubscriber.run`).
+RECONNECT_MIN_S = 0.1
+RECONNECT_MAX_S = 5.0
+#: Messages one subscriber may have queued by libzmq (``ZMQ_RCVHWM``; past it the publisher
+#: drops, and the edge sees a gap): with :data:`MAX_PAYLOAD_BYTES`, what a publisher can make
+#: an edge hold. Not bounded by libzmq: the frames of one multipart message, which it buffers
+#: whole before delivering any (a publisher sending one endless message grows the edge's
+#: memory); only the network policy keeps such a publisher away.
+RCV_HWM = 128
+
+
+def read_steps(sock: zmq.Socket[bytes]) -> Generator[None, None, tuple[list[bytes], int]]:
+    """Read one message that is ready (libzmq delivers a message's frames together): its
+    first :data:`FRAMES` frames and how many it had; the rest are drained unkept, yielding
+    every :data:`_DRAIN_CHUNK` frames."""
+    frames: list[bytes] = []
+    count = 0
+    while True:
+        try:
+            frame = sock.recv(zmq.NOBLOCK)
+        except zmq.Again:  # the poll's readiness was stale: no message after all
+            if count:
+                raise  # never: libzmq delivers a message's frames together
+            return frames, 0
+        count += 1
+        if len(frames) < FRAMES:
+            frames.append(frame)
+        if not sock.getsockopt(zmq.RCVMORE):
+            return frames, count
+        if count % _DRAIN_CHUNK == 0:
+            yield
+
+
+#: Share of the event loop one subscription may take over a window: past it, its socket is
+#: not read until the window ends (libzmq then holds at most :data:`RCV_HWM` messages and the
+#: publisher drops the rest, which the edge sees as a gap). vLLM's events take a small
+#: fraction of this; a flood of messages, however small, costs no more.
+LOOP_SHARE = 0.1
+BUDGET_WINDOW_S = 1.0
+
+
+@dataclass
+class LoopBudget:
+    """Event-loop time one subscription spent in the current window (pure bookkeeping)."""
+
+    share: float = LOOP_SHARE
+    window_s: float = BUDGET_WINDOW_S
+    start: float = -math.inf
+    spent: float = 0.0
+
+    def charge(self, seconds: float, now: float) -> None:
+        if now - self.start >= self.window_s:
+            self.start, self.spent = now, 0.0
+        self.spent += seconds
+
+    def pause(self, now: float) -> float:
+        """Seconds to stop reading for: 0 within the share, else to the window's end."""
+        if self.spent <= self.share * self.window_s or now - self.start >= self.window_s:
+            return 0.0
+        return self.start + self.window_s - now
+
+
+async def in_slices(steps: Generator[None, None, _T], budget: LoopBudget | None = None) -> _T:
+    """Run a step generator on the event loop, giving way after every :data:`SLICE_S`; the
+    time spent in its steps is charged to ``budget``."""
+    started = time.monotonic()
+    deadline = started + SLICE_S
+    while True:
+        try:
+            next(steps)
+        except StopIteration as stop:
+            if budget is not None:
+                now = time.monotonic()
+                budget.charge(now - started, now)
+            return stop.value  # type: ignore[no-any-return]
+        now = time.monotonic()
+        if now >= deadline:
+            if budget is not None:
+                budget.charge(now - started, now)
+            await asyncio.sleep(0)
+            started = time.monotonic()
+            deadline = started + SLICE_S
 
 
 class KvEventSubscriber:
-    """Subscribes to one instance's events and corrects the prefix index with them."""
+    """Subscribes to one instance's events and corrects the prefix index with them.
+
+    What the messages say only ever concerns this instance (the table maps the endpoint to
+    it; a message names no instance). Every message is bounded before it costs anything:
+    frame sizes by libzmq (``ZMQ_MAXMSGSIZE``) and again here, frames, events and hashes from
+    their headers before decoding; it is decoded and applied on the event loop in slices of
+    :data:`SLICE_S`, checked whole before any of it is applied. A refused message is counted
+    by reason and makes the engine's set unknown (the byte estimate takes over).
+    """
 
     def __init__(
         self,
@@ -281,45 +605,141 @@ class KvEventSubscriber:
         self.block_tokens = block_tokens
         self.metrics = metrics
         self.cache = EngineCache()
+        #: Messages applied so far (a connection that delivered one resets the backoff).
+        self.accepted = 0
+        self.budget = LoopBudget()
+        self._refusals: dict[str, int] = {}
+        self._gaps = 0
+        self._forget_due = False
+        self._scanned_at = -math.inf
 
     async def run(self, context: zmq.asyncio.Context) -> None:
+        """Follow the endpoint; after a lost connection, a new socket after a backoff.
+
+        libzmq reconnects by itself after a connection error, but not after a protocol error
+        such as a frame over ``ZMQ_MAXMSGSIZE``: that endpoint would stay silent for good.
+        So any disconnect ends the socket here and a new one connects, after
+        :data:`RECONNECT_MIN_S`, doubling to :data:`RECONNECT_MAX_S` while no message is
+        accepted in between (a publisher that keeps sending oversized frames costs a
+        connection attempt every few seconds).
+        """
+        backoff = RECONNECT_MIN_S
+        while True:
+            accepted = self.accepted
+            await self._follow(context)
+            self.metrics.disconnects.labels(self.instance).inc()
+            backoff = RECONNECT_MIN_S if self.accepted != accepted else backoff
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, RECONNECT_MAX_S)
+
+    async def _follow(self, context: zmq.asyncio.Context) -> None:
+        """Receive on one SUB socket until its connection is lost (the monitor says so);
+        what was already received is applied first."""
         sock = context.socket(zmq.SUB)
         sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_PAYLOAD_BYTES)
+        sock.setsockopt(zmq.RCVHWM, RCV_HWM)
         sock.setsockopt(zmq.SUBSCRIBE, b"")  # every topic: the table does not name one
+        monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        reader: zmq.Socket[bytes] = zmq.Socket.shadow(sock.underlying)
+        poller = zmq.asyncio.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(monitor, zmq.POLLIN)
         sock.connect(self.endpoint)
         try:
             while True:
-                if await sock.poll(int(CHECK_INTERVAL_S * 1000)):
-                    self.receive(await sock.recv_multipart())
-                self.fit(time.monotonic())
+                ready = dict(await poller.poll(int(CHECK_INTERVAL_S * 1000)))
+                lost = monitor in ready
+                while sock in ready or (lost and reader.poll(0)):
+                    frames, count = await in_slices(read_steps(reader), self.budget)
+                    await in_slices(self.receive_steps(frames, count), self.budget)
+                    ready.pop(sock, None)
+                    if pause := self.budget.pause(time.monotonic()):
+                        self.metrics.throttled.labels(self.instance).inc()
+                        await asyncio.sleep(pause)
+                self.maintain(time.monotonic())
+                if lost:
+                    return
         finally:
+            sock.disable_monitor()
+            monitor.close()
             sock.close()
 
-    def receive(self, frames: list[bytes]) -> None:
-        """Apply one ``[topic, seq, payload]`` message (a malformed one is logged, skipped)."""
-        if len(frames) != 3 or len(frames[1]) != 8:
-            log.warning("kv events %s: not [topic, seq, payload], skipped", self.instance)
-            return
+    def receive(self, frames: Sequence[bytes], count: int | None = None) -> None:
+        """Apply one ``[topic, seq, payload]`` message at once (a refused one is counted)."""
+        run_steps(self.receive_steps(frames, count))
+
+    def receive_steps(
+        self, frames: Sequence[bytes], count: int | None = None
+    ) -> Generator[None, None, None]:
+        """:meth:`receive`, yielding between events: the whole message is decoded and
+        checked against every cap before the first event is applied."""
+        if count == 0:
+            return  # nothing was read
         try:
-            batch = decode_batch(frames[2])
+            seq = check_frames(frames, count)
+            batch = yield from decode_steps(frames[2])
         except EventFormatError as exc:
-            log.warning("kv events %s: bad payload, skipped: %s", self.instance, exc)
+            self.refuse(exc)
             return
-        seq = int.from_bytes(frames[1], "big")
-        cleared, gap = self.cache.receive(seq, batch)
+        except Exception as exc:  # a decoder bug: the message is refused, the stream goes on
+            self.refuse(EventFormatError(f"{type(exc).__name__}: {exc}", "error"))
+            return
+        overflows = self.cache.overflows
+        cleared, gap = yield from self.cache.receive_steps(seq, batch)
+        self.accepted += 1
         self.metrics.batches.labels(self.instance).inc()
+        if self.cache.overflows != overflows:
+            self._count_refusal("resident", f"over {MAX_RESIDENT_BLOCKS} resident blocks")
         if gap:
             self.metrics.gaps.labels(self.instance).inc()
-            log.warning(
-                "kv events %s: sequence gap at %d; cache size unknown until it is cleared",
-                self.instance,
-                seq,
-            )
+            self._gaps += 1
+            if self._gaps & (self._gaps - 1) == 0:  # 1st, 2nd, 4th...: logs stay bounded
+                log.warning(
+                    "kv events %s: sequence gap at %d (%d so far); cache size unknown until "
+                    "it is cleared",
+                    self.instance,
+                    seq,
+                    self._gaps,
+                )
         if cleared:
-            self.index.forget_instance(self.instance)
+            self._forget_due = True
+            if time.monotonic() - self._scanned_at >= INDEX_SCAN_INTERVAL_S:
+                self.maintain(time.monotonic())
         self.metrics.engine_tokens.labels(self.instance).set(
             self.cache.tokens if self.cache.known else -1
         )
+
+    def refuse(self, exc: EventFormatError) -> None:
+        """Count a refused message; the engine's set is unknown from here (a message of its
+        stream was not applied) until it is cleared or restarts."""
+        self.cache.known = False
+        self.metrics.engine_tokens.labels(self.instance).set(-1)
+        self._count_refusal(exc.reason, str(exc))
+
+    def _count_refusal(self, reason: str, detail: str) -> None:
+        self.metrics.refused.labels(self.instance, reason).inc()
+        n = self._refusals[reason] = self._refusals.get(reason, 0) + 1
+        if n & (n - 1) == 0:  # the 1st, 2nd, 4th, 8th... of a reason: logs stay bounded
+            log.warning(
+                "kv events %s: message refused (%s, %d so far): %.200s",
+                self.instance,
+                reason,
+                n,
+                detail,
+            )
+
+    def maintain(self, now: float) -> None:
+        """The index work the events call for, at most once per :data:`INDEX_SCAN_INTERVAL_S`
+        (each scans the prefix index): forget the instance's entries after a clear, then
+        :meth:`fit`. A publisher clearing or restarting in a loop costs no more."""
+        if now - self._scanned_at < INDEX_SCAN_INTERVAL_S:
+            return
+        self._scanned_at = now
+        if self._forget_due:
+            self._forget_due = False
+            self.index.forget_instance(self.instance)
+        self.fit(now)
 
     def fit(self, now: float) -> int:
         """Drop the index's oldest entries for the instance beyond what the engine holds."""
@@ -330,6 +750,31 @@ class KvEventSubscriber:
         if dropped:
             self.metrics.evicted.labels(self.instance).inc(dropped)
         return dropped
+
+
+def endpoint_key(endpoint: str) -> str:
+    """An endpoint as compared for sharing: case-folded, an IPv4-mapped IPv6 host as IPv4."""
+    key = endpoint.strip().lower()
+    mapped = "tcp://[::ffff:"
+    if key.startswith(mapped) and "]:" in key:
+        host, _, port = key[len(mapped) :].partition("]:")
+        if "." in host:
+            return f"tcp://{host}:{port}"
+    return key
+
+
+def followed_endpoints(instances: Iterable[Instance]) -> dict[str, str]:
+    """Instance id → endpoint to follow. An endpoint the table names for several instances is
+    followed for none of them: its events could not be attributed to one (logged)."""
+    wanted = {i.id: i.kv_events_endpoint for i in instances if i.kv_events_endpoint}
+    owners: dict[str, list[str]] = {}
+    for inst, endpoint in wanted.items():
+        owners.setdefault(endpoint_key(endpoint), []).append(inst)
+    shared = [ids for ids in owners.values() if len(ids) > 1]
+    for ids in shared:
+        log.warning("kv events: instances %s share an endpoint; none is followed", sorted(ids))
+    refused = {inst for ids in shared for inst in ids}
+    return {inst: endpoint for inst, endpoint in wanted.items() if inst not in refused}
 
 
 class KvEventHub:
@@ -353,7 +798,9 @@ class KvEventHub:
 
     def sync(self, instances: Iterable[Instance]) -> None:
         """Follow the table: subscribe to new endpoints, drop the ones gone (no await)."""
-        wanted = {i.id: i.kv_events_endpoint for i in instances if i.kv_events_endpoint}
+        listed = [i for i in instances if i.kv_events_endpoint]
+        wanted = followed_endpoints(listed)
+        self.metrics.shared_endpoints.set(len(listed) - len(wanted))
         for inst in self._wanted.keys() - wanted.keys():
             self.index.untrack(inst)
         for inst in wanted:

@@ -28,7 +28,11 @@ from tests.integration.test_edge_support import (
 )
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
-EVENTS = '{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:0"}'
+#: Bound on loopback only, in the form vLLM binds (its rule: "*" or "::" in the endpoint).
+#: Bound on loopback only, in the form vLLM binds (its rule: "*" or "::" in the endpoint).
+EVENTS = (
+    '{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://[::ffff:127.0.0.1]:0"}'
+)
 
 
 @dataclass

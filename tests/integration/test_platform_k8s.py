@@ -8,6 +8,7 @@ Debian/upstream binary ``.ci/run`` installs: missing, these tests fail."""
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 from pathlib import Path
@@ -41,6 +42,7 @@ VLLM_FLAGS = {
     "--prefix-caching-hash-algo",
     "--enable-prompt-tokens-details",
     "--tensor-parallel-size",
+    "--kv-events-config",
 }
 FEDINFER_IMAGE = "registry.example.com/fedinfer:0.1.0"
 #: The LeaderWorkerSet API (``leaderworkerset.x-k8s.io/v1``) as far as the manifests use it:
@@ -269,7 +271,38 @@ def test_the_project_runs_vllm_with_the_flags_the_manifests_use() -> None:
     start = source.index("def server_argv")
     body = source[start : source.index("\n\n\n", start)]  # to the function's end
     used = set(re.findall(r'"(--[a-z-]+)"', body))
-    assert used - {"--model", "--dtype"} == VLLM_FLAGS - {"--tensor-parallel-size"}
+    # (the KV-event tests add --kv-events-config: tests/vllm/test_kv_events_vllm.py)
+    assert used - {"--model", "--dtype"} == VLLM_FLAGS - {
+        "--tensor-parallel-size",
+        "--kv-events-config",
+    }
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS, ids=lambda p: p.name)
+def test_kv_events_bind_on_the_pod_ip_and_only_the_edges_reach_them(overlay: Path) -> None:
+    """vLLM publishes its KV events on the pod's own IP (vLLM binds an endpoint with "::";
+    not every interface), and of all the region's pods only the edges may connect."""
+    documents = render(overlay)
+    vllm = of_kind(documents, "StatefulSet")[f"{overlay.name}-vllm"]["spec"]["template"]
+    (container,) = vllm["spec"]["containers"]
+    flag = next(a for a in container["args"] if a.startswith("--kv-events-config="))
+    config = json.loads(flag.split("=", 1)[1])
+    assert config["endpoint"] == "tcp://[::ffff:$(POD_IP)]:5557"
+    assert "::" in config["endpoint"] and "*" not in config["endpoint"]
+    pod_ip = {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}
+    assert pod_ip in container["env"]
+    assert {"name": "kv-events", "containerPort": 5557} in container["ports"]
+    labels = vllm["metadata"]["labels"]
+    admitted = []  # (from, ports) of every policy rule that selects the vLLM pods
+    for policy in of_kind(documents, "NetworkPolicy").values():
+        selector = policy["spec"]["podSelector"].get("matchLabels", {})
+        if selector.items() <= labels.items():
+            for rule in policy["spec"].get("ingress", []):
+                ports = {p["port"] for p in rule.get("ports", [])} or {"any"}
+                admitted.append((rule.get("from", "anyone"), ports))
+    reach_events = [peers for peers, ports in admitted if ports & {5557, "any"}]
+    edges = [{"podSelector": {"matchLabels": {"app.kubernetes.io/name": "edge"}}}]
+    assert reach_events == [edges]
 
 
 def test_tensor_parallelism_across_nodes_is_the_provisioners_leader_worker_set() -> None:

@@ -30,6 +30,8 @@ from regions.engines.simulator.kv_events import (
     BlockStored,
     KVEventBatch,
     KVEventPublisher,
+    is_bind_endpoint,
+    narrow_wildcard,
     offset_endpoint_port,
     parse_kv_events_config,
 )
@@ -346,3 +348,27 @@ def test_kv_events_config_follows_vllm() -> None:
     assert offset_endpoint_port("tcp://*:5557", 2) == "tcp://*:5559"
     assert offset_endpoint_port("tcp://*:0", 2) == "tcp://*:0"
     assert offset_endpoint_port("inproc://kv", 1) == "inproc://kv_dp1"
+
+
+def test_publishers_bind_on_the_engines_own_address_not_every_interface() -> None:
+    """vLLM binds an endpoint with ``*`` or ``::`` and connects to any other: the launchers
+    write the engine's address IPv4-mapped (``tcp://[::ffff:127.0.0.1]:PORT``), which libzmq
+    binds as that address alone; the simulator narrows vLLM's wildcard default to its --host."""
+    ctx = zmq.Context()
+    try:
+        mapped = parse_kv_events_config(
+            '{"enable_kv_cache_events": true, "endpoint": "tcp://[::ffff:127.0.0.1]:0"}'
+        )
+        assert is_bind_endpoint(mapped.endpoint)  # vLLM's rule: bound, not connected
+        wildcard = parse_kv_events_config(
+            '{"enable_kv_cache_events": true, "endpoint": "tcp://*:0"}'
+        )
+        for config, host in ((mapped, None), (wildcard, "127.0.0.1"), (wildcard, "localhost")):
+            pub = KVEventPublisher(config, 0, ctx, host=host)
+            assert pub.endpoint.startswith("tcp://127.0.0.1:"), (config, host, pub.endpoint)
+            pub.close()
+        assert narrow_wildcard("tcp://*:5557", "10.0.0.5") == "tcp://[::ffff:10.0.0.5]:5557"
+        assert narrow_wildcard("tcp://*:5557", "0.0.0.0") == "tcp://*:5557"  # asked for all
+        assert narrow_wildcard("ipc:///run/kv", "127.0.0.1") == "ipc:///run/kv"
+    finally:
+        ctx.term()

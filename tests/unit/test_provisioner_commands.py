@@ -58,7 +58,9 @@ def test_the_vllm_command_line_carries_every_flag_of_the_deployment() -> None:
     assert events == {
         "enable_kv_cache_events": True,
         "publisher": "zmq",
-        "endpoint": "tcp://*:5557",
+        # the engine's own address only, in the form vLLM binds ("::"; "*" would be every
+        # interface, a plain address it would connect to)
+        "endpoint": "tcp://[::ffff:127.0.0.1]:5557",
         "topic": "kv-events",
     }
     assert flag(args, "--max-num-seqs") == "128" and "--enforce-eager" in args
@@ -152,6 +154,11 @@ def test_a_group_within_one_node_is_a_deployment_and_a_service_that_validate() -
     command = container["command"]
     assert command[:3] == ["python3", "-m", "vllm.entrypoints.openai.api_server"]
     assert flag(command, "--port") == "8000" and flag(command, "--host") == "0.0.0.0"
+    # KV events bound on the pod's IP (downward API), not on every interface
+    events = json.loads(flag(command, "--kv-events-config"))
+    assert events["endpoint"] == "tcp://[::ffff:$(POD_IP)]:5557"
+    pod_ip = {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}
+    assert pod_ip in container["env"]
     assert service["spec"]["selector"] == deployment["spec"]["selector"]["matchLabels"]
     assert service_url(SPEC.name, CLUSTER) == f"http://{SPEC.name}.inference.svc:8000"
 

@@ -44,7 +44,8 @@ def exact_edge(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> It
     config = {
         "enable_kv_cache_events": True,
         "publisher": "zmq",
-        "endpoint": f"tcp://*:{events_port}",
+        # loopback only; "::" makes vLLM bind (not connect), libzmq binds it as 127.0.0.1
+        "endpoint": f"tcp://[::ffff:127.0.0.1]:{events_port}",
         "topic": "kv-events",
     }
     extra_args = ("--kv-events-config", json.dumps(config))  # sha256_cbor: servers.py

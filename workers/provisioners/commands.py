@@ -8,10 +8,10 @@ the subset of them it models.
 from __future__ import annotations
 
 import json
-import re
 from typing import Any
 
 from federation.fleet.spec import EngineSpec, ProvisionerError
+from federation.inventory import engine_flags
 from regions.engines.block_hash import HASH_ALGO
 from regions.engines.simulator.perf import ACCELERATORS
 
@@ -36,7 +36,6 @@ RENDERED_FLAGS = frozenset(
         "enable-prompt-tokens-details",
     }
 )
-_FLAG = re.compile(r"^[a-z0-9][a-z0-9-]*$")
 DISAGGREGATED_ROLES = frozenset({"prefill", "decode"})
 #: A prefill or decode engine moves KV blocks with vLLM's NIXL connector, which plays both
 #: sides (ADR 0007: the edge hands ``kv_transfer_params`` from one to the other); a deployment
@@ -52,46 +51,40 @@ def _lora_rank(rank: int) -> int:
 
 
 def _extra_flags(engine_args: dict[str, Any]) -> list[str]:
-    """``{'max-num-seqs': 256, 'enforce-eager': True}`` → ``--max-num-seqs 256 --enforce-eager``;
-    False or None leaves a flag out, a list repeats its values, an object is JSON."""
-    out: list[str] = []
-    for key in sorted(engine_args):
-        value = engine_args[key]
-        if not _FLAG.match(key):
-            raise ProvisionerError(
-                f"engine_args key {key!r} is not a flag name like 'max-num-seqs'."
-            )
+    """The deployment's own flags, rendered only from the allowlist the API checks
+    (:func:`federation.inventory.engine_flags.render`): a row that predates it, or was
+    written around the API, starts nothing it would refuse."""
+    for key in sorted(engine_args, key=str):
         if key in RENDERED_FLAGS:
             raise ProvisionerError(
                 f"engine_args may not set --{key}: it is rendered from the deployment."
             )
-        if value is True:
-            out.append(f"--{key}")
-        elif value is False or value is None:
-            continue
-        elif isinstance(value, list):
-            out += [f"--{key}", *(str(v) for v in value)]
-        elif isinstance(value, dict):
-            out += [f"--{key}", json.dumps(value, sort_keys=True)]
-        else:
-            out += [f"--{key}", str(value)]
-    return out
+    try:
+        return engine_flags.render(engine_args)
+    except ValueError as exc:
+        raise ProvisionerError(f"engine_args refused: {exc}") from exc
 
 
-def kv_events_config(port: int) -> str:
-    """vLLM's ``--kv-events-config``: KV-cache events on ZMQ, which the edges subscribe to."""
+def kv_events_config(port: int, host: str) -> str:
+    """vLLM's ``--kv-events-config``: KV-cache events on ZMQ, which the edges subscribe to,
+    bound on the engine's own IPv4 ``host`` only (not every interface). Written
+    ``tcp://[::ffff:HOST]:PORT``: vLLM binds an endpoint containing ``*`` or ``::`` and
+    connects to any other, and libzmq binds an IPv4-mapped address as the IPv4 one."""
     return json.dumps(
         {
             "enable_kv_cache_events": True,
             "publisher": "zmq",
-            "endpoint": f"tcp://*:{port}",
+            "endpoint": f"tcp://[::ffff:{host}]:{port}",
             "topic": "kv-events",
         }
     )
 
 
-def vllm_args(spec: EngineSpec, *, host: str, port: int) -> list[str]:
-    """The flags of ``python -m vllm.entrypoints.openai.api_server`` for ``spec``."""
+def vllm_args(
+    spec: EngineSpec, *, host: str, port: int, events_host: str | None = None
+) -> list[str]:
+    """The flags of ``python -m vllm.entrypoints.openai.api_server`` for ``spec``; its KV
+    events bound on ``events_host`` (default ``host``)."""
     args = [
         "--model",
         spec.model,
@@ -122,7 +115,7 @@ def vllm_args(spec: EngineSpec, *, host: str, port: int) -> list[str]:
         args += [f"{a.name}={a.source}" for a in spec.adapters]
         args += ["--max-lora-rank", str(_lora_rank(max(a.rank for a in spec.adapters)))]
     if spec.kv_events_port is not None:
-        args += ["--kv-events-config", kv_events_config(spec.kv_events_port)]
+        args += ["--kv-events-config", kv_events_config(spec.kv_events_port, events_host or host)]
     if spec.role in DISAGGREGATED_ROLES and "kv-transfer-config" not in spec.engine_args:
         args += ["--kv-transfer-config", PD_KV_TRANSFER_CONFIG]
     return args + _extra_flags(spec.engine_args)

@@ -79,6 +79,8 @@ def _container(
         "command": command,
         "env": [
             {"name": "VLLM_NO_USAGE_STATS", "value": "1"},
+            # The pod's IP, where the KV-event publisher binds (vllm_args' events_host).
+            {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
             # Adapters are loaded where their demand appears (federation/fleet/adapters.py).
             {"name": "VLLM_ALLOW_RUNTIME_LORA_UPDATING", "value": "True"},
         ],
@@ -127,7 +129,8 @@ def _pod_metadata(labels: dict[str, str], cluster: Cluster) -> dict[str, Any]:
 
 def _server_command(spec: EngineSpec, cluster: Cluster, *, extra: list[str]) -> list[str]:
     with_events = replace(spec, kv_events_port=cluster.kv_events_port)
-    args = vllm_args(with_events, host="0.0.0.0", port=cluster.http_port)
+    # KV events on the pod's own IP only (POD_IP: the downward API, expanded by the kubelet)
+    args = vllm_args(with_events, host="0.0.0.0", port=cluster.http_port, events_host="$(POD_IP)")
     return ["python3", "-m", "vllm.entrypoints.openai.api_server", *args, *extra]
 
 

@@ -106,7 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=KVEventsConfig(),
         metavar="JSON",
         help='as in vLLM, e.g. \'{"enable_kv_cache_events": true, "publisher": "zmq", '
-        '"endpoint": "tcp://*:5557", "topic": "kv-events"}\'; engine i: port+i (0: any)',
+        '"endpoint": "tcp://[::ffff:127.0.0.1]:5557", "topic": "kv-events"}\'; engine i: '
+        "port+i (0: any); a wildcard tcp://*:PORT binds on --host only",
     )
     p.add_argument("--ready-file", type=Path, default=None, help="write engine URLs as JSON")
     p.add_argument("--log-level", default="warning")
@@ -123,14 +124,15 @@ def _kv_events_config(text: str) -> KVEventsConfig:
 def kv_event_publishers(
     config: KVEventsConfig, engines: list[SimEngine], host: str
 ) -> list[KVEventPublisher]:
-    """One publisher per engine (engine i on the endpoint's port + i), attached to it; the
-    address subscribers connect to is ``advertised``."""
+    """One publisher per engine (engine i on the endpoint's port + i), attached to it; a
+    wildcard endpoint binds on ``host`` only; the address subscribers connect to is
+    ``advertised``."""
     if not config.enabled:
         return []
     publishers = []
     try:
         for engine in engines:
-            publisher = KVEventPublisher(config, engine.index)
+            publisher = KVEventPublisher(config, engine.index, host=host)
             publishers.append(publisher)
             engine.publish_kv_events(publisher)
     except Exception as exc:

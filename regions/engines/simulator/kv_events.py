@@ -20,7 +20,9 @@ KV router) can therefore be exercised against the simulator and run unchanged ag
 
 from __future__ import annotations
 
+import ipaddress
 import json
+import socket
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -138,6 +140,27 @@ def is_bind_endpoint(endpoint: str) -> bool:
     return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
 
 
+def narrow_wildcard(endpoint: str, host: str | None) -> str:
+    """A wildcard TCP bind (``tcp://*:PORT``, vLLM's default) narrowed to the engine's own
+    ``host``, the address its HTTP server listens on: only who reaches the engine reaches
+    its events. Other endpoints, and a wildcard ``host``, are left as they are.
+
+    vLLM binds where it is told; there the launcher names the host, in the form vLLM binds
+    rather than connects to: ``tcp://[::ffff:10.0.0.5]:5557`` (an IPv4-mapped address has
+    the ``::`` vLLM's rule looks for, and libzmq binds it as the IPv4 address).
+    """
+    if host is None or host in ("", "*", "0.0.0.0", "::") or not endpoint.startswith("tcp://*:"):
+        return endpoint
+    port = endpoint.rpartition(":")[2]
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        address = ipaddress.ip_address(socket.gethostbyname(host))  # a name: its IPv4 address
+    if address.version == 6:
+        return f"tcp://[{address}]:{port}"
+    return f"tcp://[::ffff:{address}]:{port}"
+
+
 class KVEventPublisher:
     """Collects one engine's events (the ``KVCacheManager`` listener) and publishes them as a
     batch per engine step on a ZMQ PUB socket, from the event loop (a PUB send never blocks).
@@ -148,11 +171,14 @@ class KVEventPublisher:
         config: KVEventsConfig,
         index: int = 0,
         context: zmq.Context[zmq.Socket[bytes]] | None = None,
+        host: str | None = None,
     ) -> None:
         self._ctx = context or zmq.Context.instance()
         self._sock: zmq.Socket[bytes] = self._ctx.socket(zmq.PUB)
         self._sock.set_hwm(config.hwm)
-        endpoint = offset_endpoint_port(config.endpoint, index)
+        endpoint = narrow_wildcard(offset_endpoint_port(config.endpoint, index), host)
+        if endpoint.startswith("tcp://[") and not endpoint.startswith("tcp://[::ffff:"):
+            self._sock.setsockopt(zmq.IPV6, 1)  # an IPv6 host (a mapped IPv4 one binds without)
         if is_bind_endpoint(endpoint):
             self._sock.bind(endpoint)
             endpoint = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
