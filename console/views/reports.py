@@ -4,8 +4,6 @@ tenant's, whatever it asks; pool costs are for admins and operators."""
 
 from __future__ import annotations
 
-import csv
-import io
 from collections.abc import Callable, Mapping, Sequence
 from datetime import date
 from decimal import Decimal
@@ -21,6 +19,7 @@ from django.utils import timezone
 from console.access import EVERYONE, STAFF, console_view
 from console.charts import MAX_SERIES, chart_series
 from console.forms import STAFF_METRICS, RangeForm, UsageForm
+from federation.core.csv_export import csv_attachment
 from federation.core.roles import is_staff_role
 from federation.metering.models import DIMENSIONS, Dimension
 from federation.metering.selectors import (
@@ -40,15 +39,7 @@ def _text(value: Any) -> Any:
 
 def _csv(rows: Sequence[Mapping[str, Any]], name: str) -> HttpResponse:
     """Exact decimals as text, days and hours in ISO 8601 (as the API's CSV)."""
-    out = io.StringIO()
-    if rows:
-        writer = csv.DictWriter(out, fieldnames=list(rows[0]))
-        writer.writeheader()
-        for row in rows:
-            writer.writerow({k: _text(v) for k, v in row.items()})
-    response = HttpResponse(out.getvalue(), content_type="text/csv; charset=utf-8")
-    response["Content-Disposition"] = f'attachment; filename="{name}.csv"'
-    return response
+    return csv_attachment(({k: _text(v) for k, v in row.items()} for row in rows), name)
 
 
 def _query(form: Form) -> str:

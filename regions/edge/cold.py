@@ -6,7 +6,9 @@ which wakes the deployment at once — and releases the held requests in arrival
 table lists a ready instance of the model. Every bound is the edge's own, whatever the table
 or the clients say:
 
-* at most ``max_held`` requests held per model (more: 503 ``model_cold`` at once);
+* at most ``max_held`` requests held per model (more: 503 ``model_cold`` at once), shared
+  fairly by the tenants waiting (:func:`make_room`): one tenant alone may fill the line, but
+  once others wait it keeps no more than its share, so its flood never refuses them;
 * each held at most the model's expected cold start (the table's ``cold_start_s``, the
   replica's own start, plus ``margin_s`` for the way there and back: heartbeat, autoscale
   pass, table) and never longer than ``max_hold_s`` (then 503 ``model_cold``);
@@ -23,7 +25,7 @@ import asyncio
 import math
 import time
 from collections import deque
-from collections.abc import Callable, Container
+from collections.abc import Callable, Container, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -55,6 +57,64 @@ class Released(Exception):
     """The model left the table while its requests were held (its deployment went away)."""
 
 
+def make_room(held_by_tenant: Mapping[str, int], tenant: str, capacity: int) -> str | None:
+    """A full line of ``capacity`` and a request of ``tenant``: the tenant whose newest held
+    request gives way to it, or None when it is refused instead.
+
+    Max-min fairness without idle places: each tenant waiting (the newcomer included) is owed
+    ``max(1, capacity // tenants)`` places. A newcomer below its share takes the newest place
+    of the tenant holding the most, if that one holds more than its share; otherwise (it has
+    its share already, or nobody holds more than theirs) it is refused. So a tenant alone may
+    fill the line, and a flood shrinks to its share as others arrive, never refusing them —
+    the newest of the flood gives way, having waited least. O(tenants waiting)."""
+    tenants = len(held_by_tenant) + (tenant not in held_by_tenant)
+    share = max(1, capacity // tenants)
+    if held_by_tenant.get(tenant, 0) >= share:
+        return None
+    most, count = max(held_by_tenant.items(), key=lambda item: (item[1], item[0]), default=("", 0))
+    return most if count > share else None
+
+
+class _Line:
+    """The requests held for one model, in arrival order, and each one's tenant."""
+
+    __slots__ = ("by_tenant", "tenant_of", "waiters")
+
+    def __init__(self) -> None:
+        #: True: served here; False: the model left the table; None: gave way to a tenant
+        #: below its share.
+        self.waiters: deque[asyncio.Future[bool | None]] = deque()
+        self.tenant_of: dict[asyncio.Future[bool | None], str] = {}
+        self.by_tenant: dict[str, int] = {}
+
+    def __len__(self) -> int:
+        return len(self.waiters)
+
+    def add(self, waiter: asyncio.Future[bool | None], tenant: str) -> None:
+        self.waiters.append(waiter)
+        self.tenant_of[waiter] = tenant
+        self.by_tenant[tenant] = self.by_tenant.get(tenant, 0) + 1
+
+    def remove(self, waiter: asyncio.Future[bool | None]) -> None:
+        tenant = self.tenant_of.pop(waiter, None)
+        if tenant is None:
+            return
+        self.waiters.remove(waiter)
+        if self.by_tenant[tenant] == 1:
+            del self.by_tenant[tenant]
+        else:
+            self.by_tenant[tenant] -= 1
+
+    def evict_newest(self, tenant: str) -> None:
+        """``tenant``'s newest held request gives way (answered 503 ``model_cold``)."""
+        for waiter in reversed(self.waiters):
+            if self.tenant_of[waiter] == tenant:
+                self.remove(waiter)
+                if not waiter.done():
+                    waiter.set_result(None)
+                return
+
+
 class ColdHolds:
     """The held requests of one edge, per cold model (the served name a request used)."""
 
@@ -66,7 +126,7 @@ class ColdHolds:
         self.models: dict[str, ColdModel] = {}
         #: Called when a cold model gets its first request: the heartbeat goes out now.
         self.on_demand = on_demand
-        self._held: dict[str, deque[asyncio.Future[bool]]] = {}
+        self._held: dict[str, _Line] = {}
         self._arrived: dict[str, int] = {}
         #: When the first request for a cold model arrived (its replica's expected start).
         self._since: dict[str, float] = {}
@@ -110,18 +170,22 @@ class ColdHolds:
             retry_after=self.retry_after(name, now),
         )
 
-    async def hold(self, name: str) -> float:
+    async def hold(self, name: str, tenant: str = "") -> float:
         """Wait until a table lists a ready instance of ``name``; the seconds waited.
-        :class:`EdgeError` 503 ``model_cold`` when the line is full or the bound passes,
+        :class:`EdgeError` 503 ``model_cold`` when the line is full (for ``tenant``: see
+        :func:`make_room`), the bound passes, or the request gave way to another tenant's;
         :class:`Released` when the model left the table meanwhile."""
         started = time.monotonic()
         cold = self.models[name]
-        line = self._held.setdefault(name, deque())
+        line = self._held.setdefault(name, _Line())
         if len(line) >= self.cfg.max_held:
-            raise self.refusal(name, started, f"{len(line)} requests already waiting")
+            gives_way = make_room(line.by_tenant, tenant, self.cfg.max_held)
+            if gives_way is None:
+                raise self.refusal(name, started, f"{len(line)} requests already waiting")
+            line.evict_newest(gives_way)
         bound = min(self._expected_s(cold), self.cfg.max_hold_s)
-        waiter: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
-        line.append(waiter)
+        waiter: asyncio.Future[bool | None] = asyncio.get_running_loop().create_future()
+        line.add(waiter, tenant)
         try:
             served = await asyncio.wait_for(asyncio.shield(waiter), bound)
         except TimeoutError:
@@ -129,10 +193,11 @@ class ColdHolds:
         finally:
             if not waiter.done():
                 waiter.cancel()
-            if waiter in line:
-                line.remove(waiter)
-            if not line:
+            line.remove(waiter)
+            if not line and self._held.get(name) is line:
                 self._held.pop(name, None)
+        if served is None:
+            raise self.refusal(name, time.monotonic(), "the line is shared by its tenants")
         if not served:
             raise Released(name)
         return time.monotonic() - started
@@ -142,7 +207,8 @@ class ColdHolds:
         refused and answered instead (``outcomes``: counted by model and outcome)."""
         model = ctx.req.model
         try:
-            ctx.queue_s += await self.hold(model)
+            tenant = ctx.tenant.slug if ctx.tenant is not None else ""
+            ctx.queue_s += await self.hold(model, tenant)
         except asyncio.CancelledError:
             outcomes.labels(model, "left").inc()  # its client disconnected
             raise
@@ -171,7 +237,7 @@ class ColdHolds:
         for name in list(self._held):
             if name in self.models:
                 continue
-            for waiter in self._held.pop(name):
+            for waiter in self._held.pop(name).waiters:
                 if not waiter.done():
                     waiter.set_result(name in served)
         for name in list(self._since):

@@ -94,8 +94,10 @@ def accept_table(
 
 
 def persist_table(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` atomically and durably (temp + fsync + rename + dir fsync)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
+    """Write ``data`` to ``path`` atomically and durably (temp + fsync + rename + dir fsync).
+    The table holds tenants' key hashes and cache salts: the file is 0600, and a state
+    directory this creates 0700."""
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:

@@ -40,6 +40,25 @@ MAX_PENDING = 16
 RECENT_S = SETTLE_S
 #: Blocks of this edge's own recent routings remembered (an LRU over block hashes).
 RECENT_CAPACITY = 50_000
+#: A token-id prompt is cut to ``max_chars // CHARS_PER_ID`` ids, what the tokenizer's text
+#: cut (``--tokenize-max-chars``) gives a text prompt: 64 KiB, about 16 k tokens of English.
+CHARS_PER_ID = 4
+
+
+def token_id_head(kind: str, doc: dict[str, Any], max_ids: int) -> dict[str, Any] | None:
+    """A completion whose ``prompt`` is more than ``max_ids`` token ids, with its prompt cut to
+    the first ``max_ids`` (the request the engine gets is unchanged); None for any other.
+
+    The text path tokenizes at most ``--tokenize-max-chars`` characters of a prompt and hashes
+    only that head's blocks; ids come tokenized, so without this cut a 4 MiB body of ids (two
+    million) would be checked and hashed whole on the one tokenizer thread, holding up every
+    other request's, and its blocks would flood this edge's record of recent routings."""
+    if kind != "completions":
+        return None
+    prompt = doc.get("prompt")
+    if not isinstance(prompt, list) or len(prompt) <= max_ids or isinstance(prompt[0], str):
+        return None
+    return {**doc, "prompt": prompt[:max_ids]}
 
 
 @dataclass(slots=True)
@@ -139,15 +158,18 @@ class TokenPrefixes:
         prompt is not rendered exactly. A template that fails on a request in a way it does
         not mean to (not its ``raise_exception``) is logged and counted; the request is then
         placed on the estimate rather than refused: the engine decides what it accepts."""
+        tokenizer = self.tokenizers[model]
+        head = token_id_head(kind, doc, max(1, tokenizer.max_chars // CHARS_PER_ID))
         try:
-            prompt = prompt_ids(self.tokenizers[model], doc, kind)
+            prompt = prompt_ids(tokenizer, doc if head is None else head, kind)
         except Exception:
             self.failures.labels(model).inc()
             log.warning("tokenizing a %s request for %s failed", kind, model, exc_info=True)
             return None
         if prompt is None or not prompt.ids:
             return None
-        tokens = PromptTokens(prompt.ids, prompt.complete, self.root, salt, self.memo)
+        complete = prompt.complete and head is None
+        tokens = PromptTokens(prompt.ids, complete, self.root, salt, self.memo)
         for size in block_sizes:
             tokens.hashes(size)
         return tokens

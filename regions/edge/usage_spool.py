@@ -27,6 +27,19 @@ from regions.tables.usage import encode_usage_lines
 
 SEGMENT_GLOB = "usage-*.jsonl"
 ACKED_FILE = "acked"
+#: Records name tenants, models and request ids: only the edge's own user reads them.
+PRIVATE_DIRECTORY_MODE = 0o700
+PRIVATE_FILE_MODE = 0o600
+
+
+def make_private_directory(directory: Path) -> None:
+    """Create ``directory`` (and its parents) and make it and the files already in it private
+    to the edge's user: a spool written by an older edge (0755/0644) is closed at open too."""
+    directory.mkdir(mode=PRIVATE_DIRECTORY_MODE, parents=True, exist_ok=True)
+    os.chmod(directory, PRIVATE_DIRECTORY_MODE)
+    for path in [*directory.glob(SEGMENT_GLOB), directory / ACKED_FILE]:
+        if path.is_file() and not path.is_symlink():
+            os.chmod(path, PRIVATE_FILE_MODE)
 
 
 @dataclass(frozen=True, slots=True, order=True)
@@ -74,7 +87,7 @@ class UsageSpool:
         self.directory = directory
         self.max_bytes = max_bytes
         self.segment_bytes = segment_bytes
-        directory.mkdir(parents=True, exist_ok=True)
+        make_private_directory(directory)
         self._encode_lines = encode_lines
         self._buffer: list[Any] = []
         #: Buffer one record's row, encoded and written by the next flush: the list's own
@@ -186,7 +199,8 @@ class UsageSpool:
         if cursor == self._persisted:
             return
         tmp = self.directory / (ACKED_FILE + ".tmp")
-        with open(tmp, "w") as f:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, PRIVATE_FILE_MODE)
+        with open(fd, "w") as f:
             f.write(f"{cursor.segment} {cursor.offset}\n")
             f.flush()
             os.fsync(f.fileno())
@@ -201,7 +215,8 @@ class UsageSpool:
         """The segment's file, kept open for appending: one open per segment, not per batch."""
         if self._fd_segment != segment or self._fd is None:
             self.close()
-            self._fd = os.open(self._path(segment), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT
+            self._fd = os.open(self._path(segment), flags, PRIVATE_FILE_MODE)
             self._fd_segment = segment
         return self._fd
 

@@ -60,12 +60,18 @@ def worker_config(cfg: EdgeConfig, worker: int, workers: int) -> EdgeConfig:
 def reserve_port(host: str, port: int) -> socket.socket:
     """A socket bound to the public address with ``SO_REUSEPORT``, never listening: the
     workers bind beside it. A port another program holds fails here, once and clearly; port 0
-    becomes one port for all the workers; and the port stays the edge's while one restarts."""
+    becomes one port for all the workers; and the port stays the edge's while one restarts.
+
+    ``SO_REUSEADDR`` too, as asyncio's listeners set it: a ``SO_REUSEPORT`` bind alone
+    conflicts with every connection left on the port (TIME_WAIT, closing) by a listener without
+    ``SO_REUSEPORT`` — an edge of one process, asyncio's default — so the edge could not bind
+    its own port for a minute after such a restart. A listening socket still refuses it."""
     family, kind, proto, _, address = socket.getaddrinfo(
         host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
     )[0]
     sock = socket.socket(family, kind, proto)
     try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         sock.bind(address)
     except OSError:

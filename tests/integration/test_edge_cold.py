@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 import pytest
 
-from regions.supervisor import wait_http
+from regions.supervisor import wait_http, wait_until
 from tests.integration.test_edge_support import (
     EdgeProc,
     Engine,
@@ -154,3 +154,52 @@ def test_a_model_that_leaves_the_table_while_held_is_a_404(
     tmp.rename(edge.table)
     assert held.result().status == 404
     assert chat(edge, "fi_any", "qwen").status_code == 404
+
+
+def held_now(edge: EdgeProc) -> int:
+    health = httpx.get(edge.ops + "/healthz", timeout=5).json()
+    return int(health["cold_models"].get("qwen", 0))
+
+
+def test_one_tenant_flooding_the_hold_line_never_refuses_another(tmp_path: Any) -> None:
+    """A line of 4: tenant ``flood`` fills it, and its fifth request is refused; ``calm``'s
+    request is held all the same (the flood's newest gives way with 503 ``model_cold``) and
+    served with the flood's others once the model is."""
+    llama = spawn_engine(tmp_path, "i-1")
+    qwen = spawn_engine(tmp_path, "q-1", "--model", "qwen", "--adapters", "")
+    tenants = [
+        {"tenant": "flood", "key_hashes": [h("fi_flood")], "allowed_regions": ["r1"]},
+        {"tenant": "calm", "key_hashes": [h("fi_calm")], "allowed_regions": ["r1"]},
+    ]
+    edge: EdgeProc | None = None
+    try:
+        for e in (llama, qwen):
+            wait_http(e.url + "/health", watch=e.proc)
+        doc = table_doc("r1", 1, [instance(llama)])
+        doc.update(schema_version=5, tenants=tenants)
+        doc["cold_models"] = [{"model": "qwen", "cold_start_s": 60}]
+        edge = start_edge(tmp_path, doc, "--cold-hold-requests", "4", "--cold-hold-max", "30")
+        flood = [Held(edge, "fi_flood", f"flood-{n}") for n in range(4)]
+        wait_until(lambda: held_now(edge) == 4, what="the flood holding the whole line")
+        refused = chat(edge, "fi_flood", "qwen")
+        assert refused.status_code == 503 and refused.json()["error"]["code"] == "model_cold"
+        calm = Held(edge, "fi_calm", "calm")
+        wait_until(
+            lambda: sum(1 for f in flood if f.status == 503) == 1,
+            what="one of the flood giving way",
+            timeout=10,
+        )
+        assert calm.status == 0 and held_now(edge) == 4  # calm is held, not refused
+
+        warm = table_doc("r1", 2, [instance(llama), instance(qwen, model="qwen", adapters=[])])
+        warm["tenants"] = tenants
+        tmp = edge.table.with_suffix(".tmp")
+        tmp.write_text(json.dumps(warm))
+        tmp.rename(edge.table)
+        assert calm.result().status == 200
+        assert sorted(f.result().status for f in flood) == [200, 200, 200, 503]
+    finally:
+        if edge is not None:
+            edge.proc.stop()
+        llama.proc.stop()
+        qwen.proc.stop()

@@ -19,8 +19,9 @@ from typing import Any
 import httpx
 import pytest
 
-from regions.edge.token_prefix import RECENT_S
+from regions.edge.token_prefix import CHARS_PER_ID, RECENT_S
 from regions.engines.simulator.bench_tokenizer import build
+from regions.supervisor import wait_until
 from tests.integration.test_edge_support import (
     EdgeProc,
     engine_sims,
@@ -30,7 +31,10 @@ from tests.integration.test_edge_support import (
 )
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
-EVENTS = '{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:0"}'
+#: Bound on loopback only, in the form vLLM binds (its rule: "*" or "::" in the endpoint).
+EVENTS = (
+    '{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://[::ffff:127.0.0.1]:0"}'
+)
 
 
 @dataclass
@@ -117,3 +121,55 @@ def test_two_edges_predict_the_same_cached_tokens_from_the_engines_events(region
         assert on_a[2] == on_b[2]
     assert exact_equal(region.b) >= len(SYSTEMS)
     assert exact_equal(region.a) >= len(SYSTEMS)
+
+
+def following_events(edge: EdgeProc, engine_url: str) -> bool:
+    """Ask the engine to clear its prefix cache (an ``AllBlocksCleared`` event: a known state,
+    however late the edge joined); whether the edge now follows the engine's cache."""
+    httpx.post(engine_url + "/reset_prefix_cache", timeout=5).raise_for_status()
+    text = httpx.get(edge.ops + "/metrics", timeout=5).text
+    return any(
+        line.startswith("fedinfer_edge_kv_engine_cached_tokens{") and float(line.split()[-1]) >= 0
+        for line in text.splitlines()
+    )
+
+
+def complete_ids(edge: EdgeProc, ids: list[int]) -> tuple[int, int, int]:
+    """(cached tokens the edge predicted, prompt and cached tokens the engine reported)."""
+    body = {"model": MODEL, "prompt": ids, "max_tokens": 1}
+    r = httpx.post(edge.url + "/v1/completions", json=body, timeout=20)
+    r.raise_for_status()
+    predicted = int(dict(t.split(":") for t in route_of(r.headers)["score"].split(","))["cached"])
+    usage = r.json()["usage"]
+    return predicted, usage["prompt_tokens"], usage["prompt_tokens_details"]["cached_tokens"]
+
+
+def test_a_token_id_prompt_is_hashed_only_as_far_as_the_text_cut(tmp_path: Path) -> None:
+    """``--tokenize-max-chars 1024``: a text prompt's blocks are hashed up to ~1024 characters,
+    a token-id prompt's up to 1024 // CHARS_PER_ID ids; the engine still gets all of it."""
+    tokenizer = build(tmp_path / "tokenizer")
+    args = ("--max-model-len", "4096", "--seed", "5", "--tokenizer", str(tokenizer))
+    args += ("--prefix-caching-hash-algo", "sha256_cbor", "--kv-events-config", EVENTS)
+    cap = 1024 // CHARS_PER_ID
+    with engine_sims(tmp_path, 1, MODEL, *args) as engines:
+        instances = [
+            {"id": "sim-0", "url": engines[0]["url"], "model": MODEL,
+             "kv_events_endpoint": engines[0]["kv_events_endpoint"]},
+        ]  # fmt: skip
+        edge = start_edge(
+            tmp_path, table_doc("exact", 1, instances),
+            "--tokenizer", f"{MODEL}={tokenizer}", "--tokenize-max-chars", "1024",
+        )  # fmt: skip
+        try:
+            wait_until(
+                lambda: following_events(edge, engines[0]["url"]),
+                what="the edge following the engine's KV events",
+            )
+            ids = [(7 * i) % 1000 + 10 for i in range(3000)]
+            assert complete_ids(edge, ids)[1] == 3000
+            # At once: this edge's own routing of the prompt counts as the engine holding it.
+            predicted, prompt, cached = complete_ids(edge, [*ids[:2999], 5])
+            assert prompt == 3000 and cached >= 2900  # the engine got and cached all of it
+            assert 0 < predicted <= cap, predicted  # the edge hashed the head alone
+        finally:
+            edge.proc.stop()

@@ -54,17 +54,24 @@ class Workers:
         return sorted(int(p) for p in out.stdout.split())
 
 
-def start_workers(tmp: Path, table: dict[str, Any], *args: str) -> Workers:
+#: The edge's peer-sync key ring, in its environment: every worker shares the parent's.
+PEER_KEYS_ENV = {**os.environ, "FEDINFER_PEER_KEYS": "w1=workers-peer-secret"}
+
+
+def start_workers(
+    tmp: Path, table: dict[str, Any], *args: str, on: tuple[int, list[int]] | None = None
+) -> Workers:
+    """``on``: the public and operator ports to use (free ones when absent)."""
     path = tmp / "table.json"
     path.write_text(json.dumps(table))
-    port, ops = free_port(), free_ports(WORKERS)
+    port, ops = on if on is not None else (free_port(), free_ports(WORKERS))
     log = tmp / "edge.log"
     fedinfer = str(Path(sys.executable).parent / "fedinfer")
     cmd = [fedinfer, "edge", "--region", table["region"], "--table", str(path)]
     cmd += ["--port", str(port), "--operator-port", str(ops[0]), "--workers", str(WORKERS)]
     cmd += ["--probe-interval", "0.2", "--scrape-interval", "0.2", "--table-poll", "0.2"]
     cmd += ["--log-level", "info", *args]
-    proc = start_process("edge-workers", cmd, log=log)
+    proc = start_process("edge-workers", cmd, log=log, env=PEER_KEYS_ENV)
     edge = Workers(port, ops, proc, log)
     try:
         for worker in range(WORKERS):
@@ -221,6 +228,67 @@ def test_sigterm_stops_every_worker_and_the_edge_exits_cleanly(tmp_path: Path) -
         redis.stop()
 
 
+def time_wait_on(port: int) -> int:
+    """Connections in TIME_WAIT whose local end is ``127.0.0.1:port`` (the server's side)."""
+    out = subprocess.run(
+        ["ss", "-tanH", "state", "time-wait", "src", f"127.0.0.1:{port}"],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    return len(out.stdout.splitlines())
+
+
+def serve_and_stop(url: str, proc: Process) -> None:
+    """Traffic the edge closes first, then a stop: requests with ``connection: close``, and
+    keep-alive connections still open when it stops (closed by the edge, then by the client)."""
+    body = {"model": "llama", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    headers = {"Authorization": "Bearer none", "connection": "close"}
+    for _ in range(10):
+        r = httpx.post(url + "/v1/chat/completions", json=body, headers=headers, timeout=10)
+        assert r.status_code == 200, r.text
+    kept = [httpx.Client(base_url=url, timeout=10) for _ in range(4)]
+    for client in kept:
+        assert client.post("/v1/chat/completions", json=body).status_code == 200
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=20) == 0
+    for client in kept:
+        client.close()
+
+
+def test_the_edge_restarts_on_its_port_at_once_after_serving_traffic(tmp_path: Path) -> None:
+    """The connections an edge closed leave TIME_WAIT sockets on its port for a minute. A
+    multi-worker edge binds the port all the same, at once, whatever left them: an edge of one
+    process before it (asyncio's listener, no ``SO_REUSEPORT``: the case that failed with
+    ``Address already in use``), or its own workers."""
+    redis = PrivateRedis(tmp_path)
+    redis.start()
+    engine = spawn_engine(tmp_path, "solo")
+    running: Process | None = None
+    try:
+        wait_http(engine.url + "/health", watch=engine.proc)
+        table = table_doc("r6", 1, [instance(engine)])
+        (tmp_path / "table.json").write_text(json.dumps(table))
+        port, ops = free_port(), free_ports(WORKERS)
+        fedinfer = str(Path(sys.executable).parent / "fedinfer")
+        single = [fedinfer, "edge", "--region", "r6", "--table", str(tmp_path / "table.json")]
+        single += ["--port", str(port), "--operator-port", str(ops[0])]
+        running = start_process("edge-single", single, log=tmp_path / "single.log")
+        wait_http(f"http://127.0.0.1:{ops[0]}/healthz", watch=running)
+        serve_and_stop(f"http://127.0.0.1:{port}", running)
+        running = None
+        for _ in range(2):  # after the single edge, then after its own workers
+            assert time_wait_on(port) > 0, "no TIME_WAIT on the port: nothing is tested"
+            workers = start_workers(tmp_path, table, "--peer-redis-url", redis.url, on=(port, ops))
+            running = workers.proc
+            assert chat(workers.url, "none").status_code == 200
+            serve_and_stop(workers.url, workers.proc)
+            running = None
+    finally:
+        if running is not None:
+            running.stop()
+        engine.proc.stop()
+        redis.stop()
+
+
 def test_a_worker_that_cannot_start_stops_the_edge(tmp_path: Path) -> None:
     """A bad table: each worker fails before it serves, and the edge exits 1 saying why."""
     bad = table_doc("r8", 1, [])
@@ -230,7 +298,9 @@ def test_a_worker_that_cannot_start_stops_the_edge(tmp_path: Path) -> None:
     fedinfer = str(Path(sys.executable).parent / "fedinfer")
     cmd = [fedinfer, "edge", "--region", "r8", "--table", str(path), "--workers", "2"]
     cmd += ["--port", str(free_port()), "--peer-redis-url", "redis://127.0.0.1:1/0"]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=30, check=False)
+    done = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=30, check=False, env=PEER_KEYS_ENV
+    )
     assert done.returncode == 1, done
     assert "before it served: stopping the edge" in done.stderr
     assert "schema_version" in done.stderr

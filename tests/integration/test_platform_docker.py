@@ -82,6 +82,24 @@ def test_the_schema_check_refuses_a_broken_compose_file() -> None:
     assert any("'ports'" in e for e in errors), errors
 
 
+def test_only_the_edges_public_ports_are_published_beyond_loopback() -> None:
+    """The operator listeners (every instance's state and load) and the control plane (demo
+    secrets are public defaults) are published on 127.0.0.1 alone; clients reach the edges."""
+    exposed: list[str] = []
+    edges_public = 0
+    for name, service in compose()["services"].items():
+        args = service.get("command") or []
+        edge_port = args[args.index("--port") + 1] if args[:1] == ["edge"] else None
+        for mapping in service.get("ports", []):
+            published, container = str(mapping).rsplit(":", 1)
+            if container == edge_port:
+                edges_public += 1
+            elif not published.startswith("127.0.0.1:"):
+                exposed.append(f"{name}: {mapping}")
+    assert exposed == []
+    assert edges_public == 3
+
+
 def test_every_command_and_flag_in_compose_is_one_fedinfer_has() -> None:
     top_level = set(re.findall(r"^fedinfer ([a-z-]+)\s", help_of("--help"), flags=re.M))
     assert {"serve", "worker", "edge", "engine-sim"} <= top_level

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from regions.edge.cold import ColdConfig, ColdHolds, Released
+from regions.edge.cold import ColdConfig, ColdHolds, Released, make_room
 from regions.edge.errors import EdgeError
 from regions.tables.schema import ColdModel, RoutingTable
 
@@ -126,3 +126,48 @@ def test_reports_group_adapters_under_their_model_and_forget_quiet_ones() -> Non
     assert cold.report() == []
     cold.arrived("qwen", 100.0)
     assert nudges == [1, 1, 1]  # after a quiet period the first request beats again
+
+
+@pytest.mark.parametrize(
+    ("held", "tenant", "capacity", "gives_way"),
+    [
+        ({"a": 4}, "b", 4, "a"),  # a flood gives way to a newcomer (share 2 each)
+        ({"a": 2, "b": 2}, "b", 4, None),  # b has its share already
+        ({"a": 2, "b": 2}, "c", 4, "b"),  # shares of 1 now: the most held (ties: by name)
+        ({"a": 3, "b": 1}, "b", 4, "a"),
+        ({"a": 1, "b": 1, "c": 1, "d": 1}, "e", 4, None),  # more tenants than places
+        ({"": 4}, "", 4, None),  # one tenant (admission off): the plain bound
+    ],
+)
+def test_a_full_line_makes_room_only_for_a_tenant_below_its_share(
+    held: dict[str, int], tenant: str, capacity: int, gives_way: str | None
+) -> None:
+    assert make_room(held, tenant, capacity) == gives_way
+
+
+@sync
+async def test_one_tenant_flooding_the_line_never_refuses_another() -> None:
+    """Tenant a fills the line alone; b's request is held all the same (a's newest gives way
+    with 503 ``model_cold``), and a cannot take its place back."""
+    cold, _ = holds(max_held=4)
+    flood = [asyncio.create_task(cold.hold("qwen", "a")) for _ in range(4)]
+    await asyncio.sleep(0.01)
+    assert cold.held("qwen") == 4
+    other = asyncio.create_task(cold.hold("qwen", "b"))
+    await asyncio.sleep(0.01)
+    with pytest.raises(EdgeError, match="shared by its tenants") as gave_way:
+        await flood[-1]
+    assert (gave_way.value.status, gave_way.value.code) == (503, "model_cold")
+    assert cold.held("qwen") == 4 and not other.done()
+    with pytest.raises(EdgeError, match="already waiting"):  # a holds 3, over its share of 2
+        await cold.hold("qwen", "a")
+    second = asyncio.create_task(cold.hold("qwen", "b"))  # b below its share: a gives way again
+    await asyncio.sleep(0.01)
+    with pytest.raises(EdgeError, match="shared by its tenants"):
+        await flood[-2]
+    with pytest.raises(EdgeError, match="already waiting"):  # b has its share too
+        await cold.hold("qwen", "b")
+    cold.load(WARM)
+    cold.release({"qwen"})
+    assert all(t >= 0.0 for t in await asyncio.gather(*flood[:2], other, second))
+    assert cold.held("qwen") == 0

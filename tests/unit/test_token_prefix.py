@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry
 from regions.edge.kv_events import EngineCache, KvEventHub, KvEventSubscriber
 from regions.edge.prefix_index import PrefixIndex
 from regions.edge.scheduler import Candidate, RouteRequest, SchedulerConfig, score
-from regions.edge.token_prefix import RECENT_S, TokenPrefixes
+from regions.edge.token_prefix import CHARS_PER_ID, RECENT_S, TokenPrefixes, token_id_head
 from regions.engines.block_hash import DEFAULT_SEED, block_hashes, none_hash
 from regions.engines.prompt_tokens import ModelTokenizer
 from regions.engines.simulator.bench_tokenizer import build
@@ -190,3 +190,25 @@ def test_a_busy_tokenizer_thread_leaves_requests_to_the_estimate_instead_of_a_li
     assert asyncio.run(tokenize()) is None
     assert registry.get_sample_value("fedinfer_edge_tokenize_skipped_total", {"model": MODEL}) == 1
     exact.close()
+
+
+def test_a_token_id_prompt_is_cut_where_the_text_cut_would_leave_a_text_prompt(
+    tmp_path: Path,
+) -> None:
+    """ids come tokenized: they are cut to ``max_chars // CHARS_PER_ID`` (the text path's cut
+    in tokens) before being checked and hashed, and placement is told the count is not whole;
+    a shorter id prompt is used whole."""
+    tok = ModelTokenizer(build(tmp_path), max_chars=4000)
+    cap = 4000 // CHARS_PER_ID
+    exact = TokenPrefixes({MODEL: tok}, hub_with(A), DEFAULT_SEED)
+    long_ids = [(7 * i) % 1000 + 1 for i in range(1_000_000)]  # a 4 MiB body's worth
+    cut = exact.prompt(MODEL, "completions", {"prompt": long_ids}, None, {16})
+    assert cut is not None and not cut.complete
+    assert list(cut.ids) == long_ids[:cap]
+    assert cut.hashes(16) == block_hashes(
+        long_ids[:cap], 16, none_hash(), max_blocks=(cap - 1) // 16
+    )
+    whole = exact.prompt(MODEL, "completions", {"prompt": long_ids[:cap]}, None, {16})
+    assert whole is not None and whole.complete and len(whole.ids) == cap
+    assert token_id_head("completions", {"prompt": "x" * 10_000}, cap) is None  # text: its own cut
+    assert token_id_head("chat", {"prompt": long_ids}, cap) is None

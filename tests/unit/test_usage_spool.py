@@ -124,3 +124,29 @@ def test_acknowledging_an_older_cursor_changes_nothing(tmp_path: Path) -> None:
 def test_a_bound_smaller_than_a_segment_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError):
         UsageSpool(tmp_path, max_bytes=10, segment_bytes=100)
+
+
+def mode(path: Path) -> int:
+    return path.stat().st_mode & 0o777
+
+
+def test_the_spool_is_readable_by_the_edges_user_alone(tmp_path: Path) -> None:
+    """Records name tenants, models and request ids: directory 0700, every file 0600, whatever
+    the umask; a spool an older edge left readable (0755/0644) is closed when it is opened."""
+    directory = tmp_path / "spool"
+    spool = UsageSpool(directory)
+    spool.append(row(1))
+    spool.write(spool.take_buffer())
+    spool.ack(spool.read(10).end)
+    spool.persist()
+    spool.close()
+    files = sorted(directory.iterdir())
+    assert [p.name for p in files] == ["acked", "usage-000000000000.jsonl"]
+    assert mode(directory) == 0o700
+    assert [mode(p) for p in files] == [0o600, 0o600]
+    directory.chmod(0o755)
+    for path in files:
+        path.chmod(0o644)
+    UsageSpool(directory).close()
+    assert mode(directory) == 0o700
+    assert [mode(p) for p in files] == [0o600, 0o600]
