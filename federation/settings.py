@@ -66,6 +66,7 @@ INSTALLED_APPS = [
 MIDDLEWARE = [
     "federation.core.metrics.RequestMetricsMiddleware",
     "django.middleware.security.SecurityMiddleware",
+    "federation.core.csp.ContentSecurityPolicyMiddleware",
     "federation.api.middleware.RequestBodyLimitMiddleware",
     "whitenoise.middleware.WhiteNoiseMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",

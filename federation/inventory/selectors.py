@@ -3,9 +3,12 @@ listing N rows costs a constant number of queries."""
 
 from __future__ import annotations
 
-from django.db.models import F, IntegerField, QuerySet, Sum, Value
+from typing import Any
+
+from django.db.models import F, IntegerField, Q, QuerySet, Sum, Value
 from django.db.models.functions import Coalesce
 
+from federation.core.roles import TENANT_VIEWER, is_staff_role, role_of, tenant_id_of
 from federation.inventory.models import (
     AcceleratorType,
     Deployment,
@@ -56,7 +59,18 @@ def model_list() -> QuerySet[LanguageModel]:
 
 
 def adapter_list() -> QuerySet[LoraAdapter]:
-    return LoraAdapter.objects.select_related("base_model")
+    return LoraAdapter.objects.select_related("base_model", "owner")
+
+
+def adapters_visible_to(*, user: Any) -> QuerySet[LoraAdapter]:
+    """Every adapter for staff; for a tenant viewer the public ones and its tenant's own (any
+    other is absent: 404, as if it did not exist); none for anyone else."""
+    qs = adapter_list()
+    if is_staff_role(user):
+        return qs
+    if role_of(user) == TENANT_VIEWER:
+        return qs.filter(Q(owner__isnull=True) | Q(owner_id=tenant_id_of(user)))
+    return qs.none()
 
 
 def deployment_list() -> QuerySet[Deployment]:

@@ -474,6 +474,21 @@ def _plan_of(snapshot: FleetSnapshot, plan: FleetPlan | None) -> FleetPlan:
     return memo
 
 
+def with_adapter_prices(
+    prices: Mapping[str, schema.ModelPrice], bases: Mapping[str, str]
+) -> dict[str, schema.ModelPrice]:
+    """List prices with every adapter of a priced base model at its base's price, sorted.
+
+    An edge prices a request for an adapter at its base model's price when an instance here
+    serves it; one that is cold (loaded where its demand appears) names no base in the table,
+    and was held at no price at all — a budget did not stop it."""
+    priced = dict(prices)
+    for adapter, base in bases.items():
+        if base in prices and adapter not in prices:
+            priced[adapter] = prices[base]
+    return dict(sorted(priced.items()))
+
+
 def region_table(
     snapshot: FleetSnapshot,
     *,
@@ -506,10 +521,13 @@ def region_table(
     cold = _cold_models(snapshot, plan, region)
     # Rate limits are shared by the region's live edges (1/n each): more than one needs schema 5.
     local_edges = min(max(1, len(plan.regions[region].edges)), schema.MAX_LOCAL_EDGES)
-    # Cold models or several local edges need schema 5, several edges per remote 4, budgets 3, a
-    # ramp 2; without any of them the table stays readable by schema-1 edges.
+    private = dict(sorted(snapshot.private_adapters.items()))
+    # Private adapters need schema 6, cold models or several local edges 5, several edges per
+    # remote 4, budgets 3, a ramp 2; without any of them the table stays readable by schema 1.
     version_needed = (
-        schema.COLD_SCHEMA_VERSION
+        schema.PRIVATE_ADAPTERS_SCHEMA_VERSION
+        if private
+        else schema.COLD_SCHEMA_VERSION
         if cold or local_edges > 1
         else schema.EDGES_SCHEMA_VERSION
         if any(r.edges for r in remotes)
@@ -530,9 +548,12 @@ def region_table(
         residency_classes=classes,
         tenants=plan.tenant_entries,
         ramp=_r(own),
-        prices=dict(sorted(snapshot.prices.items())) if plan.budgeted else {},
+        prices=with_adapter_prices(snapshot.prices, snapshot.adapter_bases)
+        if plan.budgeted
+        else {},
         cold_models=cold,
         local_edges=local_edges,
+        private_adapters=private,
     )
 
 

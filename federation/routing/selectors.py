@@ -385,7 +385,20 @@ def fleet_snapshot(
         cold=cold_rows(),
         loadable_adapters=loadable_adapters(),
         adapter_load_s=float(settings.FEDINFER_ADAPTER_LOAD_SECONDS),
+        private_adapters=private_adapters(),
+        adapter_bases=adapter_bases() if list_prices else {},
     )
+
+
+def private_adapters() -> dict[str, tuple[str, ...]]:
+    """Adapter -> the tenants that may use it, for every adapter a tenant owns."""
+    owned = LoraAdapter.objects.filter(owner__isnull=False).values_list("name", "owner__slug")
+    return {name: (slug,) for name, slug in owned.order_by("name")}
+
+
+def adapter_bases() -> dict[str, str]:
+    """Adapter -> the name of its base model, for every registered adapter."""
+    return dict(LoraAdapter.objects.values_list("name", "base_model__name").order_by("name"))
 
 
 def loadable_adapters() -> tuple[tuple[str, str], ...]:

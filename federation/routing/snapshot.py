@@ -131,6 +131,12 @@ class FleetSnapshot:
     #: model of the region (loaded where its demand appears), expected to take ``adapter_load_s``.
     loadable_adapters: tuple[tuple[str, str], ...] = ()
     adapter_load_s: float = 30.0
+    #: Adapter -> the tenants (slugs) that may use it, for adapters owned by a tenant (an
+    #: adapter not listed is public): the tables' ``private_adapters`` (schema 6).
+    private_adapters: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    #: Adapter -> its base model, for pricing: an adapter costs what its base model does,
+    #: also where it is cold (no instance names its base yet). Loaded when budgets are on.
+    adapter_bases: Mapping[str, str] = field(default_factory=dict)
     #: Memo of :func:`fleet_plan` by latency penalty, so that compiling region after region
     #: of one snapshot solves the demand split once (a snapshot is not changed once built).
     plans: dict[float, FleetPlan] = field(default_factory=dict, compare=False, repr=False)

@@ -155,9 +155,14 @@ class Admission:
         #: unless ``shares`` (from the edges' demand, ``peer_load.py``) says otherwise.
         self.local_edges = 1
         self.shares: dict[str, float] = {}
+        #: Adapter -> the tenants that may use it (the table's ``private_adapters``).
+        self.private_adapters: dict[str, frozenset[str]] = {}
 
     def load(self, table: RoutingTable, now: float) -> None:
         """Rebuild from ``table`` (``now``: monotonic seconds, for new buckets)."""
+        self.private_adapters = {
+            name: frozenset(tenants) for name, tenants in table.private_adapters.items()
+        }
         if table.tenants is None:
             self.enabled = False
             self.by_hash = {}
@@ -250,7 +255,16 @@ class Admission:
         self.rate(state, cost_tokens, now)
 
     def policy(self, state: TenantState, model: str) -> None:
-        """Budget and the table's residency refusal of ``model`` (403s)."""
+        """Another tenant's private adapter (404, as if it did not exist), budget and the
+        table's residency refusal of ``model`` (403s)."""
+        owners = self.private_adapters.get(model)
+        if owners is not None and state.slug not in owners:
+            raise EdgeError(
+                404,
+                f"The model `{model}` does not exist in region {self.region}.",
+                "model_not_found",
+                "model",
+            )
         if state.budget_state == "exhausted":
             raise EdgeError(
                 403,

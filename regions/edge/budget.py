@@ -105,7 +105,11 @@ class Budgets:
             prices[policy.tenant] = {**table.prices, **budget.prices}
         self._accounts = accounts
         self._prices = prices
-        self._base = {a: i.model for i in table.instances for a in (i.model, *i.adapters)}
+        # An adapter is priced as its base model, also while its deployment is cold (a
+        # loadable adapter alone in the cold list is priced by name: the table's prices).
+        base = {a: c.model for c in table.cold_models for a in c.adapters}
+        base.update((a, i.model) for i in table.instances for a in (i.model, *i.adapters))
+        self._base = base
 
     def reserve(
         self,

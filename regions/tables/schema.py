@@ -30,12 +30,15 @@ COLD_SCHEMA_VERSION = 5
 #: Schema 5 also carries ``local_edges``: how many live edges this region runs, so each edge
 #: enforces its share of a tenant's rate limit (``regions/edge/admission.py``).
 LOCAL_EDGES_SCHEMA_VERSION = COLD_SCHEMA_VERSION
+#: Schema 6 is schema 5 plus the adapters only some tenants may use (``private_adapters``).
+PRIVATE_ADAPTERS_SCHEMA_VERSION = 6
 READABLE_SCHEMA_VERSIONS = (
     SCHEMA_VERSION,
     RAMP_SCHEMA_VERSION,
     BUDGET_SCHEMA_VERSION,
     EDGES_SCHEMA_VERSION,
     COLD_SCHEMA_VERSION,
+    PRIVATE_ADAPTERS_SCHEMA_VERSION,
 )
 #: Longest cold start a table may announce (a day: weights of any size, a slow disk).
 MAX_COLD_START_S = 86_400.0
@@ -282,6 +285,9 @@ class RoutingTable(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     #: This region's live edges (schema 5; 1 when absent): each enforces 1/n of every rate
     #: limit, so n edges behind a balancer admit a tenant's limit, not n times it.
     local_edges: int = 1
+    #: Adapter name -> the only tenants (slugs, sorted) that may use it (schema 6). An adapter
+    #: not listed is public; to any other tenant a listed one does not exist (404).
+    private_adapters: dict[str, tuple[str, ...]] = msgspec.field(default_factory=dict)
 
 
 _decoder = msgspec.json.Decoder(RoutingTable)
@@ -321,6 +327,8 @@ def encode_table(
         del document["cold_models"]  # nothing cold: readable by schema-4 edges
     if table.local_edges == 1:
         del document["local_edges"]  # one edge: readable by schema-4 edges
+    if not table.private_adapters:
+        del document["private_adapters"]  # every adapter public: readable by schema-5 edges
     for remote in document["remote_regions"]:
         if remote["ramp"] == 1.0:
             del remote["ramp"]
@@ -364,6 +372,7 @@ def validate_table(table: RoutingTable) -> None:
     for model, price in table.prices.items():
         _validate_price(f"prices[{model!r}]", price, table.schema_version)
     _validate_cold(table)
+    _validate_private_adapters(table)
     codes: set[str] = set()
     for remote in table.remote_regions:
         if remote.code == table.region or remote.code in codes:
@@ -389,6 +398,19 @@ def _validate_cold(table: RoutingTable) -> None:
             seen.add(name)
         if not 0 < cold.cold_start_s <= MAX_COLD_START_S:
             raise TableError(f"{where}: cold_start_s must be within (0, {MAX_COLD_START_S:g}]")
+
+
+def _validate_private_adapters(table: RoutingTable) -> None:
+    if not table.private_adapters:
+        return
+    if table.schema_version < PRIVATE_ADAPTERS_SCHEMA_VERSION:
+        raise TableError(f"private_adapters need schema_version {PRIVATE_ADAPTERS_SCHEMA_VERSION}")
+    if table.tenants is None:
+        # Without admission no request has a tenant: a private adapter would be everyone's.
+        raise TableError("private_adapters need a tenants section (admission)")
+    for name, tenants in table.private_adapters.items():
+        if not name or not tenants or any(not t for t in tenants):
+            raise TableError(f"private adapter {name!r}: a name and at least one tenant")
 
 
 def _validate_ramps(table: RoutingTable) -> None:

@@ -54,11 +54,38 @@ def redis_4(settings: Any) -> Iterator[None]:
         yield
 
 
+#: Page -> what the browser refused under the Content-Security-Policy, across navigations.
+CSP_VIOLATIONS: dict[Page, list[str]] = {}
+#: Runs before the page's own scripts (Playwright injects it, the page's CSP does not apply).
+REPORT_VIOLATIONS = """
+document.addEventListener("securitypolicyviolation", (e) => window.reportCspViolation(
+  `${e.violatedDirective} ${e.blockedURI} ${e.sourceFile}:${e.lineNumber}`));
+"""
+
+
+def watch_csp(page: Page) -> list[str]:
+    """Collect the page's CSP violations: the DOM event, and Chromium's "Refused to …"."""
+    seen: list[str] = []
+    page.expose_binding("reportCspViolation", lambda _source, what: seen.append(what))
+    page.add_init_script(REPORT_VIOLATIONS)
+    page.on(
+        "console",
+        lambda msg: (
+            seen.append(msg.text)
+            if "Content Security Policy" in msg.text or "Refused to" in msg.text
+            else None
+        ),
+    )
+    CSP_VIOLATIONS[page] = seen
+    return seen
+
+
 def log_in(browser: Browser, base: str, username: str) -> Page:
     page = browser.new_context(
         viewport={"width": 1366, "height": 860}, accept_downloads=True
     ).new_page()
     page.set_default_timeout(EXPECT_MS)
+    watch_csp(page)
     page.goto(base + "/")
     expect(page).to_have_url(re.compile(r"/console/login/\?next="))
     page.get_by_label("Username").fill(username)
@@ -192,6 +219,11 @@ def test_console_end_to_end(procs: Supervisor, browser: Browser, settings: Any) 
     page.get_by_role("button", name="Create key").click()
     secret = page.get_by_label("Secret").input_value()
     assert secret.startswith("fi_")
+    # Focusing the secret selects it (console.js, once an onfocus attribute).
+    page.get_by_label("Secret").focus()
+    box = "document.getElementById('secret')"
+    selected = f"() => [{box}.selectionStart, {box}.selectionEnd]"
+    assert page.evaluate(selected) == [0, len(secret)]
     key = ApiKey.objects.get(tenant__slug="acme-us", name="e2e")
     page.get_by_role("link", name="Done").click()
     expect(page.locator("#keys")).to_contain_text(key.prefix)
@@ -208,6 +240,26 @@ def test_console_end_to_end(procs: Supervisor, browser: Browser, settings: Any) 
     assert rows and {"day", "model", "price_usd", "cost_usd"} <= set(rows[0])
     nav(page, "Costs")
     expect(page.locator("#cost-chart-area[data-drawn=true] canvas")).to_have_count(1)
+
+    # 6b. The routing table's version picker (console.js, once an onchange attribute), and the
+    #     Content-Security-Policy: every page above ran under it, and the browser refused nothing
+    #     (htmx's polls and swaps, uPlot's charts, the previews and actions all worked).
+    versions = RoutingTableVersion.objects.filter(region__code="us-east").order_by("version")
+    oldest = versions.values_list("version", flat=True).first()
+    answer = page.goto(base + "/console/routing/us-east/")
+    assert answer is not None
+    assert "script-src 'self'" in answer.headers["content-security-policy"]
+    assert "unsafe-inline" not in answer.headers["content-security-policy"]
+    page.locator("#version-pick").select_option(str(oldest))
+    expect(page).to_have_url(re.compile(rf"\?v={oldest}$"))
+    expect(page.locator("#table-version")).to_have_text(f"v{oldest}")
+    nav(page, "Overview")
+    expect(page.locator("#overview-grid .meter .fill").first).to_have_class(re.compile(r"\bw-\d+"))
+    # htmx's poll swaps the grid in again (a new time stamp) under the policy.
+    grid = page.locator("#overview-grid")
+    expect(grid).not_to_have_attribute("data-updated", grid.get_attribute("data-updated") or "")
+    assert page.locator("head style").count() == 0  # htmx injected no indicator <style>
+    assert CSP_VIOLATIONS[page] == []
 
     # 7. A tenant viewer: its own tenant only; no fleet pages, no actions.
     viewer = log_in(browser, base, "globex-eu-viewer")
@@ -236,3 +288,4 @@ def test_console_end_to_end(procs: Supervisor, browser: Browser, settings: Any) 
     other_key.refresh_from_db()
     assert other_key.revoked_at is None
     assert httpx.get(base + "/console/overview/", follow_redirects=False).status_code == 302
+    assert CSP_VIOLATIONS[viewer] == []

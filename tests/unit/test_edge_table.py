@@ -83,7 +83,7 @@ def test_reserved_issue_4_fields_decode() -> None:
 @pytest.mark.parametrize(
     ("mutate", "message"),
     [
-        (lambda d: d.update(schema_version=6), "schema_version"),
+        (lambda d: d.update(schema_version=7), "schema_version"),
         (lambda d: d.update(cold_models=[{"model": "qwen"}]), "cold_models need schema_version"),
         (
             lambda d: d.update(schema_version=5, cold_models=[{"model": "llama"}]),

@@ -6,15 +6,17 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from django.db.models import Model
+from django.db.models import Model, QuerySet
 from drf_spectacular.utils import extend_schema, extend_schema_view
 from rest_framework import status
 from rest_framework.decorators import action
 from rest_framework.request import Request
 from rest_framework.response import Response
+from rest_framework.serializers import BaseSerializer
 
 from federation.api.schema import crud_schema
 from federation.api.views import ReadViewSet, ServiceViewSet
+from federation.core.roles import is_staff_role
 from federation.inventory import filters, selectors, services
 from federation.inventory.api import serializers as s
 from federation.inventory.models import (
@@ -137,7 +139,8 @@ class LanguageModelViewSet(ServiceViewSet):
 
 @crud_schema(out=s.AdapterOutput, create=s.AdapterInput, update=s.AdapterInput)
 class AdapterViewSet(ServiceViewSet):
-    """LoRA adapters of base models."""
+    """LoRA adapters of base models. A tenant viewer sees the public ones and its tenant's
+    own, never their ``source``; another tenant's is a 404."""
 
     tenant_viewer_readable = True
     queryset = LoraAdapter.objects.none()
@@ -147,6 +150,14 @@ class AdapterViewSet(ServiceViewSet):
     update_input = s.AdapterInput
     filterset_class = filters.AdapterFilter
     ordering_fields = ("name", "rank", "created_at")
+
+    def get_queryset(self) -> QuerySet[LoraAdapter]:
+        return selectors.adapters_visible_to(user=self.request.user)
+
+    def get_serializer_class(self) -> type[BaseSerializer]:
+        if is_staff_role(self.request.user):
+            return s.AdapterOutput
+        return s.AdapterTenantOutput
 
     def create_object(self, data: dict[str, Any]) -> Model:
         return services.adapter_create(actor=self.request.user, **data)

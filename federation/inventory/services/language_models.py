@@ -121,9 +121,16 @@ def model_delete(*, actor: Actor, model: LanguageModel) -> None:
 
 @transaction.atomic
 def adapter_create(
-    *, actor: Actor, base_model: LanguageModel, name: str, rank: int, source: str
+    *,
+    actor: Actor,
+    base_model: LanguageModel,
+    name: str,
+    rank: int,
+    source: str,
+    owner: Any | None = None,
 ) -> LoraAdapter:
-    adapter = LoraAdapter(base_model=base_model, name=name, rank=rank, source=source)
+    """``owner``: the tenant the adapter is private to (None: public)."""
+    adapter = LoraAdapter(base_model=base_model, name=name, rank=rank, source=source, owner=owner)
     model_validate(adapter)
     model_save(adapter)
     audit_record(actor=actor, action="adapter.create", obj=adapter)
@@ -133,7 +140,7 @@ def adapter_create(
 @transaction.atomic
 def adapter_update(*, actor: Actor, adapter: LoraAdapter, data: Mapping[str, Any]) -> LoraAdapter:
     adapter = model_lock(adapter)
-    diff = model_apply(adapter, data, updatable=("base_model", "name", "rank", "source"))
+    diff = model_apply(adapter, data, updatable=("base_model", "name", "rank", "source", "owner"))
     errors: Errors = {}
     if "base_model" in diff:
         users = list(adapter.deployments.values_list("pk", flat=True))

@@ -1,0 +1,71 @@
+"""The Content-Security-Policy of every response the control plane serves (console, admin,
+the API and its docs): scripts only from this origin, never inline, never ``eval``.
+
+The console and Django's admin need nothing more than ``'self'``: htmx, uPlot and the
+console's own scripts are static files, chart data rides in ``<script
+type="application/json">`` blocks (data, never executed), and no template has an inline
+script, an ``on*`` attribute or a ``style`` attribute (``tests/integration/test_console_csp.py``).
+Under ``/api/`` the browsable API's templates (DRF's) carry ``style`` attributes and Swagger UI
+an inline ``<style>`` and ``data:`` images in its stylesheet: styles and images are relaxed
+there, scripts are not (the docs page loads its init script from a URL,
+``SpectacularSwaggerSplitView``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from asgiref.sync import iscoroutinefunction, markcoroutinefunction
+from django.http import HttpRequest, HttpResponse
+
+HEADER = "Content-Security-Policy"
+
+_COMMON = (
+    "default-src 'self'",
+    "script-src 'self'",
+    "object-src 'none'",
+    "base-uri 'self'",
+    "frame-ancestors 'none'",
+    "form-action 'self'",
+)
+#: Console, admin and everything else.
+STRICT_POLICY = "; ".join((*_COMMON, "style-src 'self'", "img-src 'self'"))
+#: The browsable API and the Swagger UI docs (third-party templates): inline styles and
+#: ``data:`` images allowed, scripts still only from this origin.
+API_POLICY = "; ".join((*_COMMON, "style-src 'self' 'unsafe-inline'", "img-src 'self' data:"))
+API_PREFIX = "/api/"
+
+
+def policy_for(path: str) -> str:
+    """The policy a response to ``path`` carries."""
+    return API_POLICY if path.startswith(API_PREFIX) else STRICT_POLICY
+
+
+def _apply(request: HttpRequest, response: HttpResponse) -> HttpResponse:
+    # A view that sets its own policy keeps it.
+    if HEADER not in response:
+        response[HEADER] = policy_for(request.path)
+    return response
+
+
+class ContentSecurityPolicyMiddleware:
+    """Adds :func:`policy_for`'s policy to every response; sync or async like its chain."""
+
+    sync_capable = True
+    async_capable = True
+
+    def __init__(self, get_response: Callable[[HttpRequest], Any]) -> None:
+        self.get_response = get_response
+        self.is_async = iscoroutinefunction(get_response)
+        if self.is_async:
+            markcoroutinefunction(self)
+
+    def __call__(self, request: HttpRequest) -> Any:
+        if self.is_async:
+            return self._acall(request)
+        return _apply(request, self.get_response(request))
+
+    async def _acall(self, request: HttpRequest) -> HttpResponse:
+        get_response: Callable[[HttpRequest], Awaitable[HttpResponse]] = self.get_response
+        return _apply(request, await get_response(request))
