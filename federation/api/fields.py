@@ -11,12 +11,14 @@
 
 from __future__ import annotations
 
+import re
 from datetime import UTC, datetime
 from decimal import Decimal
 from typing import Any
 
 from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
+from rest_framework.relations import MANY_RELATION_KWARGS
 
 
 def to_utc(value: datetime) -> datetime:
@@ -64,10 +66,14 @@ class StrictIntegerField(serializers.IntegerField):
         return int(super().to_internal_value(data))
 
 
+#: An amount as a string: what the schema says, and all MoneyField takes as a string.
+MONEY_PATTERN = r"^\d{1,12}(?:\.\d{1,2})?$"
+
+
 @extend_schema_field(
     {
         "oneOf": [
-            {"type": "string", "format": "decimal", "pattern": r"^\d{1,12}(?:\.\d{1,2})?$"},
+            {"type": "string", "format": "decimal", "pattern": MONEY_PATTERN},
             {"type": "number", "minimum": 0, "maximum": 999_999_999_999.99},
         ],
         "nullable": True,
@@ -81,13 +87,46 @@ class MoneyField(serializers.DecimalField):
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(max_digits=14, decimal_places=2, min_value=Decimal(0), **kwargs)
 
+    def validate_empty_values(self, data: Any) -> tuple[bool, Any]:
+        # DRF reads a blank string as null when null is allowed; the schema says null, not ""
+        # (the API fuzzer's "schema-violating request accepted").
+        if isinstance(data, str) and not data.strip():
+            self.fail("invalid")
+        return super().validate_empty_values(data)
 
-class SlugLookupField(serializers.SlugRelatedField[Any]):
-    """A reference by slug (a region code, a tenant slug) that refuses NUL characters itself:
-    PostgreSQL cannot even compare text containing them, so the lookup would fail with a
-    server error."""
+    def to_internal_value(self, data: Any) -> Decimal:
+        # Decimal() also reads " 12 ", "1E2" and "0000000000000012": not amounts the schema
+        # describes.
+        if isinstance(data, str) and re.fullmatch(MONEY_PATTERN, data) is None:
+            self.fail("invalid")
+        value: Decimal = super().to_internal_value(data)
+        return value
+
+
+class StrictManyRelatedField(serializers.ManyRelatedField):
+    """A JSON array only: DRF iterates anything iterable, so ``{"eu-west": 1}`` read as the
+    list of its keys (the API fuzzer)."""
 
     def to_internal_value(self, data: Any) -> Any:
-        if isinstance(data, str) and "\x00" in data:
+        if not isinstance(data, list):
+            self.fail("not_a_list", input_type=type(data).__name__)
+        return super().to_internal_value(data)
+
+
+class SlugLookupField(serializers.SlugRelatedField[Any]):
+    """A reference by slug (a region code, a tenant slug): a JSON string (``0`` is not the
+    region ``"0"``), without NUL characters, which PostgreSQL cannot even compare, so the
+    lookup would fail with a server error; ``many=True`` takes a JSON array only."""
+
+    @classmethod
+    def many_init(cls, *args: Any, **kwargs: Any) -> StrictManyRelatedField:
+        list_kwargs: dict[str, Any] = {"child_relation": cls(*args, **kwargs)}
+        list_kwargs.update({k: v for k, v in kwargs.items() if k in MANY_RELATION_KWARGS})
+        return StrictManyRelatedField(**list_kwargs)
+
+    def to_internal_value(self, data: Any) -> Any:
+        if not isinstance(data, str):
+            self.fail("invalid")
+        if "\x00" in data:
             raise serializers.ValidationError("Null characters are not allowed.")
         return super().to_internal_value(data)

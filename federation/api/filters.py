@@ -49,6 +49,9 @@ class IntegerFilter(df.NumberFilter):
     field_class = forms.IntegerField
 
 
+_MULTIPLE_VALUE_FIELDS = (forms.MultipleChoiceField, forms.ModelMultipleChoiceField)
+
+
 class StrictFilterSet(df.FilterSet):
     FILTER_DEFAULTS = {
         **df.FilterSet.FILTER_DEFAULTS,
@@ -57,6 +60,21 @@ class StrictFilterSet(df.FilterSet):
         models.ForeignKey: {"filter_class": IntegerFilter},
         models.OneToOneField: {"filter_class": IntegerFilter},
     }
+
+    def is_valid(self) -> bool:
+        """Also refuse a single-value parameter given twice (``?pool=1&pool=2``): django-filter
+        would silently use the last one (the API fuzzer)."""
+        valid: bool = super().is_valid()
+        getlist = getattr(self.data, "getlist", None)
+        if getlist is None:
+            return valid
+        for name, filter_ in self.filters.items():
+            if issubclass(filter_.field_class, _MULTIPLE_VALUE_FIELDS) or len(getlist(name)) < 2:
+                continue
+            if name in self.form.fields and name not in self.form.errors:
+                self.form.add_error(name, "Give this parameter once.")
+            valid = False
+        return valid
 
 
 class UTCIsoDateTimeFormField(IsoDateTimeField):

@@ -25,6 +25,8 @@ class StrictFieldsMixin:
     * Integer and float fields take JSON numbers only: DRF would read ``false`` as 0 and
       ``"12"`` as 12. (Decimal fields take strings too: their schema says so, to keep
       precision.)
+    * String fields take JSON strings only: DRF would store ``{"name": 0}`` as "0" (the API
+      fuzzer).
     """
 
     def to_internal_value(self, data: Any) -> Any:
@@ -42,6 +44,12 @@ class StrictFieldsMixin:
                     and (isinstance(value, bool) or not isinstance(value, int | float))
                 ):
                     errors[name] = ["A number is required."]
+                elif (
+                    isinstance(field, serializers.CharField)
+                    and value is not None
+                    and not isinstance(value, str)
+                ):
+                    errors[name] = ["Not a valid string."]
             if errors:
                 raise serializers.ValidationError(errors)
         return super().to_internal_value(data)  # type: ignore[misc]

@@ -94,6 +94,19 @@ def test_input_is_strict_and_bounded(
     assert operator_client.post(APPLY, both, format="json").status_code == 400
 
 
+def test_demand_from_an_unknown_region_is_refused(
+    fleet_rows: dict[str, Any], operator_client: APIClient
+) -> None:
+    """Found by the API fuzzer (make schemathesis): the planner raised on the region's
+    missing residency class, a 500."""
+    body = {"demand": [demand("us-east", 10), demand("atlantis", 10)]}
+    for url in (PLAN, APPLY):
+        r = operator_client.post(url, body, format="json")
+        assert r.status_code == 400, r.content
+        assert "atlantis" in str(r.json()["demand"])
+    assert PlacementPlan.objects.count() == 0
+
+
 def test_a_plan_is_a_dry_run_and_reports_unserved_demand(
     fleet_rows: dict[str, Any], operator_client: APIClient, make_tenant: Any
 ) -> None:

@@ -269,6 +269,10 @@ def test_rotating_a_credential_revokes_the_old_one_and_stores_only_a_hash(
     assert edge_client(fleet.eu_credential).get(url).status_code == 401
     assert edge_client(new).get(url).status_code == 200
     assert admin_client.post("/api/v1/edges/999999/rotate-credential").status_code == 404
+    for malformed in ("null,null", "0.5", "%00", "99999999999999999999999"):
+        # The view's JSON 404, not the URL resolver's HTML page (the API fuzzer).
+        r = admin_client.post(f"/api/v1/edges/{malformed}/rotate-credential")
+        assert (r.status_code, r["Content-Type"]) == (404, "application/json"), malformed
     # Edge credentials are accepted by the table and heartbeat endpoints only.
     rotate = f"/api/v1/edges/{fleet.eu_edge.pk}/rotate-credential"
     assert edge_client(new).post(rotate).status_code == 401

@@ -159,10 +159,17 @@ def test_residency_is_checked_on_update_against_the_stored_policy(
         ({"slug": "ok", "name": "x", "tokens_per_minute": "lots"}, "tokens_per_minute"),
         ({"slug": "ok", "name": "x", "tokens_per_minute": 2**40}, "tokens_per_minute"),
         ({"slug": "ok", "name": "x", "monthly_budget_usd": "-1"}, "monthly_budget_usd"),
+        # blank is not null, nor is an amount with spaces or an exponent one (the API fuzzer)
+        ({"slug": "ok", "name": "x", "monthly_budget_usd": ""}, "monthly_budget_usd"),
+        ({"slug": "ok", "name": "x", "monthly_budget_usd": " 12 "}, "monthly_budget_usd"),
+        ({"slug": "ok", "name": "x", "monthly_budget_usd": "1E2"}, "monthly_budget_usd"),
         ({"slug": "ok", "name": "x", "allowed_jurisdictions": "EU"}, "allowed_jurisdictions"),
         ({"slug": "ok", "name": "x", "allowed_jurisdictions": ["eu"]}, "allowed_jurisdictions"),
         ({"slug": "ok", "name": "x", "allowed_regions": ["mars-1"]}, "allowed_regions"),
         ({"slug": "ok", "name": "x", "allowed_regions": ["eu\x00west"]}, "allowed_regions"),
+        # an object is not a list of its keys, a number not a code (the API fuzzer)
+        ({"slug": "ok", "name": "x", "allowed_regions": {"eu-west": 1}}, "allowed_regions"),
+        ({"slug": "ok", "name": "x", "allowed_regions": [{"code": "eu-west"}]}, "allowed_regions"),
         ({"slug": "ok", "name": "x", "is_active": "perhaps"}, "is_active"),
         ({"slug": "ok", "name": "x", "is_active": 0}, "is_active"),
         ({"slug": "ok", "name": "x", "requests_per_minute": "600"}, "requests_per_minute"),
@@ -170,6 +177,7 @@ def test_residency_is_checked_on_update_against_the_stored_policy(
         ({"slug": "ok", "name": "x", "requests_per_minute": True}, "requests_per_minute"),
         ({"slug": "ok", "name": "x", "rpm": 10}, "rpm"),
         ({"slug": 7, "name": ["x"]}, "name"),
+        ({"slug": "ok", "name": 0}, "name"),
         ({"name": "x"}, "slug"),
     ],
 )
@@ -181,6 +189,24 @@ def test_bad_tenant_input_is_a_400_naming_the_field_and_writes_nothing(
     assert response.status_code == 400, response.content
     assert field in errors_of(response)
     assert counts() == before
+
+
+def test_a_region_is_named_by_its_code_as_a_string(
+    admin_client: APIClient, regions: dict[str, Region]
+) -> None:
+    """A number is not the code it spells (the API fuzzer's region ``0``)."""
+    Region.objects.create(
+        code="7", name="seven", provider="cloud", latitude=0, longitude=0, jurisdiction="EU"
+    )
+    before = counts()
+    response = admin_client.post(
+        TENANTS, {"slug": "ok", "name": "x", "allowed_regions": [7]}, format="json"
+    )
+    assert response.status_code == 400, response.content
+    assert "allowed_regions" in errors_of(response)
+    assert counts() == before
+    ok = {"slug": "ok", "name": "x", "allowed_regions": ["7"]}
+    assert admin_client.post(TENANTS, ok, format="json").status_code == 201
 
 
 def test_duplicate_slug_is_a_409_conflict(

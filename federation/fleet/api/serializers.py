@@ -8,6 +8,7 @@ from typing import Any
 from rest_framework import serializers
 
 from federation.api.serializers import InputSerializer
+from federation.inventory.models import Region
 
 MAX_DEMAND_ROWS = 10_000
 #: A million tokens per second is far beyond any single model's traffic in a region.
@@ -37,6 +38,17 @@ class PlanInput(InputSerializer):
         "window_hours, else the edges' heartbeats).",
     )
     window_hours = serializers.IntegerField(min_value=1, max_value=168, default=3)
+
+    def validate_demand(self, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Demand comes from a region that exists: the planner has no residency class for
+        any other (the API fuzzer's 500)."""
+        named = {row["region"] for row in rows}
+        unknown = sorted(
+            named - set(Region.objects.filter(code__in=named).values_list("code", flat=True))
+        )
+        if unknown:
+            raise serializers.ValidationError(f"No such region: {', '.join(unknown[:5])}.")
+        return rows
 
 
 class ApplyInput(PlanInput):

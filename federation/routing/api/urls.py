@@ -21,7 +21,8 @@ urlpatterns = [
     ),
     path("edges/<str:name>/usage", EdgeUsageView.as_view(), name="edge-usage"),
     path(
-        "edges/<int:pk>/rotate-credential",
+        # Any segment reaches the view: a malformed id is its JSON 404, not the resolver's HTML.
+        "edges/<str:pk>/rotate-credential",
         views.EdgeCredentialRotateView.as_view(),
         name="edge-rotate-credential",
     ),

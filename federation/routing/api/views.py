@@ -9,6 +9,7 @@ from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_sche
 from rest_framework import status
 from rest_framework.authentication import SessionAuthentication
 from rest_framework.exceptions import NotFound, PermissionDenied, ValidationError
+from rest_framework.generics import get_object_or_404
 from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
@@ -199,6 +200,7 @@ class EdgeCredentialRotateView(APIView):
 
     @extend_schema(
         operation_id="edge_rotate_credential",
+        parameters=[OpenApiParameter("id", int, OpenApiParameter.PATH)],
         request=None,
         responses={
             200: s.EdgeCredentialOutput,
@@ -207,8 +209,9 @@ class EdgeCredentialRotateView(APIView):
             404: NOT_FOUND,
         },
     )
-    def post(self, request: Request, pk: int) -> Response:
-        edge: Edge = _lookup(Edge, pk=str(pk))
+    def post(self, request: Request, pk: str) -> Response:
+        nul_free_or_404(pk)
+        edge: Edge = get_object_or_404(Edge.objects.select_related("region"), pk=pk)
         credential = services.edge_credential_rotate(actor=request.user, edge=edge)
         out = {"id": edge.pk, "name": edge.name, "region": edge.region.code}
         return Response(s.EdgeCredentialOutput({**out, "credential": credential}).data)
