@@ -286,10 +286,10 @@ async def scrape_once(
     on_error: Callable[[str], None] | None = None,
 ) -> None:
     try:
-        resp = await client.get(url + "/metrics", timeout=board.scrape_timeout_s)
-        resp.raise_for_status()
-        engine = parse_vllm_metrics(resp.text)
-    except (httpx.HTTPError, ValueError) as exc:
+        async with asyncio.timeout(board.scrape_timeout_s):
+            text = await _metrics_text(client, url, board.scrape_timeout_s)
+        engine = parse_vllm_metrics(text)
+    except (httpx.HTTPError, ValueError, TimeoutError) as exc:
         # Health decides ejection; a failed scrape only lets the numbers go stale (and is
         # counted, so a parser that stopped understanding an engine shows on a dashboard).
         log.debug("scrape of %s failed: %s", instance, exc)
@@ -302,6 +302,27 @@ async def scrape_once(
         shared = board.on_scraped
         if shared is not None:
             shared(instance, engine)
+
+
+#: An engine's ``/metrics`` longer than this is refused unread past it (vLLM's is tens of KiB,
+#: a few hundred with many adapters): a broken or hostile engine cannot make the edge buffer
+#: and parse megabytes on its event loop every scrape.
+MAX_METRICS_BYTES = 4 * 1024 * 1024
+
+
+async def _metrics_text(client: httpx.AsyncClient, url: str, timeout_s: float) -> str:
+    """The body of ``url/metrics``, at most :data:`MAX_METRICS_BYTES` (else ValueError); the
+    whole scrape, a body trickled byte by byte included, within the caller's deadline."""
+    async with client.stream("GET", url + "/metrics", timeout=timeout_s) as resp:
+        resp.raise_for_status()
+        chunks: list[bytes] = []
+        size = 0
+        async for chunk in resp.aiter_bytes():
+            size += len(chunk)
+            if size > MAX_METRICS_BYTES:
+                raise ValueError(f"/metrics longer than {MAX_METRICS_BYTES} bytes")
+            chunks.append(chunk)
+    return b"".join(chunks).decode("utf-8", "replace")
 
 
 async def scrape_loop(

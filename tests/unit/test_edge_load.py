@@ -5,11 +5,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections.abc import AsyncIterator
 
 import httpx
 
 from regions.edge.cli import build_parser, config_from_args
-from regions.edge.load import LoadBoard, scrape_loop, scrape_once
+from regions.edge.load import MAX_METRICS_BYTES, LoadBoard, scrape_loop, scrape_once
 from regions.engines.metrics import EngineLoad
 
 METRICS = """\
@@ -40,6 +41,64 @@ def test_a_scrape_uses_its_own_timeout_not_the_probe_clients() -> None:
     assert seen == [{"connect": 7.5, "read": 7.5, "write": 7.5, "pool": 7.5}]
     engine = board.loads["i-1"].engine
     assert engine is not None and engine.num_requests_running == 4
+
+
+def test_an_engines_metrics_past_the_bound_are_refused_unread_and_counted() -> None:
+    """A broken or hostile engine answering an endless /metrics: the edge stops reading at
+    MAX_METRICS_BYTES, takes no reading from it and counts the failed scrape."""
+    sent = 0
+
+    async def endless() -> AsyncIterator[bytes]:
+        nonlocal sent
+        yield METRICS.encode()
+        line = b"# padding " + b"x" * 65_000 + b"\n"
+        while True:
+            sent += len(line)
+            yield line
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, content=endless())
+
+    errors: list[str] = []
+
+    async def run() -> LoadBoard:
+        board = LoadBoard()
+        board.sync({"i-1": "m"})
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+            await scrape_once(client, board, "i-1", "http://engine", errors.append)
+        return board
+
+    board = asyncio.run(run())
+    assert errors == ["i-1"]
+    assert board.loads["i-1"].engine is None
+    assert MAX_METRICS_BYTES < sent < MAX_METRICS_BYTES + 2 * 65_011
+
+
+def test_an_engine_trickling_its_metrics_is_cut_at_the_scrape_timeout() -> None:
+    """httpx's read timeout is per read: a body trickled a byte at a time never hits it. The
+    whole scrape has the scrape timeout."""
+
+    async def trickle() -> AsyncIterator[bytes]:
+        while True:
+            await asyncio.sleep(0.01)
+            yield b"#"
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, content=trickle())
+
+    errors: list[str] = []
+
+    async def run() -> float:
+        board = LoadBoard(scrape_timeout_s=0.3)
+        board.sync({"i-1": "m"})
+        started = time.monotonic()
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+            await scrape_once(client, board, "i-1", "http://engine", errors.append)
+        return time.monotonic() - started
+
+    took = asyncio.run(run())
+    assert errors == ["i-1"]
+    assert took < 2.0
 
 
 def test_scrape_timeout_flag_is_separate_from_the_probe_timeout() -> None:
