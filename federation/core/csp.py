@@ -13,11 +13,8 @@ there, scripts are not (the docs page loads its init script from a URL,
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
-from typing import Any
-
-from asgiref.sync import iscoroutinefunction, markcoroutinefunction
 from django.http import HttpRequest, HttpResponse
+from django.utils.deprecation import MiddlewareMixin
 
 HEADER = "Content-Security-Policy"
 
@@ -49,23 +46,9 @@ def _apply(request: HttpRequest, response: HttpResponse) -> HttpResponse:
     return response
 
 
-class ContentSecurityPolicyMiddleware:
-    """Adds :func:`policy_for`'s policy to every response; sync or async like its chain."""
+class ContentSecurityPolicyMiddleware(MiddlewareMixin):
+    """Adds :func:`policy_for`'s policy to every response (``MiddlewareMixin``: sync or async
+    like its chain, so the long poll's async view stays async)."""
 
-    sync_capable = True
-    async_capable = True
-
-    def __init__(self, get_response: Callable[[HttpRequest], Any]) -> None:
-        self.get_response = get_response
-        self.is_async = iscoroutinefunction(get_response)
-        if self.is_async:
-            markcoroutinefunction(self)
-
-    def __call__(self, request: HttpRequest) -> Any:
-        if self.is_async:
-            return self._acall(request)
-        return _apply(request, self.get_response(request))
-
-    async def _acall(self, request: HttpRequest) -> HttpResponse:
-        get_response: Callable[[HttpRequest], Awaitable[HttpResponse]] = self.get_response
-        return _apply(request, await get_response(request))
+    def process_response(self, request: HttpRequest, response: HttpResponse) -> HttpResponse:
+        return _apply(request, response)
