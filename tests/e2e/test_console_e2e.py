@@ -133,6 +133,9 @@ def test_console_end_to_end(procs: Supervisor, browser: Browser, settings: Any) 
 
     env = subprocess_env(REDIS_URL)
     env.pop(ASYNC_UNSAFE)
+    # As deployed: without debug pages (Django's technical 404 carries an inline <style>, which
+    # the policy refuses; production refuses FEDINFER_DEBUG anyway).
+    env["FEDINFER_DEBUG"] = "false"
     base, _ = serve(procs, env)
     worker = [FEDINFER, "worker", "--pool", "solo", "--without-gossip", "--without-mingle"]
     procs.start("worker", worker, env=env)
