@@ -178,5 +178,9 @@ def test_prometheus_scrapes_every_process_and_answers_the_key_series(
 
     # The repository's rules are loaded and evaluated.
     rules = httpx.get(f"{base}/api/v1/rules", timeout=5).json()["data"]["groups"]
-    assert {g["name"] for g in rules} == {"fedinfer-federation", "fedinfer-edges", "fedinfer-usage-trust"}
+    assert {g["name"] for g in rules} == {
+        "fedinfer-federation",
+        "fedinfer-edges",
+        "fedinfer-usage-trust",
+    }
     assert query(base, 'ALERTS{alertstate="firing"}') == []  # a healthy fleet
