@@ -124,6 +124,12 @@ class SlugLookupField(serializers.SlugRelatedField[Any]):
         list_kwargs.update({k: v for k, v in kwargs.items() if k in MANY_RELATION_KWARGS})
         return StrictManyRelatedField(**list_kwargs)
 
+    def run_validation(self, data: Any = serializers.empty) -> Any:
+        # DRF's related fields take "" for null; a reference is a slug or an explicit null.
+        if data == "":
+            raise serializers.ValidationError("This field may not be blank.")
+        return super().run_validation(data)
+
     def to_internal_value(self, data: Any) -> Any:
         if not isinstance(data, str):
             self.fail("invalid")

@@ -587,6 +587,11 @@ def test_admin_manages_users_and_roles(
             "tenant",
         ),
         ({"username": "a b!", "password": "correct-horse-battery", "role": "admin"}, "username"),
+        # An empty reference is not "no tenant" (DRF reads "" as null for related fields).
+        (
+            {"username": "v", "password": "correct-horse-battery", "role": "admin", "tenant": ""},
+            "tenant",
+        ),
         (
             {"username": "v", "password": "correct-horse-battery", "role": "admin", "email": "no"},
             "email",

@@ -15,6 +15,7 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
+from federation.api.schema import NOT_FOUND
 from federation.core.roles import is_staff_role
 from federation.fleet import placing
 from federation.fleet.api.serializers import ApplyInput, PlanInput, PlanOutput
@@ -54,7 +55,7 @@ class PlacementPlanView(APIView):
 class PlacementApplyView(APIView):
     permission_classes = [IsStaff]
 
-    @extend_schema(request=ApplyInput, responses={200: PlanOutput, 201: PlanOutput})
+    @extend_schema(request=ApplyInput, responses={200: PlanOutput, 201: PlanOutput, 404: NOT_FOUND})
     def post(self, request: Request) -> Response:
         """Apply a plan (200; again: nothing more happens), or plan and apply at once (201);
         409 when the fleet changed since the plan."""
