@@ -187,7 +187,8 @@ class ColdHolds:
         waiter: asyncio.Future[bool | None] = asyncio.get_running_loop().create_future()
         line.add(waiter, tenant)
         try:
-            served = await asyncio.wait_for(asyncio.shield(waiter), bound)
+            async with asyncio.timeout(bound):
+                served = await asyncio.shield(waiter)
         except TimeoutError:
             raise self.refusal(name, time.monotonic(), f"not ready within {bound:g} s") from None
         finally:

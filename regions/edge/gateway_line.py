@@ -95,7 +95,8 @@ class GatewayLines:
         waiter.fut = asyncio.get_running_loop().create_future()
         waiter.freed = None
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(waiter.fut, min(remaining, POLL_S))
+            async with asyncio.timeout(min(remaining, POLL_S)):
+                await waiter.fut
         return True
 
     def leave(self, line: Line, waiter: Waiter) -> None:

@@ -239,7 +239,8 @@ class PeerSync:
         try:
             while True:
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._changed.wait(), HEARTBEAT_S)
+                    async with asyncio.timeout(HEARTBEAT_S):
+                        await self._changed.wait()
                 self._changed.clear()
                 now = time.monotonic()
                 heard = len(self.peers.peers)

@@ -326,4 +326,5 @@ class TableSync:
             # A little jitter keeps a fleet of edges from beating in lockstep.
             pause = self.cfg.heartbeat_s * (0.9 + 0.2 * self.rand())
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._beat_now.wait(), pause)
+                async with asyncio.timeout(pause):
+                    await self._beat_now.wait()

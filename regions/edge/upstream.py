@@ -464,7 +464,10 @@ class UpstreamPool:
 
     async def _connect(self, key: str, origin: _Origin) -> _Connection:
         try:
-            _, conn = await asyncio.wait_for(
+            # wait_for, not asyncio.timeout: its task lets what a server sends on accept (bytes,
+            # a close) arrive before the request goes out. A cancellation landing in the very turn
+            # the connect completes is lost: that request then runs to its end for nobody.
+            _, conn = await asyncio.wait_for(  # noqa: TID251
                 self.loop.create_connection(
                     lambda: _Connection(self, key, origin),
                     origin.host,

@@ -3,6 +3,7 @@ publishes is counted here as if this edge had sent it, without drift or double c
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 
 import orjson
@@ -410,3 +411,21 @@ def test_a_report_carries_the_busiest_tenants_demand_within_what_peers_accept() 
     assert len(carried) == MAX_DEMANDS and "t0" not in carried and f"t{MAX_DEMANDS + 9}" in carried
     assert decode(encode("b", {}, carried)) is not None
     assert busiest({"acme": 1.0}) == {"acme": 1.0}
+
+
+def test_peer_sync_stops_when_a_change_and_the_stop_come_together() -> None:
+    """A board change wakes the publishing loop in the very step the edge stops it: the stop
+    must still end it. With ``asyncio.wait_for`` (Python 3.11) the cancellation was lost, the
+    loop went on publishing, and an edge worker never exited on SIGTERM."""
+
+    async def main() -> None:
+        sync = PeerSync(
+            "redis://127.0.0.1:1/0", "r1", peers_of(board_of()), CollectorRegistry(), keys=KEYS
+        )
+        sync.start()
+        await asyncio.sleep(0.05)  # both loops are waiting now
+        sync._changed.set()
+        async with asyncio.timeout(5):
+            await sync.stop()
+
+    asyncio.run(main())
