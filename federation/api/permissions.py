@@ -35,6 +35,21 @@ class IsStaffOrReadOnlyScoped(BasePermission):
         )
 
 
+class IsStaff(BasePermission):
+    """Admins and operators only, whatever the method: what the operator alone may see or do
+    (pool costs, placement plans, usage dead letters). A view says what in ``staff_only``."""
+
+    message = "Only admins and operators may do this."
+
+    def has_permission(self, request: Any, view: Any) -> bool:
+        if is_staff_role(request.user):
+            return True
+        what = getattr(view, "staff_only", None)
+        if what:
+            self.message = f"Only admins and operators {what}."
+        return False
+
+
 class IsAdmin(BasePermission):
     message = "Only admins may manage users and roles."
 

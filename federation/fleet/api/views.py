@@ -10,24 +10,16 @@ from typing import Any
 from drf_spectacular.utils import extend_schema
 from rest_framework import status
 from rest_framework.generics import ListAPIView, get_object_or_404
-from rest_framework.permissions import BasePermission
 from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
+from federation.api.permissions import IsStaff
 from federation.api.schema import NOT_FOUND
-from federation.core.roles import is_staff_role
 from federation.fleet import placing
 from federation.fleet.api.serializers import ApplyInput, PlanInput, PlanOutput
 from federation.fleet.models import PlacementPlan
 from federation.fleet.placement_inputs import DemandOverride
-
-
-class IsStaff(BasePermission):
-    message = "Only admins and operators may plan the fleet's placement."
-
-    def has_permission(self, request: Any, view: Any) -> bool:
-        return is_staff_role(request.user)
 
 
 def _override(data: dict[str, Any]) -> list[DemandOverride] | None:
@@ -38,6 +30,7 @@ def _override(data: dict[str, Any]) -> list[DemandOverride] | None:
 
 class PlacementPlanView(APIView):
     permission_classes = [IsStaff]
+    staff_only = "may plan the fleet's placement"
 
     @extend_schema(request=PlanInput, responses={201: PlanOutput})
     def post(self, request: Request) -> Response:
@@ -54,6 +47,7 @@ class PlacementPlanView(APIView):
 
 class PlacementApplyView(APIView):
     permission_classes = [IsStaff]
+    staff_only = "may plan the fleet's placement"
 
     @extend_schema(request=ApplyInput, responses={200: PlanOutput, 201: PlanOutput, 404: NOT_FOUND})
     def post(self, request: Request) -> Response:
@@ -78,5 +72,6 @@ class PlacementPlansView(ListAPIView[PlacementPlan]):
     applied it) and the operators' own."""
 
     permission_classes = [IsStaff]
+    staff_only = "may plan the fleet's placement"
     serializer_class = PlanOutput
     queryset = PlacementPlan.objects.all()

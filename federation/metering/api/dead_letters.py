@@ -11,27 +11,19 @@ from drf_spectacular.utils import OpenApiParameter, extend_schema
 from rest_framework import serializers
 from rest_framework.exceptions import ValidationError
 from rest_framework.generics import ListAPIView, get_object_or_404
-from rest_framework.permissions import BasePermission
 from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
+from federation.api.permissions import IsStaff
 from federation.api.schema import FORBIDDEN, NOT_FOUND, UNAUTHENTICATED
 from federation.api.views import nul_free_or_404
-from federation.core.roles import is_staff_role
 from federation.metering.models import UsageDeadLetter
 from federation.metering.selectors import usage_dead_letters
 from federation.metering.services import usage_dead_letter_replay
 
 #: How much of a document the listing shows (the whole of it stays in the database).
 PREVIEW_BYTES = 2048
-
-
-class IsStaff(BasePermission):
-    message = "Only admins and operators read and replay usage dead letters."
-
-    def has_permission(self, request: Any, view: Any) -> bool:
-        return is_staff_role(request.user)
 
 
 class DeadLetterOutput(serializers.ModelSerializer[UsageDeadLetter]):
@@ -70,6 +62,7 @@ class DeadLettersView(ListAPIView[UsageDeadLetter]):
     """Refused usage documents, newest first (``?source=stream|http``, ``?edge=``)."""
 
     permission_classes = [IsStaff]
+    staff_only = "read and replay usage dead letters"
     serializer_class = DeadLetterOutput
 
     @extend_schema(
@@ -94,6 +87,7 @@ class DeadLettersView(ListAPIView[UsageDeadLetter]):
 
 class DeadLetterReplayView(APIView):
     permission_classes = [IsStaff]
+    staff_only = "read and replay usage dead letters"
 
     @extend_schema(
         operation_id="usage_dead_letter_replay",

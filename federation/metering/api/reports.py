@@ -25,6 +25,7 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
+from federation.api.permissions import IsStaff
 from federation.api.schema import FIELD_ERRORS, FORBIDDEN, UNAUTHENTICATED
 from federation.core.csv_export import csv_attachment
 from federation.core.roles import TENANT_VIEWER, is_staff_role, role_of
@@ -81,13 +82,6 @@ class CanReadUsage(BasePermission):
 
     def has_permission(self, request: Any, view: Any) -> bool:
         return isinstance(request.auth, ApiKey) or role_of(request.user) is not None
-
-
-class IsStaff(BasePermission):
-    message = "Only admins and operators read pool costs."
-
-    def has_permission(self, request: Any, view: Any) -> bool:
-        return is_staff_role(request.user)
 
 
 def _moment(value: datetime | date) -> datetime:
@@ -206,6 +200,7 @@ class PoolCostReportView(APIView):
 
     authentication_classes = [TokenAuthentication, SessionAuthentication]
     permission_classes = [IsStaff]
+    staff_only = "read pool costs"
 
     @extend_schema(
         operation_id="pool_cost_report",
