@@ -212,9 +212,9 @@ def fill_month(n: int) -> float:
 
 
 def mark_month_stale() -> None:
-    from federation.metering.services import _mark_stale
+    from federation.metering.rollups import usage_hours_mark_stale
 
-    _mark_stale({MONTH + timedelta(hours=h) for h in range(30 * 24)})
+    usage_hours_mark_stale(MONTH + timedelta(hours=h) for h in range(30 * 24))
 
 
 def timed(fn: Any, runs: int = 5) -> float:
@@ -231,8 +231,8 @@ def bench_reports(n: int) -> dict[str, Any]:
     from django.db.models.functions import TruncDay
 
     from federation.metering.models import UsageRecord
+    from federation.metering.rollups import usage_hours_refresh
     from federation.metering.selectors import UsageQuery, pool_cost_report, usage_report
-    from federation.metering.services import usage_hours_refresh
 
     fill_s = fill_month(n)
     mark_month_stale()

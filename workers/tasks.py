@@ -14,7 +14,7 @@ from federation.core.metrics import USAGE_REJECTED
 from federation.fleet import placing
 from federation.fleet import services as fleet
 from federation.fleet.autoscaling import fleet_autoscale
-from federation.metering import services as metering
+from federation.metering import rollups
 from federation.metering.stream import usage_stream_consume
 from federation.routing import services as routing
 from workers.celery import app
@@ -65,8 +65,8 @@ def usage_ingest_task() -> int:
 )
 def usage_rollup_task() -> int:
     """Give every closed hour its rollup, then recompute the stale hours; how many."""
-    metering.usage_hours_close(now=timezone.now())
-    return len(metering.usage_hours_refresh(limit=200))
+    rollups.usage_hours_close(now=timezone.now())
+    return len(rollups.usage_hours_refresh(limit=200))
 
 
 @app.task(

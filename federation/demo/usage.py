@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
 from federation.inventory.models import Instance, PoolRevision
+from federation.metering import rollups
 from federation.metering import services as metering
 from federation.tenancy.models import Tenant
 from federation.tenancy.selectors import region_refs, tenant_permitted_regions
@@ -129,6 +130,6 @@ def load_usage_history(*, days: int, now: datetime, batch: int = 5_000) -> int:
     records = list(usage_history(days=days, now=now))
     for i in range(0, len(records), batch):
         metering.usage_ingest(documents=records[i : i + batch])
-    while metering.usage_hours_refresh(limit=200):
+    while rollups.usage_hours_refresh(limit=200):
         pass
     return len(records)

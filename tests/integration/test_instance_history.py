@@ -19,7 +19,8 @@ from federation.inventory.services import instance_delete, instance_transition
 from federation.inventory.speed import decode_tokens_per_s, prefill_tokens_per_s
 from federation.metering.cost import InstanceHour, pool_hour_cost, whole_hour
 from federation.metering.models import PoolHour, UsageHour
-from federation.metering.services import usage_hours_refresh, usage_ingest
+from federation.metering.rollups import usage_hours_refresh
+from federation.metering.services import usage_ingest
 from federation.tenancy.models import Tenant
 from regions.tables.usage import UsageRecord as Doc
 from regions.tables.usage import encode_record

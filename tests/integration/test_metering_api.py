@@ -16,7 +16,8 @@ from django.contrib.auth.models import User
 from rest_framework.test import APIClient
 
 from federation.metering.models import UsageHour
-from federation.metering.services import usage_hours_refresh, usage_ingest
+from federation.metering.rollups import usage_hours_refresh
+from federation.metering.services import usage_ingest
 from federation.tenancy import services as tenancy
 from federation.tenancy.models import ApiKey, Tenant
 from regions.tables.usage import encode_record

@@ -26,13 +26,9 @@ from federation.metering.models import (
 )
 from federation.metering.partitions import partition_name
 from federation.metering.pricing import Price
+from federation.metering.rollups import usage_hours_close, usage_hours_refresh
 from federation.metering.selectors import UsageQuery, pool_cost_report, usage_report
-from federation.metering.services import (
-    model_price_set,
-    usage_hours_close,
-    usage_hours_refresh,
-    usage_ingest,
-)
+from federation.metering.services import model_price_set, usage_ingest
 from federation.metering.stream import GROUP, usage_stream_consume
 from federation.tenancy.models import Tenant
 from regions.tables.usage import USAGE_STREAM, encode_record

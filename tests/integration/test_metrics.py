@@ -24,8 +24,9 @@ from rest_framework.test import APIClient
 from federation.inventory.models import Deployment, Region
 from federation.metering.models import UsageDeadLetter
 from federation.metering.pricing import Price
+from federation.metering.rollups import usage_hours_refresh
 from federation.metering.selectors import tenant_month_spend
-from federation.metering.services import model_price_set, usage_hours_refresh
+from federation.metering.services import model_price_set
 from federation.routing import services
 from federation.routing.models import RoutingTableVersion
 from federation.tenancy.models import Tenant

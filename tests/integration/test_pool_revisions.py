@@ -14,7 +14,8 @@ import pytest
 from federation.inventory.models import GPUPool, Instance, PoolRevision
 from federation.inventory.services import pool_delete, pool_update
 from federation.metering.models import FleetHour, PoolHour
-from federation.metering.services import usage_hours_refresh, usage_ingest
+from federation.metering.rollups import usage_hours_refresh
+from federation.metering.services import usage_ingest
 from federation.tenancy.models import Tenant
 from regions.tables.usage import UsageRecord as Doc
 from regions.tables.usage import encode_record
