@@ -40,7 +40,9 @@ Scenario ``skewed-90`` (4 engines, the top system prompt in over half of the ses
 load, fedinfer against the session-hash oracle) runs once per seed, 1, 2 and 3 by default,
 over 84 s of arrivals (its own duration: the others' 36 s left too few requests to judge a
 difference of a few per cent), and is also judged across its runs; alone:
-``python -m bench routing --scenario skewed-90``.
+``python -m bench routing --scenario skewed-90``. Scenario ``fast-90`` is the same shape on fast
+engines (an 8B model on one H100 each), with ``fedinfer-nolearn`` (the edge keeping the table's
+speeds) beside the default edge: where a single edge was unstable near saturation.
 
 Measured: TTFT (streaming, first content chunk) mean/p50/p90/p99, end-to-end latency,
 completed requests/s and output tokens/s in the window, prefix-cache hit rate from the engines'
@@ -97,6 +99,12 @@ EDGE_CPUS = {0}
 CLIENT_CPUS = {0}
 
 
+#: Edge flags of a policy beyond the default edge's: ``fedinfer-nolearn`` keeps the table's
+#: prefill speeds (no learning from the answers), the comparison that shows what learning
+#: costs. Run only when named in ``--policies``.
+NO_LEARN = {"fedinfer-nolearn": ("--no-learn-speeds",)}
+
+
 @dataclass(frozen=True)
 class Scenario:
     name: str
@@ -113,6 +121,10 @@ class Scenario:
     #: needs a longer window: over 24 s (~375 requests on 4 engines) one seed's mean moved by
     #: up to 17 % between runs, and its comparison with the oracle with it.
     duration_s: float = 0.0
+    #: The engines' model, accelerator and tensor-parallel size ("", 0: the config's).
+    model: str = ""
+    accelerator: str = ""
+    tp: int = 0
 
 
 SCENARIOS = (
@@ -121,6 +133,13 @@ SCENARIOS = (
     # Zipf(1.8) over 12 prompts gives the top one 58 % of the sessions; 4 engines at 90 %.
     Scenario("skewed-90", "zipf", 0.90, zipf_s=1.8, engines=4, seeds=(1, 2, 3),
              policies=("oracle", "fedinfer"), miscalibrated=False, duration_s=84.0),
+    # The same shape on fast engines (an 8B model on one H100: ~8 ms decode steps, TTFTs of
+    # tens of ms), where the edge's gateway line and its learned speeds weigh most: one run of
+    # the edge here queued 69 % of requests at the gateway (mean TTFT 2.3x the oracle's) and
+    # the next 52 % (1.26x); learning off 47 % (1.14x). Judged across its seeds.
+    Scenario("fast-90", "zipf", 0.90, zipf_s=1.8, engines=4, seeds=(1, 2, 3),
+             policies=("oracle", "fedinfer", "fedinfer-nolearn"), duration_s=84.0,
+             model="bench-llama-8b", accelerator="H100-80G", tp=1),
 )  # fmt: skip
 
 
@@ -270,7 +289,7 @@ def run_policy(
             edges = [
                 start_edge(pg, table, policy=edge_policy, cpus=EDGE_CPUS, model=cfg.model,
                            name=f"edge{k}", admits=True, workers=workers,
-                           extra=[*cfg.edge_args(),
+                           extra=[*cfg.edge_args(), *NO_LEARN.get(policy, ()),
                                   *routing_edges.peer_args(cfg.peer_redis_url, processes,
                                                           tmp / "peer-keys")])
                 for k in range(n_edges)
@@ -335,6 +354,7 @@ def run_policy(
     print(
         f"[{sc.name}/{cfg.seed}] {policy:12s} TTFT mean {result['ttft_mean_s'] * 1000:7.1f} ms  "
         f"p50 {result['ttft_p50_s'] * 1000:7.1f}  p99 {result['ttft_p99_s'] * 1000:7.1f}  "
+        f"ITL {result['itl_mean_s'] * 1000:.2f} ms  e2e {result['e2e_mean_s'] * 1000:.0f} ms  "
         f"hit {result['hit_rate']:.3f}  {result['completed_per_s']:.2f} req/s  "
         f"gateway wait {result['gateway_wait_mean_s'] * 1000:.1f} ms "
         f"({result['gateway_waited_share']:.0%} waited)  "
@@ -387,7 +407,15 @@ def run(
     for sc in scenarios:
         duration = cfg.duration_s if duration_given or not sc.duration_s else sc.duration_s
         cfgs = {
-            seed: replace(cfg, seed=seed, engines=sc.engines or cfg.engines, duration_s=duration)
+            seed: replace(
+                cfg,
+                seed=seed,
+                engines=sc.engines or cfg.engines,
+                duration_s=duration,
+                model=sc.model or cfg.model,
+                accelerator=sc.accelerator or cfg.accelerator,
+                tp=sc.tp or cfg.tp,
+            )
             for seed in seeds or sc.seeds or (cfg.seed,)
         }
         cal = shared_calibration({seed: calibrate(c, sc, logdir) for seed, c in cfgs.items()})
@@ -540,7 +568,9 @@ def main(argv: list[str] | None = None) -> None:
         peer_redis_url=a.peer_redis_url,
     )
     scen = tuple(s for s in SCENARIOS if s.name in a.scenarios.split(","))
-    pols = tuple(p for p in a.policies.split(",") if p in (*POLICIES, routing_edges.IDLE_EDGES))
+    pols = tuple(
+        p for p in a.policies.split(",") if p in (*POLICIES, routing_edges.IDLE_EDGES, *NO_LEARN)
+    )
     unknown = set(a.scenarios.split(",")) - {s.name for s in SCENARIOS}
     if unknown or not scen:
         ap.error(f"unknown scenario(s) {sorted(unknown)}; known: {[s.name for s in SCENARIOS]}")

@@ -62,8 +62,9 @@ def render(out: dict[str, Any]) -> str:
         + "; several edges share live load: "
         + ("yes (Redis pub/sub)" if out["config"].get("peer_redis_url") else "no"),
     ]
-    header = ["policy", "TTFT mean ms", "p50 ms", "p99 ms", "p99 incl. failures ms", "req/s",
-              "out tok/s", "hit rate", "max engine share", "errors/sent"]  # fmt: skip
+    header = ["policy", "TTFT mean ms", "p50 ms", "p99 ms", "p99 incl. failures ms",
+              "ITL mean ms", "e2e mean ms", "req/s", "out tok/s", "hit rate", "max engine share",
+              "errors/sent"]  # fmt: skip
     for name, s in out["scenarios"].items():
         cal = s["calibration"]
         lines += [
@@ -76,7 +77,8 @@ def render(out: dict[str, Any]) -> str:
         rows = [
             [
                 policy, _ms(r["ttft_mean_s"]), _ms(r["ttft_p50_s"]), _ms(r["ttft_p99_s"]),
-                _ms(r["ttft_p99_with_failures_s"]), fmt(r["completed_per_s"], 2),
+                _ms(r["ttft_p99_with_failures_s"]), fmt(r.get("itl_mean_s", math.nan) * 1000, 2),
+                _ms(r["e2e_mean_s"]), fmt(r["completed_per_s"], 2),
                 fmt(r["output_tokens_per_s"], 0), fmt(r["hit_rate"], 3),
                 fmt(r["max_engine_share"], 2), f"{r['errors']}/{r['sent']}",
             ]

@@ -82,6 +82,9 @@ def summarise(records: list[Record], lo: float, hi: float) -> dict[str, Any]:
     ok = [r for r in window if not r.error and r.status == 200]
     ttft = [r.ttft for r in ok]
     e2e = [r.e2e for r in ok]
+    # Inter-token latency per answer (vLLM's TPOT): its decode time over the tokens after the
+    # first. A placement that wins TTFT by slowing every stream's decode shows here.
+    itl = [(r.e2e - r.ttft) / (r.completion_tokens - 1) for r in ok if r.completion_tokens > 1]
     # Throughput: every request that *completed* inside the window, whenever it was sent.
     done_in = [r for r in records if not r.error and r.status == 200 and lo <= r.sent + r.e2e < hi]
     span = hi - lo
@@ -117,6 +120,8 @@ def summarise(records: list[Record], lo: float, hi: float) -> dict[str, Any]:
         "gateway_waited_share": sum(r.queue_s > 0.001 for r in ok) / len(ok) if ok else math.nan,
         "e2e_mean_s": statistics.fmean(e2e) if e2e else math.nan,
         "e2e_p99_s": percentile(e2e, 99),
+        "itl_mean_s": statistics.fmean(itl) if itl else math.nan,
+        "itl_p99_s": percentile(itl, 99),
         "sent_per_s": len(window) / span,
         "completed_per_s": len(done_in) / span,
         "output_tokens_per_s": sum(r.completion_tokens for r in done_in) / span,

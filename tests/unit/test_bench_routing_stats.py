@@ -24,3 +24,15 @@ def test_the_summary_counts_the_wait_and_how_many_waited() -> None:
     result = summarise(records, 0.0, 10.0)
     assert result["gateway_wait_mean_s"] == pytest.approx(0.015)
     assert result["gateway_waited_share"] == 0.5
+
+
+def test_the_summary_reports_inter_token_latency_over_the_tokens_after_the_first() -> None:
+    """A placement that wins TTFT by slowing every stream's decode shows in ITL."""
+    records = [
+        Record("s", 0, sent=1.0, ttft=0.2, e2e=1.2, status=200, completion_tokens=11),
+        Record("s", 1, sent=2.0, ttft=0.1, e2e=0.5, status=200, completion_tokens=5),
+        Record("t", 0, sent=3.0, ttft=0.1, e2e=0.1, status=200, completion_tokens=1),  # no gap
+    ]
+    result = summarise(records, 0.0, 10.0)
+    assert result["itl_mean_s"] == pytest.approx((0.1 + 0.1) / 2)
+    assert result["e2e_mean_s"] == pytest.approx(0.6)
