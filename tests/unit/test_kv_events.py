@@ -10,17 +10,19 @@ import pytest
 import zmq
 from prometheus_client import CollectorRegistry
 
-from regions.edge.kv_events import (
+from regions.edge.kv_event_format import (
     Batch,
     Cleared,
-    EngineCache,
     EventFormatError,
-    KvEventMetrics,
-    KvEventSubscriber,
     Removed,
     Stored,
-    blocks_to_evict,
     decode_batch,
+)
+from regions.edge.kv_events import (
+    EngineCache,
+    KvEventMetrics,
+    KvEventSubscriber,
+    blocks_to_evict,
 )
 from regions.edge.prefix_index import PrefixIndex, block_hashes, root_seed
 from regions.engines.simulator.kv_cache import KVCacheManager

@@ -14,24 +14,27 @@ import zmq.asyncio
 from prometheus_client import CollectorRegistry
 
 from regions.edge import kv_events
-from regions.edge.kv_events import (
+from regions.edge.kv_event_format import (
     MAX_EVENTS_PER_BATCH,
     MAX_HASHES_PER_BATCH,
     MAX_HASHES_PER_EVENT,
     MAX_PAYLOAD_BYTES,
     MAX_SEQ,
+    EventFormatError,
+    check_frames,
+    decode_batch,
+    msgpack_length,
+    run_steps,
+)
+from regions.edge.kv_events import (
     SLICE_S,
     EngineCache,
-    EventFormatError,
     KvEventHub,
     KvEventMetrics,
     KvEventSubscriber,
-    check_frames,
-    decode_batch,
     endpoint_key,
     followed_endpoints,
     in_slices,
-    msgpack_length,
     read_steps,
 )
 from regions.edge.prefix_index import PrefixIndex
@@ -196,7 +199,7 @@ def test_read_steps_keeps_three_frames_and_drains_the_rest_in_chunks() -> None:
                 break
         assert frames == [b"t", b"s", b"p"] and count == 5000 and yields == 4
         # the next message starts where it should
-        frames, count = kv_events.run_steps(read_steps(b))
+        frames, count = run_steps(read_steps(b))
         assert frames[0] == b"next" and count == 3
         a.close()
         b.close()
