@@ -65,7 +65,9 @@ def test_a_tenant_sees_only_its_own_usage_without_cost(
         assert all("cost_usd" not in row and "margin_usd" not in row for row in rows)
     [total] = get(viewer, "usage", **DAY).json()["results"]
     assert total["requests"] == 10
-    assert get(viewer, "costs", **DAY).status_code == 403
+    costs = get(viewer, "costs", **DAY)
+    assert costs.status_code == 403
+    assert costs.json() == {"detail": "Only admins and operators read pool costs."}
 
 
 def test_a_usage_read_key_reads_its_tenants_usage_and_an_inference_key_does_not(

@@ -33,6 +33,7 @@ from workers.provisioners.local import LocalProvisioner
 
 LLAMA = LLAMA_8B["name"]
 PLAN, APPLY = "/api/v1/placement/plan/", "/api/v1/placement/apply/"
+PLANS = "/api/v1/placement/plans/"
 #: One 8B replica on an H100 sustains ~9,400 tokens/s; at 65 % ~6,100.
 ONE_REPLICA = 5_000.0
 
@@ -74,6 +75,16 @@ def test_only_staff_may_plan_or_apply(
     for client in (client_for(None), client_for(viewer)):
         assert client.post(PLAN, {}, format="json").status_code in (401, 403)
         assert client.post(APPLY, {}, format="json").status_code in (401, 403)
+    # A viewer is told what only staff may do, per view.
+    said = {
+        url: client_for(viewer).generic(method, url, "{}", "application/json").json()["detail"]
+        for method, url in (("POST", PLAN), ("POST", APPLY), ("GET", PLANS))
+    }
+    assert said == {
+        PLAN: "Only admins and operators plan the fleet's placement.",
+        APPLY: "Only admins and operators apply placement plans.",
+        PLANS: "Only admins and operators read placement plans.",
+    }
     assert PlacementPlan.objects.count() == 0
 
 

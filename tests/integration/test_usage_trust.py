@@ -246,7 +246,11 @@ def test_an_operator_replays_a_dead_letter_once_it_is_valid(
     [row] = listing.json()["results"]
     assert row["id"] == letter.pk and row["source"] == "stream" and '"newco"' in row["document"]
     viewer = client_for(make_viewer(Tenant.objects.get(slug="acme")))
-    assert viewer.get("/api/v1/usage/dead-letters/").status_code == 403
+    refused = viewer.get("/api/v1/usage/dead-letters/")
+    assert refused.status_code == 403
+    assert refused.json() == {
+        "detail": "Only admins and operators read and replay usage dead letters."
+    }
     replay = f"/api/v1/usage/dead-letters/{letter.pk}/replay/"
     assert viewer.post(replay).status_code == 403
 

@@ -30,7 +30,7 @@ def _override(data: dict[str, Any]) -> list[DemandOverride] | None:
 
 class PlacementPlanView(APIView):
     permission_classes = [IsStaff]
-    staff_only = "may plan the fleet's placement"
+    staff_only = "plan the fleet's placement"
 
     @extend_schema(request=PlanInput, responses={201: PlanOutput})
     def post(self, request: Request) -> Response:
@@ -47,7 +47,7 @@ class PlacementPlanView(APIView):
 
 class PlacementApplyView(APIView):
     permission_classes = [IsStaff]
-    staff_only = "may plan the fleet's placement"
+    staff_only = "apply placement plans"
 
     @extend_schema(request=ApplyInput, responses={200: PlanOutput, 201: PlanOutput, 404: NOT_FOUND})
     def post(self, request: Request) -> Response:
@@ -72,6 +72,6 @@ class PlacementPlansView(ListAPIView[PlacementPlan]):
     applied it) and the operators' own."""
 
     permission_classes = [IsStaff]
-    staff_only = "may plan the fleet's placement"
+    staff_only = "read placement plans"
     serializer_class = PlanOutput
     queryset = PlacementPlan.objects.all()
