@@ -83,7 +83,7 @@ class Edge:
         self.cfg = cfg
         self.metrics = EdgeMetrics(cfg.tenant_series)
         self.health = HealthBoard(cfg.health, on_eject=self._on_eject)
-        self.loads = LoadBoard(cfg.scrape_timeout_s)
+        self.loads = LoadBoard(cfg.scrape_timeout_s, cfg.scheduler.decode_slowdown)
         self.prefix = PrefixIndex(cfg.prefix_capacity, cfg.prefix_ttl_s)
         self.lines = GatewayLines(cfg.queue_size, self.metrics.queue_depth)
         self.sessions = SessionMap(cfg.session_capacity)
@@ -189,7 +189,10 @@ class Edge:
             for name in (inst.model, *inst.adapters):
                 by_model.setdefault(name, []).append(inst)
         self.health.sync(ids)
-        self.loads.sync({i.id: (i.model, i.prefill_tokens_per_s) for i in table.instances})
+        self.loads.sync(
+            {i.id: (i.model, i.prefill_tokens_per_s) for i in table.instances},
+            {i.id: i.max_concurrency for i in table.instances},
+        )
         self.kv_events.sync(table.instances)
         for gone in old_ids - set(ids):
             self.prefix.forget_instance(gone)

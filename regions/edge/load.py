@@ -25,7 +25,18 @@ import httpx
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from regions.edge.speed import GAIN, answer_scale, deviation_in_use, known, learned, typical
+from regions.edge.speed import (
+    GAIN,
+    Histogram,
+    answer_scale,
+    deviation_in_use,
+    full_batch_step,
+    known,
+    learned,
+    smoothed,
+    step_interval,
+    typical,
+)
 from regions.engines.metrics import EngineLoad, parse_vllm_metrics
 
 log = logging.getLogger("fedinfer.edge.load")
@@ -39,11 +50,14 @@ class InstanceLoad:
 
     __slots__ = (
         "admitted_since_scrape",
+        "cap",
         "deviation",
         "ended_total",
         "engine",
         "finished_since_scrape",
+        "full_step_s",
         "inflight",
+        "itl_seen",
         "learned_speed",
         "mean_service_s",
         "mean_uncached_tokens",
@@ -51,6 +65,7 @@ class InstanceLoad:
         "pending_at",
         "pending_tokens",
         "scraped_at",
+        "seen_running",
         "sent_total",
         "shared_at",
         "speed",
@@ -91,6 +106,14 @@ class InstanceLoad:
         self.taught = 0
         self.deviation = 1.0
         self.speed = 1.0
+        #: The table's cap on its requests (0: unknown, no step is measured).
+        self.cap = 0
+        #: What a full batch of the engine steps, in seconds, as its own inter-token latency
+        #: histogram says (``speed.py``; 0: not measured yet); the reading of that histogram,
+        #: and the requests then running, the next interval starts from.
+        self.full_step_s = 0.0
+        self.itl_seen: Histogram = (0.0, 0)
+        self.seen_running = 0
 
     def pending(self, now: float, prefill_tokens_per_s: float) -> float:
         """Prefill tokens still ahead on the engine: what this edge sent, drained at the
@@ -134,11 +157,29 @@ class InstanceLoad:
         if self.inflight + self.peer_inflight <= 0:
             self.pending_tokens = 0.0
 
-    def scraped(self, engine: EngineLoad, now: float) -> None:
+    def scraped(self, engine: EngineLoad, now: float, slowdown: float = 1.0) -> bool:
+        """Take a reading of the engine; whether it measured the engine's step anew."""
         self.engine = engine
         self.scraped_at = now
         self.admitted_since_scrape = 0
         self.finished_since_scrape = 0
+        count = engine.inter_token_latency_seconds_count
+        if not count or not self.cap:  # a peer's shared reading carries no histogram
+            return False
+        running = engine.num_requests_running
+        now_seen = (engine.inter_token_latency_seconds_sum, count)
+        if not self.itl_seen[1]:  # the first reading: where the first interval starts
+            self.itl_seen, self.seen_running = now_seen, running
+            return False
+        self.itl_seen, mean = step_interval(self.itl_seen, now_seen)
+        if mean is None:
+            if self.itl_seen[1] == count:  # restarted: the interval starts here
+                self.seen_running = running
+            return False
+        fill = (self.seen_running + running) / 2 / self.cap
+        self.seen_running = running
+        self.full_step_s = smoothed(self.full_step_s, full_batch_step(mean, fill, slowdown))
+        return True
 
     def shared(self, engine: EngineLoad, now: float) -> None:
         """A reading another edge of the region scraped and shared, in place of this edge's."""
@@ -174,6 +215,13 @@ class KindSpeed:
     #: The members' median learned scale, taken again every ``len(members)`` answers.
     usual: float = 1.0
     answers: int = 0
+    #: What a full batch steps, the median of the members measured (0: none yet).
+    full_step_s: float = 0.0
+
+    def take_step(self) -> None:
+        """The median of the members' measured full-batch steps (``speed.py``)."""
+        steps = [m.full_step_s for m in self.members if m.full_step_s > 0.0]
+        self.full_step_s = typical(steps) if steps else 0.0
 
     def take_usual(self) -> None:
         """The median of the members that have learned enough (``speed.known``)."""
@@ -189,8 +237,11 @@ class LoadBoard:
     says it is busy, whereas a slow ``/health`` should count towards ejection.
     """
 
-    def __init__(self, scrape_timeout_s: float = 2.0) -> None:
+    def __init__(self, scrape_timeout_s: float = 2.0, decode_slowdown: float = 1.0) -> None:
         self.loads: dict[str, InstanceLoad] = {}
+        #: The step's prior shape (``SchedulerConfig.decode_slowdown``), to keep measured
+        #: steps in full-batch terms.
+        self.decode_slowdown = decode_slowdown
         self.kinds: dict[Hashable, KindSpeed] = {}
         self.kind_of: dict[str, KindSpeed] = {}
         self.scrape_timeout_s = scrape_timeout_s
@@ -199,10 +250,13 @@ class LoadBoard:
         #: Called with each reading this edge scraped (peer sync shares it).
         self.on_scraped: Callable[[str, EngineLoad], None] | None = None
 
-    def sync(self, kinds: Mapping[str, Hashable]) -> None:
+    def sync(self, kinds: Mapping[str, Hashable], caps: Mapping[str, int] | None = None) -> None:
         """Keep the loads of the table's instances (id -> its kind: the instances whose speed
-        is learned together, ``speed.py``)."""
+        is learned together, ``speed.py``; ``caps``: id -> the table's ``max_concurrency``,
+        without which an instance's step is not measured)."""
         self.loads = {i: self.loads.get(i) or InstanceLoad() for i in kinds}
+        for instance, load in self.loads.items():
+            load.cap = (caps or {}).get(instance, 0)
         old = self.kinds
         self.kinds = {}
         self.kind_of = {}
@@ -216,8 +270,20 @@ class LoadBoard:
             self.kind_of[instance] = kind
         for kind in self.kinds.values():
             kind.take_usual()
+            kind.take_step()
             for load in kind.members:
                 load.speed = kind.scale * load.deviation
+
+    def scraped(self, instance: str, engine: EngineLoad, now: float) -> None:
+        """This edge's own reading of ``instance``'s engine."""
+        load = self.loads.get(instance)
+        if load is not None and load.scraped(engine, now, self.decode_slowdown):
+            self.kind_of[instance].take_step()
+
+    def full_step(self, instance: str) -> float:
+        """What a full batch of ``instance``'s kind steps, as measured (0: not yet)."""
+        kind = self.kind_of.get(instance)
+        return kind.full_step_s if kind is not None else 0.0
 
     def learn(self, instance: str, predicted_s: float, observed_s: float) -> None:
         """One answer of ``instance``, predicted at ``predicted_s`` (the rate-bound part of its
@@ -276,6 +342,18 @@ class SpeedCollector(Collector):
             observed = load.learned_speed if load else 1.0
             learned.add_metric([instance, "observed"], rate * observed)
         yield learned
+        step = GaugeMetricFamily(
+            "fedinfer_edge_full_batch_step_seconds",
+            "What a full batch of each instance steps, as its engine's inter-token latency "
+            "histogram says between the edge's readings (source=observed), and its kind's "
+            "median the scheduler uses (source=used); absent: not measured yet",
+            labels=["instance", "source"],
+        )
+        for instance, load in sorted(self.board.loads.items()):
+            if load.full_step_s > 0.0:
+                step.add_metric([instance, "observed"], load.full_step_s)
+                step.add_metric([instance, "used"], self.board.full_step(instance))
+        yield step
 
 
 async def scrape_once(
@@ -296,9 +374,8 @@ async def scrape_once(
         if on_error is not None:
             on_error(instance)
         return
-    load = board.loads.get(instance)
-    if load is not None:
-        load.scraped(engine, time.monotonic())
+    if instance in board.loads:
+        board.scraped(instance, engine, time.monotonic())
         shared = board.on_scraped
         if shared is not None:
             shared(instance, engine)

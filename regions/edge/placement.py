@@ -172,6 +172,7 @@ class Placement:
                         else None
                     ),
                     queued=targeted.get(inst.id, 0) - (inst.id == own_target),
+                    full_step_s=self.loads.full_step(inst.id),
                 )
             )
         return out

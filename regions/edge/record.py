@@ -99,8 +99,13 @@ class Recorder:
             and not winner.wait
             and winner.slot_s == 0.0
             and ctx.queue_s < NO_WAIT_S
+            # Not behind more prefill work than its own: that line's length is an estimate
+            # (what was sent, drained at the rate in use), and an error in it that grows
+            # with load, taken for speed, would draw more load to the engine it flatters.
+            and 2.0 * winner.ahead_s <= winner.ttft_s - winner.fixed_s
         ):
-            self.loads.learn(instance, winner.ttft_s, ttft)
+            fixed = winner.fixed_s
+            self.loads.learn(instance, winner.ttft_s - fixed, ttft - fixed)
         if prompt is not None:
             series.prompt_tokens += prompt
 

@@ -10,7 +10,9 @@ time-to-first-token in seconds. The formula and the reasons for it are in
     cached   = min(matched_blocks * block_tokens, prompt_tokens - 1)   (or the exact tokens)
     busy     = max(outstanding, inflight) + queued      (max_concurrency when the KV cache is full)
     rate     = prefill_tokens_per_s
-    step_s   = step_tokens / rate * (1 + decode_slowdown * min(1, busy / max_concurrency))
+    shape    = 1 + decode_slowdown * min(1, busy / max_concurrency)
+    step_s   = full_step_s * shape / (1 + decode_slowdown)     (measured: the engines' own
+               inter-token gaps, per kind, ``speed.py``), until known step_tokens / rate * shape
     pending  = max(pending_tokens, waiting * mean_uncached_tokens)
     queue_s  = pending / rate + (step_s / 2 if busy > 0)
              + max(0, busy - max_concurrency + 1) * mean_service_s / max_concurrency
@@ -44,6 +46,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from regions.edge.sessions import home
+from regions.edge.speed import step_at
 
 Policy = Literal["fedinfer", "round_robin", "least_loaded"]
 POLICIES: tuple[Policy, ...] = ("fedinfer", "round_robin", "least_loaded")
@@ -105,6 +108,9 @@ class Candidate:
     rtt_ms: float = 0.0
     #: Requests waiting at this edge's gateway for a slot of this instance.
     queued: int = 0
+    #: What a full batch steps on this instance's kind, in seconds, as the engines' own
+    #: inter-token latency says (``speed.py``); 0: not measured, derived from the rate.
+    full_step_s: float = 0.0
 
 
 @dataclass(slots=True)
@@ -136,6 +142,11 @@ class Scored:
     exact: bool = False
     #: Requests on the instance per slot (``busy / max_concurrency``; 1 when the KV cache is full).
     load: float = 0.0
+    #: The part of ``ttft_s`` the prefill rate does not explain: the RTT, the slot wait and a
+    #: measured step's terms (what the speed learning takes off both sides, ``speed.py``).
+    fixed_s: float = 0.0
+    #: The part of ``queue_s`` that is prefill work ahead of this request (``pending / rate``).
+    ahead_s: float = 0.0
 
 
 @dataclass(slots=True)
@@ -165,11 +176,15 @@ def score(c: Candidate, req: RouteRequest, cfg: SchedulerConfig) -> Scored:
     # Prefill tokens cost 1/rate each however full the batch (chunked prefill shares the steps);
     # what the running decodes add is per step, whatever the prompt: the step in progress
     # finishes first, and the step that computes this prompt carries every running decode.
-    step_s = cfg.step_tokens / rate * (1.0 + cfg.decode_slowdown * min(1.0, busy / cap))
+    measured = c.full_step_s > 0.0
+    if measured:
+        step_s = step_at(c.full_step_s, busy / cap, cfg.decode_slowdown)
+    else:
+        step_s = cfg.step_tokens / rate * (1.0 + cfg.decode_slowdown * min(1.0, busy / cap))
     # Two views of the prefill work ahead: what this edge sent and the engine has probably not
     # computed yet, and the engine's own waiting queue (every edge's); they overlap, so the max.
     pending = max(c.pending_tokens, c.waiting * c.mean_uncached_tokens)
-    queue_s = pending / rate
+    ahead_s = queue_s = pending / rate
     if busy > 0:
         queue_s += step_s / 2
     slot_s = 0.0
@@ -184,7 +199,11 @@ def score(c: Candidate, req: RouteRequest, cfg: SchedulerConfig) -> Scored:
     if cached < 0:
         cached = 0
     prefill_s = (req.prompt_tokens - cached) / rate + step_s
-    ttft = c.rtt_ms / 1000.0 + queue_s + prefill_s
+    rtt_s = c.rtt_ms / 1000.0
+    ttft = rtt_s + queue_s + prefill_s
+    fixed_s = rtt_s + slot_s
+    if measured:
+        fixed_s += 1.5 * step_s if busy > 0 else step_s
     return Scored(
         c.id,
         ttft,
@@ -196,6 +215,8 @@ def score(c: Candidate, req: RouteRequest, cfg: SchedulerConfig) -> Scored:
         slot_s,
         exact is not None,
         busy / cap,
+        fixed_s,
+        ahead_s,
     )
 
 

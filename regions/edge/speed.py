@@ -30,6 +30,20 @@ one that looked a little faster. A figure wrong for the whole kind (the table's 
 figure, a driver, a quantisation) ranks nothing and is followed in full, not left up to the
 band's width off as a band on the scale itself had left it (1.08-1.24 x the true speed in
 the routing benchmark's 5x case).
+
+The decode step is not taken from the rate: the engines say it. Each reading of an engine's
+``/metrics`` carries its inter-token latency histogram, and between two readings its sum over
+its count is the engine's own mean step (:func:`step_interval`), at the batch it ran then;
+kept as what a full batch steps (:func:`full_batch_step`, the prior's shape for the rest),
+and taken per kind as its measured members' median, as the rate is: engines of one kind
+measure slightly different steps from noise, which must not rank them, and a member not
+measured yet is not made to look slower or faster than the others. The scheduler uses that
+step where it is known, and the rate is learned only from what the step does not explain
+(``Scored.fixed_s``). Why: derived from the rate, a full batch's step was taken to be twice a
+lone one's, while on an 8B model on an H100 it is ~1.3x. Near saturation every prediction
+carried that error, the learned rate absorbed it (25 % faster than the engines' true rate, in
+the routing benchmark's fast-90), and moving a session, which re-prefills its history at that
+rate, looked a quarter cheaper than it was.
 """
 
 from __future__ import annotations
@@ -44,6 +58,15 @@ MIN_S = 0.005
 HYSTERESIS = 1.15
 #: A deviation back within this of its kind's is the kind's again (half the band, in log).
 RETURN_BAND = math.sqrt(HYSTERESIS)
+#: Decode gaps two readings must be apart to say what a step takes (fewer: wait for more).
+MIN_GAPS = 32
+#: Share of the distance one interval's mean moves the measured step (a few readings' memory).
+STEP_GAIN = 0.3
+#: A mean step above this is not a step (a stalled engine, a broken exposition).
+MAX_STEP_S = 10.0
+
+#: An inter-token latency histogram as read: (sum of seconds, count of gaps).
+Histogram = tuple[float, int]
 
 
 def answer_scale(used: float, predicted_s: float, observed_s: float) -> float | None:
@@ -101,3 +124,34 @@ def typical(scales: list[float]) -> float:
     """The typical scale of a kind's instances: their median, the upper one of an even count
     (one slow engine does not move it, so it alone deviates); 1.0 when none is known yet."""
     return sorted(scales)[len(scales) // 2] if scales else 1.0
+
+
+def step_interval(seen: Histogram, now: Histogram) -> tuple[Histogram, float | None]:
+    """The reading the next interval starts from, and this interval's mean inter-token gap
+    (None: none taken). ``seen`` is where this one starts: an interval of fewer than
+    ``MIN_GAPS`` gaps waits for more, and a count that went down (the engine restarted) starts
+    again from ``now``."""
+    gaps = now[1] - seen[1]
+    if gaps < 0:
+        return now, None
+    if gaps < MIN_GAPS:
+        return seen, None
+    mean = (now[0] - seen[0]) / gaps
+    return now, mean if 0.0 < mean < MAX_STEP_S else None
+
+
+def full_batch_step(step_s: float, fill: float, slowdown: float) -> float:
+    """The step of a full batch that a step of ``step_s`` at ``fill`` (running / cap) says,
+    by the prior's shape (a step grows by ``slowdown`` from empty to full): the one unit
+    the steps of an engine measured at any load, and of its kind's members, are kept in."""
+    return step_s * (1.0 + slowdown) / (1.0 + slowdown * min(1.0, fill))
+
+
+def step_at(full_step_s: float, fill: float, slowdown: float) -> float:
+    """The step at ``fill`` of an engine whose full batch steps ``full_step_s``."""
+    return full_step_s * (1.0 + slowdown * min(1.0, fill)) / (1.0 + slowdown)
+
+
+def smoothed(value: float, sample: float) -> float:
+    """``value`` moved by ``STEP_GAIN`` toward ``sample``; the first sample (value 0) stands."""
+    return sample if value == 0.0 else value + STEP_GAIN * (sample - value)

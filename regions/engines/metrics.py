@@ -47,6 +47,10 @@ class EngineLoad:
     num_gpu_blocks: int | None = None
     #: Distinct ``model_name`` label values (the served model names).
     model_names: tuple[str, ...] = ()
+    #: The inter-token latency histogram's sum (seconds) and count (gaps) since the server
+    #: started: between two readings, the engine's own mean decode step.
+    inter_token_latency_seconds_sum: float = 0.0
+    inter_token_latency_seconds_count: int = 0
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -83,6 +87,8 @@ _SUMMED: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("request_success_total", ("vllm:request_success_total", "vllm:request_success")),
     ("num_preemptions_total", ("vllm:num_preemptions_total", "vllm:num_preemptions")),
 )
+#: vLLM >= 0.11's name first, then the older one of the same histogram.
+_ITL_NAMES = ("vllm:inter_token_latency_seconds", "vllm:time_per_output_token_seconds")
 _KV_USAGE_NAMES = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
 _LORA_INFO = "vllm:lora_requests_info"
 _CACHE_INFO = "vllm:cache_config_info"
@@ -152,7 +158,10 @@ def parse_vllm_metrics(text: str) -> EngineLoad:
     kv_usage = _kv_usage(text)
     running, waiting, max_lora = _lora_adapters(text)
     block_size, num_gpu_blocks = _cache_config(text)
+    itl_sum, itl_count = _inter_token_latency(text)
     return EngineLoad(
+        inter_token_latency_seconds_sum=itl_sum,
+        inter_token_latency_seconds_count=itl_count,
         kv_cache_usage_perc=kv_usage,
         running_lora_adapters=running,
         waiting_lora_adapters=waiting,
@@ -178,6 +187,16 @@ def _summed(text: str) -> tuple[dict[str, int], list[tuple[str, float]]]:
                     running_samples = samples
                 break
     return totals, running_samples
+
+
+def _inter_token_latency(text: str) -> tuple[float, int]:
+    """The inter-token latency histogram's sum and count, over engines (0, 0 when absent)."""
+    for name in _ITL_NAMES:
+        counts = _series(text, name + "_count")
+        if counts:
+            total = sum(_finite(v) for _, v in _series(text, name + "_sum"))
+            return total, int(sum(_finite(v) for _, v in counts))
+    return 0.0, 0
 
 
 def _kv_usage(text: str) -> float:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import random
 import re
 import statistics
+import time
 from pathlib import Path
 
 import httpx
@@ -101,3 +102,43 @@ def test_a_table_five_times_too_fast_is_learned_from_the_answers(
         assert in_use == pytest.approx(learned, rel=1e-6)
     else:
         assert learned == in_use == claimed
+
+
+def full_batch_step(ops: str, instance: str) -> dict[str, float]:
+    text = httpx.get(ops + "/metrics", timeout=5).text
+    found = re.findall(
+        rf'fedinfer_edge_full_batch_step_seconds\{{instance="{instance}",source="(\w+)"\}} (\S+)',
+        text,
+    )
+    return {source: float(value) for source, value in found}
+
+
+def test_the_engines_own_decode_step_is_read_from_its_histogram(tmp_path: Path) -> None:
+    """Streams of 64 tokens through the edge, one at a time: the step the edge reads from the
+    engine's ``vllm:inter_token_latency_seconds`` is the simulator's step for a batch of one,
+    kept as a full batch's (x 2 / (1 + 1/16) by the prior's shape, decode_slowdown 1)."""
+    perf = PerfModel(accelerator("H100-80G"), 1, model_params_billion(MODEL))
+    lone = perf.step_time(0, 1, 300)
+    with engine_sims(tmp_path, 1, MODEL, "--accelerator", "H100-80G") as [engine]:
+        doc = table_doc("r1", 1, [])
+        doc["instances"] = [{"id": "e0", "url": engine["url"], "model": MODEL}]
+        edge = start_edge(tmp_path, doc)
+        try:
+            assert full_batch_step(edge.ops, "e0") == {}  # not measured before any token
+            body = {"model": MODEL, "messages": [{"role": "user", "content": "hi " * 200}],
+                    "max_tokens": 64, "ignore_eos": True, "stream": True}  # fmt: skip
+            for _ in range(12):
+                with httpx.stream("POST", edge.url + "/v1/chat/completions", json=body,
+                                  timeout=30) as r:  # fmt: skip
+                    assert r.status_code == 200
+                    for _line in r.iter_lines():
+                        pass
+            deadline = time.monotonic() + 10
+            while not (step := full_batch_step(edge.ops, "e0")):
+                assert time.monotonic() < deadline, "no step measured"
+                time.sleep(0.2)
+        finally:
+            edge.proc.stop()
+    assert step["used"] == step["observed"]  # the only one of its kind
+    # Readings land between streams as well as in them: the batch read is 0..1 of 16.
+    assert 2 / (1 + 1 / 16) * lone * 0.8 <= step["used"] <= 2 * lone * 1.2, (step, lone)

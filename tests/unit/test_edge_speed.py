@@ -1,7 +1,8 @@
 """Self-calibrating prefill speeds (pure, and as the load board keeps them per kind): a wrong
 table figure is learned away in a few answers and followed in full, outliers move it little,
 bounds hold, the edge's own overhead teaches nothing, noise does not rank identical engines,
-and one engine slower than its kind is told apart."""
+one engine slower than its kind is told apart, and the decode step, measured from the engines'
+own histograms, is not learned into the rate."""
 
 from __future__ import annotations
 
@@ -12,17 +13,25 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from regions.edge.load import LoadBoard
+from regions.edge.scheduler import Candidate, RouteRequest, SchedulerConfig, score
 from regions.edge.speed import (
     GAIN,
     HYSTERESIS,
     MAX_SCALE,
     MAX_STEP,
+    MIN_GAPS,
     MIN_S,
+    STEP_GAIN,
     answer_scale,
     deviation_in_use,
+    full_batch_step,
     in_use,
     learned,
+    smoothed,
+    step_at,
+    step_interval,
 )
+from regions.engines.metrics import EngineLoad
 
 KIND = ("sim-llama-8b", 10_000.0)
 
@@ -164,3 +173,85 @@ def test_identical_engines_never_deviate_while_their_kind_learns() -> None:
         teach(board, dict.fromkeys("abcd", 0.2), 1)
         assert {board.get(i).deviation for i in "abcd"} == {1.0}
     assert board.get("a").speed == pytest.approx(0.2, rel=1e-9)
+
+
+def test_the_step_is_the_engines_own_mean_gap_between_readings() -> None:
+    assert step_interval((0.0, 0), (1.0, 100)) == ((1.0, 100), pytest.approx(0.01))
+    # Too few gaps since: wait for more, from the same reading.
+    assert step_interval((1.0, 100), (1.1, 100 + MIN_GAPS - 1)) == ((1.0, 100), None)
+    # Then the whole interval's mean.
+    assert step_interval((1.0, 100), (5.0, 300)) == ((5.0, 300), pytest.approx(0.02))
+    # The engine restarted (its count went down): start again there.
+    assert step_interval((5.0, 300), (0.5, 40)) == ((0.5, 40), None)
+    # A mean no step can have is not taken.
+    assert step_interval((0.0, 0), (1e6, 100)) == ((1e6, 100), None)
+    assert smoothed(0.0, 0.01) == 0.01
+    assert smoothed(0.01, 0.02) == pytest.approx(0.01 + STEP_GAIN * 0.01)
+
+
+def test_steps_measured_at_any_batch_are_kept_as_a_full_batchs() -> None:
+    full = full_batch_step(0.010, 0.25, 1.0)  # a quarter-full batch stepped 10 ms
+    assert full == pytest.approx(0.016)
+    assert step_at(full, 0.25, 1.0) == pytest.approx(0.010)
+    assert step_at(full, 2.0, 1.0) == pytest.approx(full)  # past the cap: a full batch
+
+
+def reading(itl_sum: float, gaps: int, running: int = 16) -> EngineLoad:
+    return EngineLoad(
+        num_requests_running=running,
+        inter_token_latency_seconds_sum=itl_sum,
+        inter_token_latency_seconds_count=gaps,
+    )
+
+
+def test_the_board_measures_steps_per_kind_and_skips_shared_readings() -> None:
+    board = LoadBoard()
+    board.sync(dict.fromkeys("abc", KIND), dict.fromkeys("abc", 16))
+    board.scraped("a", reading(0.0, 0), 0.0)
+    board.scraped("a", reading(1.3, 100), 0.5)  # where the first interval starts
+    assert board.full_step("a") == 0.0  # nothing measured yet: derived from the rate
+    board.scraped("a", reading(2.6, 200), 1.0)
+    # Measured on one member, used by all: none looks slower or faster for not being measured.
+    assert [board.full_step(i) for i in "abc"] == [pytest.approx(0.013)] * 3
+    board.get("a").shared(EngineLoad(num_requests_running=16), 1.0)  # a peer's: no histogram
+    assert board.get("a").itl_seen == (2.6, 200)
+    board.scraped("a", reading(2.6 + 0.013 * 100, 300), 1.5)  # spans the shared reading
+    assert board.full_step("a") == pytest.approx(0.013)
+    # Noise between identical engines does not rank them: the kind's median is used by each.
+    for instance, itl_sum in (("b", 1.25), ("c", 1.40)):
+        board.scraped(instance, reading(0.0, 1), 0.0)
+        board.scraped(instance, reading(itl_sum, 101), 0.5)
+    assert [board.full_step(i) for i in "abc"] == [pytest.approx(0.013)] * 3
+    # Without the table's cap an instance's step is not measured.
+    bare = board_of("z")
+    bare.scraped("z", reading(0.0, 1), 0.0)
+    bare.scraped("z", reading(1.3, 101), 0.5)
+    assert bare.full_step("z") == 0.0
+
+
+def test_a_step_the_rate_does_not_explain_is_not_learned_into_the_rate() -> None:
+    """Engines at their full batch with a true table rate whose step is 1.3x a lone one's,
+    where the rate-derived step assumes 2x (decode_slowdown 1): measured, the rate stays the
+    table's; derived, the rate learned the step's error (the fast-90 benchmark's 25 %)."""
+    rate, step_true, rtt = 13_700.0, 0.0105, 0.001
+    cfg = SchedulerConfig()
+    req = RouteRequest(model="m", prompt_tokens=4_000, block_tokens=16.0)
+
+    def learned_rate(step_measured: float) -> float:
+        board = board_of("a")
+        for _ in range(200):
+            cand = Candidate(
+                id="a", model="m", adapters=(), role="mixed", state="ready", healthy=True,
+                max_concurrency=16, prefill_tokens_per_s=rate * board.get("a").speed,
+                inflight=15, outstanding=15, waiting=0, kv_usage=0.5, pending_tokens=0.0,
+                mean_uncached_tokens=300.0, mean_service_s=0.5, cached_tokens=3_700,
+                rtt_ms=rtt * 1000, full_step_s=step_measured,
+            )  # fmt: skip
+            s = score(cand, req, cfg)
+            # Half a step's wait, then its step, at the batch it joins.
+            observed = rtt + 300 / rate + 1.5 * step_at(step_true, 15 / 16, cfg.decode_slowdown)
+            board.learn("a", s.ttft_s - s.fixed_s, observed - s.fixed_s)
+        return rate * board.get("a").speed
+
+    assert learned_rate(step_true) == pytest.approx(rate, rel=0.01)
+    assert learned_rate(0.0) > 1.2 * rate

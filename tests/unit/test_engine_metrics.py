@@ -89,6 +89,22 @@ vllm:time_to_first_token_seconds_bucket{engine="0",le="0.001",model_name="meta-l
 vllm:time_to_first_token_seconds_bucket{engine="0",le="0.1",model_name="meta-llama/Llama-3.1-8B-Instruct"} 90.0
 vllm:time_to_first_token_seconds_bucket{engine="0",le="+Inf",model_name="meta-llama/Llama-3.1-8B-Instruct"} 96.0
 vllm:time_to_first_token_seconds_count{engine="0",model_name="meta-llama/Llama-3.1-8B-Instruct"} 96.0
+# HELP vllm:time_per_output_token_seconds Histogram of time per output token in seconds.DEPRECATED: Use vllm:inter_token_latency_seconds instead.
+# TYPE vllm:time_per_output_token_seconds histogram
+vllm:time_per_output_token_seconds_sum{engine="0",model_name="meta-llama/Llama-3.1-8B-Instruct"} 90.0
+vllm:time_per_output_token_seconds_bucket{engine="0",le="+Inf",model_name="meta-llama/Llama-3.1-8B-Instruct"} 8905.0
+vllm:time_per_output_token_seconds_count{engine="0",model_name="meta-llama/Llama-3.1-8B-Instruct"} 8905.0
+vllm:time_per_output_token_seconds_sum{engine="1",model_name="meta-llama/Llama-3.1-8B-Instruct"} 10.0
+vllm:time_per_output_token_seconds_count{engine="1",model_name="meta-llama/Llama-3.1-8B-Instruct"} 1000.0
+# HELP vllm:inter_token_latency_seconds Histogram of inter-token latency in seconds.
+# TYPE vllm:inter_token_latency_seconds histogram
+vllm:inter_token_latency_seconds_sum{engine="0",model_name="meta-llama/Llama-3.1-8B-Instruct"} 88.5
+vllm:inter_token_latency_seconds_bucket{engine="0",le="0.01",model_name="meta-llama/Llama-3.1-8B-Instruct"} 8000.0
+vllm:inter_token_latency_seconds_bucket{engine="0",le="+Inf",model_name="meta-llama/Llama-3.1-8B-Instruct"} 8905.0
+vllm:inter_token_latency_seconds_count{engine="0",model_name="meta-llama/Llama-3.1-8B-Instruct"} 8905.0
+vllm:inter_token_latency_seconds_sum{engine="1",model_name="meta-llama/Llama-3.1-8B-Instruct"} 9.5
+vllm:inter_token_latency_seconds_bucket{engine="1",le="+Inf",model_name="meta-llama/Llama-3.1-8B-Instruct"} 960.0
+vllm:inter_token_latency_seconds_count{engine="1",model_name="meta-llama/Llama-3.1-8B-Instruct"} 960.0
 # HELP vllm:lora_requests_info Running stats on lora requests.
 # TYPE vllm:lora_requests_info gauge
 vllm:lora_requests_info{max_lora="4",running_lora_adapters="",waiting_lora_adapters=""} 1.7326e+09
@@ -145,8 +161,18 @@ def test_v1_data_parallel_exposition_is_summed_over_engines() -> None:
         block_size=16,
         num_gpu_blocks=27153,
         model_names=("meta-llama/Llama-3.1-8B-Instruct",),
+        inter_token_latency_seconds_sum=pytest.approx(98.0),  # type: ignore[arg-type]
+        inter_token_latency_seconds_count=9865,  # the v0.11 name's, not its deprecated twin's
     )
     assert load.prefix_cache_hit_rate == pytest.approx(38000 / 64000)
+    older = "\n".join(
+        line for line in VLLM_V1_DP2.splitlines() if "inter_token_latency" not in line
+    )
+    itl = parse_vllm_metrics(older)
+    assert (itl.inter_token_latency_seconds_sum, itl.inter_token_latency_seconds_count) == (
+        100.0,
+        9905,
+    )
 
 
 def test_v0_names_are_read_and_missing_counters_default_to_zero() -> None:
