@@ -25,10 +25,15 @@ class DecodeChoice(Protocol):
 
 
 def _terms(s: Scored) -> str:
-    return (
+    text = (
         f"ttft_ms:{s.ttft_s * 1000:.1f},queue_ms:{s.queue_s * 1000:.1f},"
         f"prefill_ms:{s.prefill_s * 1000:.1f},cached:{s.cached_tokens},load:{s.outstanding}"
     )
+    if s.rate:
+        # What the queue was (prefill ahead, wait for a slot) and the rate the score used: a
+        # run gone wrong shows whether the line or the learned speed misled it.
+        text += f",ahead_ms:{s.ahead_s * 1000:.1f},slot_ms:{s.slot_s * 1000:.1f},rate:{s.rate:.0f}"
+    return text
 
 
 def route_header(

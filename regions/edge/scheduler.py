@@ -147,6 +147,8 @@ class Scored:
     fixed_s: float = 0.0
     #: The part of ``queue_s`` that is prefill work ahead of this request (``pending / rate``).
     ahead_s: float = 0.0
+    #: The prefill rate the score used, tokens/s (the table's figure as learned, ``speed.py``).
+    rate: float = 0.0
 
 
 @dataclass(slots=True)
@@ -217,6 +219,7 @@ def score(c: Candidate, req: RouteRequest, cfg: SchedulerConfig) -> Scored:
         busy / cap,
         fixed_s,
         ahead_s,
+        rate,
     )
 
 

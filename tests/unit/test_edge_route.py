@@ -22,6 +22,14 @@ def test_route_header_names_winner_terms_runner_up_and_retries() -> None:
         "score=ttft_ms:12.1,queue_ms:3.0,prefill_ms:9.1,cached:512,load:4;"
         "runner_up=i-1:40.2;retries=1"
     )
+    scored = Scored("i-3", 0.0521, 0.043, 0.0091, 512, 16, True, 0.0352, ahead_s=0.0028,
+                    rate=13_881.4)  # fmt: skip
+    text = route_header("us-east", Decision(scored, None, "session"), 0).decode()
+    assert text == (
+        "region=us-east;instance=i-3;policy_reason=session;"
+        "score=ttft_ms:52.1,queue_ms:43.0,prefill_ms:9.1,cached:512,load:16,"
+        "ahead_ms:2.8,slot_ms:35.2,rate:13881;retries=0"
+    )
     refused = route_header("us-east", None, 0, "saturated").decode()
     assert refused == "region=us-east;instance=none;reason=saturated;retries=0"
 
