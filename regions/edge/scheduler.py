@@ -23,7 +23,11 @@ edge's requests, and the region's other edges' with peer sync, ``peer_load.py``)
 ``fedinfer`` policy an instance at its cap stays a candidate (its slot wait is in ``queue_s``);
 the decision then says ``wait`` and the request waits at the gateway for that instance.
 Session affinity with hysteresis: the session's instance keeps the request while its expected
-TTFT stays within ``affinity_factor * best + affinity_margin_s``. A session this edge has not
+TTFT stays within ``affinity_factor * best + affinity_margin_s``, plus what moving costs the
+streams running at the best instance and minus what staying costs those at its own (each:
+running requests x the request's uncached tokens / rate, :func:`_slowed`): a placement is
+judged by the whole answer, and a session that leaves re-prefills its history where every
+running decode waits for it. A session this edge has not
 placed before goes to its *home* (``sessions.home``: rendezvous hashing over the feasible
 instances) while that is within ``best + affinity_margin_s``, so every edge of a region sends
 it to the same place unless another instance is clearly sooner.
@@ -292,11 +296,23 @@ def _best_ttft(scored: list[Scored], req: RouteRequest, cfg: SchedulerConfig) ->
         for s in scored:
             if s.instance == sticky:
                 in_pool = pool is scored or any(p is s for p in pool)
-                if in_pool and s.ttft_s <= best.ttft_s * factor + cfg.affinity_margin_s:
+                bar = best.ttft_s * factor + cfg.affinity_margin_s
+                if req.sticky is not None:
+                    bar += _slowed(best, req) - _slowed(s, req)
+                if in_pool and s.ttft_s <= bar:
                     return Decision(s, best, "session")
                 return Decision(best, s, "balance_escape" if escaped else "session_yield")
     reason = "session" if sticky == best.instance else "best_ttft"
     return Decision(best, _best([s for s in scored if s is not best]), reason)
+
+
+def _slowed(s: Scored, req: RouteRequest) -> float:
+    """Seconds the request's own prefill on ``s`` adds to the streams running there: each
+    decode waits while those tokens compute. Leaving a session's instance re-prefills its
+    history elsewhere; that cost falls on the other streams, not on its own TTFT."""
+    if s.rate <= 0.0:
+        return 0.0
+    return s.outstanding * (req.prompt_tokens - s.cached_tokens) / s.rate
 
 
 def _balanced(scored: list[Scored], cfg: SchedulerConfig) -> tuple[list[Scored], bool]:

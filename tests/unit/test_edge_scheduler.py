@@ -170,12 +170,32 @@ def test_a_short_prompt_goes_to_the_less_loaded_instance_despite_a_cache_hit() -
 
 
 def test_session_sticks_within_the_hysteresis_band() -> None:
-    sticky = cand("sticky", outstanding=3)  # slower than idle but not by much
-    idle = cand("idle")
-    d = decide([idle, sticky], req(sticky="sticky"), CFG)
+    # Its history cached, a line of prefill ahead: slower than the other but not by much.
+    sticky = cand("sticky", outstanding=3, waiting=7, cached_blocks=200)
+    other = cand("other", outstanding=3)
+    r = req(sticky="sticky")
+    assert score(other, r, CFG).ttft_s < score(sticky, r, CFG).ttft_s
+    d = decide([other, sticky], r, CFG)
     assert d.winner is not None and d.winner.instance == "sticky"
     assert d.reason == "session"
-    assert d.runner_up is not None and d.runner_up.instance == "idle"
+    assert d.runner_up is not None and d.runner_up.instance == "other"
+
+
+def test_leaving_a_session_counts_what_its_re_prefill_costs_the_streams_running_there() -> None:
+    """Judged by the whole answer: a session that leaves its instance re-prefills its history
+    elsewhere, and every stream decoding there waits while those tokens compute. A full
+    instance with a long line is left for an idle one (nobody is slowed), not for one as soon
+    for this request but running six streams (2.4 s of their time against 0.35 s saved)."""
+    sticky = cand("sticky", outstanding=8, inflight=8, waiting=8, cached_blocks=200)
+    r = req(sticky="sticky")
+    idle, busy = cand("idle"), cand("busy", outstanding=6)
+    assert score(busy, r, CFG).ttft_s < score(sticky, r, CFG).ttft_s / 1.5 - 0.05
+    moved = decide([idle, sticky], r, CFG)
+    assert moved.winner is not None and moved.winner.instance == "idle"
+    assert moved.reason == "session_yield"
+    kept = decide([busy, sticky], r, CFG)
+    assert kept.winner is not None and kept.winner.instance == "sticky"
+    assert kept.reason == "session"
 
 
 def test_session_yields_only_to_real_overload() -> None:
@@ -201,7 +221,10 @@ def test_a_new_session_goes_to_its_home_at_every_edge_unless_overloaded() -> Non
     # A home only somewhat slower (within 1.5x, beyond the 50 ms margin) holds a remembered
     # session but not a new one: a first turn pays at most the margin for consistency.
     slower = [cand(n, outstanding=3, waiting=1) if n == "c" else cand(n) for n in names]
-    assert decide(slower, req(sticky="c"), CFG).winner.instance == "c"  # type: ignore[union-attr]
+    # (Remembered, it holds the session's history: its own prefill is short.)
+    held = [cand(n, outstanding=3, waiting=7, cached_blocks=200) if n == "c"
+            else cand(n, outstanding=3) for n in names]  # fmt: skip
+    assert decide(held, req(sticky="c"), CFG).winner.instance == "c"  # type: ignore[union-attr]
     d = decide(slower, req(session=key), CFG)
     assert d.winner is not None and d.winner.instance != "c"
     # An instance this edge remembers for the session comes first.
