@@ -96,7 +96,7 @@ bench-overhead: $(STAMP)
 ## repetitions and the several edges are judged on the means over them (bench/routing_edges.py).
 SEVERAL_EDGES := fedinfer,fedinfer-2edges,fedinfer-3edges,fedinfer-2workers
 bench-routing: $(STAMP)
-	$(BIN)/python -m bench routing --policies round_robin,least_loaded,oracle,fedinfer,fedinfer-nolearn
+	$(BIN)/python -m bench routing --policies round_robin,least_loaded,oracle,fedinfer,fedinfer-nolearn,fedinfer-2edges
 	$(BIN)/python -m bench routing --scenario uniform-60 --policies $(SEVERAL_EDGES) --duration 84
 	$(BIN)/python -m bench routing --scenario zipf-90 --policies $(SEVERAL_EDGES) --duration 84 \
 	  --repeat 3
