@@ -11,6 +11,8 @@ from bench.routing_edges import edge_targets
 #: The fedinfer edge with a table whose prefill speed is 5x the engines' real one: it must learn
 #: the real speed (regions/edge/speed.py). Run in the scenarios at >= 85 % load.
 MISCALIBRATED = "fedinfer-speed5x"
+#: How much slower a token may stream through the edge than with the oracle's placement.
+ITL_ABOVE_ORACLE_MS = 0.2
 
 
 def targets(results: dict[str, dict[str, Any]], edge_ratios: bool = True) -> dict[str, Any]:
@@ -27,6 +29,11 @@ def targets(results: dict[str, dict[str, Any]], edge_ratios: bool = True) -> dic
     if "oracle" in results:
         check("mean_ttft_below_oracle_s", f["ttft_mean_s"], results["oracle"]["ttft_mean_s"], "<")
         check("hit_rate_vs_oracle", f["hit_rate"], results["oracle"]["hit_rate"], ">=")
+        # Judged by the whole answer: a placement that wins TTFT by slowing every stream's
+        # decode is a loss (issue 28 bounds the difference at 0.2 ms a token).
+        o_itl, f_itl = results["oracle"].get("itl_mean_s"), f.get("itl_mean_s")
+        if o_itl is not None and f_itl is not None:
+            check("itl_above_oracle_ms", (f_itl - o_itl) * 1000, ITL_ABOVE_ORACLE_MS, "<=")
     if MISCALIBRATED in results:
         # The table's speed 5x off: within 15 % of the run with the true speed, once learned.
         ratio = results[MISCALIBRATED]["ttft_mean_s"] / f["ttft_mean_s"]
@@ -63,8 +70,8 @@ def render(out: dict[str, Any]) -> str:
         + ("yes (Redis pub/sub)" if out["config"].get("peer_redis_url") else "no"),
     ]
     header = ["policy", "TTFT mean ms", "p50 ms", "p99 ms", "p99 incl. failures ms",
-              "ITL mean ms", "e2e mean ms", "req/s", "out tok/s", "hit rate", "max engine share",
-              "errors/sent"]  # fmt: skip
+              "ITL mean ms", "engines' own step ms", "e2e mean ms", "req/s", "out tok/s",
+              "hit rate", "max engine share", "errors/sent"]  # fmt: skip
     for name, s in out["scenarios"].items():
         cal = s["calibration"]
         lines += [
@@ -78,8 +85,9 @@ def render(out: dict[str, Any]) -> str:
             [
                 policy, _ms(r["ttft_mean_s"]), _ms(r["ttft_p50_s"]), _ms(r["ttft_p99_s"]),
                 _ms(r["ttft_p99_with_failures_s"]), fmt(r.get("itl_mean_s", math.nan) * 1000, 2),
-                _ms(r["e2e_mean_s"]), fmt(r["completed_per_s"], 2),
-                fmt(r["output_tokens_per_s"], 0), fmt(r["hit_rate"], 3),
+                fmt(r.get("engine_itl_mean_s", math.nan) * 1000, 2), _ms(r["e2e_mean_s"]),
+                fmt(r["completed_per_s"], 2), fmt(r["output_tokens_per_s"], 0),
+                fmt(r["hit_rate"], 3),
                 fmt(r["max_engine_share"], 2), f"{r['errors']}/{r['sent']}",
             ]
             for policy, r in s["results"].items()

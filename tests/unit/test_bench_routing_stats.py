@@ -1,13 +1,17 @@
 """The routing benchmark's per-request gateway wait, read from the edge's ``Server-Timing``
-(``regions/edge/observability.py`` writes it), and its summary."""
+(``regions/edge/observability.py`` writes it), its summary, and the engines' own step."""
 
 from __future__ import annotations
+
+import math
 
 import pytest
 
 from bench.chat_client import Record, gateway_wait
-from bench.routing_stats import summarise
+from bench.routing_report import targets
+from bench.routing_stats import metric_delta, summarise
 from regions.edge.observability import server_timing
+from regions.engines.metrics import EngineLoad
 
 
 def test_the_gateway_wait_is_read_from_the_edges_own_header() -> None:
@@ -36,3 +40,30 @@ def test_the_summary_reports_inter_token_latency_over_the_tokens_after_the_first
     result = summarise(records, 0.0, 10.0)
     assert result["itl_mean_s"] == pytest.approx((0.1 + 0.1) / 2)
     assert result["e2e_mean_s"] == pytest.approx(0.6)
+
+
+def test_the_engines_own_step_is_read_from_their_histograms_between_two_scrapes() -> None:
+    """Beside the client's ITL: the engines' step per token, over all and per engine."""
+
+    def load(itl_s: float, gaps: int) -> EngineLoad:
+        return EngineLoad(inter_token_latency_seconds_sum=itl_s,
+                          inter_token_latency_seconds_count=gaps)  # fmt: skip
+
+    before = [load(1.0, 100), load(5.0, 400)]
+    after = [load(1.0 + 0.012 * 300, 400), load(5.0 + 0.014 * 100, 500)]
+    delta = metric_delta(before, after)
+    assert delta["engine_itl_mean_s"] == pytest.approx((0.012 * 300 + 0.014 * 100) / 400)
+    assert delta["engine_itl_per_engine_s"] == [pytest.approx(0.012), pytest.approx(0.014)]
+    idle = metric_delta(before, before)
+    assert math.isnan(idle["engine_itl_mean_s"])
+
+
+def test_a_placement_that_wins_ttft_by_slowing_decode_misses_the_itl_target() -> None:
+    oracle = {"ttft_mean_s": 0.060, "hit_rate": 0.93, "itl_mean_s": 0.0130}
+    faster_first_token = {"ttft_mean_s": 0.050, "hit_rate": 0.93, "itl_mean_s": 0.0135}
+    judged = targets({"oracle": oracle, "fedinfer": faster_first_token})
+    assert judged["mean_ttft_below_oracle_s"]["met"]
+    assert judged["itl_above_oracle_ms"]["value"] == pytest.approx(0.5)
+    assert not judged["itl_above_oracle_ms"]["met"]
+    level = targets({"oracle": oracle, "fedinfer": {**faster_first_token, "itl_mean_s": 0.0131}})
+    assert level["itl_above_oracle_ms"]["met"]
