@@ -6,10 +6,17 @@ from collections.abc import Callable
 
 import pytest
 from django.contrib.auth.models import User
+from hypothesis import settings
 from rest_framework.test import APIClient
 
 from federation.tenancy.models import Membership, Tenant
 from federation.tenancy.services import auth_token_issue
+
+# Property tests check behaviour; speed is the benchmarks' (bench/). Hypothesis' default 200 ms
+# deadline per example fails a good example when the 2-core machine is busy (a unit run right
+# after a benchmark once failed in tests/unit/test_engine_flags.py, and passed alone).
+settings.register_profile("fedinfer", deadline=None)
+settings.load_profile("fedinfer")
 
 
 def _user(username: str, *, role: str | None, tenant: Tenant | None = None) -> User:
