@@ -46,7 +46,7 @@ from regions.edge.prefix_index import PrefixIndex
 from regions.edge.record import CLIENT_GONE, Recorder
 from regions.edge.relay import JSON, Relay, respond
 from regions.edge.reports import Heartbeats, healthz_document
-from regions.edge.server import Receive, Scope, Send
+from regions.edge.server import SLOW_STOP_S, Receive, Scope, Send, await_chain
 from regions.edge.sessions import SessionMap
 from regions.edge.spill import Remote, ramping, spill_plan
 from regions.edge.spill_over import SpillOver
@@ -346,7 +346,12 @@ class Edge:
     async def shutdown(self) -> None:
         for task in self._tasks:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._tasks:
+            # Bounded: a background loop that does not end when cancelled is a defect to see
+            # in the log, not a process that never exits (a stop the supervisor then kills).
+            _, stuck = await asyncio.wait(self._tasks, timeout=SLOW_STOP_S)
+            for task in stuck:
+                log.error("shutdown: %s did not stop when cancelled", await_chain(task))
         self._tasks = []
         await self.kv_events.stop()
         if self.peer_sync is not None:

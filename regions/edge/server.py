@@ -71,6 +71,24 @@ import httptools
 
 log = logging.getLogger("fedinfer.edge.server")
 
+#: After this long, a stop that still waits says what for (``await_chain``).
+SLOW_STOP_S = 5.0
+
+
+def await_chain(task: asyncio.Future[Any]) -> str:
+    """Where a task is suspended: its coroutines from the outermost in, ``name:line`` each."""
+    where: list[str] = []
+    coro = task.get_coro() if isinstance(task, asyncio.Task) else None
+    while coro is not None and len(where) < 32:
+        frame = getattr(coro, "cr_frame", None) or getattr(coro, "gi_frame", None)
+        if frame is None:
+            break
+        where.append(f"{frame.f_code.co_name}:{frame.f_lineno}")
+        coro = getattr(coro, "cr_await", None) or getattr(coro, "gi_yieldfrom", None)
+    name = task.get_name() if isinstance(task, asyncio.Task) else repr(task)
+    return f"{name} at " + " > ".join(where)
+
+
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
@@ -683,7 +701,15 @@ class EdgeServer:
             if conn.idle:
                 conn.close()
         if self.tasks:
-            _, pending = await asyncio.wait(set(self.tasks), timeout=self.limits.graceful_s)
+            grace = self.limits.graceful_s
+            _, pending = await asyncio.wait(set(self.tasks), timeout=min(grace, SLOW_STOP_S))
+            if pending and grace > SLOW_STOP_S:
+                # Say what they wait for: a request that outlives a stop is worth seeing.
+                log.warning(
+                    "shutdown: %d requests in flight after %.0f s: %s",
+                    len(pending), SLOW_STOP_S, "; ".join(await_chain(t) for t in pending),
+                )  # fmt: skip
+                _, pending = await asyncio.wait(pending, timeout=grace - SLOW_STOP_S)
             for task in pending:
                 task.cancel()
             if pending:

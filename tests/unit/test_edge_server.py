@@ -8,7 +8,15 @@ from typing import Any
 
 import pytest
 
-from regions.edge.server import MAX_HEAD_BYTES, EdgeServer, Message, Receive, Send, ServerLimits
+from regions.edge.server import (
+    MAX_HEAD_BYTES,
+    EdgeServer,
+    Message,
+    Receive,
+    Send,
+    ServerLimits,
+    await_chain,
+)
 
 Scope = dict[str, Any]
 
@@ -228,3 +236,23 @@ def test_response_header_injection_is_refused(value: bytes) -> None:
         writer.close()
 
     run(bad_app, test)
+
+
+def test_a_stop_that_waits_can_say_where_each_task_is_suspended() -> None:
+    async def inner(gate: asyncio.Event) -> None:
+        await gate.wait()
+
+    async def outer(gate: asyncio.Event) -> None:
+        await inner(gate)
+
+    async def main() -> None:
+        gate = asyncio.Event()
+        task = asyncio.create_task(outer(gate), name="scrape-loop")
+        await asyncio.sleep(0)
+        where = await_chain(task)
+        assert where.startswith("scrape-loop at outer:") and " > inner:" in where
+        assert " > wait:" in where  # down into the Event it waits on
+        gate.set()
+        await task
+
+    asyncio.run(main())
