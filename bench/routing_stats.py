@@ -24,31 +24,16 @@ def scrape(urls: list[str]) -> list[EngineLoad]:
 
 
 def metric_delta(before: list[EngineLoad], after: list[EngineLoad]) -> dict[str, Any]:
-    q = [
-        a.prefix_cache_queries_total - b.prefix_cache_queries_total
-        for b, a in zip(before, after, strict=True)
-    ]
-    h = [
-        a.prefix_cache_hits_total - b.prefix_cache_hits_total
-        for b, a in zip(before, after, strict=True)
-    ]
-    n = [
-        a.request_success_total - b.request_success_total
-        for b, a in zip(before, after, strict=True)
-    ]
-    p = [a.prompt_tokens_total - b.prompt_tokens_total for b, a in zip(before, after, strict=True)]
-    g = [
-        a.generation_tokens_total - b.generation_tokens_total
-        for b, a in zip(before, after, strict=True)
-    ]
-    gaps = [
-        a.inter_token_latency_seconds_count - b.inter_token_latency_seconds_count
-        for b, a in zip(before, after, strict=True)
-    ]
-    gap_s = [
-        a.inter_token_latency_seconds_sum - b.inter_token_latency_seconds_sum
-        for b, a in zip(before, after, strict=True)
-    ]
+    def per_engine(field: str) -> list[Any]:
+        return [getattr(a, field) - getattr(b, field) for b, a in zip(before, after, strict=True)]
+
+    q = per_engine("prefix_cache_queries_total")
+    h = per_engine("prefix_cache_hits_total")
+    n = per_engine("request_success_total")
+    p = per_engine("prompt_tokens_total")
+    g = per_engine("generation_tokens_total")
+    gaps = per_engine("inter_token_latency_seconds_count")
+    gap_s = per_engine("inter_token_latency_seconds_sum")
     total_n = sum(n)
     return {
         "hit_rate": sum(h) / sum(q) if sum(q) else math.nan,

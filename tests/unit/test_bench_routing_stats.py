@@ -45,13 +45,20 @@ def test_the_summary_reports_inter_token_latency_over_the_tokens_after_the_first
 def test_the_engines_own_step_is_read_from_their_histograms_between_two_scrapes() -> None:
     """Beside the client's ITL: the engines' step per token, over all and per engine."""
 
-    def load(itl_s: float, gaps: int) -> EngineLoad:
-        return EngineLoad(inter_token_latency_seconds_sum=itl_s,
-                          inter_token_latency_seconds_count=gaps)  # fmt: skip
+    def load(itl_s: float, gaps: int, done: int = 0) -> EngineLoad:
+        return EngineLoad(
+            inter_token_latency_seconds_sum=itl_s,
+            inter_token_latency_seconds_count=gaps,
+            request_success_total=done,
+            prefix_cache_queries_total=10 * done,
+            prefix_cache_hits_total=9 * done,
+        )
 
     before = [load(1.0, 100), load(5.0, 400)]
-    after = [load(1.0 + 0.012 * 300, 400), load(5.0 + 0.014 * 100, 500)]
+    after = [load(1.0 + 0.012 * 300, 400, 30), load(5.0 + 0.014 * 100, 500, 10)]
     delta = metric_delta(before, after)
+    assert delta["requests_per_engine"] == [30, 10] and delta["max_engine_share"] == 0.75
+    assert delta["hit_rate"] == pytest.approx(0.9)
     assert delta["engine_itl_mean_s"] == pytest.approx((0.012 * 300 + 0.014 * 100) / 400)
     assert delta["engine_itl_per_engine_s"] == [pytest.approx(0.012), pytest.approx(0.014)]
     idle = metric_delta(before, before)
