@@ -25,6 +25,7 @@ from django.core.exceptions import ValidationError
 from django.db import transaction
 from django.db.models import OuterRef, Subquery
 from django.utils import timezone
+from redis.connection import parse_url
 
 from federation.core import metrics
 from federation.core.audit import Actor, audit_record
@@ -46,8 +47,6 @@ logger = logging.getLogger(__name__)
 
 #: Fields that change with every compile even when the fleet does not.
 VOLATILE_FIELDS = ("version", "generated_at", "signature")
-#: Redis channel an edge's long-poll waits on; the message is the new version.
-NUDGE_CHANNEL = "fedinfer:tables:{region}"
 #: Set while a recompile is queued: further changes within that window ride along.
 RECOMPILE_PENDING_KEY = "fedinfer:tables:recompile-pending"
 #: Let a burst of changes settle before compiling (many changes in a second, one compile).
@@ -97,6 +96,15 @@ def redis_client() -> redis.Redis | None:
     return redis.Redis.from_url(url, socket_timeout=2, socket_connect_timeout=2)
 
 
+def nudge_channel(region_code: str) -> str:
+    """The Redis channel an edge's long-poll for ``region_code`` waits on; each message is a
+    new version. Pub/sub channels belong to the server, not to a database, so the name carries
+    ``REDIS_URL``'s database: control planes sharing one Redis on different databases do not
+    wake each other's edges."""
+    database = parse_url(settings.REDIS_URL).get("db", 0)
+    return f"fedinfer:tables:{database}:{region_code}"
+
+
 def body_hash(document: dict[str, Any]) -> str:
     """SHA-256 of the canonical document without its volatile fields."""
     body = {k: v for k, v in document.items() if k not in VOLATILE_FIELDS}
@@ -130,7 +138,7 @@ def _publish_nudges(versions: Iterable[RoutingTableVersion]) -> None:
     try:
         with client.pipeline(transaction=False) as pipe:
             for code, version in pairs:
-                pipe.publish(NUDGE_CHANNEL.format(region=code), str(version))
+                pipe.publish(nudge_channel(code), str(version))
             pipe.execute()
     except redis.RedisError as exc:
         logger.warning("table nudge not sent (edges fall back to polling): %s", exc)

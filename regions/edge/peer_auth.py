@@ -2,7 +2,7 @@
 HMAC-SHA256 under the region's peer key, and opened — header checked, MAC verified — before
 a byte of its JSON is decoded. Pure, no I/O.
 
-Anyone who reaches the region's Redis can publish on ``fedinfer:edge-load:<region>``; only
+Anyone who reaches the region's Redis can publish on ``fedinfer:edge-load:<db>:<region>``; only
 an edge holding the key ring can publish what its peers apply. The key of each ring entry is
 ``HMAC-SHA256(ring key, "fedinfer-peer-sync:" + region)``: bound to one region (a report
 replayed on another region's channel does not verify), and never the ring key itself (the

@@ -17,7 +17,7 @@ lost or late message harmless (the next one carries the difference); in-flight c
 replaced, not added. A peer silent for :data:`EXPIRE_S` is dropped (its in-flight no longer
 counted) and the scrapes alone carry its load again, as with Redis away;
 ``fedinfer_edge_peers`` shows how many are counted. Transport: the region's Redis, pub/sub
-channel ``fedinfer:edge-load:<region>``, each report signed with the region's peer key
+channel ``fedinfer:edge-load:<db>:<region>``, each report signed with the region's peer key
 (``peer_auth.py``).
 
 What a report may do is bounded whoever sent it: only instances of the current table count

@@ -1,5 +1,5 @@
 """The I/O of peer sync (``peer_load.py``): publish this edge's reports and fold in the
-other edges' over the region's Redis, pub/sub channel ``fedinfer:edge-load:<region>``.
+other edges' over the region's Redis, pub/sub channel ``fedinfer:edge-load:<db>:<region>``.
 Reconnects with backoff while Redis is away; meanwhile the peers expire and every edge routes
 on its own view and the scrapes.
 
@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 import redis
 import redis.asyncio as aioredis
 from prometheus_client import CollectorRegistry, Counter, Gauge
+from redis.connection import parse_url
 
 from regions.edge.admission import Admission
 from regions.edge.peer_auth import PEER_ID, SEAL_BYTES, open_sealed, peer_of, seal
@@ -84,8 +85,15 @@ def wall_ms() -> int:
     return time.time_ns() // 1_000_000
 
 
-def channel(region: str) -> str:
-    return f"fedinfer:edge-load:{region}"
+def channel(region: str, redis_url: str) -> str:
+    """The region's load channel on the Redis database of ``redis_url``.
+
+    Pub/sub channels belong to the server, not to a database: two deployments (or test
+    workers) sharing one Redis on different databases would hear each other's reports, so the
+    database's number is part of the name.
+    """
+    database = parse_url(redis_url).get("db", 0)  # type: ignore[no-untyped-call]  # redis-py
+    return f"fedinfer:edge-load:{database}:{region}"
 
 
 class PeerSync:
@@ -112,7 +120,7 @@ class PeerSync:
         self.seq = 0
         self._me = peers.me.encode()
         self.url = url
-        self.channel = channel(region)
+        self.channel = channel(region, url)
         self.peers = peers
         self.board = peers.board
         #: Whose rate-limit shares follow the tenants' demand (None: 1/n each).

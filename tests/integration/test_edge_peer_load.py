@@ -23,6 +23,7 @@ import pytest
 import redis as redis_py
 
 from regions.edge.peer_auth import peer_keys, seal
+from regions.edge.peer_sync import channel as peer_channel
 from regions.edge.sessions import home, session_key
 from regions.supervisor import wait_http, wait_until
 from regions.tables.signing import parse_key_ring
@@ -387,7 +388,7 @@ def test_a_hostile_publisher_on_the_channel_stalls_no_edge_and_is_refused(
     count the refusals; a report signed with the region's key (a key holder gone wrong) is
     clamped to the table, its silence frees the slots, and its replay is refused."""
     a, b = region.edges
-    channel = "fedinfer:edge-load:" + region.table["region"]
+    channel = peer_channel(region.table["region"], region.redis.url)
     keys = peer_keys(parse_key_ring(PEER_RING), region.table["region"])
     guessed = peer_keys({"p2": "guessed"}, region.table["region"])
     absurd = {"fast": [2**64 - 1] * 4, "slow": [2**64 - 1] * 4, "ghost": [2**64 - 1] * 4}

@@ -24,7 +24,7 @@ from django.conf import settings
 from django.http import HttpRequest, HttpResponse
 
 from federation.routing.distribution import routing_table_latest_version
-from federation.routing.services import NUDGE_CHANNEL
+from federation.routing.services import nudge_channel
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +68,7 @@ async def wait_for_newer(wait: WaitFor) -> None:
     """Return as soon as the region has a newer version, or when the wait is over."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + wait.seconds
-    pubsub = await _subscribe(NUDGE_CHANNEL.format(region=wait.region_code))
+    pubsub = await _subscribe(nudge_channel(wait.region_code))
     latest_version = sync_to_async(routing_table_latest_version)
     try:
         while True:
