@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed-$(shell sha1sum pyproject.toml | cut -c1-12)
 TEST_DATABASE_URL ?= postgres://postgres@127.0.0.1:5432/fedinfer
 TEST_REDIS_URL ?= redis://127.0.0.1:6379/15
 
-.PHONY: demo test lint typecheck check-migrations unit integration bench schemathesis schemathesis-short clean
+.PHONY: demo test check lint typecheck check-migrations unit integration e2e bench schemathesis schemathesis-short clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -22,9 +22,17 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/fedinfer demo
 
-## make test: lint, type checks, migration check, then every test against PostgreSQL and Redis
+## make test: lint, type checks, migration check, then every tier on parallel workers against
+## PostgreSQL and Redis (each worker its own test database and Redis database: tests/isolation.py).
+## A file's tests stay on one worker (--dist loadfile): modules share their fleets.
+TEST_WORKERS ?= 3
+TEST_ENV = DATABASE_URL=$(TEST_DATABASE_URL) REDIS_URL=$(TEST_REDIS_URL)
 test: lint check-migrations
-	DATABASE_URL=$(TEST_DATABASE_URL) REDIS_URL=$(TEST_REDIS_URL) $(BIN)/pytest
+	$(TEST_ENV) $(BIN)/pytest -n $(TEST_WORKERS) --dist loadfile
+
+## make check: the inner loop, about a minute: lint, types, the migration check, the unit tier
+check: lint check-migrations
+	$(BIN)/pytest -m unit -n 2 -q
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
@@ -36,11 +44,15 @@ check-migrations: $(STAMP)
 	# A check of the code against its migrations: no database needed (nor its history).
 	DATABASE_URL=sqlite:///:memory: $(BIN)/python manage.py makemigrations --check --dry-run
 
+## make unit / integration / e2e: one tier each (markers set by folder in tests/conftest.py)
 unit: $(STAMP)
-	$(BIN)/pytest tests/unit
+	$(BIN)/pytest -m unit -n 2
 
 integration: $(STAMP)
-	DATABASE_URL=$(TEST_DATABASE_URL) REDIS_URL=$(TEST_REDIS_URL) $(BIN)/pytest tests/integration
+	$(TEST_ENV) $(BIN)/pytest -m "integration or platform" -n $(TEST_WORKERS) --dist loadfile
+
+e2e: $(STAMP)
+	$(TEST_ENV) $(BIN)/pytest -m e2e
 
 ## make schemathesis: fuzz the whole REST API against its OpenAPI schema on a live server
 schemathesis: $(STAMP)
@@ -120,8 +132,7 @@ bench-metering: $(STAMP)
 ## against the Kubernetes schemas, compose against its schema); also part of make test
 .PHONY: check-platform
 check-platform: $(STAMP)
-	DATABASE_URL=$(TEST_DATABASE_URL) $(BIN)/pytest tests/integration/test_observability.py \
-	  tests/integration/test_platform_docker.py tests/integration/test_platform_k8s.py
+	DATABASE_URL=$(TEST_DATABASE_URL) $(BIN)/pytest -m platform
 
 ## make bench-console: the console's page times with a month of demo usage and 5,000 tenants
 ## on PostgreSQL (docs/benchmarks.md)

@@ -2,8 +2,11 @@
 
 import os
 
+from tests.isolation import worker_redis_url
+
 os.environ.setdefault("DATABASE_URL", "postgres://postgres@127.0.0.1:5432/fedinfer")
-os.environ.setdefault("REDIS_URL", "redis://127.0.0.1:6379/15")
+# Each xdist worker its own Redis database, also for the processes the tests start.
+os.environ["REDIS_URL"] = worker_redis_url(os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/15"))
 
 from federation.settings import *  # noqa: F403
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import csv
 import io
+import os
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -42,9 +43,9 @@ from tests.integration.control_plane_support import (
     write_table_keys,
 )
 
-pytestmark = [pytest.mark.e2e, pytest.mark.django_db(transaction=True, serialized_rollback=True)]
+pytestmark = [pytest.mark.e2e, pytest.mark.django_db(transaction=True)]
 
-REDIS_URL = "redis://127.0.0.1:6379/4"
+REDIS_URL = os.environ["REDIS_URL"]  # this test worker's own (tests/isolation.py)
 EXPECT_MS = 30_000
 
 

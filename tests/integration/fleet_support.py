@@ -20,7 +20,7 @@ from tests.integration.control_plane_support import own_redis
 from workers.provisioners.local import ENV_OWNER, LocalProvisioner
 
 #: The Redis database of the fleet tests' workers and edges.
-REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/5")
+REDIS_URL = os.environ["REDIS_URL"]  # this test worker's own (tests/isolation.py)
 
 
 @pytest.fixture(autouse=True)

@@ -35,7 +35,7 @@ from tests.integration.inventory_factories import (
 from tests.integration.test_edge_support import EdgeProc, engine_sims, start_edge, table_doc
 from tests.integration.usage_stream_support import stream_args, stream_edge
 
-REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/15")
+REDIS_URL = os.environ["REDIS_URL"]  # this test worker's own (tests/isolation.py)
 KEY = "fi_AbCdEf12_" + "s" * 43
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 PRICE = Price(Decimal("0.15"), Decimal("0.075"), Decimal("0.60"))

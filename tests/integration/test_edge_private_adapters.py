@@ -118,7 +118,7 @@ def test_models_lists_a_private_adapter_to_its_tenants_only(edge: EdgeProc) -> N
     assert listed(edge, "fi_globex") == ["llama", "shared-lora"]
 
 
-@pytest.mark.django_db(transaction=True, serialized_rollback=True)
+@pytest.mark.django_db(transaction=True)
 def test_an_owner_set_on_the_control_plane_is_enforced_by_its_edges(
     procs: Supervisor, settings: Any, tmp_path: Any
 ) -> None:

@@ -29,7 +29,7 @@ from tests.integration.test_edge_support import (
 )
 from tests.integration.usage_stream_support import stream_args
 
-REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/15")
+REDIS_URL = os.environ["REDIS_URL"]  # this test worker's own (tests/isolation.py)
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 HOP_KEYS = "h1=hop-secret"
 MAX_BODY = 65536

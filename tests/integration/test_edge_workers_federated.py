@@ -5,6 +5,7 @@ table, and whose usage arrives signed by each worker."""
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Iterator
 from datetime import timedelta
@@ -43,7 +44,7 @@ from tests.integration.inventory_factories import (
     make_region,
 )
 
-REDIS_URL = "redis://127.0.0.1:6379/11"
+REDIS_URL = os.environ["REDIS_URL"]  # this test worker's own (tests/isolation.py)
 EDGE = "edge-eu-west"
 
 
@@ -61,7 +62,7 @@ def wait_for(check: Callable[[], bool], what: str, timeout: float = 30.0) -> Non
         time.sleep(0.1)
 
 
-@pytest.mark.django_db(transaction=True, serialized_rollback=True)
+@pytest.mark.django_db(transaction=True)
 def test_two_workers_are_one_edge_with_two_holders(
     procs: Supervisor, admin_client: APIClient
 ) -> None:

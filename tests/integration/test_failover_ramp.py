@@ -1,7 +1,7 @@
 """A region coming back gets its traffic back gradually, end to end on loopback.
 
 Real PostgreSQL (this test's database, transactional so the subprocesses see committed rows),
-Redis (``$REDIS_URL``, default DB 12), a real ``fedinfer serve`` and ``fedinfer worker`` (the
+Redis (this test worker's database: tests/isolation.py), a real ``fedinfer serve`` and ``fedinfer worker`` (the
 worker publishes every table here, including the ramp's steps), and per region a
 ``fedinfer engine-sim`` and a ``fedinfer edge`` in control-plane mode:
 
@@ -64,7 +64,7 @@ from tests.integration.test_routing_distribution import (
     build_fleet,
 )
 
-REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/12")
+REDIS_URL = os.environ["REDIS_URL"]  # this test worker's own (tests/isolation.py)
 LLAMA = LLAMA_8B["name"]
 QWEN = "Qwen/Qwen2.5-7B-Instruct"
 RAMP_S = 12
@@ -239,7 +239,7 @@ def latest_ramp(code: str) -> Any:
     return None if doc is None else doc.document.get("ramp", 1.0)
 
 
-@pytest.mark.django_db(transaction=True, serialized_rollback=True)
+@pytest.mark.django_db(transaction=True)
 def test_a_region_coming_back_gets_its_traffic_back_gradually(
     procs: Supervisor, admin_client: APIClient
 ) -> None:

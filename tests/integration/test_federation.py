@@ -16,6 +16,7 @@ Tables are published by calling the publishing service, as the worker does after
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import time
 from collections.abc import Callable, Iterator
@@ -47,7 +48,7 @@ from tests.integration.inventory_factories import (
 )
 from tests.integration.test_edge_support import route_of
 
-REDIS_URL = "redis://127.0.0.1:6379/13"
+REDIS_URL = os.environ["REDIS_URL"]  # this test worker's own (tests/isolation.py)
 LLAMA = LLAMA_8B["name"]
 QWEN = "Qwen/Qwen2.5-7B-Instruct"
 
@@ -100,7 +101,7 @@ def metric(edge: str, name: str) -> float:
     return total
 
 
-@pytest.mark.django_db(transaction=True, serialized_rollback=True)
+@pytest.mark.django_db(transaction=True)
 def test_three_regions_federated(procs: Supervisor, admin_client: APIClient) -> None:
     t_start = time.monotonic()
     codes = ("eu-west", "us-east", "us-west")

@@ -47,7 +47,7 @@ from workers.provisioners.local import LocalProvisioner
 ADAPTER = "sql-lora"
 
 
-@pytest.mark.django_db(transaction=True, serialized_rollback=True)
+@pytest.mark.django_db(transaction=True)
 def test_an_adapter_is_loaded_onto_the_running_replica_where_its_requests_arrive(
     procs: Supervisor,
     engines: LocalProvisioner,  # noqa: F811

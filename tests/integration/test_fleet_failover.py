@@ -99,7 +99,7 @@ def in_any_table(name: str) -> bool:
     )
 
 
-@pytest.mark.django_db(transaction=True, serialized_rollback=True)
+@pytest.mark.django_db(transaction=True)
 def test_an_engine_dies_and_a_region_falls_silent_and_the_fleet_heals_both(
     procs: Supervisor,
     engines: LocalProvisioner,  # noqa: F811
@@ -198,7 +198,7 @@ def test_an_engine_dies_and_a_region_falls_silent_and_the_fleet_heals_both(
     assert set(engines.running()) == live(dep) | live(Deployment.objects.exclude(pk=dep.pk).get())
 
 
-@pytest.mark.django_db(transaction=True, serialized_rollback=True)
+@pytest.mark.django_db(transaction=True)
 def test_a_worker_killed_mid_pass_leaves_no_duplicates_and_no_orphans(
     procs: Supervisor,
     engines: LocalProvisioner,  # noqa: F811
@@ -235,7 +235,7 @@ def test_a_worker_killed_mid_pass_leaves_no_duplicates_and_no_orphans(
     assert engines.running() == {}
 
 
-@pytest.mark.django_db(transaction=True, serialized_rollback=True)
+@pytest.mark.django_db(transaction=True)
 def test_the_database_cutting_the_workers_connections_mid_pass_leaves_no_duplicates(
     procs: Supervisor,
     engines: LocalProvisioner,  # noqa: F811
@@ -284,7 +284,7 @@ def test_the_database_cutting_the_workers_connections_mid_pass_leaves_no_duplica
     assert worker.poll() is None  # the worker itself survived its database going away
 
 
-@pytest.mark.django_db(transaction=True, serialized_rollback=True)
+@pytest.mark.django_db(transaction=True)
 def test_redis_restarted_mid_run_leaves_no_duplicates_and_the_worker_acts_again(
     procs: Supervisor,
     engines: LocalProvisioner,  # noqa: F811

@@ -32,7 +32,7 @@ from tests.integration.test_routing_distribution import (
 pytestmark = pytest.mark.django_db
 
 #: This module's Redis DB (the debounce mark and the broker of the recompiles it queues).
-REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/3")
+REDIS_URL = os.environ["REDIS_URL"]  # this test worker's own (tests/isolation.py)
 
 
 @pytest.fixture(autouse=True)

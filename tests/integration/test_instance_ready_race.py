@@ -30,7 +30,7 @@ from tests.integration.inventory_factories import (
     make_region,
 )
 
-pytestmark = pytest.mark.django_db(transaction=True, serialized_rollback=True)
+pytestmark = pytest.mark.django_db(transaction=True)
 
 #: How long the paused service holds its transaction open; the other starts after LEAD.
 PAUSE_S = 0.8

@@ -48,7 +48,7 @@ from tests.integration.usage_stream_support import stream_args, stream_edge
 
 pytestmark = pytest.mark.django_db
 
-REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/15")
+REDIS_URL = os.environ["REDIS_URL"]  # this test worker's own (tests/isolation.py)
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 REGION = "eu-west"
 #: $1 per million prompt tokens, $99 per million generated: a request costs about a cent.

@@ -203,7 +203,7 @@ def test_bad_documents_are_returned_with_the_reason_and_the_rest_is_stored(fleet
 
 @pytest.fixture
 def stream() -> redis.Redis:
-    client = redis.Redis.from_url(os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/15"))
+    client = redis.Redis.from_url(os.environ["REDIS_URL"])
     client.delete(USAGE_STREAM)
     yield client
     client.delete(USAGE_STREAM)
@@ -304,7 +304,7 @@ def test_the_workers_tasks_ingest_the_stream_and_roll_up(
 ) -> None:
     from workers.tasks import usage_ingest_task, usage_rollup_task
 
-    settings.REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/15")
+    settings.REDIS_URL = os.environ["REDIS_URL"]
     stream_edge(Region.objects.get(code="us-east"))
     for i in range(5):
         stream.xadd(USAGE_STREAM, signed(encode_record(doc(i, fleet, "acme", edge=STREAM_EDGE))))

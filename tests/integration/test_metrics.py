@@ -248,7 +248,7 @@ def test_ingest_lag_rejections_and_budget_ratio_after_ingestion(
 # --- a real worker ---------------------------------------------------------------------------
 
 
-@pytest.mark.django_db(transaction=True, serialized_rollback=True)
+@pytest.mark.django_db(transaction=True)
 def test_a_real_worker_serves_task_metrics_from_its_pool_processes(
     procs: Supervisor, own_redis_db: redis.Redis, admin_client: APIClient
 ) -> None:
@@ -310,7 +310,7 @@ def test_liveness_reads_nothing_and_readiness_needs_the_database(monkeypatch: An
     assert remote.get("/healthz").status_code == 200
 
 
-@pytest.mark.django_db(transaction=True, serialized_rollback=True)
+@pytest.mark.django_db(transaction=True)
 def test_workers_without_beat_and_one_beat_run_the_schedule_once(
     procs: Supervisor, own_redis_db: redis.Redis, admin_client: APIClient
 ) -> None:

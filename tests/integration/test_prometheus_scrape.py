@@ -68,7 +68,7 @@ def eventually(base: str, promql: str, *, timeout: float = 40) -> list[dict[str,
     return found
 
 
-@pytest.mark.django_db(transaction=True, serialized_rollback=True)
+@pytest.mark.django_db(transaction=True)
 def test_prometheus_scrapes_every_process_and_answers_the_key_series(
     procs: Supervisor, redis_url: str, admin_client: APIClient, tmp_path: Path
 ) -> None:

@@ -32,7 +32,7 @@ from tests.integration.inventory_factories import make_region
 #: Nothing listens there.
 DEAD_REDIS_URL = "redis://127.0.0.1:1/0"
 
-pytestmark = pytest.mark.django_db(transaction=True, serialized_rollback=True)
+pytestmark = pytest.mark.django_db(transaction=True)
 
 
 @dataclass

@@ -6,6 +6,7 @@ Runs on the real PostgreSQL and Redis; the long-poll latency is measured against
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -38,7 +39,7 @@ from tests.integration.inventory_factories import (
     make_region,
 )
 
-REDIS_TEST_URL = "redis://127.0.0.1:6379/14"
+REDIS_TEST_URL = os.environ["REDIS_URL"]  # this test worker's own (tests/isolation.py)
 
 
 @dataclass
@@ -130,7 +131,7 @@ def test_a_region_created_again_keeps_counting_up(fleet: Fleet) -> None:
     assert version.version == 2  # an edge holding version 1 accepts it
 
 
-@pytest.mark.django_db(transaction=True, serialized_rollback=True)
+@pytest.mark.django_db(transaction=True)
 def test_concurrent_publishers_never_reuse_or_lower_a_version(admin_client: APIClient) -> None:
     fleet = build_fleet(admin_client)
     services.routing_tables_publish()
@@ -441,7 +442,7 @@ def server(transactional_db: None, procs: Supervisor, request: pytest.FixtureReq
 
 
 @pytest.mark.parametrize("server", ["redis", "redis-down"], indirect=True)
-@pytest.mark.django_db(transaction=True, serialized_rollback=True)
+@pytest.mark.django_db(transaction=True)
 def test_long_poll_answers_as_soon_as_a_version_is_published(
     server: Server, admin_client: APIClient, settings: Any
 ) -> None:

@@ -35,7 +35,7 @@ def traceparent(trace_id: str) -> dict[str, str]:
     return {"traceparent": f"00-{trace_id}-{CALLER_SPAN}-01"}
 
 
-@pytest.mark.django_db(transaction=True, serialized_rollback=True)
+@pytest.mark.django_db(transaction=True)
 def test_an_api_request_is_one_server_span_and_scrapes_are_not_traced(
     procs: Supervisor, settings: Any
 ) -> None:
@@ -61,7 +61,7 @@ def test_an_api_request_is_one_server_span_and_scrapes_are_not_traced(
     assert not [s for s in spans if s.trace_id == scrape]
 
 
-@pytest.mark.django_db(transaction=True, serialized_rollback=True)
+@pytest.mark.django_db(transaction=True)
 def test_a_task_run_by_a_real_worker_is_a_span_of_the_trace_that_queued_it(
     procs: Supervisor, settings: Any
 ) -> None:

@@ -20,7 +20,7 @@ from regions.tables.usage import (
     usage_stream_key,
 )
 
-REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/15")
+REDIS_URL = os.environ["REDIS_URL"]  # this test worker's own (tests/isolation.py)
 KEY = usage_stream_key("the-edge-credential")
 
 

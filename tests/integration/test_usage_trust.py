@@ -40,7 +40,7 @@ EU_CREDENTIAL = "the-eu-edges-own-credential"
 
 @pytest.fixture
 def stream() -> Iterator[redis.Redis]:
-    client = redis.Redis.from_url(os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/15"))
+    client = redis.Redis.from_url(os.environ["REDIS_URL"])
     client.delete(USAGE_STREAM)
     yield client
     client.delete(USAGE_STREAM)

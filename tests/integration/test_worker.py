@@ -112,7 +112,7 @@ def latest_document(code: str) -> dict[str, Any] | None:
     return None if table is None else table.document
 
 
-@pytest.mark.django_db(transaction=True, serialized_rollback=True)
+@pytest.mark.django_db(transaction=True)
 def test_the_worker_publishes_after_an_evacuation_and_periodically(
     worker: Path,
     admin_client: APIClient,
