@@ -1,8 +1,9 @@
 """A region coming back gets its traffic back gradually, end to end on loopback.
 
 Real PostgreSQL (this test's database, transactional so the subprocesses see committed rows),
-Redis (this test worker's database: tests/isolation.py), a real ``fedinfer serve`` and ``fedinfer worker`` (the
-worker publishes every table here, including the ramp's steps), and per region a
+Redis (this test worker's database: tests/isolation.py), a real ``fedinfer serve`` and
+``fedinfer worker`` (the worker publishes every table here, including the ramp's steps), and per
+region a
 ``fedinfer engine-sim`` and a ``fedinfer edge`` in control-plane mode:
 
 * ``eu-west`` and ``us-west`` serve llama; ``us-east`` serves qwen only, so its llama traffic
