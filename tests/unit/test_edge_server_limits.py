@@ -124,8 +124,10 @@ def test_a_slow_head_gets_408_at_the_head_timeout(trickle: bool) -> None:
 
     async def test(port: int, server: EdgeServer) -> None:
         loop = asyncio.get_running_loop()
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        # Before connecting: the server's clock starts at its accept, which a busy loop can run
+        # before this coroutine resumes from open_connection.
         started = loop.time()
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
         writer.write(b"G")
 
         async def slowloris() -> None:  # never completes the head, never pauses long
@@ -150,8 +152,10 @@ def test_a_slow_head_gets_408_at_the_head_timeout(trickle: bool) -> None:
 def test_a_connection_that_sends_nothing_is_closed_after_keep_alive_without_an_answer() -> None:
     async def test(port: int, server: EdgeServer) -> None:
         loop = asyncio.get_running_loop()
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        # Before connecting: the server's clock starts at its accept, which a busy loop can run
+        # before this coroutine resumes from open_connection.
         started = loop.time()
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
         assert await _rest(reader) == b""
         assert 0.3 <= loop.time() - started < 1.5
         assert server.refusals == dict.fromkeys(REFUSALS, 0)  # an idle close is no refusal
