@@ -113,6 +113,7 @@ def latest_version(code: str) -> int:
     )
 
 
+@pytest.mark.slow
 def test_console_end_to_end(procs: Supervisor, browser: Browser, settings: Any) -> None:
     demo_fleet(usage_days=3, edges=False)
     # The test settings hash with MD5 (fast); the server checks with the production hashers.

@@ -98,6 +98,7 @@ def start_demo(tmp_path: Path) -> Iterator[Callable[..., tuple[Process, Any]]]:
         assert not killed, "the demo did not stop within 30 s of SIGTERM"
 
 
+@pytest.mark.slow
 def test_demo_federates_three_regions_with_traffic_and_an_evacuation(
     start_demo: Callable[..., tuple[Process, Any]], tmp_path: Path
 ) -> None:
@@ -292,6 +293,7 @@ def _fleet_lines(output: str) -> list[dict[str, tuple[int, dict[str, int]]]]:
     return out
 
 
+@pytest.mark.slow
 def test_demo_fleet_follows_the_day_and_heals_without_a_command(
     start_demo: Callable[..., tuple[Process, Any]], tmp_path: Path
 ) -> None:

@@ -13,6 +13,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import httpx
+import pytest
 
 from regions.supervisor import Process, wait_until
 from tests.integration.test_demo import start_demo  # noqa: F401  (fixture)
@@ -21,6 +22,7 @@ from workers.provisioners.local import LocalProvisioner
 JOBS = ("fedinfer-control-plane", "fedinfer-worker", "fedinfer-edge", "fedinfer-engine")
 
 
+@pytest.mark.slow
 def test_demo_with_prometheus_scrapes_every_process(
     start_demo: Callable[..., tuple[Process, Any]],  # noqa: F811
 ) -> None:

@@ -240,6 +240,7 @@ def latest_ramp(code: str) -> Any:
     return None if doc is None else doc.document.get("ramp", 1.0)
 
 
+@pytest.mark.slow
 @pytest.mark.django_db(transaction=True)
 def test_a_region_coming_back_gets_its_traffic_back_gradually(
     procs: Supervisor, admin_client: APIClient

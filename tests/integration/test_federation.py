@@ -101,6 +101,7 @@ def metric(edge: str, name: str) -> float:
     return total
 
 
+@pytest.mark.slow
 @pytest.mark.django_db(transaction=True)
 def test_three_regions_federated(procs: Supervisor, admin_client: APIClient) -> None:
     t_start = time.monotonic()

@@ -139,6 +139,7 @@ class Stream:
         self.thread.join(30)
 
 
+@pytest.mark.slow
 @pytest.mark.django_db(transaction=True)
 def test_load_up_starts_a_replica_in_time_load_down_drains_one_after_the_cooldown(
     procs: Supervisor,

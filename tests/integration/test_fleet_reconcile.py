@@ -221,6 +221,7 @@ def test_a_pools_provisioner_is_chosen_through_the_api(admin_client: APIClient) 
     assert r.json()["provisioner"] == "static"  # today's behaviour unless asked
 
 
+@pytest.mark.slow
 def test_a_scale_down_waits_for_the_edges_tables_and_the_engines_own_work(
     deployment: Deployment,
     engines: LocalProvisioner,  # noqa: F811

@@ -109,6 +109,7 @@ class Call:
         return self
 
 
+@pytest.mark.slow
 @pytest.mark.django_db(transaction=True)
 def test_a_cold_model_is_held_woken_served_and_scaled_back_to_zero(
     procs: Supervisor,
