@@ -18,6 +18,7 @@ from federation.fleet.locks import LOCK_NAMESPACE, PLACEMENT_LOCK_ID
 from federation.fleet.models import PlacementPlan
 from federation.inventory import services as inventory
 from federation.inventory.models import Deployment
+from regions.supervisor import wait_until
 from tests.integration.inventory_factories import make_instance
 from tests.integration.test_placement_api import (  # noqa: F401  (fixture)
     ONE_REPLICA,
@@ -112,11 +113,24 @@ def test_a_second_worker_does_not_plan_while_one_holds_the_lock(
         held = other.execute(
             "SELECT pg_try_advisory_lock(%s, %s)", [LOCK_NAMESPACE, PLACEMENT_LOCK_ID]
         ).fetchone()
-        assert held == (True,)
+        assert held == (True,) and not _placement_lock_free()
         assert fleet_placement_task.apply().get() == ""
         assert not PlacementPlan.objects.exists()
-    # Released with the other worker's session: the next pass runs.
+    # Released with the other worker's session, once its server process has ended (a client's
+    # close does not wait for that: a pass right after it once still found the lock held).
+    wait_until(_placement_lock_free, what="the closed session's advisory lock released")
     assert fleet_placement_task.apply().get().endswith(", applied")
+
+
+def _placement_lock_free() -> bool:
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted"
+            " AND database = (SELECT oid FROM pg_database WHERE datname = current_database())"
+            " AND classid = %s AND objid = %s",
+            [LOCK_NAMESPACE, PLACEMENT_LOCK_ID],
+        )
+        return bool(cursor.fetchone()[0] == 0)
 
 
 def test_the_schedule_keeps_its_newest_unapplied_plans_only(
