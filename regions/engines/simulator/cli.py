@@ -24,6 +24,7 @@ import uvicorn
 from regions.engines.prompt_tokens import ModelTokenizer, TokenizerError
 from regions.engines.simulator.engine import EngineConfig, SimEngine
 from regions.engines.simulator.faults import FaultConfig, apply_update, parse_fault_flag
+from regions.engines.simulator.http import CUT_FILTER
 from regions.engines.simulator.kv_events import (
     KVEventPublisher,
     KVEventsConfig,
@@ -31,7 +32,7 @@ from regions.engines.simulator.kv_events import (
 )
 from regions.engines.simulator.kv_transfer import KV_ROLES, KVTransferConfig
 from regions.engines.simulator.perf import ACCELERATOR_ALIASES, ACCELERATORS
-from regions.engines.simulator.server import CUT_FILTER, EngineApp
+from regions.engines.simulator.server import EngineApp
 from regions.engines.simulator.tokenizer import OutputPlanner, Tokenizer
 
 log = logging.getLogger("fedinfer.engine_sim")

@@ -1,8 +1,10 @@
 """The HTTP pieces every route of the simulator shares: vLLM's error shapes (FastAPI and
-pydantic validation failures, ``{"error": {...}}``), the JSON body, and plain responses."""
+pydantic validation failures, ``{"error": {...}}``), the JSON body, plain responses, and the
+log filter for connections the simulator cuts on purpose."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
@@ -15,6 +17,25 @@ Send = Callable[[Message], Awaitable[None]]
 
 JSON_HEADERS = [(b"content-type", b"application/json")]
 SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8")]
+CUT_MESSAGE = "ASGI callable returned without completing response."
+
+
+class CutConnectionFilter(logging.Filter):
+    """Silence uvicorn's complaint about responses the simulator cuts on purpose (die
+    mid-stream, kill); any other incomplete response is still logged."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.expected = 0
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if self.expected > 0 and record.getMessage() == CUT_MESSAGE:
+            self.expected -= 1
+            return False
+        return True
+
+
+CUT_FILTER = CutConnectionFilter()
 
 
 class ApiError(Exception):

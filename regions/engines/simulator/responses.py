@@ -56,8 +56,9 @@ def _event(kind: str, seq: int, fields: dict[str, Any]) -> str:
 
 
 class ResponsesFormatter:
-    """The answer of one Responses request, as :class:`~.server._Formatter` formats chat: same
-    methods, so ``EngineApp._generate`` streams or sends it the same way."""
+    """The answer of one Responses request, as
+    :class:`~.openai_protocol.CompletionFormatter` formats chat: same methods, so
+    ``GenerationApi._generate`` streams or sends it the same way."""
 
     #: Stream events go out from the start (``response.created`` before any token).
     eager = True
