@@ -46,11 +46,12 @@ from regions.edge.prefix_index import PrefixIndex
 from regions.edge.record import CLIENT_GONE, Recorder
 from regions.edge.relay import JSON, Relay, respond
 from regions.edge.reports import Heartbeats, healthz_document
-from regions.edge.server import SLOW_STOP_S, Receive, Scope, Send, await_chain
+from regions.edge.server import Receive, Scope, Send
 from regions.edge.sessions import SessionMap
 from regions.edge.spill import Remote, ramping, spill_plan
 from regions.edge.spill_over import SpillOver
 from regions.edge.split import Split, SplitCollector, split_plan
+from regions.edge.stopping import SLOW_STOP_S, await_chain
 from regions.edge.sync import TableSync
 from regions.edge.table_file import FileStamp, file_stamp
 from regions.edge.token_prefix import TokenPrefixes

@@ -15,8 +15,8 @@ from regions.edge.server import (
     Receive,
     Send,
     ServerLimits,
-    await_chain,
 )
+from regions.edge.stopping import await_chain
 
 Scope = dict[str, Any]
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from regions.edge import server as edge_server
+from regions.edge import connection as edge_connection
 from regions.edge.server import REFUSALS, EdgeServer, Message, Receive, Send
 from tests.unit.test_edge_server import _post, _response, echo_app, run
 
@@ -173,7 +173,7 @@ def test_time_the_server_did_not_run_is_not_held_against_a_fresh_connection(
     arrives: without the stall rule it closed the connection unanswered ("Server disconnected
     without sending a response", seen in CI on a fresh /healthz connection). A client that stays
     silent after the pause is still closed, the pause given back once."""
-    monkeypatch.setattr(edge_server, "STALL_S", 0.3)
+    monkeypatch.setattr(edge_connection, "STALL_S", 0.3)
 
     async def test(port: int, server: EdgeServer) -> None:
         loop = asyncio.get_running_loop()
