@@ -18,7 +18,8 @@ import math
 import random
 
 from bench.report import markdown_table, utc_now, write_result
-from federation.fleet import placement as P
+from federation.fleet import placement_types as P
+from federation.fleet.placement import plan_placement
 from federation.inventory import fit
 
 ACCELERATORS = (
@@ -75,7 +76,7 @@ def main(argv: list[str]) -> None:
     args = parser.parse_args(argv)
     data = synthetic_fleet(args.regions, args.models, args.seed)
     rows, results = [], []
-    first = P.plan_placement(data)
+    first = plan_placement(data)
     current = [
         P.Current(p.model, p.pool, p.tensor_parallel_size, p.after)
         for p in first.placements
@@ -85,7 +86,7 @@ def main(argv: list[str]) -> None:
     for factor in (0.95, 1.05, 1.3):
         scaled = [dataclasses.replace(d, tokens_per_s=d.tokens_per_s * factor) for d in data.demand]
         again = dataclasses.replace(data, demand=scaled, current=current)
-        runs.append((f"demand x {factor}", P.plan_placement(again)))
+        runs.append((f"demand x {factor}", plan_placement(again)))
     for name, plan in runs:
         rows.append(
             (

@@ -28,7 +28,7 @@ from datetime import datetime, timedelta
 from django.conf import settings
 from django.db.models import F, Sum
 
-from federation.fleet import placement, selectors
+from federation.fleet import placement_types, selectors
 from federation.inventory import lifecycle
 from federation.inventory.models import (
     Deployment,
@@ -119,7 +119,7 @@ def _classes(regions: list[RegionRef]) -> tuple[dict[str, frozenset[str]], dict[
 
 def measured_demand(
     *, now: datetime, window_hours: int, of_tenant: dict[str, str]
-) -> list[placement.Demand]:
+) -> list[placement_types.Demand]:
     """Tokens/s per (class, region, model): the usage rollups, else the heartbeats."""
     since = now - timedelta(hours=window_hours)
     rows = (
@@ -140,7 +140,7 @@ def measured_demand(
             if seen is not None and seen[3] > 0:
                 region = inst.deployment.pool.region.code
                 sums[(local_class(region), region, inst.deployment.model.name)] += seen[3]
-    return [placement.Demand(c, r, m, t) for (c, r, m), t in sorted(sums.items()) if t > 0]
+    return [placement_types.Demand(c, r, m, t) for (c, r, m), t in sorted(sums.items()) if t > 0]
 
 
 def placement_input(
@@ -148,20 +148,20 @@ def placement_input(
     now: datetime,
     window_hours: int = 3,
     override: Iterable[DemandOverride] | None = None,
-    target: float = placement.TARGET_UTILISATION,
-) -> placement.PlacementInput:
+    target: float = placement_types.TARGET_UTILISATION,
+) -> placement_types.PlacementInput:
     """The planner's input read from the database (``override``: the demand to plan for
     instead of the measured one)."""
     regions = [RegionRef(r.code, r.jurisdiction) for r in Region.objects.order_by("code")]
     classes, of_tenant = _classes(regions)
     pools = managed_pools()
-    offers: list[placement.PoolOffer] = []
+    offers: list[placement_types.PoolOffer] = []
     reserved: dict[int, int] = defaultdict(int)
     for dep in Deployment.objects.filter(pool__in=pools).exclude(role=MIXED):
         reserved[dep.pool_id] += dep.tensor_parallel_size * dep.desired_replicas
     for pool in pools:
         offers.append(
-            placement.PoolOffer(
+            placement_types.PoolOffer(
                 key=pool_key(pool),
                 region=pool.region.code,
                 spec=pool_spec(pool),
@@ -174,11 +174,11 @@ def placement_input(
             )
         )
     models = [
-        placement.PlannedModel(m.name, model_spec(m), float(m.parameter_count_b))
+        placement_types.PlannedModel(m.name, model_spec(m), float(m.parameter_count_b))
         for m in LanguageModel.objects.order_by("name")
     ]
     current = [
-        placement.Current(
+        placement_types.Current(
             d.model.name,
             pool_key(d.pool),
             d.tensor_parallel_size,
@@ -191,7 +191,7 @@ def placement_input(
         demand = measured_demand(now=now, window_hours=window_hours, of_tenant=of_tenant)
     else:
         demand = [
-            placement.Demand(
+            placement_types.Demand(
                 of_tenant.get(o.tenant, local_class(o.region))
                 if o.tenant
                 else local_class(o.region),
@@ -207,7 +207,7 @@ def placement_input(
         )
         for link in RegionLink.objects.select_related("source", "target")
     }
-    return placement.PlacementInput(
+    return placement_types.PlacementInput(
         rtt_ms=rtt,
         pools=offers,
         models=models,

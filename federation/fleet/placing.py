@@ -13,7 +13,7 @@ from django.utils import timezone
 
 from federation.core.audit import Actor, audit_record
 from federation.core.errors import Conflict
-from federation.fleet import placement, placement_inputs
+from federation.fleet import placement, placement_inputs, placement_types
 from federation.fleet.locks import PLACEMENT_LOCK_ID, advisory_lock
 from federation.fleet.models import PlacementPlan
 from federation.inventory import services as inventory
@@ -27,7 +27,7 @@ def _who(actor: Actor) -> str:
     return actor.get_username() if actor is not None and actor.is_authenticated else "system"
 
 
-def plan_document(plan: placement.Plan) -> dict[str, Any]:
+def plan_document(plan: placement_types.Plan) -> dict[str, Any]:
     """The plan as the API returns it and ``PlacementPlan.document`` keeps it."""
     changes = [{"action": p.action, **asdict(p)} for p in plan.placements if p.action != "keep"]
     changes.sort(key=lambda c: (_ORDER[c["action"]], c["pool"], c["model"]))
@@ -50,7 +50,7 @@ def placement_plan(
     actor: Actor,
     override: Iterable[placement_inputs.DemandOverride] | None = None,
     window_hours: int = 3,
-    policy: placement.PlannerPolicy | None = None,
+    policy: placement_types.PlannerPolicy | None = None,
 ) -> PlacementPlan:
     """Compute a plan against the fleet as it is now and keep it (nothing else is written)."""
     fingerprint = placement_inputs.fleet_fingerprint()

@@ -9,7 +9,9 @@ from collections import defaultdict
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from federation.fleet.placement import (
+from federation.fleet.placement import plan_placement
+from federation.fleet.placement_milp import node_patterns, smallest_fitting_tp
+from federation.fleet.placement_types import (
     NO_FITTING_POOL,
     NO_FREE_GPUS,
     RESIDENCY,
@@ -21,9 +23,6 @@ from federation.fleet.placement import (
     PlannedModel,
     PlannerPolicy,
     PoolOffer,
-    node_patterns,
-    plan_placement,
-    smallest_fitting_tp,
 )
 from federation.inventory import fit
 
