@@ -17,11 +17,8 @@ from typing import Any
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.db import transaction
 
-from federation.demo.management.commands.demo import (
-    DEMO_PREFIX,
-    _write_private,
-    demo_instance_name,
-)
+from federation.demo.fleet_setup import DEMO_PREFIX, demo_instance_name
+from federation.demo.run import write_private
 from federation.inventory import lifecycle
 from federation.inventory import services as inventory
 from federation.inventory.models import Deployment, Edge, Instance, Region
@@ -91,7 +88,7 @@ class Command(BaseCommand):
                 edge = inventory.edge_register(actor=None, region=regions[code], name=name, url=url)
                 credentials[name] = routing.edge_credential_rotate(actor=None, edge=edge)
         for name, credential in credentials.items():
-            _write_private(folder / name, credential + "\n")
+            write_private(folder / name, credential + "\n")
         versions = routing.routing_tables_publish()
         self.stdout.write(
             f"registered {len(engines)} engines and {len(edges)} edges "
