@@ -1,5 +1,6 @@
-"""Writes of the distribution side: publishing table versions, edge credentials, heartbeats,
-and scheduling the debounced recompile after inventory and tenancy changes.
+"""Writes of the distribution side: publishing table versions, edge credentials, and scheduling
+the debounced recompile after inventory and tenancy changes (what edges report back:
+``heartbeats``).
 
 Publishing locks the per-region version counters *before* reading the fleet, so two
 compilers run one after the other and the later one always sees at least what the earlier
@@ -12,8 +13,7 @@ import hashlib
 import logging
 import secrets
 import time
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Sequence
 from datetime import datetime
 from typing import Any
 
@@ -21,7 +21,6 @@ import orjson
 import redis
 from celery import current_app
 from django.conf import settings
-from django.core.exceptions import ValidationError
 from django.db import transaction
 from django.db.models import OuterRef, Subquery
 from django.utils import timezone
@@ -29,19 +28,14 @@ from redis.connection import parse_url
 
 from federation.core import metrics
 from federation.core.audit import Actor, audit_record
-from federation.core.errors import Conflict
 from federation.core.models import AuditEvent
 from federation.core.services import model_lock
-from federation.inventory import lifecycle
-from federation.inventory.models import Edge, Instance, Region
+from federation.inventory.models import Edge, Region
 from federation.routing.compiler import compile_region_table, fleet_plan
-from federation.routing.distribution import EDGE_CREDENTIAL_PREFIX, routing_table_latest_version
-from federation.routing.models import BudgetReport, RoutingTableCounter, RoutingTableVersion
-from federation.routing.ramp import region_down
-from federation.routing.selectors import LOAD_REPORT_MAX_AGE_S, fleet_snapshot, reported_health
-from federation.routing.wake import cold_demand_store, fleet_wake_schedule
+from federation.routing.distribution import EDGE_CREDENTIAL_PREFIX
+from federation.routing.models import RoutingTableCounter, RoutingTableVersion
+from federation.routing.selectors import fleet_snapshot
 from federation.tenancy.keys import hash_key
-from regions.tables.schema import lease_holder
 
 logger = logging.getLogger(__name__)
 
@@ -320,288 +314,3 @@ def edge_credential_rotate(*, actor: Actor, edge: Edge) -> str:
     edge.save(update_fields=["credential_hash", "updated_at"])
     audit_record(actor=actor, action="edge.rotate_credential", obj=edge)
     return plaintext
-
-
-# --- heartbeats ----------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class InstanceReport:
-    """One instance as an edge sees it."""
-
-    id: str
-    healthy: bool
-    load: dict[str, Any]
-
-
-@dataclass(frozen=True, slots=True)
-class HeartbeatResult:
-    edge: Edge
-    updated_instances: list[str]
-    unknown_instances: list[str]
-
-
-def edge_heartbeat_record(
-    *,
-    edge: Edge,
-    applied_table_version: int | None,
-    instances: Sequence[InstanceReport],
-    budgets: Mapping[tuple[str, str], int] | None = None,
-    cold: Mapping[str, tuple[int, int]] | None = None,
-    at: datetime | None = None,
-    worker: int = 0,
-    workers: int = 1,
-) -> HeartbeatResult:
-    """Store an edge's heartbeat: its liveness, the table version it applied, what it sees
-    of its region's instances and what it committed of the budgets it holds leases of
-    (``budgets``: (tenant, key prefix or "") -> pico-USD), in one transaction; ``cold``:
-    model -> (requests held now, arrived since the last heartbeat) of models with no ready
-    instance, which queues the autoscale pass at once when any has demand (``wake.py``).
-
-    A version lower than the one the edge reported before is refused (``Conflict``), yet the
-    edge's liveness is still recorded: it is alive, only confused. Instances the edge names
-    that are not in its region are listed back, not refused: its table may predate a delete.
-
-    An edge running several worker processes (``workers``) sends a heartbeat from each, as
-    the holder :func:`~regions.tables.schema.lease_holder` names: each worker's instance load
-    and cold demand are kept apart and added up, and its budget report is its own (it holds
-    leases of its own). Only worker 0 speaks for the edge's table version: the workers sync
-    their tables each on its own, so their versions may differ for a moment. ``workers`` is
-    a claim, believed up to the edge's configured ``max_workers`` (clamped above it, counted);
-    a ``worker`` at or above that bound is refused.
-    """
-    now = at or timezone.now()
-    holder = lease_holder(edge.name, worker)
-    worker_in_bound_check(edge, worker)
-    if worker > 0:
-        return _worker_heartbeat_record(
-            edge, holder, workers, applied_table_version, instances, budgets, cold, now
-        )
-    refusal: Conflict | None = None
-    with transaction.atomic():
-        edge = Edge.objects.select_related("region").select_for_update().get(pk=edge.pk)
-        edge.last_heartbeat_at = now
-        _set_workers(edge, workers)
-        previous = edge.applied_table_version
-        if (
-            applied_table_version is not None
-            and previous is not None
-            and applied_table_version < previous
-        ):
-            edge.save(update_fields=["last_heartbeat_at", "workers"])
-            refusal = Conflict(
-                f"applied_table_version {applied_table_version} goes backwards: edge "
-                f"{edge.name} reported version {previous} before. Liveness was recorded; "
-                f"the version and instance reports were not.",
-                code="table_version_backwards",
-            )
-        else:
-            _check_published(edge, applied_table_version)
-            edge.applied_table_version = (
-                applied_table_version if applied_table_version is not None else previous
-            )
-            edge.save(update_fields=["last_heartbeat_at", "applied_table_version", "workers"])
-            updated, unknown = _store_instance_reports(edge, holder, instances, now)
-            if applied_table_version is not None:
-                _store_budget_report(edge, holder, applied_table_version, budgets or {}, now)
-            _store_cold_report(edge, holder, cold, now)
-    if refusal is not None:
-        raise refusal
-    return HeartbeatResult(edge=edge, updated_instances=updated, unknown_instances=unknown)
-
-
-def _worker_heartbeat_record(
-    edge: Edge,
-    holder: str,
-    workers: int,
-    applied_table_version: int | None,
-    instances: Sequence[InstanceReport],
-    budgets: Mapping[tuple[str, str], int] | None,
-    cold: Mapping[str, tuple[int, int]] | None,
-    now: datetime,
-) -> HeartbeatResult:
-    """A heartbeat of worker 1 or later: liveness, its instances' load, its cold demand and
-    the budgets it committed under the table it applied (its own leases)."""
-    with transaction.atomic():
-        edge = Edge.objects.select_related("region").select_for_update().get(pk=edge.pk)
-        _check_published(edge, applied_table_version)
-        edge.last_heartbeat_at = now
-        _set_workers(edge, workers)
-        edge.save(update_fields=["last_heartbeat_at", "workers"])
-        updated, unknown = _store_instance_reports(edge, holder, instances, now)
-        if applied_table_version is not None:
-            _store_budget_report(edge, holder, applied_table_version, budgets or {}, now)
-        _store_cold_report(edge, holder, cold, now)
-    return HeartbeatResult(edge=edge, updated_instances=updated, unknown_instances=unknown)
-
-
-#: (edge, claimed workers) already logged as clamped by this process: one line each, not one
-#: per heartbeat (the counter counts every one). At most edges x MAX_EDGE_WORKERS entries.
-_clamp_logged: set[tuple[str, int]] = set()
-
-
-def bounded_workers(claimed: int, max_workers: int) -> int:
-    """What the control plane believes of a claimed worker count: never above the edge's
-    configured ``max_workers`` (each worker is a lease holder and a rate-limit share, so one
-    credential claiming many would shrink every other edge's share of its region)."""
-    return max(1, min(claimed, max_workers))
-
-
-def worker_in_bound_check(edge: Edge, worker: int) -> None:
-    """A worker index at or above the edge's ``max_workers`` holds no lease and no share: its
-    heartbeat is refused, naming the bound an operator may raise."""
-    if worker >= edge.max_workers:
-        raise ValidationError(
-            {
-                "worker": [
-                    f"Worker {worker} is beyond edge {edge.name}'s max_workers "
-                    f"{edge.max_workers}: raise the edge's max_workers to run more."
-                ]
-            }
-        )
-
-
-def _set_workers(edge: Edge, workers: int) -> None:
-    """Record how many worker processes the edge runs, as far as its ``max_workers`` allows
-    (a larger claim is clamped and counted); a change recompiles its region's tables soon
-    (debounced), so that a new worker is leased budgets and counted in every rate limit's
-    shares without waiting for the periodic compile."""
-    claimed = workers
-    workers = bounded_workers(claimed, edge.max_workers)
-    if workers != claimed:
-        metrics.HEARTBEAT_WORKERS_CLAMPED.labels(edge.name).inc()
-        if (edge.name, claimed) not in _clamp_logged:
-            _clamp_logged.add((edge.name, claimed))
-            logger.warning(
-                "edge %s claims %d workers, above its max_workers %d: counted as %d",
-                edge.name,
-                claimed,
-                edge.max_workers,
-                workers,
-            )
-    if edge.workers != workers:
-        edge.workers = workers
-        transaction.on_commit(routing_tables_schedule_recompile, robust=True)
-
-
-def _store_cold_report(
-    edge: Edge, holder: str, cold: Mapping[str, tuple[int, int]] | None, now: datetime
-) -> None:
-    """Keep ``holder``'s cold report; a model with demand queues the autoscale pass."""
-    if cold is None or not (cold or edge.cold_demand):
-        return
-    if cold_demand_store(edge, cold, now, holder):
-        code = edge.region.code
-        transaction.on_commit(lambda: fleet_wake_schedule(code), robust=True)
-
-
-def _store_budget_report(
-    edge: Edge, holder: str, version: int, budgets: Mapping[tuple[str, str], int], now: datetime
-) -> None:
-    committed: dict[str, dict[str, int]] = {}
-    for (tenant, key), amount in budgets.items():
-        committed.setdefault(tenant, {})[key] = amount
-    BudgetReport.objects.update_or_create(
-        holder=holder,
-        defaults={
-            "edge": edge,
-            "table_version": version,
-            "committed": committed,
-            "reported_at": now,
-        },
-    )
-
-
-def _check_published(edge: Edge, version: int | None) -> None:
-    if version is None:
-        return
-    latest = routing_table_latest_version(region_id=edge.region_id)
-    if latest is None or version > latest:
-        raise ValidationError(
-            {
-                "applied_table_version": [
-                    f"Version {version} of region {edge.region.code}'s table was never "
-                    f"published (latest: {latest if latest is not None else 'none'})."
-                ]
-            }
-        )
-
-
-#: Per-edge figures that add up across the edges of a region.
-SUMMED_LOAD_FIELDS = ("tokens_per_s", "in_flight", "queued", "overflow")
-
-
-def _report_age_s(report: Any, now: datetime) -> float | None:
-    try:
-        return (now - datetime.fromisoformat(report["reported_at"])).total_seconds()
-    except (TypeError, KeyError, ValueError):
-        return None
-
-
-def merge_load(current: Any, *, edge: str, report: InstanceReport, now: datetime) -> dict[str, Any]:
-    """An instance's load snapshot after ``edge``'s report.
-
-    Every edge of a region sends part of the instance's traffic, so the snapshot keeps each
-    edge's latest report (``edges``) and sums them: ``tokens_per_s`` (the demand the compiler
-    reads), ``in_flight`` and ``queued``. Reports older than ``LOAD_REPORT_MAX_AGE_S`` (an
-    edge that stopped) drop out. ``healthy`` is true while any fresh report says so.
-    """
-    previous = current.get("edges") if isinstance(current, dict) else None
-    edges: dict[str, dict[str, Any]] = {}
-    if isinstance(previous, dict):
-        for name, old in previous.items():
-            age = _report_age_s(old, now)
-            if isinstance(old, dict) and age is not None and age <= LOAD_REPORT_MAX_AGE_S:
-                edges[name] = old
-    edges[edge] = {**report.load, "healthy": report.healthy, "reported_at": now.isoformat()}
-    merged: dict[str, Any] = {
-        key: sum(e[key] for e in edges.values() if key in e)
-        for key in SUMMED_LOAD_FIELDS
-        if any(key in e for e in edges.values())
-    }
-    merged["healthy"] = any(e.get("healthy") is True for e in edges.values())
-    merged["edges"] = edges
-    merged["reported_at"] = now.isoformat()
-    return merged
-
-
-def _region_health(region_id: int, now: datetime) -> bool:
-    """Whether the region is down: every ready instance reported unhealthy (compiler's rule)."""
-    loads = Instance.objects.filter(
-        deployment__pool__region_id=region_id, state=lifecycle.READY
-    ).values_list("load", flat=True)
-    return region_down(reported_health(load, now) for load in loads)
-
-
-def _store_instance_reports(
-    edge: Edge, holder: str, reports: Sequence[InstanceReport], now: datetime
-) -> tuple[list[str], list[str]]:
-    # The region row serialises its edges' heartbeats, so a down -> up change is seen once.
-    region = Region.objects.select_for_update().get(pk=edge.region_id)
-    was_down = _region_health(region.pk, now)
-    names = [r.id for r in reports]
-    known = {
-        inst.name: inst
-        for inst in Instance.objects.select_for_update()
-        .filter(name__in=names, deployment__pool__region_id=edge.region_id)
-        .order_by("pk")
-    }
-    updated: list[Instance] = []
-    for report in reports:
-        inst = known.get(report.id)
-        if inst is None:
-            continue
-        inst.load = merge_load(inst.load, edge=holder, report=report, now=now)
-        inst.last_heartbeat_at = now
-        updated.append(inst)
-    # No audit event per heartbeat (they arrive every few seconds) and no recompile either:
-    # the periodic recompile picks telemetry up. Only a region going down or coming back
-    # recompiles at once; coming back starts its ramp.
-    Instance.objects.bulk_update(updated, ["load", "last_heartbeat_at"])
-    down = _region_health(region.pk, now)
-    if was_down and not down:
-        region.recovered_at = now
-        region.save(update_fields=["recovered_at", "updated_at"])
-    if was_down != down:
-        transaction.on_commit(routing_tables_schedule_recompile, robust=True)
-    return [i.name for i in updated], sorted(set(names) - set(known))

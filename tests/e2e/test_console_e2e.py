@@ -28,6 +28,7 @@ from playwright.sync_api import Browser, Page, expect
 
 from federation.inventory import services as inventory
 from federation.inventory.models import Edge, Instance, Region
+from federation.routing import heartbeats
 from federation.routing import services as routing
 from federation.routing.models import RoutingTableVersion
 from federation.tenancy.models import ApiKey
@@ -191,8 +192,10 @@ def test_console_end_to_end(procs: Supervisor, browser: Browser, settings: Any) 
         (1, "1 request in flight to finish"),
         (0, "drained: nothing in flight"),
     ):
-        report = routing.InstanceReport(inst.name, True, {"in_flight": left, "tokens_per_s": 1.0})
-        routing.edge_heartbeat_record(
+        report = heartbeats.InstanceReport(
+            inst.name, True, {"in_flight": left, "tokens_per_s": 1.0}
+        )
+        heartbeats.edge_heartbeat_record(
             edge=edges["us-east"], applied_table_version=None, instances=[report]
         )
         expect(progress).to_have_text(text)

@@ -34,6 +34,7 @@ from django.conf import settings
 from rest_framework.test import APIClient
 
 from federation.inventory import services as inventory
+from federation.routing import heartbeats
 from federation.routing import services as routing
 from federation.routing.models import RoutingTableVersion
 from federation.tenancy import services as tenancy
@@ -213,10 +214,10 @@ def test_heartbeats_taking_a_region_down_and_back_recompile_and_start_its_ramp(
 
     def beat(healthy: bool) -> list[Any]:
         with django_capture_on_commit_callbacks() as callbacks:
-            routing.edge_heartbeat_record(
+            heartbeats.edge_heartbeat_record(
                 edge=fleet.eu_edge,
                 applied_table_version=1,
-                instances=[routing.InstanceReport(id="eu-west-0", healthy=healthy, load={})],
+                instances=[heartbeats.InstanceReport(id="eu-west-0", healthy=healthy, load={})],
             )
         return callbacks
 

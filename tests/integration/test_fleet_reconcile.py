@@ -27,6 +27,7 @@ from federation.fleet.policy import FailoverPolicy, HealthPolicy, Timeouts
 from federation.fleet.spec import EngineSpec, Running
 from federation.inventory import services as inventory
 from federation.inventory.models import Deployment, Instance
+from federation.routing import heartbeats
 from federation.routing import services as routing
 from tests.integration.fleet_support import engines, kill_engine, ps_engines  # noqa: F401
 from tests.integration.inventory_factories import (
@@ -239,7 +240,7 @@ def test_a_scale_down_waits_for_the_edges_tables_and_the_engines_own_work(
         actor=None, region=deployment.pool.region, name="edge-1", url="http://127.0.0.1:9"
     )
     (v1,) = routing.routing_tables_publish()
-    routing.edge_heartbeat_record(edge=edge, applied_table_version=v1.version, instances=[])
+    heartbeats.edge_heartbeat_record(edge=edge, applied_table_version=v1.version, instances=[])
 
     # A long answer in flight on the replica the scale-down will pick (newest, equally idle).
     answer: dict[str, Any] = {}
@@ -266,7 +267,7 @@ def test_a_scale_down_waits_for_the_edges_tables_and_the_engines_own_work(
         (v2,) = routing.routing_tables_publish()
         reconcile()  # published, but the edge still applies the older table
         assert states(deployment)[newest.name] == "draining"
-        routing.edge_heartbeat_record(edge=edge, applied_table_version=v2.version, instances=[])
+        heartbeats.edge_heartbeat_record(edge=edge, applied_table_version=v2.version, instances=[])
         assert asking.is_alive(), "the answer finished too soon to show the drain waiting"
         reconcile()  # every edge knows, but the engine still runs the answer
         assert states(deployment)[newest.name] == "draining"

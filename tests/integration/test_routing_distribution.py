@@ -24,7 +24,7 @@ from rest_framework.test import APIClient
 
 from federation.inventory import services as inventory
 from federation.inventory.models import Edge, Instance, Region
-from federation.routing import services
+from federation.routing import heartbeats, services
 from federation.routing.models import BudgetReport, RoutingTableCounter, RoutingTableVersion
 from federation.tenancy.keys import hash_key
 from federation.tenancy.models import Tenant
@@ -343,12 +343,12 @@ def test_heartbeat_stores_liveness_version_and_instance_load(fleet: Fleet) -> No
 
 def test_stale_edge_reports_drop_out_of_an_instances_load() -> None:
     now = timezone.now()
-    report = services.InstanceReport(id="i", healthy=True, load={"tokens_per_s": 10.0})
-    stale = services.merge_load({}, edge="old", report=report, now=now - timedelta(seconds=61))
-    fresh = services.merge_load(stale, edge="new", report=report, now=now)
+    report = heartbeats.InstanceReport(id="i", healthy=True, load={"tokens_per_s": 10.0})
+    stale = heartbeats.merge_load({}, edge="old", report=report, now=now - timedelta(seconds=61))
+    fresh = heartbeats.merge_load(stale, edge="new", report=report, now=now)
     assert set(fresh["edges"]) == {"new"} and fresh["tokens_per_s"] == 10.0
     # A malformed snapshot (written by hand through the instance API) is replaced.
-    assert services.merge_load({"edges": "x"}, edge="e", report=report, now=now)["edges"] == {
+    assert heartbeats.merge_load({"edges": "x"}, edge="e", report=report, now=now)["edges"] == {
         "e": {"tokens_per_s": 10.0, "healthy": True, "reported_at": now.isoformat()}
     }
 

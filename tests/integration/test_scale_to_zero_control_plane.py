@@ -20,8 +20,8 @@ from federation.fleet import selectors as fleet
 from federation.inventory import lifecycle
 from federation.inventory import services as inventory
 from federation.inventory.models import Deployment, Edge, InstanceInterval
+from federation.routing import heartbeats, wake
 from federation.routing import services as routing
-from federation.routing import wake
 from federation.routing.selectors import cold_rows, loadable_adapters
 from tests.integration.control_plane_support import own_redis
 from tests.integration.inventory_factories import (
@@ -200,7 +200,7 @@ def test_one_held_request_wakes_one_deployment_of_the_model_in_its_region() -> N
     )
     edge, _ = edge_of(region)
     now = timezone.now()
-    routing.edge_heartbeat_record(
+    heartbeats.edge_heartbeat_record(
         edge=edge, applied_table_version=None, instances=[], cold={first.model.name: (1, 1)}
     )
     assert fleet.cold_demand(first, now, 10.0) == 2

@@ -17,7 +17,7 @@ import redis
 from rest_framework.test import APIClient
 
 from federation.inventory.models import Instance, Region
-from federation.routing import services
+from federation.routing import heartbeats, services
 from federation.routing.models import RoutingTableVersion
 from regions.supervisor import Supervisor
 from tests.integration.control_plane_support import FEDINFER, subprocess_env
@@ -81,10 +81,10 @@ def test_heartbeats_and_credential_rotation_queue_no_recompile(
     services.routing_tables_publish()
     with django_capture_on_commit_callbacks(execute=True) as callbacks:
         services.edge_credential_rotate(actor=None, edge=fleet.eu_edge)
-        services.edge_heartbeat_record(
+        heartbeats.edge_heartbeat_record(
             edge=fleet.eu_edge,
             applied_table_version=1,
-            instances=[services.InstanceReport(id="eu-west-0", healthy=True, load={})],
+            instances=[heartbeats.InstanceReport(id="eu-west-0", healthy=True, load={})],
         )
     assert callbacks == [] and queued(test_redis) == []
 

@@ -18,7 +18,7 @@ from federation.api.pagination import query_whole_number
 from federation.api.schema import CONFLICT, FIELD_ERRORS, FORBIDDEN, NOT_FOUND, UNAUTHENTICATED
 from federation.api.views import ReadViewSet, nul_free_or_404
 from federation.inventory.models import Edge, Region
-from federation.routing import distribution, services
+from federation.routing import distribution, heartbeats, services
 from federation.routing.api import serializers as s
 from federation.routing.api.authentication import (
     EdgeCredentialAuthentication,
@@ -163,14 +163,14 @@ class EdgeHeartbeatView(APIView):
         ser.is_valid(raise_exception=True)
         data = ser.validated_data
         reports = [
-            services.InstanceReport(
+            heartbeats.InstanceReport(
                 id=r["id"],
                 healthy=r["healthy"],
                 load={k: v for k, v in r.items() if k not in {"id", "healthy"}},
             )
             for r in data["instances"]
         ]
-        result = services.edge_heartbeat_record(
+        result = heartbeats.edge_heartbeat_record(
             edge=target,
             applied_table_version=data.get("applied_table_version"),
             worker=data["worker"],
