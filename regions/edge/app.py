@@ -51,7 +51,7 @@ from regions.edge.sessions import SessionMap
 from regions.edge.spill import Remote, ramping, spill_plan
 from regions.edge.spill_over import SpillOver
 from regions.edge.split import Split, SplitCollector, split_plan
-from regions.edge.stopping import SLOW_STOP_S, await_chain
+from regions.edge.stopping import SLOW_STOP_S, await_chain, stop_step
 from regions.edge.sync import TableSync
 from regions.edge.table_file import FileStamp, file_stamp
 from regions.edge.token_prefix import TokenPrefixes
@@ -354,21 +354,22 @@ class Edge:
             for task in stuck:
                 log.error("shutdown: %s did not stop when cancelled", await_chain(task))
         self._tasks = []
-        await self.kv_events.stop()
+        await stop_step("the KV event subscriptions", self.kv_events.stop(), log)
         if self.peer_sync is not None:
-            await self.peer_sync.stop()
+            await stop_step("peer sync", self.peer_sync.stop(), log)
         if self.placement.tokens is not None:
             self.placement.tokens.close()
         if self.meter is not None:
-            await self.meter.stop()
+            # Its last shipping may take a while; what it leaves stays in the spool on disk.
+            await stop_step("the usage meter", self.meter.stop(), log, timeout_s=30.0)
         if self._http is not None:
-            await self._http.close()
+            await stop_step("the upstream pool", self._http.close(), log)
         if self._probe_client is not None:
-            await self._probe_client.aclose()
+            await stop_step("the probe client", self._probe_client.aclose(), log)
         if self._sync_client is not None:
-            await self._sync_client.aclose()
+            await stop_step("the table sync client", self._sync_client.aclose(), log)
         if self.tracer is not None:
-            await asyncio.to_thread(self.tracer.shutdown)
+            await stop_step("the tracer", asyncio.to_thread(self.tracer.shutdown), log)
         with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
             asyncio.get_running_loop().remove_signal_handler(signal.SIGHUP)
 

@@ -424,3 +424,4 @@ async def serve(
         if ops is not None:
             await ops.shutdown()
         await edge.shutdown()
+        log.info("edge of region %s stopped", edge.cfg.region)

@@ -4,11 +4,17 @@ Once a stop has waited :data:`SLOW_STOP_S`, it logs where each task it still wai
 suspended (:func:`await_chain`): the edge server's shutdown for requests still in flight, the
 edge app's for background loops that did not end when cancelled. A task that outlives a stop is
 a defect worth seeing. Both stops use this, and neither owns the other, so it has its own module.
+
+Each step of a stop is also bounded (:func:`stop_step`): a process that never exits on SIGTERM
+is killed by its supervisor (Kubernetes after the grace period) with nothing said; one that
+names the step it abandoned and exits can be mended.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
+from collections.abc import Awaitable
 from typing import Any
 
 #: After this long, a stop that still waits says what for (``await_chain``).
@@ -27,3 +33,19 @@ def await_chain(task: asyncio.Future[Any]) -> str:
         coro = getattr(coro, "cr_await", None) or getattr(coro, "gi_yieldfrom", None)
     name = task.get_name() if isinstance(task, asyncio.Task) else repr(task)
     return f"{name} at " + " > ".join(where)
+
+
+async def stop_step(
+    what: str, step: Awaitable[Any], log: logging.Logger, timeout_s: float = SLOW_STOP_S
+) -> None:
+    """Await one step of a stop for at most ``timeout_s``; a step still running then is logged
+    with where it waits, cancelled and left (after at most another second), so the stop ends."""
+    task = asyncio.ensure_future(step)
+    done, _ = await asyncio.wait({task}, timeout=timeout_s)
+    if done:
+        task.result()  # a step that failed fails the stop, as before
+        return
+    log.error("stop: %s still running after %.0f s, abandoned: %s", what, timeout_s,
+              await_chain(task))  # fmt: skip
+    task.cancel()
+    await asyncio.wait({task}, timeout=1.0)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -16,7 +17,7 @@ from regions.edge.server import (
     Send,
     ServerLimits,
 )
-from regions.edge.stopping import await_chain
+from regions.edge.stopping import await_chain, stop_step
 
 Scope = dict[str, Any]
 
@@ -256,3 +257,38 @@ def test_a_stop_that_waits_can_say_where_each_task_is_suspended() -> None:
         await task
 
     asyncio.run(main())
+
+
+def test_a_stop_step_that_hangs_is_named_cancelled_and_left() -> None:
+    """A step of a stop that never ends is logged with where it waits, then abandoned: the
+    stop goes on (a step that ends in time, or fails, behaves as a plain await)."""
+    records: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record.getMessage())
+
+    log = logging.getLogger("test.stop_step")
+    log.addHandler(Collect())
+    cancelled = []
+
+    async def hangs() -> None:
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            cancelled.append(True)
+            raise
+
+    async def fails() -> None:
+        raise RuntimeError("broken")
+
+    async def main() -> None:
+        await stop_step("the hanging step", hangs(), log, timeout_s=0.05)
+        await stop_step("a quick step", asyncio.sleep(0), log, timeout_s=1.0)
+        with pytest.raises(RuntimeError, match="broken"):
+            await stop_step("a failing step", fails(), log, timeout_s=1.0)
+
+    asyncio.run(main())
+    assert cancelled == [True]
+    assert len(records) == 1 and records[0].startswith("stop: the hanging step still running")
+    assert "hangs:" in records[0]  # where it waited
