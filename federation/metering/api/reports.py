@@ -136,6 +136,14 @@ class UsageQueryInput(RangeInput):
         return names
 
 
+class PoolCostQueryInput(RangeInput):
+    # A field, not a raw query parameter: DRF refuses NUL characters, which PostgreSQL cannot
+    # compare (the fuzzer's ``?pool=…%00`` was a 500).
+    pool = serializers.CharField(
+        required=False, default="", allow_blank=True, help_text="Comma-separated '<region>/<pool>'."
+    )
+
+
 def _render(rows: list[dict[str, Any]], fmt: str, name: str) -> HttpResponse | Response:
     if fmt == "json":
         return Response({"results": rows})
@@ -208,10 +216,10 @@ class PoolCostReportView(APIView):
         responses={200: _REPORT, 400: FIELD_ERRORS, 401: UNAUTHENTICATED, 403: FORBIDDEN},
     )
     def get(self, request: Request) -> HttpResponse | Response:
-        ser = RangeInput(data=request.query_params)
+        ser = PoolCostQueryInput(data=request.query_params)
         ser.is_valid(raise_exception=True)
         q = ser.validated_data
-        pools = _csv_list(request.query_params.get("pool", ""))
+        pools = _csv_list(q["pool"])
         rows = pool_cost_report(start=q["start"], end=q["end"], bucket=q.get("bucket"), pools=pools)
         return _render(_text(rows), q["output"], "pool-costs")
 
