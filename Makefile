@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed-$(shell sha1sum pyproject.toml | cut -c1-12)
 TEST_DATABASE_URL ?= postgres://postgres@127.0.0.1:5432/fedinfer
 TEST_REDIS_URL ?= redis://127.0.0.1:6379/15
 
-.PHONY: demo test check lint typecheck check-migrations unit integration e2e bench schemathesis schemathesis-short clean
+.PHONY: demo test tests check lint typecheck check-migrations unit integration e2e bench schemathesis schemathesis-short clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -22,12 +22,17 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/fedinfer demo
 
-## make test: lint, type checks, migration check, then every tier on parallel workers against
-## PostgreSQL and Redis (each worker its own test database and Redis database: tests/isolation.py).
-## A file's tests stay on one worker (--dist loadfile): modules share their fleets.
+## make test: lint, type checks and the migration check beside every tier of the tests, on
+## parallel workers against PostgreSQL and Redis (each worker its own test database and Redis
+## database: tests/isolation.py); it fails if any of them fails. A file's tests stay on one worker
+## (--dist loadfile): modules share their fleets.
 TEST_WORKERS ?= 3
 TEST_ENV = DATABASE_URL=$(TEST_DATABASE_URL) REDIS_URL=$(TEST_REDIS_URL)
-test: lint check-migrations
+test: $(STAMP)
+	$(MAKE) --no-print-directory -j3 --output-sync=line lint check-migrations tests
+
+## make tests: every tier alone (make test runs it beside lint and the migration check)
+tests: $(STAMP)
 	$(TEST_ENV) $(BIN)/pytest -n $(TEST_WORKERS) --dist loadfile
 
 ## make check: the inner loop, about a minute: lint, types, the migration check, the unit tier
