@@ -30,16 +30,16 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from federation.fleet.placement_milp import (
-    _EPS,
+    EPS,
     Commodity,
-    _add_capacity,
-    _add_packing,
-    _commodities,
-    _flow_cost,
-    _Option,
-    _options,
-    _Programme,
-    _solve,
+    Option,
+    Programme,
+    add_capacity,
+    add_packing,
+    demand_commodities,
+    flow_cost,
+    placement_options,
+    solve,
 )
 from federation.fleet.placement_types import (
     NO_FREE_GPUS,
@@ -57,11 +57,11 @@ def plan_placement(data: PlacementInput, policy: PlannerPolicy | None = None) ->
     """Solve the placement; see the module docstring and ADR 0009."""
     policy = policy or PlannerPolicy()
     started = time.perf_counter()
-    options = _options(data)
-    commodities, member, dropped = _commodities(data, options)
+    options = placement_options(data)
+    commodities, member, dropped = demand_commodities(data, options)
     dearest = max((o.usd_per_hour for o in options), default=1.0)
     unserved_cost = policy.unserved_weight * max(dearest, 1.0)
-    prog = _Programme()
+    prog = Programme()
     n = []
     for o in options:
         most = o.pool.spec.total_gpus // fit.replica_gpus(o.tp)
@@ -71,14 +71,14 @@ def plan_placement(data: PlacementInput, policy: PlannerPolicy | None = None) ->
         plus = prog.column(policy.churn_weight * o.usd_per_hour, 0, np.inf, integer=False)
         minus = prog.column(policy.churn_weight * o.usd_per_hour, 0, np.inf, integer=False)
         prog.row([(n[j], 1.0), (plus, -1.0), (minus, 1.0)], o.current, o.current)
-    layout = _add_packing(prog, options, n)
+    layout = add_packing(prog, options, n)
     ordered = sorted(commodities, key=lambda c: (c[0], c[1], sorted(c[2])))
     flows: dict[tuple[str, str], list[tuple[int, Commodity]]] = defaultdict(list)
     slack: dict[Commodity, int] = {}
     for c in ordered:
         origin, model, targets = c
         y = {
-            r: prog.column(_flow_cost(data, policy, origin, r), 0, np.inf, integer=False)
+            r: prog.column(flow_cost(data, policy, origin, r), 0, np.inf, integer=False)
             for r in sorted(targets)
         }
         slack[c] = prog.column(unserved_cost, 0, np.inf, integer=False)
@@ -87,11 +87,11 @@ def plan_placement(data: PlacementInput, policy: PlannerPolicy | None = None) ->
         )
         for r, col in y.items():
             flows[(r, model)].append((col, c))
-    running: dict[tuple[str, str], list[tuple[int, _Option]]] = defaultdict(list)
+    running: dict[tuple[str, str], list[tuple[int, Option]]] = defaultdict(list)
     for j, o in enumerate(options):
         running[(o.pool.region, o.model)].append((n[j], o))
-    _add_capacity(prog, policy, data, commodities, flows, running)
-    solution = _solve(prog, policy, options, n)
+    add_capacity(prog, policy, data, commodities, flows, running)
+    solution = solve(prog, policy, options, n)
     x, status, gap = solution.x, solution.status, solution.gap
     replicas = [round(x[j]) for j in n]
     placements = tuple(
@@ -111,9 +111,9 @@ def plan_placement(data: PlacementInput, policy: PlannerPolicy | None = None) ->
     served: dict[tuple[str, str], float] = defaultdict(float)
     for key, cols in flows.items():
         for col, _ in cols:
-            if x[col] > _EPS:
+            if x[col] > EPS:
                 served[key] += float(x[col])
-    short = {c: float(x[col]) for c, col in slack.items() if x[col] > _EPS}
+    short = {c: float(x[col]) for c, col in slack.items() if x[col] > EPS}
     unserved = dropped + [
         Unserved(
             cls, origin, model, _share(data, member, (cls, origin, model), short), NO_FREE_GPUS
@@ -154,7 +154,7 @@ def _share(
 
 
 def _layouts(
-    options: Sequence[_Option],
+    options: Sequence[Option],
     replicas: Sequence[int],
     layout: Mapping[str, tuple[list[int], list[tuple[int, ...]], list[int]]],
     x: np.ndarray,

@@ -5,8 +5,8 @@ solution vector out.
 
 A module of its own so that ``placement`` keeps the planner's entry point (``plan_placement``,
 which assembles the programme and reads the plan back from the solution) short; the names with
-a leading underscore are the planner's internals, used by ``placement`` only. The formulation
-is explained in ``docs/adr/0009-placement-planner.md``.
+a leading underscore are this module's own. The formulation is explained in
+``docs/adr/0009-placement-planner.md``.
 """
 
 from __future__ import annotations
@@ -37,14 +37,14 @@ from federation.inventory.speed import replica_tokens_per_s
 #: Tokens/s x USD per million tokens -> USD per hour.
 _MTOK_PER_HOUR = 3600 / 1e6
 #: Replicas and tokens/s below these are solver noise, not decisions.
-_EPS = 1e-6
+EPS = 1e-6
 
 
 # --- options: which (model, pool, TP) may carry replicas ------------------------------------
 
 
 @dataclass(frozen=True, slots=True)
-class _Option:
+class Option:
     model: str
     pool: PoolOffer
     tp: int
@@ -73,7 +73,7 @@ def smallest_fitting_tp(model: PlannedModel, pool: PoolOffer) -> int | None:
     return None
 
 
-def _options(data: PlacementInput) -> list[_Option]:
+def placement_options(data: PlacementInput) -> list[Option]:
     models = {m.name: m for m in data.models}
     current = {(c.model, c.pool): c for c in data.current}
     options = []
@@ -94,7 +94,7 @@ def _options(data: PlacementInput) -> list[_Option]:
                 relative_speed=pool.relative_speed, tensor_parallel_size=tp, params_b=model.params_b
             )
             options.append(
-                _Option(
+                Option(
                     model=name,
                     pool=pool,
                     tp=tp,
@@ -133,7 +133,7 @@ def node_patterns(sizes: Sequence[int], gpus_per_node: int) -> list[tuple[int, .
 
 
 @dataclass
-class _Programme:
+class Programme:
     """Columns (cost, bounds, integrality) and rows (triplets and bounds) being built."""
 
     cost: list[float] = field(default_factory=list)
@@ -197,8 +197,8 @@ class _Solution:
     objective: float
 
 
-def _solve(
-    prog: _Programme, policy: PlannerPolicy, options: Sequence[_Option], n: Sequence[int]
+def solve(
+    prog: Programme, policy: PlannerPolicy, options: Sequence[Option], n: Sequence[int]
 ) -> _Solution:
     """The programme's best solution, or the fleet as it is when that is at least as good.
 
@@ -212,7 +212,7 @@ def _solve(
         keep = prog.solve(policy, {n[j]: float(o.current) for j, o in enumerate(options)})
     if found is None and keep is None:
         raise PlacementError("HiGHS found no placement in time")
-    if found is None or (keep is not None and keep.objective <= found.objective + _EPS):
+    if found is None or (keep is not None and keep.objective <= found.objective + EPS):
         assert keep is not None
         # As close to the bound as the solver's plan, or closer: its status and gap stand.
         return keep if found is None else replace(keep, status=found.status, gap=found.gap)
@@ -226,7 +226,7 @@ def _reachable(data: PlacementInput, origin: str, region: str) -> bool:
     return region == origin or data.rtt_ms is None or (origin, region) in data.rtt_ms
 
 
-def _flow_cost(data: PlacementInput, policy: PlannerPolicy, origin: str, region: str) -> float:
+def flow_cost(data: PlacementInput, policy: PlannerPolicy, origin: str, region: str) -> float:
     """USD per hour of one token/s from ``origin`` served in ``region``."""
     if region == origin:
         return 0.0
@@ -235,8 +235,8 @@ def _flow_cost(data: PlacementInput, policy: PlannerPolicy, origin: str, region:
     return policy.latency_usd_per_mtok_per_ms * data.rtt_ms[(origin, region)] * _MTOK_PER_HOUR
 
 
-def _commodities(
-    data: PlacementInput, options: Sequence[_Option]
+def demand_commodities(
+    data: PlacementInput, options: Sequence[Option]
 ) -> tuple[dict[Commodity, float], dict[tuple[str, str, str], Commodity], list[Unserved]]:
     """Demand merged by (origin, model, target regions), which class went where, and the
     demand no region can take at all (with its reason)."""
@@ -267,7 +267,7 @@ def _commodities(
     return dict(merged), member, dropped
 
 
-def _add_packing(prog: _Programme, options: Sequence[_Option], n: Sequence[int]) -> dict:
+def add_packing(prog: Programme, options: Sequence[Option], n: Sequence[int]) -> dict:
     """Rows that pack every pool's replicas onto its free nodes; returns the pattern columns
     per pool for the layout."""
     by_pool: dict[str, list[int]] = defaultdict(list)
@@ -293,10 +293,10 @@ def _add_packing(prog: _Programme, options: Sequence[_Option], n: Sequence[int])
 
 
 def _add_band(
-    prog: _Programme,
+    prog: Programme,
     policy: PlannerPolicy,
     flow: list[tuple[int, float]],
-    running: Sequence[tuple[int, _Option]],
+    running: Sequence[tuple[int, Option]],
     fixed: float,
     most: float,
 ) -> int | None:
@@ -328,13 +328,13 @@ def _add_band(
     return shrink
 
 
-def _add_capacity(
-    prog: _Programme,
+def add_capacity(
+    prog: Programme,
     policy: PlannerPolicy,
     data: PlacementInput,
     commodities: Mapping[Commodity, float],
     flows: Mapping[tuple[str, str], list[tuple[int, Commodity]]],
-    running: Mapping[tuple[str, str], list[tuple[int, _Option]]],
+    running: Mapping[tuple[str, str], list[tuple[int, Option]]],
 ) -> None:
     """What flows to each (region, model) is carried by its replicas (within the band), and
     no flow goes where no replica runs."""
