@@ -20,6 +20,7 @@ from tests.integration.test_edge_support import (
     spawn_engine,
     start_edge,
     table_doc,
+    wait_admitted,
 )
 
 EDGES = 3
@@ -53,7 +54,7 @@ def region(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[EdgeProc]]
             own = tmp / f"edge-{k}"
             own.mkdir()
             edges.append(start_edge(own, doc, "--rate-burst", str(BURST_S)))
-        time.sleep(0.6)  # a few probes: every instance admitted at every edge
+        wait_admitted(*edges)
         yield edges
     finally:
         for edge in edges:

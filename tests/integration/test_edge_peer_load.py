@@ -36,6 +36,7 @@ from tests.integration.test_edge_support import (
     spawn_engine,
     start_edge,
     table_doc,
+    wait_admitted,
 )
 
 TOKEN_DELAY_S = 0.05
@@ -89,7 +90,10 @@ def region(tmp_path: Path) -> Iterator[Region]:
         reg = Region(tmp_path, redis, table)
         reg.start_edge("edge-a")
         reg.start_edge("edge-b")
-        time.sleep(0.6)  # probes admit both instances; each edge has heard the other
+        wait_admitted(*reg.edges)
+        wait_until(
+            lambda: all(peers_counted(e) == 1 for e in reg.edges), what="each edge heard the other"
+        )
         yield reg
     finally:
         if reg is not None:

@@ -19,6 +19,7 @@ import httpx
 import openai
 import pytest
 
+from regions.supervisor import wait_until
 from tests.integration.test_edge_support import (
     EdgeProc,
     engine_sims,
@@ -134,7 +135,10 @@ def test_sdk_through_the_edge_to_simulated_engines(sim_edge: SimEdge) -> None:
     assert completion.choices[0].text
 
     # The edge reads the simulator's real /metrics.
-    time.sleep(0.6)
+    wait_until(
+        lambda: all(d["scraped_age_s"] is not None for d in sim_edge.health()["detail"].values()),
+        what="every engine's /metrics read",
+    )
     detail = sim_edge.health()["detail"]
     assert all(d["scraped_age_s"] is not None and d["scraped_age_s"] < 2 for d in detail.values())
     metrics = httpx.get(sim_edge.edge.ops + "/metrics").text

@@ -274,6 +274,18 @@ def cluster(
             e.proc.stop()
 
 
+def admitted(edge: EdgeProc) -> bool:
+    """Whether the edge's probes have admitted every instance of its table (``/healthz``)."""
+    detail = httpx.get(edge.ops + "/healthz", timeout=5).json()["detail"]
+    return bool(detail) and all(d["healthy"] for d in detail.values())
+
+
+def wait_admitted(*edges: EdgeProc) -> None:
+    """Until every one of ``edges`` has admitted every instance (instead of a fixed pause)."""
+    for edge in edges:
+        wait_until(lambda e=edge: admitted(e), what="every instance admitted", watch=edge.proc)
+
+
 def route_of(headers: Any) -> dict[str, str]:
     """``x-fedinfer-route`` as a dict of its ``key=value`` parts."""
     raw = headers.get("x-fedinfer-route", "")
