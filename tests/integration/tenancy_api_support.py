@@ -4,9 +4,12 @@ the text of every stored key and audit row (to show a secret never reached the d
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 from django.contrib.auth.models import User
 from django.db import connection
+from rest_framework.test import APIClient
 
 from federation.core.models import AuditEvent
 from federation.inventory.models import Region
@@ -50,3 +53,14 @@ def all_stored_text() -> str:
             "UNION ALL SELECT row_to_json(a)::text FROM core_auditevent a"
         )
         return "\n".join(row[0] for row in cursor.fetchall())
+
+
+def assert_refused_unchanged(
+    client: APIClient, url: str, payload: dict[str, Any], field: str
+) -> None:
+    """``payload`` POSTed to ``url`` is a 400 naming ``field``, and nothing is written."""
+    before = counts()
+    response = client.post(url, payload)
+    assert response.status_code == 400, response.content
+    assert field in response.json()
+    assert counts() == before

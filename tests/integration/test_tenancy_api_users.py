@@ -14,7 +14,13 @@ from rest_framework.test import APIClient
 
 from federation.core.models import AuditEvent
 from federation.tenancy.models import Tenant
-from tests.integration.tenancy_api_support import TENANTS, USERS, all_stored_text, counts
+from tests.integration.tenancy_api_support import (
+    TENANTS,
+    USERS,
+    all_stored_text,
+    assert_refused_unchanged,
+    counts,
+)
 
 pytestmark = pytest.mark.django_db
 
@@ -108,11 +114,7 @@ def test_bad_user_input_is_a_400_and_writes_nothing(
     field: str,
 ) -> None:
     make_tenant("acme")
-    before = counts()
-    response = admin_client.post(USERS, payload)
-    assert response.status_code == 400, response.content
-    assert field in response.json()
-    assert counts() == before
+    assert_refused_unchanged(admin_client, USERS, payload, field)
 
 
 def test_admin_cannot_demote_deactivate_or_delete_itself(
