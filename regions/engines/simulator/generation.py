@@ -88,10 +88,7 @@ class GenerationApi:
         }
 
     async def chat_completions(self, scope: Scope, receive: Receive, send: Send) -> None:
-        body = await json_body(scope, receive)
-        fate = self.engine.faults.fate()
-        if fate.latency_s or fate.error or fate.hang:
-            await self._apply_fate(fate, receive, send)
+        body, fate = await self._request(scope, receive, send)
         messages = body.get("messages")
         if messages is None:
             raise validation_error("missing", "body.messages", "Field required", body)
@@ -124,10 +121,7 @@ class GenerationApi:
         await self._generate(scope, receive, send, generation)
 
     async def completions(self, scope: Scope, receive: Receive, send: Send) -> None:
-        body = await json_body(scope, receive)
-        fate = self.engine.faults.fate()
-        if fate.latency_s or fate.error or fate.hang:
-            await self._apply_fate(fate, receive, send)
+        body, fate = await self._request(scope, receive, send)
         prompt = body.get("prompt")
         if prompt is None:
             raise validation_error("missing", "body.prompt", "Field required", body)
@@ -161,10 +155,7 @@ class GenerationApi:
         await self._generate(scope, receive, send, generation)
 
     async def responses(self, scope: Scope, receive: Receive, send: Send) -> None:
-        body = await json_body(scope, receive)
-        fate = self.engine.faults.fate()
-        if fate.latency_s or fate.error or fate.hang:
-            await self._apply_fate(fate, receive, send)
+        body, fate = await self._request(scope, receive, send)
         model, lora = self.model_of(body)
         try:
             messages = responses_messages(body)
@@ -211,6 +202,17 @@ class GenerationApi:
                 "BadRequestError",
                 "input_text",
             )
+
+    async def _request(
+        self, scope: Scope, receive: Receive, send: Send
+    ) -> tuple[dict[str, Any], Fate]:
+        """What every generation endpoint starts with: the JSON body, then the request's fate
+        (an injected delay, error or hang) acted on before the body is read further."""
+        body = await json_body(scope, receive)
+        fate = self.engine.faults.fate()
+        if fate.latency_s or fate.error or fate.hang:
+            await self._apply_fate(fate, receive, send)
+        return body, fate
 
     async def _apply_fate(self, fate: Fate, receive: Receive, send: Send) -> None:
         if fate.latency_s:
