@@ -329,16 +329,23 @@ def held_load(server: VllmServer, requests: int) -> Iterator[int]:
     the speed of the machine. (Generations left to run on a CPU server come and go in
     between, and were read as idle whenever all of them had just ended.) Yields the running
     count the frozen engine reports; ``/resume`` lets them finish, and each must succeed."""
-    answers: list[int] = []
+    answers: list[tuple[int, float, str]] = []  # status, seconds after the start, body's start
     errors: list[BaseException] = []
+    started = time.monotonic()
 
     def generate(i: int) -> None:
         try:
             body = chat(None, f"held {i}", max_tokens=400)
             resp = httpx.post(server.base_url + "/v1/chat/completions", json=body, timeout=300)
-            answers.append(resp.status_code)
+            answers.append((resp.status_code, time.monotonic() - started, resp.text[:200]))
         except BaseException as exc:
             errors.append(exc)
+
+    def seen() -> str:
+        return (
+            f"{scrape(server)}; answers {answers!r}; errors {errors!r}; "
+            f"{server.name}'s log ends:\n{server.proc.tail(30)}"
+        )
 
     threads = [threading.Thread(target=generate, args=(i,)) for i in range(requests)]
     for thread in threads:
@@ -346,11 +353,15 @@ def held_load(server: VllmServer, requests: int) -> Iterator[int]:
     paused = False
     try:
         wait_for(
-            lambda: scrape(server).num_requests_running >= requests,
+            lambda: (
+                scrape(server).num_requests_running >= requests
+                or not any(thread.is_alive() for thread in threads)
+            ),
             60,
             f"{requests} requests running on {server.name}",
-            lambda: f"{scrape(server)}; errors {errors!r}",
+            seen,
         )
+        assert scrape(server).num_requests_running >= requests, f"all ended first: {seen()}"
         pause = httpx.post(server.base_url + "/pause", params={"mode": "keep"}, timeout=30)
         assert pause.status_code == 200, pause.text
         paused = True
@@ -363,7 +374,7 @@ def held_load(server: VllmServer, requests: int) -> Iterator[int]:
         for thread in threads:
             thread.join(timeout=300)
     assert not errors, errors
-    assert answers == [200] * requests, answers
+    assert [status for status, _, _ in answers] == [200] * requests, answers
 
 
 def test_edge_routes_on_the_engines_real_metrics(
