@@ -14,9 +14,9 @@ import time
 
 import msgspec
 
-from regions.edge.admission import Admission
-from regions.edge.endpoints import CHAT
-from regions.edge.parse import parse_request
+from regions.edge.http.endpoints import CHAT
+from regions.edge.http.parse import parse_request
+from regions.edge.policy.admission import Admission
 from regions.tables.schema import decode_table
 
 BODY = b'{"model":"llama","messages":[{"role":"user","content":"Hello there, how are you?"}]}'

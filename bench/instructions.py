@@ -67,7 +67,7 @@ from bench.overhead import (
 )
 from bench.procs import PYTHON, VAR, bench_processes, git_rev, http_ok, machine_info
 from bench.report import fmt, markdown_table, utc_now, write_result
-from regions.edge.usage_shipper import FLUSH_INTERVAL_S as DEFAULT_FLUSH_S
+from regions.edge.metering.usage_shipper import FLUSH_INTERVAL_S as DEFAULT_FLUSH_S
 from regions.supervisor import Process, Supervisor, free_port, wait_http
 from regions.tables.usage import USAGE_FIELD, USAGE_STREAM
 

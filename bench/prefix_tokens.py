@@ -29,8 +29,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from regions.edge.kv_events import EngineCache
-from regions.edge.prefix_index import block_hashes as byte_hashes
+from regions.edge.policy.prefix_index import block_hashes as byte_hashes
+from regions.edge.view.kv_events import EngineCache
 from regions.engines.block_hash import BlockMemo, block_hashes, none_hash
 from regions.engines.prompt_tokens import ModelTokenizer
 from regions.engines.simulator.bench_tokenizer import build

@@ -24,7 +24,7 @@ Per scenario:
    counted; no request is sent after ``--duration`` seconds, those in flight are awaited.
 4. At >= 85 % load, ``fedinfer-speed5x``: the fedinfer edge again, its table claiming prefill
    5x faster than the engines' real speed, so it must learn the real one from the answers
-   (``regions/edge/speed.py``); target: mean TTFT within 15 % of the true-speed run.
+   (``regions/edge/policy/speed.py``); target: mean TTFT within 15 % of the true-speed run.
 5. ``fedinfer-2edges``, ``fedinfer-3edges``: two or three edges behind a per-request
    round-robin balancer, then one tenant sent over its rate limit through all of them
    (``bench/routing_edges.py``); ``fedinfer-2workers``: one edge of two worker processes
@@ -168,7 +168,7 @@ class Config:
     #: it and learn what every engine holds from those events (exact prefix knowledge, one view
     #: for several edges). Empty: the simulator's built-in tokenizer, the edges' byte estimate.
     tokenizer: str = ""
-    #: Where several edges share their live load (``regions/edge/peer_load.py``); empty: not.
+    #: Where several edges share their live load (``regions/edge/view/peer_load.py``); empty: not.
     peer_redis_url: str = routing_edges.PEER_REDIS_URL
 
     def engine_args(self) -> list[str]:

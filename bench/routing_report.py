@@ -9,7 +9,7 @@ from bench.report import checker, fmt, markdown_table
 from bench.routing_edges import edge_targets
 
 #: The fedinfer edge with a table whose prefill speed is 5x the engines' real one: it must learn
-#: the real speed (regions/edge/speed.py). Run in the scenarios at >= 85 % load.
+#: the real speed (regions/edge/policy/speed.py). Run in the scenarios at >= 85 % load.
 MISCALIBRATED = "fedinfer-speed5x"
 #: How much slower a token may stream through the edge than with the oracle's placement.
 ITL_ABOVE_ORACLE_MS = 0.2

@@ -10,9 +10,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from regions.edge.admission import Admission, TenantState
-from regions.edge.errors import EdgeError
-from regions.edge.spill import Remote, eligible_remotes, ramp_point, returning_remotes, spill_plan
+from regions.edge.http.errors import EdgeError
+from regions.edge.policy.admission import Admission, TenantState
+from regions.edge.policy.spill import (
+    Remote,
+    eligible_remotes,
+    ramp_point,
+    returning_remotes,
+    spill_plan,
+)
 from regions.tables.schema import Instance, RoutingTable, TenantPolicy
 
 #: Why a request is served where it is (the edge's ``Spill.why`` and its local case).
@@ -109,7 +115,7 @@ def _nowhere(
     origin: str, tenant: TenantPolicy, model: str, local_ok: bool, elsewhere: bool
 ) -> Decision:
     """The edge's refusal when neither its region nor an allowed remote can take the request
-    (``regions.edge.admit``: the same statuses and codes)."""
+    (``regions.edge.stages.admit``: the same statuses and codes)."""
     if not local_ok:
         allowed = ", ".join(sorted(tenant.allowed_regions)) or "none"
         return Decision(

@@ -3,7 +3,7 @@
 An edge cannot ask the control plane before every request, and the control plane hears of
 spend only once records are ingested; so each edge is granted a *ceiling* on what it may commit
 of a budget this month — spend it settled plus the worst case of requests in flight — and
-spends only within it (``regions/edge/budget.py``). The table carries a ceiling as the spend
+spends only within it (``regions/edge/policy/budget.py``). The table carries a ceiling as the spend
 counted of that edge plus a lease on top.
 
 Each compile first works out what every edge may *hold*: the highest ceiling it may still be

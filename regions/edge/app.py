@@ -1,9 +1,9 @@
 """The edge router: a bare ASGI app (no framework on the hot path) that runs a request's stages.
 
 A completion request is admitted (``admit.py``), placed and queued at the gateway
-(``placement.py``, ``gateway_line.py``), forwarded (``forward.py``; ``disagg.py`` for two
+(``place.py``, ``gateway_line.py``), forwarded (``forward.py``; ``disagg.py`` for two
 hops, ``spill_over.py`` to another region), relayed back byte for byte (``relay.py``) and
-recorded (``record.py``), carried by one :class:`~regions.edge.context.RequestContext`
+recorded (``record.py``), carried by one :class:`~regions.edge.stages.context.RequestContext`
 (``context.py`` lists the stages). This module keeps the routing table's state, the
 background work (probes, metric scrapes, table reloads, as tasks of the same event loop) and
 the dispatch of requests.
@@ -22,41 +22,41 @@ import httpx
 import orjson
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from regions.edge.admission import Admission
-from regions.edge.admit import Admit
-from regions.edge.attempt import Attempts
-from regions.edge.budget import Budgets
-from regions.edge.cold import ColdHolds
 from regions.edge.config import EdgeConfig
-from regions.edge.context import AdmitStage, RequestContext
-from regions.edge.disagg import PdRouter
-from regions.edge.endpoints import ENDPOINTS, Endpoint
-from regions.edge.errors import EdgeError
-from regions.edge.forward import Forwarder
-from regions.edge.gateway_line import GatewayLines
-from regions.edge.health import HealthBoard, probe_loop
-from regions.edge.hop import HopVerifier
-from regions.edge.kv_events import KvEventHub
-from regions.edge.load import LoadBoard, SpeedCollector, scrape_loop
-from regions.edge.metering import Meter, UsageCollector
+from regions.edge.control.table_file import FileStamp, file_stamp
+from regions.edge.control.table_sync import TableSync
+from regions.edge.http.endpoints import ENDPOINTS, Endpoint
+from regions.edge.http.errors import EdgeError
+from regions.edge.http.server import Receive, Scope, Send
+from regions.edge.http.stopping import SLOW_STOP_S, await_chain, stop_step
+from regions.edge.http.upstream import UpstreamPool, client_ssl_context
+from regions.edge.metering.meter import Meter, UsageCollector
+from regions.edge.metering.usage_shipper import ControlPlaneSink, RedisStreamSink, UsageSink
 from regions.edge.observability import EdgeMetrics
-from regions.edge.peer_sync import build_peer_sync
-from regions.edge.placement import Placement
-from regions.edge.prefix_index import PrefixIndex
-from regions.edge.record import CLIENT_GONE, Recorder
-from regions.edge.relay import JSON, Relay, respond
+from regions.edge.policy.admission import Admission
+from regions.edge.policy.budget import Budgets
+from regions.edge.policy.hop import HopVerifier
+from regions.edge.policy.prefix_index import PrefixIndex
+from regions.edge.policy.sessions import SessionMap
+from regions.edge.policy.spill import Remote, ramping, spill_plan
+from regions.edge.policy.split import Split, SplitCollector, split_plan
 from regions.edge.reports import Heartbeats, healthz_document
-from regions.edge.server import Receive, Scope, Send
-from regions.edge.sessions import SessionMap
-from regions.edge.spill import Remote, ramping, spill_plan
-from regions.edge.spill_over import SpillOver
-from regions.edge.split import Split, SplitCollector, split_plan
-from regions.edge.stopping import SLOW_STOP_S, await_chain, stop_step
-from regions.edge.sync import TableSync
-from regions.edge.table_file import FileStamp, file_stamp
-from regions.edge.token_prefix import TokenPrefixes
-from regions.edge.upstream import UpstreamPool, client_ssl_context
-from regions.edge.usage_shipper import ControlPlaneSink, RedisStreamSink, UsageSink
+from regions.edge.stages.admit import Admit
+from regions.edge.stages.attempt import Attempts
+from regions.edge.stages.cold import ColdHolds
+from regions.edge.stages.context import AdmitStage, RequestContext
+from regions.edge.stages.disagg import PdRouter
+from regions.edge.stages.forward import Forwarder
+from regions.edge.stages.gateway_line import GatewayLines
+from regions.edge.stages.place import Placement
+from regions.edge.stages.record import CLIENT_GONE, Recorder
+from regions.edge.stages.relay import JSON, Relay, respond
+from regions.edge.stages.spill_over import SpillOver
+from regions.edge.view.health import HealthBoard, probe_loop
+from regions.edge.view.kv_events import KvEventHub
+from regions.edge.view.load import LoadBoard, SpeedCollector, scrape_loop
+from regions.edge.view.peer_sync import build_peer_sync
+from regions.edge.view.token_prefix import TokenPrefixes
 from regions.engines.prompt_tokens import load_tokenizers
 from regions.tables.schema import (
     Instance,
@@ -77,7 +77,7 @@ class Edge:
     """One region's edge router; an ASGI application (``await edge(scope, receive, send)``).
 
     Its server (``server.py``) calls :meth:`startup` before serving and :meth:`shutdown` after.
-    The stages read the current table through it (:class:`~regions.edge.context.Fleet`).
+    The stages read the current table through it (:class:`~regions.edge.stages.context.Fleet`).
     """
 
     def __init__(self, cfg: EdgeConfig, table: RoutingTable) -> None:
@@ -129,6 +129,16 @@ class Edge:
         self.kv_events = KvEventHub(
             self.prefix, cfg.block_bytes / cfg.bytes_per_token, self.metrics.registry
         )
+        self.peer_sync = build_peer_sync(
+            cfg.peer_redis_url,
+            cfg.region,
+            cfg.holder,
+            cfg.peer_keys,
+            self.loads,
+            self.admission,
+            self.metrics.registry,
+            self,
+        )
         tokenizers = load_tokenizers(dict(cfg.tokenizers), cfg.tokenize_max_chars)
         self.placement = Placement(
             cfg,
@@ -142,6 +152,7 @@ class Edge:
                 if tokenizers
                 else None
             ),
+            self.peer_sync,
         )
         self.metrics.registry.register(
             SplitCollector(cfg.region, self.placement.splits, lambda: self.splits)
@@ -164,7 +175,6 @@ class Edge:
         self.admit_stage: AdmitStage = (
             self.admit if self.tracer is None else self.tracer.admitting(self.admit)
         )
-        self.peer_sync = build_peer_sync(self)
         self._apply_table(table)
         self.sync = TableSync(cfg.sync, cfg.region, self) if cfg.sync is not None else None
         self._sync_client: httpx.AsyncClient | None = None

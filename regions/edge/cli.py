@@ -13,16 +13,16 @@ from pathlib import Path
 import uvloop
 
 from regions.edge.app import Edge
-from regions.edge.cold import ColdConfig
 from regions.edge.config import DisaggConfig, EdgeConfig, TracingConfig
+from regions.edge.control.table_sync import SyncConfig, initial_table
 from regions.edge.flags import build_parser
-from regions.edge.health import HealthConfig
-from regions.edge.hop import hop_keys
-from regions.edge.metering import MeteringConfig
-from regions.edge.peer_auth import peer_keys
-from regions.edge.scheduler import SchedulerConfig
-from regions.edge.server import EdgeServer, ServerLimits
-from regions.edge.sync import SyncConfig, initial_table
+from regions.edge.http.server import EdgeServer, ServerLimits
+from regions.edge.metering.meter import MeteringConfig
+from regions.edge.policy.hop import hop_keys
+from regions.edge.policy.peer_auth import peer_keys
+from regions.edge.policy.scheduler import SchedulerConfig
+from regions.edge.stages.cold import ColdConfig
+from regions.edge.view.health import HealthConfig
 from regions.edge.workers import WorkerPool, reserve_port, worker_config
 from regions.tables.schema import (
     MAX_EDGE_NAME,

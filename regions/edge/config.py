@@ -6,12 +6,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from regions.edge.cold import ColdConfig
-from regions.edge.health import HealthConfig
-from regions.edge.metering import MeteringConfig
-from regions.edge.prefix_index import BLOCK_BYTES, BYTES_PER_TOKEN
-from regions.edge.scheduler import SchedulerConfig
-from regions.edge.sync import SyncConfig
+from regions.edge.control.table_sync import SyncConfig
+from regions.edge.metering.meter import MeteringConfig
+from regions.edge.policy.prefix_index import BLOCK_BYTES, BYTES_PER_TOKEN
+from regions.edge.policy.scheduler import SchedulerConfig
+from regions.edge.stages.cold import ColdConfig
+from regions.edge.view.health import HealthConfig
 from regions.engines.block_hash import DEFAULT_SEED
 from regions.engines.prompt_tokens import DEFAULT_MAX_CHARS
 from regions.tables.schema import lease_holder
@@ -107,7 +107,7 @@ class EdgeConfig:
     split_margin_s: float = 0.1
     #: Learn each instance's prefill rate from its streamed answers (speed.py).
     learn_speeds: bool = True
-    #: Usage metering (``metering.py``): None meters nothing.
+    #: Usage metering (``metering/meter.py``): None meters nothing.
     metering: MeteringConfig | None = None
     #: OpenTelemetry tracing (``tracing.py``): None (the default) records no span.
     tracing: TracingConfig | None = None

@@ -8,10 +8,10 @@ import os
 from pathlib import Path
 
 from regions.edge.config import EdgeConfig, TracingConfig
-from regions.edge.metering import MeteringConfig
-from regions.edge.scheduler import POLICIES
-from regions.edge.server import ServerLimits
-from regions.edge.sync import SyncConfig
+from regions.edge.control.table_sync import SyncConfig
+from regions.edge.http.server import ServerLimits
+from regions.edge.metering.meter import MeteringConfig
+from regions.edge.policy.scheduler import POLICIES
 from regions.tables.schema import MAX_EDGE_WORKERS
 
 DESCRIPTION = "One region's edge router (its own lean HTTP/1.1 server on uvloop)."

@@ -20,7 +20,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from regions.edge.scheduler import Scored
+from regions.edge.policy.scheduler import Scored
 
 _HEX = frozenset("0123456789abcdef")
 _rand = random.getrandbits  # trace ids need uniqueness, not secrecy
@@ -51,7 +51,7 @@ def child_traceparent(incoming: str | None) -> tuple[str, str]:
 @dataclass(frozen=True, slots=True)
 class CacheView:
     """What one tenant may be shown of the prefix cache: at most ``own_cached`` tokens (what
-    it sent itself, :class:`~regions.edge.prefix_index.SeenPrefixes`). Tokens cached by other
+    it sent itself, :class:`~regions.edge.policy.prefix_index.SeenPrefixes`). Tokens cached by other
     tenants' prompts are shown as uncached, their prefill time at the instance's ``rates``."""
 
     own_cached: int

@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
-from regions.edge.spill import overflow_shares
+from regions.edge.policy.spill import overflow_shares
 
 if TYPE_CHECKING:
     from regions.edge.app import Edge

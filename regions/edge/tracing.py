@@ -34,10 +34,10 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from regions.edge.config import TracingConfig
-from regions.edge.context import AdmitStage, RequestContext
-from regions.edge.endpoints import Endpoint
-from regions.edge.scheduler import Decision
-from regions.edge.server import Message, Receive, Scope, Send
+from regions.edge.http.endpoints import Endpoint
+from regions.edge.http.server import Message, Receive, Scope, Send
+from regions.edge.policy.scheduler import Decision
+from regions.edge.stages.context import AdmitStage, RequestContext
 
 _ROUTE = b"x-fedinfer-route"
 #: The route header's parts that become span attributes (``fedinfer.route.<part>``).

@@ -1,7 +1,7 @@
 """A model's own tokenizer: a prompt's token ids as vLLM computes them.
 
 With the ids, the edge computes the engine's block hashes (``regions/engines/block_hash.py``)
-and looks them up in what the engines' KV events say they hold (``regions/edge/kv_events.py``):
+and looks them up in what the engines' KV events say they hold (``regions/edge/view/kv_events.py``):
 exact prefix-cache knowledge, the same at every edge; the simulator, given the same files,
 tokenizes as the edge and vLLM do. One :class:`ModelTokenizer` per model, loaded
 from the ``tokenizer.json`` (fast ``tokenizers`` library) and ``tokenizer_config.json`` (the

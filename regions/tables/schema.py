@@ -2,7 +2,8 @@
 
 The one definition both sides share: the control plane's compiler builds these Structs and
 encodes them; the edge decodes the same Structs from a file (``--table``) or from the control
-plane with its ``signature`` verified (``regions/edge/sync.py``). Pure: no Django, no I/O.
+plane with its ``signature`` verified (``regions/edge/control/table_sync.py``). Pure: no Django,
+no I/O.
 Decoding is strict (msgspec Structs, unknown fields refused) and :func:`validate_table` checks
 what a type cannot say (unique ids, positive rates, URLs), so a bad table is refused as a
 whole and the edge keeps serving from the last good one.
@@ -28,7 +29,7 @@ EDGES_SCHEMA_VERSION = 4
 #: Schema 5 is schema 4 plus the models deployed here but scaled to zero (``cold_models``).
 COLD_SCHEMA_VERSION = 5
 #: Schema 5 also carries ``local_edges``: how many live edges this region runs, so each edge
-#: enforces its share of a tenant's rate limit (``regions/edge/admission.py``).
+#: enforces its share of a tenant's rate limit (``regions/edge/policy/admission.py``).
 LOCAL_EDGES_SCHEMA_VERSION = COLD_SCHEMA_VERSION
 #: Schema 6 is schema 5 plus the adapters only some tenants may use (``private_adapters``).
 PRIVATE_ADAPTERS_SCHEMA_VERSION = 6

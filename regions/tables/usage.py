@@ -40,7 +40,7 @@ USAGE_EDGE_FIELD = b"e"
 USAGE_MAC_FIELD = b"m"
 #: The most entries the stream holds: an edge sends nothing while the stream is this long
 #: (its records wait in its spool), so ``XADD``'s own ``MAXLEN`` at the same bound never has
-#: anything to cut (``regions/edge/usage_shipper.py``).
+#: anything to cut (``regions/edge/metering/usage_shipper.py``).
 USAGE_STREAM_MAX_ENTRIES = 100_000
 
 
@@ -167,7 +167,7 @@ _decode_named = msgspec.json.Decoder(UsageRecord).decode
 
 
 #: A batch of schema-3 rows as newline-terminated lines, in one call: the edge's shipper encodes
-#: each batch so, not each request (``usage_spool.py``).
+#: each batch so, not each request (``regions/edge/metering/usage_spool.py``).
 encode_usage_lines: Callable[[list[UsageRow]], bytes] = _encoder.encode_lines
 
 

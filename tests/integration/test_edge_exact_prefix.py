@@ -19,7 +19,7 @@ from typing import Any
 import httpx
 import pytest
 
-from regions.edge.token_prefix import CHARS_PER_ID, RECENT_S
+from regions.edge.view.token_prefix import CHARS_PER_ID, RECENT_S
 from regions.engines.simulator.bench_tokenizer import build
 from regions.supervisor import wait_until
 from tests.integration.test_edge_support import (

@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 import pytest
 
-from regions.edge.kv_events import CHECK_INTERVAL_S, SETTLE_S
+from regions.edge.view.kv_events import CHECK_INTERVAL_S, SETTLE_S
 from tests.integration.test_edge_support import (
     EdgeProc,
     engine_sims,

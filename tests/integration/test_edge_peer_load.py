@@ -1,4 +1,4 @@
-"""Two edges of one region sharing their live load over Redis (``regions/edge/peer_load.py``):
+"""Two edges of one region sharing their live load over Redis (``regions/edge/view/peer_load.py``):
 each routes around the requests the other sent, with Redis, an edge or a message gone.
 
 The edges scrape the engines only every 60 s here, so whatever one knows of the other's
@@ -22,9 +22,9 @@ import orjson
 import pytest
 import redis as redis_py
 
-from regions.edge.peer_auth import peer_keys, seal
-from regions.edge.peer_sync import channel as peer_channel
-from regions.edge.sessions import home, session_key
+from regions.edge.policy.peer_auth import peer_keys, seal
+from regions.edge.policy.sessions import home, session_key
+from regions.edge.view.peer_sync import channel as peer_channel
 from regions.supervisor import wait_http, wait_until
 from regions.tables.signing import parse_key_ring
 from tests.integration.redis_support import PrivateRedis

@@ -4,9 +4,10 @@ scheduler uses to within a fifth of the engine's own (in the edge's estimated to
 --no-learn-speeds the table's figure stays.
 
 The engine is the only one of its kind, so the rate in use is its kind's, followed in full
-(``regions/edge/speed.py``): no hysteresis band leaves it resting off the learned one. (With a
-band on the scale itself it rested up to 15 % above: 3 of 6 local runs read 1.24 x the engine's
-own, and the test, then asserting the fifth on the rate in use, failed in CI on 2026-12-02.)"""
+(``regions/edge/policy/speed.py``): no hysteresis band leaves it resting off the learned one.
+(With a band on the scale itself it rested up to 15 % above: 3 of 6 local runs read 1.24 x the
+engine's own, and the test, then asserting the fifth on the rate in use, failed in CI on
+2026-12-02.)"""
 
 from __future__ import annotations
 

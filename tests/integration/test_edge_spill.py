@@ -18,7 +18,7 @@ import httpx
 import orjson
 import pytest
 
-from regions.edge.hop import hop_keys, sign_hop
+from regions.edge.policy.hop import hop_keys, sign_hop
 from regions.supervisor import wait_http
 from regions.tables.signing import parse_key_ring
 from tests.integration.test_edge_support import (

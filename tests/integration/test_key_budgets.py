@@ -31,9 +31,9 @@ from federation.routing.compiler import compile_fleet_tables
 from federation.routing.selectors import fleet_snapshot
 from federation.tenancy.models import ApiKey, Tenant
 from federation.tenancy.services import api_key_create, api_key_rotate, api_key_update
-from regions.edge.endpoints import CHAT
-from regions.edge.parse import parse_request
-from regions.edge.prefix_index import BYTES_PER_TOKEN
+from regions.edge.http.endpoints import CHAT
+from regions.edge.http.parse import parse_request
+from regions.edge.policy.prefix_index import BYTES_PER_TOKEN
 from regions.supervisor import wait_until
 from regions.tables.usage import USAGE_STREAM
 from tests.integration.inventory_factories import (

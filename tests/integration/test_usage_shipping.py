@@ -10,8 +10,8 @@ from pathlib import Path
 
 import redis
 
-from regions.edge.usage_shipper import RedisStreamSink, UsageShipper
-from regions.edge.usage_spool import UsageSpool
+from regions.edge.metering.usage_shipper import RedisStreamSink, UsageShipper
+from regions.edge.metering.usage_spool import UsageSpool
 from regions.supervisor import free_port
 from regions.tables.usage import (
     USAGE_EDGE_FIELD,

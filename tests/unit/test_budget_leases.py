@@ -1,5 +1,5 @@
 """Budget leases, both halves: the control plane's split (``federation/routing/leases.py``)
-and the edge's accounts (``regions/edge/budget.py``). The property: however requests
+and the edge's accounts (``regions/edge/policy/budget.py``). The property: however requests
 interleave with ingestion and re-leasing, what is spent never exceeds the budget when no
 request costs more than the worst case its edge held."""
 
@@ -20,8 +20,8 @@ from federation.routing.leases import (
     split_grant,
     tenant_budget,
 )
-from regions.edge.budget import Budgets
-from regions.edge.errors import EdgeError
+from regions.edge.http.errors import EdgeError
+from regions.edge.policy.budget import Budgets
 from regions.tables.money import request_pusd
 from regions.tables.schema import (
     BUDGET_SCHEMA_VERSION,

@@ -11,7 +11,7 @@ import orjson
 from federation.routing.compiler import compile_region_table
 from federation.routing.leases import BudgetRow
 from federation.routing.snapshot import TenantRow
-from regions.edge.budget import Budgets
+from regions.edge.policy.budget import Budgets
 from regions.tables.money import request_pusd
 from regions.tables.schema import (
     COLD_SCHEMA_VERSION,

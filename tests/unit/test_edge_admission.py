@@ -8,8 +8,8 @@ from typing import Any
 import msgspec
 import pytest
 
-from regions.edge.admission import Admission, TokenBucket
-from regions.edge.errors import EdgeError
+from regions.edge.http.errors import EdgeError
+from regions.edge.policy.admission import Admission, TokenBucket
 from regions.tables.schema import RoutingTable, TableError, decode_table
 
 

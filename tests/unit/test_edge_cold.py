@@ -1,4 +1,4 @@
-"""Holding requests for a model scaled to zero (regions/edge/cold.py): bounded in count and
+"""Holding requests for a model scaled to zero (regions/edge/stages/cold.py): bounded in count and
 time, released in arrival order, a client that leaves leaves the line, demand reported."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from regions.edge.cold import ColdConfig, ColdHolds, Released, make_room
-from regions.edge.errors import EdgeError
+from regions.edge.http.errors import EdgeError
+from regions.edge.stages.cold import ColdConfig, ColdHolds, Released, make_room
 from regions.tables.schema import ColdModel, RoutingTable
 
 COLD = RoutingTable(

@@ -7,7 +7,8 @@ from typing import Any
 import orjson
 
 from regions.edge.config import DisaggConfig
-from regions.edge.disagg import (
+from regions.edge.policy.scheduler import Candidate
+from regions.edge.stages.disagg import (
     PREFILL_KV_PARAMS,
     decode_body,
     pick_decode,
@@ -15,7 +16,6 @@ from regions.edge.disagg import (
     prefill_body,
     response_params,
 )
-from regions.edge.scheduler import Candidate
 
 CFG = DisaggConfig(min_prompt_tokens=256)
 

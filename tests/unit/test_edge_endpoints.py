@@ -5,16 +5,16 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from regions.edge.endpoints import CHAT, EMBEDDINGS, ENDPOINTS, RESPONSES, TOKENIZE
-from regions.edge.errors import EdgeError
-from regions.edge.parse import (
+from regions.edge.http.endpoints import CHAT, EMBEDDINGS, ENDPOINTS, RESPONSES, TOKENIZE
+from regions.edge.http.errors import EdgeError
+from regions.edge.http.parse import (
     DEFAULT_OUTPUT_TOKENS,
     MAX_BATCH_INPUTS,
     ResponsesTap,
     body_usage,
     parse_request,
 )
-from regions.edge.scheduler import Candidate, decide_unqueued
+from regions.edge.policy.scheduler import Candidate, decide_unqueued
 
 
 def parse(path: str, **doc: object) -> object:

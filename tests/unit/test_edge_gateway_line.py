@@ -7,7 +7,7 @@ import time
 
 from prometheus_client import CollectorRegistry, Gauge
 
-from regions.edge.gateway_line import GatewayLines, blocked, line_key
+from regions.edge.stages.gateway_line import GatewayLines, blocked, line_key
 from regions.tables.schema import Instance
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from regions.edge.health import (
+from regions.edge.view.health import (
     Health,
     HealthBoard,
     HealthConfig,

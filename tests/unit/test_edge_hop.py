@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from regions.edge.cli import build_parser, config_from_args
-from regions.edge.hop import MAX_AGE_MS, HopVerifier, hop_keys, sign_hop
+from regions.edge.policy.hop import MAX_AGE_MS, HopVerifier, hop_keys, sign_hop
 
 RING = hop_keys({"k2": "new secret", "k1": "old secret"})
 NOW = 1_795_950_000_000

@@ -1,4 +1,4 @@
-"""Live-load scrapes (``regions/edge/load.py``) and their own timeout."""
+"""Live-load scrapes (``regions/edge/view/load.py``) and their own timeout."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 import httpx
 
 from regions.edge.cli import build_parser, config_from_args
-from regions.edge.load import MAX_METRICS_BYTES, LoadBoard, scrape_loop, scrape_once
+from regions.edge.view.load import MAX_METRICS_BYTES, LoadBoard, scrape_loop, scrape_once
 from regions.engines.metrics import EngineLoad
 
 METRICS = """\

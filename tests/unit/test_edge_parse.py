@@ -5,9 +5,9 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from regions.edge.endpoints import CHAT, COMPLETIONS
-from regions.edge.errors import EdgeError
-from regions.edge.parse import (
+from regions.edge.http.endpoints import CHAT, COMPLETIONS
+from regions.edge.http.errors import EdgeError
+from regions.edge.http.parse import (
     DEFAULT_OUTPUT_TOKENS,
     EDGE_ONLY_FIELDS,
     MAX_CHOICES,

@@ -15,9 +15,9 @@ from prometheus_client import CollectorRegistry
 
 from regions.edge.cli import config_from_args
 from regions.edge.flags import build_parser
-from regions.edge.load import LoadBoard
-from regions.edge.peer_auth import MAX_AGE_MS, MAX_SKEW_MS, open_sealed, peer_keys, seal
-from regions.edge.peer_load import (
+from regions.edge.policy.peer_auth import MAX_AGE_MS, MAX_SKEW_MS, open_sealed, peer_keys, seal
+from regions.edge.view.load import LoadBoard
+from regions.edge.view.peer_load import (
     EXPIRE_S,
     MAX_PEERS,
     SEQ_MEMORY_S,
@@ -28,7 +28,7 @@ from regions.edge.peer_load import (
     Reading,
     encode,
 )
-from regions.edge.peer_sync import PeerSync
+from regions.edge.view.peer_sync import PeerSync
 from regions.engines.metrics import EngineLoad
 
 RING = {"k1": "peer-secret"}
@@ -66,14 +66,25 @@ class Edge:
             lambda inst: CAP if inst in ("i-1", "i-2") else None,
         )
         self.sync = PeerSync(
-            "redis://unused", "r1", peers, CollectorRegistry(), keys=keys, clock_ms=self.clock
+            "redis://unused",
+            "r1",
+            peers,
+            CollectorRegistry(),
+            keys=keys,
+            clock_ms=self.clock,
+            placed=self,
         )
-        self.sync.on_chain = lambda inst, hashes: self.chains.append((inst, hashes))
-        self.sync.on_session = lambda key, inst: self.sessions.append((key, inst))
 
     @property
     def peers(self) -> PeerLoads:
         return self.sync.peers
+
+    def chain(self, instance: str, hashes: Sequence[int]) -> None:
+        """Where the peers' prompts go (``PeerPlacements``)."""
+        self.chains.append((instance, hashes))
+
+    def session(self, key: int, instance: str) -> None:
+        self.sessions.append((key, instance))
 
     def receive(self, message: bytes) -> None:
         self.sync._receive(message)

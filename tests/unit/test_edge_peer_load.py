@@ -1,4 +1,4 @@
-"""Live load shared by a region's edges (``regions/edge/peer_load.py``): what another edge
+"""Live load shared by a region's edges (``regions/edge/view/peer_load.py``): what another edge
 publishes is counted here as if this edge had sent it, without drift or double counting."""
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ import orjson
 import pytest
 from prometheus_client import CollectorRegistry
 
-from regions.edge.admission import Admission
-from regions.edge.load import LoadBoard
-from regions.edge.peer_auth import peer_keys, seal
-from regions.edge.peer_load import (
+from regions.edge.policy.admission import Admission
+from regions.edge.policy.peer_auth import peer_keys, seal
+from regions.edge.view.load import LoadBoard
+from regions.edge.view.peer_load import (
     EXPIRE_S,
     MAX_CHAIN_BLOCKS,
     MAX_CHAINS,
@@ -34,7 +34,7 @@ from regions.edge.peer_load import (
     encode,
     step_shares,
 )
-from regions.edge.peer_sync import PeerSync
+from regions.edge.view.peer_sync import PeerSync
 from regions.engines.metrics import EngineLoad
 from regions.tables.schema import RoutingTable, decode_table
 

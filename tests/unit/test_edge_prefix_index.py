@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from regions.edge.prefix_index import PrefixIndex, SeenPrefixes, block_hashes, root_seed
+from regions.edge.policy.prefix_index import PrefixIndex, SeenPrefixes, block_hashes, root_seed
 
 SEED = root_seed("llama")
 

@@ -10,16 +10,16 @@ from typing import Any
 
 import pytest
 
-from regions.edge.admission import Admission
-from regions.edge.budget import Budgets
-from regions.edge.context import RequestContext
-from regions.edge.endpoints import CHAT, TOKENIZE
-from regions.edge.load import LoadBoard
-from regions.edge.metering import Meter, MeteringConfig
+from regions.edge.http.endpoints import CHAT, TOKENIZE
+from regions.edge.http.parse import UsageTap, parse_request
+from regions.edge.metering.meter import Meter, MeteringConfig
 from regions.edge.observability import EdgeMetrics
-from regions.edge.parse import UsageTap, parse_request
-from regions.edge.record import Recorder
-from regions.edge.scheduler import Decision, Scored
+from regions.edge.policy.admission import Admission
+from regions.edge.policy.budget import Budgets
+from regions.edge.policy.scheduler import Decision, Scored
+from regions.edge.stages.context import RequestContext
+from regions.edge.stages.record import Recorder
+from regions.edge.view.load import LoadBoard
 from regions.tables.schema import Instance
 from regions.tables.usage import decode_record, encode_usage_lines
 

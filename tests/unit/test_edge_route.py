@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-from regions.edge.disagg import DecodePick
-from regions.edge.route import (
+from regions.edge.policy.route import (
     pd_route,
     prefill_refusal_route,
     remote_route,
     route_header,
     spill_failed_route,
 )
-from regions.edge.scheduler import Decision, Scored
+from regions.edge.policy.scheduler import Decision, Scored
+from regions.edge.stages.disagg import DecodePick
 
 
 def test_route_header_names_winner_terms_runner_up_and_retries() -> None:

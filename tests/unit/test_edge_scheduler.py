@@ -6,8 +6,8 @@ import dataclasses
 
 import pytest
 
-from regions.edge.scheduler import Candidate, RouteRequest, SchedulerConfig, decide, score
-from regions.edge.sessions import home
+from regions.edge.policy.scheduler import Candidate, RouteRequest, SchedulerConfig, decide, score
+from regions.edge.policy.sessions import home
 
 CFG = SchedulerConfig()
 HARD_CAP = SchedulerConfig(wait_for_warm=False)
@@ -340,7 +340,7 @@ def test_waiting_for_a_warm_instance_beats_a_cold_prefill_until_its_line_grows()
 
 
 def test_a_stale_scrape_keeps_the_last_known_load_instead_of_reading_idle() -> None:
-    from regions.edge.load import InstanceLoad
+    from regions.edge.view.load import InstanceLoad
     from regions.engines.metrics import EngineLoad
 
     load = InstanceLoad()
@@ -356,7 +356,7 @@ def test_a_stale_scrape_keeps_the_last_known_load_instead_of_reading_idle() -> N
 def test_an_old_scrape_forgets_what_this_edge_saw_finish_since() -> None:
     """A reading taken while this edge's own request ran there must not keep the engine
     loaded after that request finished, however long the next reading takes."""
-    from regions.edge.load import InstanceLoad
+    from regions.edge.view.load import InstanceLoad
     from regions.engines.metrics import EngineLoad
 
     load = InstanceLoad()
@@ -368,7 +368,7 @@ def test_an_old_scrape_forgets_what_this_edge_saw_finish_since() -> None:
 
 
 def test_pending_prefill_drains_at_the_engine_rate_and_clears_when_idle() -> None:
-    from regions.edge.load import InstanceLoad
+    from regions.edge.view.load import InstanceLoad
 
     load = InstanceLoad()
     assert load.pending(10.0, 2000.0) == 0.0
@@ -385,7 +385,7 @@ def test_pending_prefill_drains_at_the_engine_rate_and_clears_when_idle() -> Non
 
 
 def test_requests_sent_since_the_scrape_are_pending_tokens_not_waiting_requests() -> None:
-    from regions.edge.load import InstanceLoad
+    from regions.edge.view.load import InstanceLoad
     from regions.engines.metrics import EngineLoad
 
     load = InstanceLoad()

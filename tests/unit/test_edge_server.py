@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from regions.edge.server import (
+from regions.edge.http.server import (
     MAX_HEAD_BYTES,
     EdgeServer,
     Message,
@@ -17,7 +17,7 @@ from regions.edge.server import (
     Send,
     ServerLimits,
 )
-from regions.edge.stopping import await_chain, stop_step
+from regions.edge.http.stopping import await_chain, stop_step
 
 Scope = dict[str, Any]
 

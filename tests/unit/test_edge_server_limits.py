@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
-from regions.edge import connection as edge_connection
-from regions.edge.server import REFUSALS, EdgeServer, Message, Receive, Send
+from regions.edge.http import connection as edge_connection
+from regions.edge.http.server import REFUSALS, EdgeServer, Message, Receive, Send
 from tests.unit.test_edge_server import _post, _response, echo_app, run
 
 

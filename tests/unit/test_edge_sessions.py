@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from regions.edge.app import Edge
 from regions.edge.config import EdgeConfig
-from regions.edge.sessions import SessionMap, home, session_key
+from regions.edge.policy.sessions import SessionMap, home, session_key
 from regions.tables.schema import Instance, RoutingTable
 
 

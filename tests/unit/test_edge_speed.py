@@ -12,9 +12,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from regions.edge.load import LoadBoard
-from regions.edge.scheduler import Candidate, RouteRequest, SchedulerConfig, score
-from regions.edge.speed import (
+from regions.edge.policy.scheduler import Candidate, RouteRequest, SchedulerConfig, score
+from regions.edge.policy.speed import (
     GAIN,
     HYSTERESIS,
     MAX_SCALE,
@@ -31,6 +30,7 @@ from regions.edge.speed import (
     step_at,
     step_interval,
 )
+from regions.edge.view.load import LoadBoard
 from regions.engines.metrics import EngineLoad
 
 KIND = ("sim-llama-8b", 10_000.0)

@@ -6,7 +6,7 @@ from typing import Any
 
 import msgspec
 
-from regions.edge.spill import (
+from regions.edge.policy.spill import (
     Remote,
     eligible_remotes,
     overflow_shares,

@@ -6,8 +6,8 @@ import dataclasses
 
 import pytest
 
-from regions.edge.spill import ramp_point, spill_plan
-from regions.edge.split import Split, planned_remote, split_plan, split_point
+from regions.edge.policy.spill import ramp_point, spill_plan
+from regions.edge.policy.split import Split, planned_remote, split_plan, split_point
 from regions.tables.schema import (
     SCHEMA_VERSION,
     Instance,

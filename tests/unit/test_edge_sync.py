@@ -14,7 +14,7 @@ import orjson
 import pytest
 
 from regions.edge.cli import build_parser, sync_from_args
-from regions.edge.sync import (
+from regions.edge.control.table_sync import (
     SyncConfig,
     TableSync,
     accept_table,

@@ -8,7 +8,7 @@ from typing import Any
 import orjson
 import pytest
 
-from regions.edge.table_file import read_table_file
+from regions.edge.control.table_file import read_table_file
 from regions.tables.schema import (
     TableError,
     check_successor,

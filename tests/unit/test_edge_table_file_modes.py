@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from regions.edge.sync import persist_table
+from regions.edge.control.table_sync import persist_table
 
 
 def test_the_persisted_table_and_a_state_directory_it_creates_are_private(

@@ -10,7 +10,7 @@ import pytest
 import zmq
 from prometheus_client import CollectorRegistry
 
-from regions.edge.kv_event_format import (
+from regions.edge.policy.kv_event_format import (
     Batch,
     Cleared,
     EventFormatError,
@@ -18,13 +18,13 @@ from regions.edge.kv_event_format import (
     Stored,
     decode_batch,
 )
-from regions.edge.kv_events import (
+from regions.edge.policy.prefix_index import PrefixIndex, block_hashes, root_seed
+from regions.edge.view.kv_events import (
     EngineCache,
     KvEventMetrics,
     KvEventSubscriber,
     blocks_to_evict,
 )
-from regions.edge.prefix_index import PrefixIndex, block_hashes, root_seed
 from regions.engines.simulator.kv_cache import KVCacheManager
 from regions.engines.simulator.kv_events import (
     AllBlocksCleared,

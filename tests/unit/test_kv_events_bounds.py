@@ -13,8 +13,8 @@ import zmq
 import zmq.asyncio
 from prometheus_client import CollectorRegistry
 
-from regions.edge import kv_events
-from regions.edge.kv_event_format import (
+from regions.edge.view import kv_events
+from regions.edge.policy.kv_event_format import (
     MAX_EVENTS_PER_BATCH,
     MAX_HASHES_PER_BATCH,
     MAX_HASHES_PER_EVENT,
@@ -26,7 +26,8 @@ from regions.edge.kv_event_format import (
     msgpack_length,
     run_steps,
 )
-from regions.edge.kv_events import (
+from regions.edge.policy.prefix_index import PrefixIndex
+from regions.edge.view.kv_events import (
     SLICE_S,
     EngineCache,
     KvEventHub,
@@ -37,7 +38,6 @@ from regions.edge.kv_events import (
     in_slices,
     read_steps,
 )
-from regions.edge.prefix_index import PrefixIndex
 from regions.tables.schema import Instance
 
 

@@ -1,4 +1,4 @@
-"""Exact cached prefixes from tokens and KV events (regions/edge/token_prefix.py): the prompt's
+"""Exact cached prefixes from tokens and KV events (regions/edge/view/token_prefix.py): the prompt's
 vLLM block hashes looked up in what an engine's events say it holds."""
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ import msgspec
 import pytest
 from prometheus_client import CollectorRegistry
 
-from regions.edge.kv_events import EngineCache, KvEventHub, KvEventSubscriber
-from regions.edge.prefix_index import PrefixIndex
-from regions.edge.scheduler import Candidate, RouteRequest, SchedulerConfig, score
-from regions.edge.token_prefix import CHARS_PER_ID, RECENT_S, TokenPrefixes, token_id_head
+from regions.edge.policy.prefix_index import PrefixIndex
+from regions.edge.policy.scheduler import Candidate, RouteRequest, SchedulerConfig, score
+from regions.edge.view.kv_events import EngineCache, KvEventHub, KvEventSubscriber
+from regions.edge.view.token_prefix import CHARS_PER_ID, RECENT_S, TokenPrefixes, token_id_head
 from regions.engines.block_hash import DEFAULT_SEED, block_hashes, none_hash
 from regions.engines.prompt_tokens import ModelTokenizer
 from regions.engines.simulator.bench_tokenizer import build
@@ -166,10 +166,10 @@ def test_a_busy_tokenizer_thread_leaves_requests_to_the_estimate_instead_of_a_li
     import asyncio
     from types import SimpleNamespace
 
-    from regions.edge.endpoints import CHAT
-    from regions.edge.parse import ParsedRequest
-    from regions.edge.placement import Placement
-    from regions.edge.token_prefix import MAX_PENDING
+    from regions.edge.http.endpoints import CHAT
+    from regions.edge.http.parse import ParsedRequest
+    from regions.edge.stages.place import Placement
+    from regions.edge.view.token_prefix import MAX_PENDING
 
     registry = CollectorRegistry()
     exact = TokenPrefixes({MODEL: tokenizer}, hub_with(A), DEFAULT_SEED, registry)

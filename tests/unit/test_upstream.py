@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import trustme
 
-from regions.edge.upstream import UpstreamError, UpstreamPool, _Origin, client_ssl_context
+from regions.edge.http.upstream import UpstreamError, UpstreamPool, _Origin, client_ssl_context
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 

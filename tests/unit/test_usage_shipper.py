@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from regions.edge.cli import build_parser, config_from_args
-from regions.edge.metering import Meter
-from regions.edge.usage_shipper import UsageShipper
-from regions.edge.usage_spool import UsageSpool
+from regions.edge.metering.meter import Meter
+from regions.edge.metering.usage_shipper import UsageShipper
+from regions.edge.metering.usage_spool import UsageSpool
 from regions.tables.usage import usage_stream_key
 
 

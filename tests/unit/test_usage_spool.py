@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from regions.edge.usage_spool import Cursor, UsageSpool
+from regions.edge.metering.usage_spool import Cursor, UsageSpool
 
 
 def row(i: int) -> dict[str, str]:

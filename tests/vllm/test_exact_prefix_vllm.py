@@ -21,7 +21,7 @@ from typing import Any
 import httpx
 import pytest
 
-from regions.edge.token_prefix import RECENT_S
+from regions.edge.view.token_prefix import RECENT_S
 from regions.supervisor import free_port
 from tests.vllm.capture_fixtures import shared_prefix
 from tests.vllm.servers import (

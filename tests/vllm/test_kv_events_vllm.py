@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from regions.edge.kv_events import CHECK_INTERVAL_S, SETTLE_S
+from regions.edge.view.kv_events import CHECK_INTERVAL_S, SETTLE_S
 from regions.supervisor import free_port
 from tests.vllm.capture_fixtures import shared_prefix
 from tests.vllm.servers import (

@@ -1,0 +1,282 @@
+"""The admit stage: from an HTTP request to an admitted :class:`RequestContext`, or a refusal.
+
+Before the body, the tenant's API key (``admission.py`` holds the tenant rules); then the body,
+bounded and JSON; what routing needs of it (``parse.py``); the session id; the tenant's model
+policy and cache salt; whether it may be served here or must go to another region first
+(residency, a model not served here, this region's ramp while it comes back: ``spill.py``);
+last, the worst case of its price held on the tenant's budget (``budget.py``) when it is to be
+served here, and the charge against the tenant's rate, unless a fellow edge already charged it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+
+from regions.edge.config import EdgeConfig
+from regions.edge.http.endpoints import Endpoint
+from regions.edge.http.errors import EdgeError
+from regions.edge.http.parse import ParsedRequest, parse_request, with_cache_salt
+from regions.edge.http.server import Receive, Scope, Send
+from regions.edge.metering.meter import Meter
+from regions.edge.observability import child_traceparent
+from regions.edge.policy.admission import Admission, TenantState, public_prefix
+from regions.edge.policy.budget import Budgets, Hold
+from regions.edge.policy.hop import HOP_HEADER, HopVerifier
+from regions.edge.policy.prefix_index import root_seed
+from regions.edge.policy.sessions import MAX_SESSION_ID_BYTES, session_key
+from regions.edge.policy.spill import Spill, eligible_remotes, ramp_point, returning_remotes
+from regions.edge.stages.context import Fleet, RequestContext
+from regions.edge.stages.relay import JSON, Relay
+
+_Headers = tuple[bytes | None, bytes | None, str | None, bytes | None]
+_SPOOL_FULL = EdgeError(
+    503,
+    "This edge cannot record usage right now (its usage spool is full); retry shortly.",
+    "usage_spool_full",
+    retry_after=5,
+)
+
+
+class ClientGone(Exception):
+    """The client disconnected while sending its request body."""
+
+
+async def read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
+    """The request body: JSON, at most ``limit`` bytes (413 as soon as it is known to be more)."""
+    ctype = b""
+    for name, value in scope["headers"]:
+        if name == b"content-type":
+            ctype = value
+        elif name == b"content-length" and value.isdigit() and int(value) > limit:
+            raise EdgeError(413, f"request body exceeds {limit} bytes", "body_too_large")
+    if not ctype.split(b";", 1)[0].strip().lower() == JSON:
+        raise EdgeError(415, "Content-Type must be application/json", "unsupported_media_type")
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ClientGone
+        chunk = message.get("body", b"")
+        if chunk:
+            size += len(chunk)
+            if size > limit:
+                raise EdgeError(413, f"request body exceeds {limit} bytes", "body_too_large")
+            chunks.append(chunk)
+        if not message.get("more_body", False):
+            break
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+def _request_headers(headers: Iterable[tuple[bytes, bytes]]) -> _Headers:
+    """(authorization, x-session-id, traceparent, the hop signature) as the client sent them."""
+    authorization = session_id = hop = None
+    trace: str | None = None
+    for name, value in headers:
+        if name == b"authorization":
+            authorization = value
+        elif name == b"x-session-id":
+            session_id = value
+        elif name == b"traceparent":
+            trace = value.decode("latin-1")
+        elif name == HOP_HEADER:
+            hop = value
+    return authorization, session_id, trace, hop
+
+
+def _check_session(session: bytes | None, from_header: bool) -> None:
+    if session is not None and len(session) > MAX_SESSION_ID_BYTES:
+        raise EdgeError(
+            400,
+            f"session ids (x-session-id, or the body's 'user') may be at most "
+            f"{MAX_SESSION_ID_BYTES} bytes",
+            "invalid_session_id",
+            None if from_header else "user",
+        )
+
+
+class Admit:
+    """The admit stage of one edge; ``await admit(scope, receive, send, endpoint)``."""
+
+    __slots__ = ("admission", "budgets", "cfg", "fleet", "hops", "meter", "relay")
+
+    def __init__(
+        self,
+        cfg: EdgeConfig,
+        fleet: Fleet,
+        admission: Admission,
+        hops: HopVerifier,
+        relay: Relay,
+        meter: Meter | None,
+        budgets: Budgets,
+    ) -> None:
+        self.cfg = cfg
+        self.fleet = fleet
+        self.admission = admission
+        self.hops = hops
+        self.relay = relay
+        self.meter = meter
+        self.budgets = budgets
+
+    async def __call__(
+        self, scope: Scope, receive: Receive, send: Send, endpoint: Endpoint
+    ) -> RequestContext | None:
+        """The admitted request; None when it was refused (and answered) or its client left."""
+        arrived = time.perf_counter()
+        authorization, session_id, trace, hop = _request_headers(scope["headers"])
+        admission = self.admission
+        tenant: TenantState | None = None
+        hold: Hold | None = None
+        key_prefix: str | None = None
+        try:
+            meter = self.meter  # a full spool under --usage-spool-full refuse: 503
+            if meter is not None and meter.spool.full and meter.refuse_when_full:
+                raise _SPOOL_FULL
+            if admission.enabled:
+                # Before the body: an unauthenticated client does not get 4 MB read for it.
+                tenant = admission.authenticate(authorization, time.time())
+            raw = await read_body(scope, receive, self.cfg.max_body_bytes)
+            req = parse_request(raw, endpoint=endpoint, bytes_per_token=self.cfg.bytes_per_token)
+            session = session_id if session_id is not None else _user_bytes(req.user)
+            _check_session(session, session_id is not None)
+            if tenant is not None:
+                admission.policy(tenant, req.model)
+            if endpoint.queued and (
+                req.cache_salt is not None or (tenant is not None and tenant.policy.cache_salt)
+            ):
+                req = with_cache_salt(req, tenant.policy.cache_salt if tenant else None)
+            # A request that already hopped is served here or refused: never forwarded again.
+            point_key = session if session is not None else raw
+            spill = self._spill(req, tenant, point_key, hop is not None, authorization, session_id)
+            # Charged where it entered: a hop signed by a fellow edge was charged there.
+            origin = self.hops.verify(hop, raw, authorization) if hop is not None else None
+            charged = 0
+            if tenant is not None:
+                if self.meter is not None or tenant.policy.budget is not None:
+                    key_prefix = public_prefix(authorization)
+                # Held where it is served: a request that must go elsewhere is held there.
+                if (
+                    tenant.policy.budget is not None
+                    and endpoint.metered
+                    and not (spill and spill.targets)
+                ):
+                    hold = self.budgets.reserve(
+                        tenant.slug,
+                        key_prefix,
+                        req.model,
+                        req.prompt_tokens,
+                        req.max_output_tokens,
+                    )
+                if origin is None:
+                    admission.rate(tenant, req.cost_tokens, time.monotonic())
+                    charged = req.cost_tokens
+        except EdgeError as err:
+            if hold is not None:
+                self.budgets.release(hold)
+            await self.relay.refuse(send, err)
+            return None
+        except ClientGone:
+            return None
+        return RequestContext(
+            req=req,
+            send=send,
+            traceparent=child_traceparent(trace)[1],
+            arrived=arrived,
+            tenant=tenant,
+            charged=charged,
+            session_key=(
+                session_key(tenant.slug if tenant is not None else "", req.model, session)
+                if session is not None
+                else None
+            ),
+            salt=root_seed(tenant.slug) if tenant is not None else None,
+            spill=spill,
+            entry_region=origin,
+            key_prefix=key_prefix,
+            hold=hold,
+        )
+
+    def _spill(
+        self,
+        req: ParsedRequest,
+        tenant: TenantState | None,
+        point_key: bytes,
+        hopped: bool,
+        authorization: bytes | None,
+        session_id: bytes | None,
+    ) -> Spill | None:
+        """Where else the request may go (None: only here); with ``targets`` set when it must
+        go there first. :class:`EdgeError` when neither here nor an allowed remote can take it.
+        ``point_key``: its session, else its body (``spill.ramp_point``)."""
+        fleet = self.fleet
+        model = req.model
+        remotes = () if hopped else fleet.spill.get(model, ())
+        allowed = tenant.allowed if tenant is not None else None
+        local_ok = tenant is None or tenant.local_allowed
+        split = fleet.splits.get(model) if remotes else None
+        point = 0.0
+        if remotes and (fleet.ramping or split):
+            point = ramp_point(point_key)
+        elif remotes and session_id is not None and fleet.several_edges:
+            point = ramp_point(session_id)  # a session meets the same remote edge
+        here = model in fleet.by_model
+        # Scaled to zero here: served here once a replica starts (held meanwhile), unless
+        # another region may take it now.
+        cold = not here and model in fleet.cold_models
+        if local_ok and (here or cold) and not remotes:
+            return None
+        spill = Spill(remotes, allowed, authorization, session_id, point, split)
+        if not local_ok or not here:
+            spill.targets = eligible_remotes(remotes, allowed, None, 0.0, point)
+            if not spill.targets:
+                if cold and local_ok:
+                    return None
+                raise self._nowhere(model, tenant, local_ok, hopped)
+            spill.why = "cold" if cold and local_ok else "residency" if here else "not_local"
+        elif fleet.ramping:
+            # This region coming back: requests above its ramp go where they went meanwhile.
+            spill.targets = returning_remotes(remotes, allowed, point, fleet.table.ramp)
+            spill.why = "ramp" if spill.targets else ""
+        return spill
+
+    def _nowhere(
+        self, model: str, tenant: TenantState | None, local_ok: bool, hopped: bool
+    ) -> EdgeError:
+        """Why neither this region nor an allowed remote can take the request."""
+        region = self.cfg.region
+        if not local_ok and tenant is not None:
+            allowed = ", ".join(sorted(tenant.allowed)) or "none"
+            return EdgeError(
+                403,
+                f"Tenant {tenant.slug!r} may not be served in region {region}, and no "
+                f"region it allows ({allowed}) can take `{model}` from here.",
+                "region_not_allowed",
+            )
+        spilled = self.fleet.spill
+        if hopped and model in {r.model for r in self.fleet.table.routes} | set(spilled):
+            return EdgeError(
+                503,
+                f"Region {region} has no instance of `{model}` for a forwarded request.",
+                "no_local_instance",
+                retry_after=self.cfg.retry_after_s,
+            )
+        if model in spilled:
+            # Served elsewhere, not in an allowed region now (a permanent residency refusal is
+            # a 403 from the table's residency class, checked in admission).
+            return EdgeError(
+                503,
+                f"No region this tenant may use can serve `{model}` from {region} now.",
+                "no_allowed_region",
+                retry_after=self.cfg.retry_after_s,
+            )
+        return EdgeError(
+            404,
+            f"The model `{model}` does not exist in region {region}.",
+            "model_not_found",
+            "model",
+        )
+
+
+def _user_bytes(user: str | None) -> bytes | None:
+    return user.encode() if user is not None else None
