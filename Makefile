@@ -110,7 +110,8 @@ bench-overhead: $(STAMP)
 ## and on the exact path (tokenizer + KV events, the one view the edges share in production):
 ## over 36 s one edge's own mean moved by +-5 % between runs of the same code, as much as the
 ## several-edges target allows. At ~90 % load it still did over 84 s, so zipf-90 runs three
-## repetitions and the several edges are judged on the means over them (bench/routing_edges.py).
+## repetitions and the several edges are judged on the means over them
+## (bench/harness/routing_edges.py).
 SEVERAL_EDGES := fedinfer,fedinfer-2edges,fedinfer-3edges,fedinfer-2workers
 bench-routing: $(STAMP)
 	$(BIN)/python -m bench routing --policies round_robin,least_loaded,oracle,fedinfer,fedinfer-nolearn,fedinfer-2edges

@@ -36,9 +36,9 @@ from typing import Any
 
 import httpx
 
-from bench.federation import MODEL, MODEL_SPEC, django_on_bench_database
-from bench.procs import VAR, bench_processes, fedinfer_argv, git_rev, http_ok, machine_info
-from bench.report import fmt, markdown_table, percentile, utc_now, write_result
+from bench.harness.control_plane import MODEL, MODEL_SPEC, django_on_bench_database
+from bench.harness.procs import VAR, bench_processes, fedinfer_argv, git_rev, http_ok, machine_info
+from bench.harness.report import fmt, markdown_table, percentile, utc_now, write_result
 from regions.supervisor import free_port, wait_http, wait_until
 
 LOGS = VAR / "cold-start-logs"
@@ -86,6 +86,7 @@ def build(edge_port: int, idle_s: int, adapters: int) -> tuple[str, str, int]:
 
 
 def live_instances(deployment_id: int) -> int:
+    """The deployment's instances not yet gone: zero is where a cold start begins."""
     from federation.inventory import lifecycle
     from federation.inventory.models import Instance
 
@@ -118,6 +119,8 @@ def first_token(edge: str, key: str, i: int, model: str = MODEL) -> tuple[int, f
 
 
 def one_cold_start(edge: str, key: str, deployment_id: int, i: int) -> dict[str, Any]:
+    """One request to a model at zero, timed to the autoscaler's event, readiness and first
+    token."""
     from federation.core.models import AuditEvent
     from federation.inventory.models import InstanceInterval
 
@@ -158,6 +161,8 @@ def one_cold_start(edge: str, key: str, deployment_id: int, i: int) -> dict[str,
 
 
 def one_adapter(edge: str, key: str, i: int) -> dict[str, Any]:
+    """One request naming an adapter loaded nowhere, on a warm replica: loaded in place, not
+    restarted."""
     from federation.core.models import AuditEvent
 
     status, _, _ = first_token(edge, key, 20_000 + i)  # the replica warm (woken if at zero)
@@ -179,6 +184,7 @@ def one_adapter(edge: str, key: str, i: int) -> dict[str, Any]:
 def run(
     reps: int, adapters: int, idle_s: int, autoscale_every: int, db_url: str, redis_url: str
 ) -> dict[str, Any]:
+    """The control plane with the local provisioner, then every cold start and adapter load."""
     engines_dir = str(LOGS / "engines")
     django_on_bench_database(db_url, redis_url, FEDINFER_LOCAL_ENGINES_DIR=engines_dir)
     from django.conf import settings
@@ -252,6 +258,7 @@ def run(
 
 
 def report(result: dict[str, Any]) -> str:
+    """The result as the Markdown tables of docs/benchmarks.md."""
     rows = []
     for label, key in (
         ("first request -> autoscaler scales from zero", "decided"),
@@ -281,6 +288,7 @@ def report(result: dict[str, Any]) -> str:
 
 
 def main(argv: list[str]) -> None:
+    """Run the cold starts; print the tables and write the JSON under var/bench/."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=5, help="cold starts")
     parser.add_argument("--adapters", type=int, default=3, help="adapter loads on demand")

@@ -18,15 +18,15 @@ import random
 import subprocess
 import time
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 
-from bench.report import markdown_table, spread, utc_now, write_result
-from federation.routing.compiler import compile_region_table, fleet_plan, replica_tokens_per_s
-from federation.routing.snapshot import FleetSnapshot, InstanceRow, KeyRow, RegionRow, TenantRow
-from federation.tenancy.residency import ResidencyPolicy
+from bench.harness.report import markdown_table, spread, utc_now, write_result
 from regions.tables.signing import sign, verify
+
+if TYPE_CHECKING:
+    from federation.routing.snapshot import FleetSnapshot
 
 JURISDICTIONS = ("US", "EU", "UK", "APAC", "IN", "CA", "LATAM", "MEA")
 #: (name, relative speed, memory GiB, USD per GPU-hour)
@@ -39,6 +39,15 @@ ACCELERATORS = (
     ("MI300X-192G", 1.1, 192, 2.20),
 )
 SIZES_B = (1.0, 3.0, 8.0, 14.0, 32.0, 70.0)
+
+
+def setup_django() -> None:
+    """Django set up before the compiler is imported: its imports reach DRF's settings
+    (``federation.core.metrics``), which fail outside a configured project. No database opens."""
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "federation.settings")
+    import django
+
+    django.setup()
 
 
 def synthetic_fleet(
@@ -54,6 +63,16 @@ def synthetic_fleet(
     """A plausible fleet: regions spread over the globe (RTT from distance), pools of mixed
     accelerators and prices, models of mixed sizes with adapters, tenants with the residency
     policies seen in practice, demand for the popular models at ``demand_load`` of capacity."""
+    from federation.routing.compiler import replica_tokens_per_s
+    from federation.routing.snapshot import (
+        FleetSnapshot,
+        InstanceRow,
+        KeyRow,
+        RegionRow,
+        TenantRow,
+    )
+    from federation.tenancy.residency import ResidencyPolicy
+
     rng = random.Random(seed)
     codes = [f"r{i:02d}" for i in range(regions)]
     where = {c: (rng.uniform(-50, 60), rng.uniform(-180, 180)) for c in codes}
@@ -171,6 +190,8 @@ def compile_all(snapshot: FleetSnapshot, *, key: str) -> dict[str, Any]:
     """One full compile: the plan, every region's document, then signing each (canonical
     JSON + HMAC). Wall and CPU time per phase: the machine is shared, and CPU time is what
     contention changes least."""
+    from federation.routing.compiler import compile_region_table, fleet_plan
+
     w0, c0 = time.perf_counter(), time.process_time()
     plan = fleet_plan(snapshot)
     w1, c1 = time.perf_counter(), time.process_time()
@@ -201,6 +222,7 @@ def compile_all(snapshot: FleetSnapshot, *, key: str) -> dict[str, Any]:
 
 
 def main(argv: list[str]) -> None:
+    """Compile the synthetic fleet ``--runs`` times; print and write the medians."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--seed", type=int, default=7)
@@ -216,6 +238,7 @@ def main(argv: list[str]) -> None:
         help="fleet demand as a share of raw capacity (capacity target 0.65)",
     )
     args = parser.parse_args(argv)
+    setup_django()
     load_before = os.getloadavg()[0]
     t = time.perf_counter()
     snapshot = synthetic_fleet(

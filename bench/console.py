@@ -25,15 +25,16 @@ from decimal import Decimal
 from io import StringIO
 from typing import Any
 
-from bench.federation import bench_database
-from bench.metering import setup_django
-from bench.procs import git_rev, machine_info
-from bench.report import fmt, markdown_table, utc_now, write_result
+from bench.harness.control_plane import bench_database, setup_django
+from bench.harness.procs import git_rev, machine_info
+from bench.harness.report import fmt, markdown_table, utc_now, write_result
 
 TARGET_MS = 300.0
 
 
 def build(tenants: int, days: int) -> None:
+    """The demo fleet with a month of usage and ``tenants`` more tenants: what a busy console
+    shows."""
     from django.core.management import call_command
     from django.db import connection
     from django.utils import timezone
@@ -79,6 +80,7 @@ def second_version() -> None:
 
 
 def add_tenants(n: int, days: int) -> None:
+    """Bulk-insert tenants, keys and daily usage: their audit trail is not what is measured."""
     from django.utils import timezone
 
     from federation.metering.models import UsageDay
@@ -134,6 +136,7 @@ def add_tenants(n: int, days: int) -> None:
 
 
 def pages() -> dict[str, str]:
+    """Every console page by name, with arguments that hit real rows."""
     from django.urls import reverse
 
     from federation.tenancy.models import ApiKey
@@ -168,6 +171,7 @@ def pages() -> dict[str, str]:
 
 
 def measure(runs: int) -> dict[str, dict[str, float]]:
+    """Each page's median and p95 through Django's full request stack, after two warm-ups."""
     from django.contrib.auth.models import User
     from django.test import Client
 
@@ -193,6 +197,7 @@ def measure(runs: int) -> dict[str, dict[str, float]]:
 
 
 def main(argv: list[str]) -> None:
+    """Load the database, time every page; print and write the result."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "--database-url",

@@ -49,9 +49,9 @@ from typing import Any
 
 import httpx
 
-from bench.federation import MODEL, MODEL_SPEC, django_on_bench_database
-from bench.procs import VAR, bench_processes, fedinfer_argv, git_rev, http_ok, machine_info
-from bench.report import fmt, markdown_table, percentile, utc_now, write_result
+from bench.harness.control_plane import MODEL, MODEL_SPEC, django_on_bench_database
+from bench.harness.procs import VAR, bench_processes, fedinfer_argv, git_rev, http_ok, machine_info
+from bench.harness.report import fmt, markdown_table, percentile, utc_now, write_result
 from regions.supervisor import free_port, free_ports, wait_http, wait_until
 
 LOGS = VAR / "failover-logs"
@@ -126,6 +126,7 @@ def build(codes: list[str], edge_ports: list[int], slots: int) -> tuple[dict[str
 
 
 def ready_instance(code: str) -> str | None:
+    """The region's ready instance, if any: the one a kill takes."""
     from federation.inventory.models import Instance
 
     return (
@@ -150,6 +151,7 @@ def tables_without(name: str) -> dict[str, int] | None:
 
 
 def edges_applied(ops: dict[str, str], versions: dict[str, int]) -> bool:
+    """Whether every edge applies at least the given table versions (its ``/healthz``)."""
     for code, url in ops.items():
         try:
             applied = int(httpx.get(url + "/healthz", timeout=2).json()["table_version"])
@@ -340,6 +342,7 @@ async def _stream_while(edge: str, key: str, rate: float, work: Any) -> list[Str
 def run(
     n_regions: int, reps: int, steps: int, slots: int, rate: float, db_url: str, redis_url: str
 ) -> dict[str, Any]:
+    """The control plane with local engines, then the kills and the load steps."""
     engines_dir = str(LOGS / "engines")
     django_on_bench_database(db_url, redis_url, FEDINFER_LOCAL_ENGINES_DIR=engines_dir)
     from django.conf import settings
@@ -445,6 +448,7 @@ def run(
 
 
 def report(result: dict[str, Any]) -> str:
+    """The result as the Markdown tables of docs/benchmarks.md."""
     rows = []
     for label, key in (
         ("kill -> marked failed", "failed"),
@@ -491,6 +495,7 @@ def report(result: dict[str, Any]) -> str:
 
 
 def main(argv: list[str]) -> None:
+    """Run the kills and steps; print the tables and write the JSON under var/bench/."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--regions", type=int, default=3, help="regions, one engine and edge each")
     parser.add_argument("--reps", type=int, default=10, help="engine kills")

@@ -28,66 +28,16 @@ import uuid
 from dataclasses import dataclass
 from decimal import Decimal
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
 
 import httpx
 
-from bench.procs import VAR, bench_processes, fedinfer_argv, git_rev, http_ok, machine_info
-from bench.report import fmt, markdown_table, percentile, utc_now, write_result
+from bench.harness.control_plane import MODEL, MODEL_SPEC, django_on_bench_database
+from bench.harness.procs import VAR, bench_processes, fedinfer_argv, git_rev, http_ok, machine_info
+from bench.harness.report import fmt, markdown_table, percentile, utc_now, write_result
 from regions.supervisor import free_port, free_ports, wait_http
 
-MODEL = "meta-llama/Llama-3.1-8B-Instruct"
-#: The model every benchmark on the real control plane registers.
-MODEL_SPEC: dict[str, Any] = {
-    "name": MODEL,
-    "family": "llama-3.1",
-    "parameter_count_b": Decimal("8.03"),
-    "dtype": "bf16",
-    "weight_size_gib": 15.0,
-    "max_context_tokens": 8192,
-    "num_layers": 32,
-    "num_attention_heads": 32,
-    "num_kv_heads": 8,
-    "head_dim": 128,
-}
 RAMP_SECONDS = 6
 RAMP_STEPS = 3
-
-
-def bench_database(url: str) -> str:
-    """Drop and create ``<db>_fedbench`` on the server of ``url``; its URL."""
-    import psycopg
-
-    parts = urlsplit(url)
-    name = parts.path.lstrip("/") + "_fedbench"
-    admin = urlunsplit(parts._replace(path="/postgres", scheme="postgresql"))
-    with psycopg.connect(admin, autocommit=True) as conn:
-        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-        conn.execute(f'CREATE DATABASE "{name}"')
-    return urlunsplit(parts._replace(path="/" + name))
-
-
-def django_on_bench_database(db_url: str, redis_url: str, **env: str) -> str:
-    """Django set up, migrated, on a fresh ``<db>_fedbench`` database and a flushed Redis db
-    (broker included); the database's URL, for the processes the bench starts."""
-    import django
-    import redis
-    from django.core.management import call_command
-
-    url = bench_database(db_url)
-    os.environ.update(
-        {
-            "DJANGO_SETTINGS_MODULE": "federation.settings",
-            "DATABASE_URL": url,
-            "REDIS_URL": redis_url,
-            "CELERY_BROKER_URL": redis_url,
-            **env,
-        }
-    )
-    redis.Redis.from_url(redis_url).flushdb()
-    django.setup()
-    call_command("migrate", verbosity=0)
-    return url
 
 
 @dataclass
@@ -165,6 +115,7 @@ def build_fleet(codes: list[str], engine_ports: list[int], edge_ports: list[int]
 
 
 async def versions(client: httpx.AsyncClient, edges: dict[str, str]) -> dict[str, int]:
+    """The table version every edge applies now (its ``/healthz``)."""
     answers = await asyncio.gather(*(client.get(url + "/healthz") for url in edges.values()))
     return {code: int(r.json()["table_version"]) for code, r in zip(edges, answers, strict=True)}
 
@@ -264,6 +215,7 @@ async def stream(edge: str, key: str, rate: float, stop: asyncio.Event, log: lis
 async def evacuation(
     api: str, fleet: Fleet, edges: dict[str, str], reps: int, rate: float
 ) -> list[dict[str, Any]]:
+    """Evacuate and restore each region under a steady stream: when its last request left."""
     headers = {"Authorization": f"Token {fleet.admin_token}"}
     out = []
     async with httpx.AsyncClient(timeout=10) as client:
@@ -324,6 +276,7 @@ def add_published(changes: list[dict[str, Any]]) -> None:
 def run(
     n_edges: int, changes: int, reps: int, rate: float, db_url: str, redis_url: str
 ) -> dict[str, Any]:
+    """The control plane and its edges, then the propagation changes and the evacuations."""
     url = django_on_bench_database(db_url, redis_url)
     from django.conf import settings
 
@@ -404,6 +357,7 @@ def run(
 
 
 def report(result: dict[str, Any]) -> str:
+    """The result as the Markdown tables of docs/benchmarks.md."""
     last = [max(c["edges_s"].values()) for c in result["propagation"]]
     every = [t for c in result["propagation"] for t in c["edges_s"].values()]
     api = [c["api_s"] for c in result["propagation"]]
@@ -454,6 +408,7 @@ def report(result: dict[str, Any]) -> str:
 
 
 def main(argv: list[str]) -> None:
+    """Run both measurements; print the tables and write the JSON under var/bench/."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--edges", type=int, default=5, help="regions, one edge each (3-10)")
     parser.add_argument("--changes", type=int, default=40, help="inventory changes for (a)")

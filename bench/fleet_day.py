@@ -37,8 +37,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from bench.procs import git_rev, machine_info
-from bench.report import fmt, markdown_table, utc_now, write_result
+from bench.harness.procs import git_rev, machine_info
+from bench.harness.report import fmt, markdown_table, utc_now, write_result
 from federation.fleet.autoscaler import (
     AutoscalePolicy,
     DeploymentLoad,
@@ -160,6 +160,8 @@ Scaler = Callable[[Region, float], None]
 
 
 def static_scaler(peak_replicas: int) -> tuple[float, Scaler]:
+    """Static provisioning: the peak's replicas all day, the baseline of the savings."""
+
     def decide(region: Region, t: float) -> None:
         region.scale_to(peak_replicas, t)
 
@@ -369,6 +371,7 @@ def peak_replicas(model: Model) -> int:
 
 
 def run(model: Model) -> dict[str, Any]:
+    """Replay the same day under every scaler: the same arrivals, so only the scaling differs."""
     policy = AutoscalePolicy(target=model.target_utilisation)
     scalers: dict[str, Callable[[], tuple[float, Scaler]]] = {
         "static peak": lambda: static_scaler(peak_replicas(model)),
@@ -404,6 +407,7 @@ def run(model: Model) -> dict[str, Any]:
 
 
 def report(result: dict[str, Any]) -> str:
+    """The result as the Markdown table of docs/benchmarks.md."""
     rows = [
         [
             name,
@@ -434,6 +438,7 @@ def report(result: dict[str, Any]) -> str:
 
 
 def main(argv: list[str]) -> None:
+    """Replay the day; print the table and write the JSON under var/bench/."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     defaults = Model()
     parser.add_argument("--peak-rps", type=float, default=defaults.peak_rps)

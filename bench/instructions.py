@@ -55,7 +55,9 @@ from typing import Any
 import httpx
 import redis
 
-from bench.fleet import start_engines, which_wrk, write_table
+from bench.harness.fleet import start_engines, which_wrk, write_table
+from bench.harness.procs import PYTHON, VAR, bench_processes, git_rev, http_ok, machine_info
+from bench.harness.report import fmt, markdown_table, utc_now, write_result
 from bench.overhead import (
     ENGINE_CPUS,
     MODEL,
@@ -65,8 +67,6 @@ from bench.overhead import (
     run_wrk,
     start_redis,
 )
-from bench.procs import PYTHON, VAR, bench_processes, git_rev, http_ok, machine_info
-from bench.report import fmt, markdown_table, utc_now, write_result
 from regions.edge.metering.usage_shipper import FLUSH_INTERVAL_S as DEFAULT_FLUSH_S
 from regions.supervisor import Process, Supervisor, free_port, wait_http
 from regions.tables.usage import USAGE_FIELD, USAGE_STREAM
@@ -194,7 +194,7 @@ def native_cpu_us(
 ) -> tuple[float, float, float]:
     """The plain edge natively, wrk at 64 connections: (CPU µs per request, of which user
     space, requests/s), medians of ``reps`` runs."""
-    from bench.fleet import start_edge
+    from bench.harness.fleet import start_edge
 
     proc, url, _ = start_edge(pg, table, cpus=ROUTER_CPUS, name="edge-native")
     watch = {"engine": engine, "router": proc}
@@ -226,6 +226,7 @@ def records_per_shipment(redis_url: str) -> float:
 
 
 def run(requests: int = 2000, concurrency: int = 8, native_reps: int = 5) -> dict[str, Any]:
+    """Both edges under callgrind, then natively: the instruction counts and their price in µs."""
     if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:
         raise SystemExit("valgrind not found: apt-get install valgrind")
     if which_wrk() is None:
@@ -306,6 +307,7 @@ def run(requests: int = 2000, concurrency: int = 8, native_reps: int = 5) -> dic
 
 
 def render(result: dict[str, Any]) -> str:
+    """The result as the Markdown table of docs/benchmarks.md."""
     s = result["summary"]
     target = result["target_metering_cpu_us_per_req"]
     rows = [
@@ -334,6 +336,7 @@ def render(result: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
+    """Count both edges; print the table and write the JSON under var/bench/."""
     ap = argparse.ArgumentParser(
         prog="python -m bench instructions",
         description="metering's instructions per request at the edge, counted by callgrind",

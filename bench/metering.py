@@ -25,24 +25,14 @@ from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 from typing import Any
 
-from bench.federation import MODEL, MODEL_SPEC, bench_database
-from bench.procs import git_rev, machine_info
-from bench.report import fmt, markdown_table, utc_now, write_result
+from bench.harness.control_plane import MODEL, MODEL_SPEC, bench_database, setup_django
+from bench.harness.procs import git_rev, machine_info
+from bench.harness.report import fmt, markdown_table, utc_now, write_result
 
 MONTH = datetime(2026, 10, 1, tzinfo=UTC)
 REGIONS = ("us-east", "us-west", "eu-west", "eu-north", "ap-south")
 POOLS = ("h100", "a100", "l40s")
 MODELS = (MODEL, "llama-70b", "qwen-7b", "mistral-7b")
-
-
-def setup_django(database_url: str) -> None:
-    os.environ["DATABASE_URL"] = database_url
-    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "federation.settings")
-    import django
-    from django.core.management import call_command
-
-    django.setup()
-    call_command("migrate", verbosity=0)
 
 
 def build_fleet() -> None:
@@ -94,6 +84,7 @@ def build_fleet() -> None:
 
 
 def documents(n: int, start: datetime) -> list[bytes]:
+    """``n`` usage records as the edges ship them, timestamped from ``start``."""
     from regions.tables.usage import UsageRecord, encode_record
 
     t0 = start.timestamp()
@@ -121,6 +112,7 @@ def documents(n: int, start: datetime) -> list[bytes]:
 
 
 def bench_ingest(n: int, batch: int = 2000) -> dict[str, Any]:
+    """Ingestion through ``usage_ingest`` against the ORM's ``bulk_create`` on the same rows."""
     from django.db import connection, transaction
 
     from federation.metering import services
@@ -212,12 +204,14 @@ def fill_month(n: int) -> float:
 
 
 def mark_month_stale() -> None:
+    """Every hour of the month stale, so the refresh recomputes them all."""
     from federation.metering.rollups import usage_hours_mark_stale
 
     usage_hours_mark_stale(MONTH + timedelta(hours=h) for h in range(30 * 24))
 
 
 def timed(fn: Any, runs: int = 5) -> float:
+    """The median time of ``runs`` calls: one call is one noisy sample."""
     times = []
     for _ in range(runs):
         t = time.perf_counter()
@@ -227,6 +221,7 @@ def timed(fn: Any, runs: int = 5) -> float:
 
 
 def bench_reports(n: int) -> dict[str, Any]:
+    """A month of records, its rollups, then the reports against the same from raw records."""
     from django.db.models import Count, Sum
     from django.db.models.functions import TruncDay
 
@@ -270,6 +265,7 @@ def bench_reports(n: int) -> dict[str, Any]:
 
 
 def main(argv: list[str]) -> None:
+    """Run both measurements; print the table and write the JSON under var/bench/."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "--database-url",

@@ -43,7 +43,7 @@ from typing import Any
 import orjson
 import redis
 
-from bench.fleet import (
+from bench.harness.fleet import (
     SGLANG_INSTALL,
     sglang_available,
     start_edge,
@@ -52,9 +52,9 @@ from bench.fleet import (
     which_wrk,
     write_table,
 )
-from bench.otlp_sink import sink_stats, start_otlp_sink
-from bench.procs import VAR, bench_processes, git_rev, machine_info
-from bench.report import fmt, markdown_table, spread, utc_now, write_result
+from bench.harness.otlp_sink import sink_stats, start_otlp_sink
+from bench.harness.procs import VAR, bench_processes, git_rev, machine_info
+from bench.harness.report import fmt, markdown_table, spread, utc_now, write_result
 from regions.supervisor import Process, Supervisor, free_port
 from regions.tables.usage import USAGE_STREAM
 
@@ -98,6 +98,7 @@ def start_redis(pg: Supervisor, *, cpus: set[int]) -> str:
 
 
 def request_body(stream: bool) -> bytes:
+    """The measured request: a small chat completion, streamed or not."""
     body: dict[str, Any] = {
         "model": MODEL,
         "messages": [{"role": "user", "content": "Say hello to the benchmark in a few words."}],
@@ -194,6 +195,7 @@ def run(
     usage_redis_url: str = "",
     tracing: bool = False,
 ) -> dict[str, Any]:
+    """Every path, case and repetition, interleaved so drift hits all paths alike."""
     wrk = which_wrk()
     if wrk is None:
         raise SystemExit("wrk not found: apt-get install wrk")
@@ -317,6 +319,8 @@ def run(
 
 
 def summarise(runs: list[dict[str, Any]], paths: list[str]) -> dict[str, Any]:
+    """Medians over repetitions, differences paired by repetition, and the targets judged."""
+
     def get(
         path: str, stream: bool, conns: int, rep: int, paced: bool = False
     ) -> dict[str, Any] | None:
@@ -432,6 +436,7 @@ def _tracing_price(get: Any, reps: list[int]) -> dict[str, dict[str, Any]]:
 
 
 def render(result: dict[str, Any]) -> str:
+    """The result as the Markdown tables of docs/benchmarks.md."""
     s = result["summary"]
     m = result["machine_before"]
     lines = [
@@ -490,6 +495,7 @@ def render(result: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
+    """Measure every path; print the tables and write the JSON under var/bench/."""
     ap = argparse.ArgumentParser(
         prog="python -m bench.overhead", description=__doc__.split("\n")[0]
     )

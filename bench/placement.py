@@ -17,7 +17,7 @@ import dataclasses
 import math
 import random
 
-from bench.report import markdown_table, utc_now, write_result
+from bench.harness.report import markdown_table, utc_now, write_result
 from federation.fleet import placement_types as P
 from federation.fleet.placement import plan_placement
 from federation.inventory import fit
@@ -31,6 +31,7 @@ ACCELERATORS = (
 
 
 def synthetic_fleet(regions: int, models: int, seed: int) -> P.PlacementInput:
+    """A seeded fleet and demand of the given size: the same input for every run."""
     rnd = random.Random(seed)
     codes = [f"r{r:02d}" for r in range(regions)]
     pools = [
@@ -69,6 +70,7 @@ def synthetic_fleet(regions: int, models: int, seed: int) -> P.PlacementInput:
 
 
 def main(argv: list[str]) -> None:
+    """Plan, then re-plan with the demand scaled; print and write the result."""
     parser = argparse.ArgumentParser(prog="python -m bench.placement")
     parser.add_argument("--regions", type=int, default=30)
     parser.add_argument("--models", type=int, default=20)

@@ -6,7 +6,7 @@ under realistic pressure), ``max_num_seqs`` 16; one ``fedinfer engine-sim`` proc
 all pinned to CPU 1 (in one process, a busy engine's event loop delayed every engine's steps and
 the edge's learned speeds chased that), the edge on CPU 0, this process's streaming client on
 CPU 0. Workload:
-:mod:`bench.workload` (seeded): shared system prompts of 1-2k tokens, sessions of 3-6 turns
+:mod:`bench.harness.workload` (seeded): shared system prompts of 1-2k tokens, sessions of 3-6 turns
 that resend the growing history, Poisson session arrivals, think time between turns.
 
 Per scenario:
@@ -27,7 +27,7 @@ Per scenario:
    (``regions/edge/policy/speed.py``); target: mean TTFT within 15 % of the true-speed run.
 5. ``fedinfer-2edges``, ``fedinfer-3edges``: two or three edges behind a per-request
    round-robin balancer, then one tenant sent over its rate limit through all of them
-   (``bench/routing_edges.py``); ``fedinfer-2workers``: one edge of two worker processes
+   (``bench/harness/routing_edges.py``); ``fedinfer-2workers``: one edge of two worker processes
    (``--workers 2``) on the edge's one core, the kernel spreading the client's connections.
    With ``--repeat`` they are judged on their means over the repetitions, not in each run.
 
@@ -70,9 +70,9 @@ from typing import Any
 
 import uvloop
 
-from bench import routing_edges
-from bench.chat_client import Target, replay, saturate
-from bench.fleet import (
+from bench.harness import routing_edges
+from bench.harness.chat_client import Target, replay, saturate
+from bench.harness.fleet import (
     Engines,
     start_edge,
     start_engines,
@@ -80,13 +80,13 @@ from bench.fleet import (
     worker_ops,
     write_table,
 )
-from bench.procs import VAR, bench_processes, git_rev, machine_info
-from bench.report import utc_now, write_result
-from bench.routing_report import MISCALIBRATED, render, targets
-from bench.routing_stats import edge_metrics, lag_stats, metric_delta, scrape, summarise
-from bench.workload import Workload, WorkloadSpec, generate
+from bench.harness.procs import VAR, bench_processes, git_rev, machine_info
+from bench.harness.report import utc_now, write_result
+from bench.harness.routing_report import MISCALIBRATED, render, targets
+from bench.harness.routing_stats import edge_metrics, lag_stats, metric_delta, scrape, summarise
+from bench.harness.tokenizer import build
+from bench.harness.workload import Workload, WorkloadSpec, generate
 from regions.engines.metrics import EngineLoad
-from regions.engines.simulator.bench_tokenizer import build
 from regions.supervisor import Process, Supervisor
 
 POLICIES = (
@@ -163,8 +163,8 @@ class Config:
     #: as the routing-table schema documents it.
     edge_cap: int = 0
     extra_engine_args: tuple[str, ...] = ()
-    #: The bench model's tokenizer directory (``bench_tokenizer``): the engines tokenize with
-    #: it, hash blocks as vLLM's ``sha256_cbor`` and publish KV events; the edges tokenize with
+    #: The bench model's tokenizer directory (``bench.harness.tokenizer``): the engines tokenize
+    #: with it, hash blocks as vLLM's ``sha256_cbor`` and publish KV events; the edges tokenize with
     #: it and learn what every engine holds from those events (exact prefix knowledge, one view
     #: for several edges). Empty: the simulator's built-in tokenizer, the edges' byte estimate.
     tokenizer: str = ""
@@ -183,6 +183,7 @@ class Config:
 
 
 def base_spec(cfg: Config, sc: Scenario) -> WorkloadSpec:
+    """The scenario's workload before calibration sets its session rate."""
     return WorkloadSpec(
         seed=cfg.seed,
         session_rate=1.0,
@@ -267,6 +268,7 @@ def calibrate(cfg: Config, sc: Scenario, logdir: Path) -> dict[str, Any]:
 def run_policy(
     cfg: Config, sc: Scenario, policy: str, workload: Workload, logdir: Path, tmp: Path
 ) -> dict[str, Any]:
+    """One policy on fresh engines and edges: cold caches, so every policy starts alike."""
     with bench_processes(logdir / f"{sc.name}-{cfg.seed}-{policy}") as pg:
         engines: Engines = _start_engines(pg, cfg)
         edges: list[tuple[Process, str, str]] = []
@@ -514,6 +516,7 @@ def run_scenario(
 
 
 def main(argv: list[str] | None = None) -> None:
+    """Run the scenarios and policies asked; print the tables and write the JSON."""
     ap = argparse.ArgumentParser(
         prog="python -m bench.routing_quality", description=__doc__.split("\n")[0]
     )

@@ -19,8 +19,8 @@ from typing import Any
 import httpx
 import pytest
 
+from bench.harness.tokenizer import build
 from regions.edge.view.token_prefix import CHARS_PER_ID, RECENT_S
-from regions.engines.simulator.bench_tokenizer import build
 from regions.supervisor import wait_until
 from tests.integration.test_edge_support import (
     EdgeProc,

@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from bench.routing_edges import pooled_edge_targets
-from bench.routing_report import targets
+from bench.harness.routing_edges import pooled_edge_targets
+from bench.harness.routing_report import targets
 
 
 def _run(one: float, two: float, hit_two: float = 0.9) -> dict[str, Any]:

@@ -7,9 +7,9 @@ import math
 
 import pytest
 
-from bench.chat_client import Record, gateway_wait
-from bench.routing_report import targets
-from bench.routing_stats import metric_delta, summarise
+from bench.harness.chat_client import Record, gateway_wait
+from bench.harness.routing_report import targets
+from bench.harness.routing_stats import metric_delta, summarise
 from regions.edge.observability import server_timing
 from regions.engines.metrics import EngineLoad
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.workload import (
+from bench.harness.workload import (
     BYTES_PER_TOKEN,
     WorkloadSpec,
     generate,
@@ -140,7 +140,7 @@ def test_the_simulator_vocabulary_is_one_bench_tokenizer_token_a_word(tmp_path: 
     makes each one token, so prompts keep the sizes the spec names."""
     from tokenizers import Tokenizer
 
-    from regions.engines.simulator.bench_tokenizer import build
+    from bench.harness.tokenizer import build
 
     tokenizer = Tokenizer.from_file(str(build(tmp_path) / "tokenizer.json"))
     workload = generate(replace(SPEC, vocabulary="simulator"))

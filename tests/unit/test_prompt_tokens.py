@@ -9,13 +9,13 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer
 
+from bench.harness.tokenizer import build
 from regions.engines.prompt_tokens import (
     CUT_MARGIN_CHARS,
     ModelTokenizer,
     TokenizerError,
     prompt_ids,
 )
-from regions.engines.simulator.bench_tokenizer import build
 
 
 @pytest.fixture(scope="module")

@@ -12,13 +12,13 @@ import msgspec
 import pytest
 from prometheus_client import CollectorRegistry
 
+from bench.harness.tokenizer import build
 from regions.edge.policy.prefix_index import PrefixIndex
 from regions.edge.policy.scheduler import Candidate, RouteRequest, SchedulerConfig, score
 from regions.edge.view.kv_events import EngineCache, KvEventHub, KvEventSubscriber
 from regions.edge.view.token_prefix import CHARS_PER_ID, RECENT_S, TokenPrefixes, token_id_head
 from regions.engines.block_hash import DEFAULT_SEED, block_hashes, none_hash
 from regions.engines.prompt_tokens import ModelTokenizer
-from regions.engines.simulator.bench_tokenizer import build
 from regions.engines.simulator.kv_events import BlockStored, KVEventBatch
 from regions.tables.schema import Instance
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from bench.report import checker, fmt, markdown_table
-from bench.routing_edges import edge_targets
+from bench.harness.report import checker, fmt, markdown_table
+from bench.harness.routing_edges import edge_targets
 
 #: The fedinfer edge with a table whose prefill speed is 5x the engines' real one: it must learn
 #: the real speed (regions/edge/policy/speed.py). Run in the scenarios at >= 85 % load.
@@ -59,6 +59,7 @@ def _ms(v: float) -> str:
 
 
 def render(out: dict[str, Any]) -> str:
+    """A routing result as the Markdown tables the benchmark prints."""
     m = out["machine_before"]
     lines = [
         f"machine: nproc={m['nproc']} {m['cpu_model']}; load avg before "

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from regions.supervisor import Supervisor
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 VAR = ROOT / "var" / "bench"
 PYTHON = sys.executable
 #: Grace between SIGTERM and SIGKILL when a benchmark's processes stop.
@@ -41,6 +41,7 @@ def bench_processes(logdir: Path) -> Supervisor:
 
 
 def machine_info() -> dict[str, object]:
+    """The machine and its load: a result is read against what else ran."""
     cpu_model = ""
     with contextlib.suppress(OSError):
         for line in Path("/proc/cpuinfo").read_text().splitlines():

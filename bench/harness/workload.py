@@ -14,7 +14,7 @@ the sizes below are token counts. Assistant turns in the history are generated h
 taken from the engines' answers: the exact same requests are sent to every routing policy, so
 policies are compared on identical input. With ``vocabulary="simulator"`` the words are the
 simulator's own (``regions.engines.simulator.tokenizer``), each one token of the bench model's
-real tokenizer (``bench_tokenizer``): the workload for the edges' exact prefix path.
+real tokenizer (``bench.harness.tokenizer``): the workload for the edges' exact prefix path.
 
 Everything is a pure function of :class:`WorkloadSpec` (its ``seed`` included): the same spec
 gives the same workload, byte for byte.

@@ -10,12 +10,13 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from bench.chat_client import Record, RunState
-from bench.report import percentile
+from bench.harness.chat_client import Record, RunState
+from bench.harness.report import percentile
 from regions.engines.metrics import EngineLoad, parse_vllm_metrics
 
 
 def scrape(urls: list[str]) -> list[EngineLoad]:
+    """Every engine's ``/metrics``: the cache counters are read before and after a run."""
     out = []
     for u in urls:
         with urllib.request.urlopen(f"{u}/metrics", timeout=5) as r:
@@ -24,6 +25,8 @@ def scrape(urls: list[str]) -> list[EngineLoad]:
 
 
 def metric_delta(before: list[EngineLoad], after: list[EngineLoad]) -> dict[str, Any]:
+    """The engines' counters over a run: hit rate and requests per engine."""
+
     def per_engine(field: str) -> list[Any]:
         return [getattr(a, field) - getattr(b, field) for b, a in zip(before, after, strict=True)]
 
@@ -145,6 +148,7 @@ def _p_inf(values: list[float], q: float) -> float:
 
 
 def lag_stats(state: RunState) -> dict[str, float]:
+    """The client's event-loop lag: a starved client shows here instead of skewing TTFT."""
     lags = state.lags
     return {
         "p50_ms": percentile(lags, 50) * 1000,

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import msgspec
 
-from bench.procs import ROOT, fedinfer_argv, http_ok
+from bench.harness.procs import ROOT, fedinfer_argv, http_ok
 from regions.supervisor import Process, Supervisor, free_port, free_ports, wait_http
 from regions.tables.schema import (
     LOCAL_EDGES_SCHEMA_VERSION,
@@ -215,6 +215,7 @@ def sglang_available() -> str | None:
 def start_sglang(
     pg: Supervisor, worker_urls: list[str], *, cpus: set[int] | None = None
 ) -> tuple[Process, str]:
+    """The Rust peer router (sglang-router, its own venv) in front of the same engines."""
     port, prom = free_port(), free_port()
     argv = [
         str(BENCH_VENV / "bin" / "python"), "-m", "sglang_router.launch_router",
@@ -231,4 +232,5 @@ def start_sglang(
 
 
 def which_wrk() -> str | None:
+    """The ``wrk`` binary, or None: the overhead benchmarks need it and say so."""
     return shutil.which("wrk")

@@ -35,7 +35,7 @@ from typing import Any
 import aiohttp
 import orjson
 
-from bench.report import Check, checker
+from bench.harness.report import Check, checker
 from regions.edge.config import EdgeConfig
 from regions.tables.schema import TenantPolicy
 
@@ -93,6 +93,8 @@ def processes_of(policy: str) -> int:
 
 
 def tenants(region: str) -> tuple[TenantPolicy, ...]:
+    """The bench's tenants in every edge's table: the workload's key, and one limited tenant."""
+
     def digest(key: str) -> str:
         return hashlib.sha256(key.encode()).hexdigest()
 

@@ -10,7 +10,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from bench.procs import VAR
+from bench.harness.procs import VAR
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -54,12 +54,14 @@ def checker(into: dict[str, Any]) -> Check:
 
 
 def fmt(v: float, nd: int = 2) -> str:
+    """A number for a table, ``n/a`` for a missing one."""
     if v is None or (isinstance(v, float) and math.isnan(v)):
         return "n/a"
     return f"{v:.{nd}f}"
 
 
 def markdown_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """Rows as a Markdown table: results are pasted into docs/benchmarks.md as printed."""
     out = ["| " + " | ".join(header) + " |", "|" + "|".join(" --- " for _ in header) + "|"]
     out += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
     return "\n".join(out)
@@ -85,4 +87,5 @@ def _default(o: object) -> object:
 
 
 def utc_now() -> str:
+    """The current UTC time, as results and file names carry it."""
     return dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")

@@ -1,7 +1,9 @@
 """A small real tokenizer for the simulator's bench model, generated deterministically.
 
-The simulator's built-in tokenizer (``tokenizer.py``) is a stand-in no router can reproduce.
-With ``fedinfer engine-sim --tokenizer DIR --prefix-caching-hash-algo sha256_cbor`` the engines
+Bench-only: the routing and prefix-tokens benchmarks and the exact-prefix tests build it; the
+product never does. The simulator's built-in tokenizer
+(``regions/engines/simulator/tokenizer.py``) is a stand-in no router can reproduce. With
+``fedinfer engine-sim --tokenizer DIR --prefix-caching-hash-algo sha256_cbor`` the engines
 tokenize prompts with the files written here and hash blocks as vLLM does, and an edge given
 the same directory (``fedinfer edge --tokenizer MODEL=DIR``) predicts their cache exactly.
 
@@ -12,7 +14,7 @@ special tokens (the built-in tokenizer's rendering); a completion's prompt gets 
 as Llama 3's ``tokenizer.json`` adds it. Same library version, same files: the
 corpus and the trainer are deterministic.
 
-    python -m regions.engines.simulator.bench_tokenizer var/bench-tokenizer
+    python -m bench.harness.tokenizer var/bench-tokenizer
 """
 
 from __future__ import annotations
@@ -85,5 +87,5 @@ def build(out: Path) -> Path:
 
 if __name__ == "__main__":
     if len(sys.argv) != 2:
-        raise SystemExit("usage: python -m regions.engines.simulator.bench_tokenizer OUTDIR")
+        raise SystemExit("usage: python -m bench.harness.tokenizer OUTDIR")
     print(build(Path(sys.argv[1])))

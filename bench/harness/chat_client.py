@@ -1,4 +1,4 @@
-"""Asynchronous streaming chat client that replays a :class:`~bench.workload.Workload`.
+"""Asynchronous streaming chat client that replays a :class:`~bench.harness.workload.Workload`.
 
 One asyncio task per session (uvloop, one pooled aiohttp session): it sleeps until the session's
 start, then sends each turn as a streaming chat completion with the whole history, waits for the
@@ -24,7 +24,7 @@ from typing import Any
 import aiohttp
 import orjson
 
-from bench.workload import Session, Workload
+from bench.harness.workload import Session, Workload
 
 __all__ = ["Record", "Target", "replay", "saturate"]
 
