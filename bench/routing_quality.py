@@ -373,7 +373,8 @@ def run_policy(
 def prefill_rate(cfg: Config) -> float:
     """The prefill rate the edge's table advertises: the simulator's own documented model for
     this accelerator and model size (what a control plane would compile into the table)."""
-    from regions.engines.simulator.perf import PerfModel, accelerator, model_params_billion
+    from regions.engines.accelerators import accelerator
+    from regions.engines.simulator.perf import PerfModel, model_params_billion
 
     perf = PerfModel(accelerator(cfg.accelerator), cfg.tp, model_params_billion(cfg.model))
     return float(perf.prefill_tokens_per_second())

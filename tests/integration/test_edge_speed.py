@@ -21,7 +21,8 @@ import httpx
 import orjson
 import pytest
 
-from regions.engines.simulator.perf import PerfModel, accelerator, model_params_billion
+from regions.engines.accelerators import accelerator
+from regions.engines.simulator.perf import PerfModel, model_params_billion
 from tests.integration.test_edge_support import engine_sims, start_edge, table_doc
 
 MODEL = "sim-llama-8b"

@@ -17,8 +17,9 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from regions.engines.accelerators import accelerator
 from regions.engines.metrics import parse_vllm_metrics
-from regions.engines.simulator.perf import PerfModel, accelerator
+from regions.engines.simulator.perf import PerfModel
 from regions.supervisor import Process, start_process, wait_until
 
 FEDINFER = str(Path(sys.executable).with_name("fedinfer"))

@@ -13,7 +13,6 @@ import zmq
 import zmq.asyncio
 from prometheus_client import CollectorRegistry
 
-from regions.edge.view import kv_events
 from regions.edge.policy.kv_event_format import (
     MAX_EVENTS_PER_BATCH,
     MAX_HASHES_PER_BATCH,
@@ -27,6 +26,7 @@ from regions.edge.policy.kv_event_format import (
     run_steps,
 )
 from regions.edge.policy.prefix_index import PrefixIndex
+from regions.edge.view import kv_events
 from regions.edge.view.kv_events import (
     SLICE_S,
     EngineCache,

@@ -6,12 +6,8 @@ import itertools
 
 import pytest
 
-from regions.engines.simulator.perf import (
-    ACCELERATORS,
-    PerfModel,
-    accelerator,
-    model_params_billion,
-)
+from regions.engines.accelerators import ACCELERATORS, accelerator
+from regions.engines.simulator.perf import PerfModel, model_params_billion
 
 H100 = PerfModel(accelerator("H100-80G"))
 

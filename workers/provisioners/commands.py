@@ -12,8 +12,8 @@ from typing import Any
 
 from federation.fleet.spec import EngineSpec, ProvisionerError
 from federation.inventory import engine_flags
+from regions.engines.accelerators import ACCELERATORS
 from regions.engines.block_hash import HASH_ALGO
-from regions.engines.simulator.perf import ACCELERATORS
 
 #: vLLM accepts only these LoRA ranks for --max-lora-rank.
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import uvicorn
 
+from regions.engines.accelerators import ACCELERATOR_ALIASES, ACCELERATORS
 from regions.engines.prompt_tokens import ModelTokenizer, TokenizerError
 from regions.engines.simulator.engine import EngineConfig, SimEngine
 from regions.engines.simulator.faults import FaultConfig, apply_update, parse_fault_flag
@@ -31,7 +32,6 @@ from regions.engines.simulator.kv_events import (
     parse_kv_events_config,
 )
 from regions.engines.simulator.kv_transfer import KV_ROLES, KVTransferConfig
-from regions.engines.simulator.perf import ACCELERATOR_ALIASES, ACCELERATORS
 from regions.engines.simulator.server import EngineApp
 from regions.engines.simulator.tokenizer import OutputPlanner, Tokenizer
 

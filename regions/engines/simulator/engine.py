@@ -21,6 +21,7 @@ from typing import Any
 import httpx
 import xxhash
 
+from regions.engines.accelerators import accelerator
 from regions.engines.block_hash import DEFAULT_SEED, HASH_ALGO, none_hash
 from regions.engines.prompt_tokens import ModelTokenizer
 from regions.engines.simulator.faults import FaultConfig, FaultInjector
@@ -32,7 +33,7 @@ from regions.engines.simulator.kv_transfer import (
     producer_params,
     read_remote,
 )
-from regions.engines.simulator.perf import PerfModel, accelerator, model_params_billion
+from regions.engines.simulator.perf import PerfModel, model_params_billion
 from regions.engines.simulator.prom import EngineMetrics
 from regions.engines.simulator.scheduler import (
     Request,
