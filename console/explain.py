@@ -10,13 +10,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from regions.edge.http.errors import EdgeError
-from regions.edge.policy.admission import Admission, TenantState
-from regions.edge.policy.spill import (
+from regions.edge.policy import (
+    Admission,
+    EdgeError,
     Remote,
-    eligible_remotes,
+    TenantState,
+    first_targets,
     ramp_point,
-    returning_remotes,
+    refusal,
     spill_plan,
 )
 from regions.tables.schema import Instance, RoutingTable, TenantPolicy
@@ -27,6 +28,8 @@ REASONS = {
     "residency": "the tenant may not be served in this region: forwarded to an allowed one",
     "not_local": "this region does not serve the model: forwarded",
     "ramp": "this region is coming back (ramping): the request's point is above its share",
+    "cold": "the model is scaled to zero in this region: another allowed region serves it "
+    "meanwhile, else it is held here until a replica starts",
 }
 
 
@@ -91,52 +94,32 @@ def decide(
         return Decision(origin, None, exc.code, exc.status, exc.message)
     remotes = (plan if plan is not None else spill_plan(table)).get(model, ())
     here = local_candidates(table, model)
-    allowed = state.allowed
-    if state.local_allowed and here:
-        if table.ramp < 1.0:
-            back = returning_remotes(remotes, allowed, point, table.ramp)
-            if back:
-                return Decision(
-                    origin, back[0].code, "ramp", fallbacks=tuple(r.code for r in back[1:])
-                )
-        return Decision(origin, origin, "local", candidates=here)
-    targets = eligible_remotes(remotes, allowed, None, 0.0, point)
+    cold = not here and any(model in (c.model, *c.adapters) for c in table.cold_models)
+    first = first_targets(
+        remotes,
+        state.allowed,
+        local_ok=state.local_allowed,
+        here=bool(here),
+        cold=cold,
+        local_ramp=table.ramp,
+        point=point,
+    )
+    if first is None:
+        refused = refusal(
+            origin,
+            model,
+            (tenant.tenant, state.allowed),
+            local_ok=state.local_allowed,
+            hopped=False,
+            served_elsewhere=bool(remotes),
+            routed_here=bool(here),
+            retry_after_s=0,
+        )
+        return Decision(origin, None, refused.code, refused.status, refused.message)
+    targets, why = first
     if not targets:
-        return _nowhere(origin, tenant, model, state.local_allowed, bool(remotes))
-    return Decision(
-        origin,
-        targets[0].code,
-        "residency" if here else "not_local",
-        fallbacks=tuple(r.code for r in targets[1:]),
-    )
-
-
-def _nowhere(
-    origin: str, tenant: TenantPolicy, model: str, local_ok: bool, elsewhere: bool
-) -> Decision:
-    """The edge's refusal when neither its region nor an allowed remote can take the request
-    (``regions.edge.stages.admit``: the same statuses and codes)."""
-    if not local_ok:
-        allowed = ", ".join(sorted(tenant.allowed_regions)) or "none"
-        return Decision(
-            origin,
-            None,
-            "region_not_allowed",
-            403,
-            f"Tenant {tenant.tenant!r} may not be served in region {origin}, and no region it "
-            f"allows ({allowed}) can take `{model}` from here.",
-        )
-    if elsewhere:
-        return Decision(
-            origin,
-            None,
-            "no_allowed_region",
-            503,
-            f"No region this tenant may use can serve `{model}` from {origin} now.",
-        )
-    return Decision(
-        origin, None, "model_not_found", 404, f"The model `{model}` does not exist in {origin}."
-    )
+        return Decision(origin, origin, "cold" if cold else "local", candidates=here)
+    return Decision(origin, targets[0].code, why, fallbacks=tuple(r.code for r in targets[1:]))
 
 
 def request_point(session: str, prompt: str) -> float:

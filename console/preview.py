@@ -20,7 +20,7 @@ from console.explain import Decision, decide
 from federation.routing.compiler import FleetPlan, fleet_plan, region_table
 from federation.routing.snapshot import FleetSnapshot
 from federation.routing.tenant_plan import TenantPlan
-from regions.edge.policy.spill import spill_plan
+from regions.edge.policy import spill_plan
 from regions.tables.schema import RoutingTable, TenantPolicy
 
 #: How many tenant names a preview row lists before it says "and N more".

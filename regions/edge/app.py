@@ -123,8 +123,9 @@ class Edge:
         )
         self.metrics.registry.register(SpeedCollector(self.loads, lambda: self.prefill_rates))
         self.relay = Relay(cfg.region, cfg.retry_after_s, self.health, self.metrics, self.recorder)
+        self.spill_over = SpillOver(cfg, self, self.relay, self.metrics, self.cold)
         self.admit = Admit(
-            cfg, self, self.admission, self.hops, self.relay, self.meter, self.budgets
+            cfg, self.spill_over, self.admission, self.hops, self.relay, self.meter, self.budgets
         )
         self.kv_events = KvEventHub(
             self.prefix, cfg.block_bytes / cfg.bytes_per_token, self.metrics.registry
@@ -158,7 +159,6 @@ class Edge:
             SplitCollector(cfg.region, self.placement.splits, lambda: self.splits)
         )
         attempts = Attempts(self.loads, self.health, self.metrics.inflight, self.lines)
-        self.spill_over = SpillOver(cfg, self, self.relay, self.metrics)
         self.forwarder = Forwarder(
             cfg,
             self,
@@ -464,7 +464,7 @@ class Edge:
         task = asyncio.current_task()
         watcher = asyncio.create_task(_watch_disconnect(receive, ctx, task))
         try:
-            if not await self._elsewhere_or_held(ctx):
+            if not await self.spill_over.first(ctx):
                 return
             if not endpoint.queued:
                 await self.forwarder.serve_unqueued(ctx)
@@ -490,25 +490,6 @@ class Edge:
                 self._count_tenant(ctx)
             if ctx.trace is not None:
                 ctx.trace.close(ctx.status, _span_facts(ctx))
-
-    async def _elsewhere_or_held(self, ctx: RequestContext) -> bool:
-        """Send it to another region first when admission said so, hold it while its model is
-        scaled to zero here; True when it is to be served here now."""
-        model = ctx.req.model
-        cold = model not in self.by_model and model in self.cold.models
-        if cold:
-            self.cold.arrived(model, time.monotonic())
-        spill = ctx.spill
-        if spill is not None and spill.targets:
-            # A region coming back, or a cold model here, can serve the request itself when
-            # no remote answers.
-            fallback = spill.why in ("ramp", "cold")
-            if await self.spill_over.forward(spill, ctx, fallback=fallback):
-                if cold:
-                    self.metrics.cold.labels(model, "spilled").inc()
-                return False
-            ctx.spill = None
-        return not cold or await self.cold.hold_or_refuse(ctx, self.relay, self.metrics.cold)
 
 
 def _models_body(names: list[str], now: int) -> bytes:

@@ -7,6 +7,7 @@ from datetime import UTC, date, datetime, timedelta
 from decimal import Decimal
 from types import SimpleNamespace
 
+import msgspec
 import pytest
 
 from console.charts import MAX_SERIES, chart_series
@@ -24,6 +25,7 @@ from federation.routing.snapshot import (
     TenantRow,
 )
 from federation.tenancy.residency import ResidencyPolicy
+from regions.tables.schema import ColdModel
 
 NOW = datetime(2026, 11, 30, 12, tzinfo=UTC)
 
@@ -134,6 +136,22 @@ def test_decide_local_residency_not_local_and_refusal() -> None:
     drained = snapshot_after(SNAPSHOT, instance_states={"use-1": "draining"})
     elsewhere = decide(_table(drained, "us-east"), policy["acme"], "m-8b")
     assert (elsewhere.region, elsewhere.reason) == ("us-west", "not_local")
+
+
+def test_decide_holds_a_model_scaled_to_zero_here_as_the_edge_does() -> None:
+    """The edge holds a request for a cold model until a replica starts (its spill-over
+    stage, ``first_targets``): the console says so instead of a 404."""
+    table = msgspec.structs.replace(
+        _table(SNAPSHOT, "us-east"), cold_models=(ColdModel(model="m-cold", adapters=("a-1",)),)
+    )
+    policy = {t.tenant: t for t in table.tenants or ()}
+    for name in ("m-cold", "a-1"):
+        held = decide(table, policy["acme"], name)
+        assert (held.region, held.reason) == ("us-east", "cold")
+        assert "scaled to zero" in held.explanation
+    # A tenant who may not be served here is refused as the edge refuses it.
+    refused = decide(table, policy["globex"], "m-cold")
+    assert (refused.region, refused.status, refused.reason) == (None, 403, "region_not_allowed")
 
 
 def test_decide_refuses_a_tenant_over_budget_as_the_edge_does() -> None:

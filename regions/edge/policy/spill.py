@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING
 
 import xxhash
 
+from regions.edge.http.errors import EdgeError
 from regions.tables.schema import Instance, RemoteRegion, RoutingTable
 
 if TYPE_CHECKING:
@@ -191,6 +192,80 @@ def returning_remotes(
         return []
     permitted = [r for r in remotes if (allowed is None or r.code in allowed) and point < r.ramp]
     return _headroom_first(permitted)
+
+
+def first_targets(
+    remotes: tuple[Remote, ...],
+    allowed: frozenset[str] | None,
+    *,
+    local_ok: bool,
+    here: bool,
+    cold: bool,
+    local_ramp: float,
+    point: float,
+) -> tuple[list[Remote], str] | None:
+    """Where a request goes before this region is tried, and why (``Spill.why``): ``([], "")``
+    to serve it here; None when neither here nor an allowed remote can take it (refused:
+    :func:`refusal`). The edge's admit stage and the console's "where would it go" both ask.
+
+    ``local_ok``: the tenant may be served in this region; ``here``: an instance here serves
+    the model; ``cold``: it is deployed here but scaled to zero (held here unless a remote may
+    take it now); ``local_ramp``: this region's ramp (below 1 while it comes back)."""
+    if not local_ok or not here:
+        targets = eligible_remotes(remotes, allowed, None, 0.0, point)
+        if not targets:
+            return ([], "") if cold and local_ok else None
+        return targets, "cold" if cold and local_ok else "residency" if here else "not_local"
+    # This region coming back: requests above its ramp go where they went meanwhile.
+    back = returning_remotes(remotes, allowed, point, local_ramp)
+    return back, "ramp" if back else ""
+
+
+def refusal(
+    region: str,
+    model: str,
+    tenant: tuple[str, frozenset[str]] | None,
+    *,
+    local_ok: bool,
+    hopped: bool,
+    served_elsewhere: bool,
+    routed_here: bool,
+    retry_after_s: int,
+) -> EdgeError:
+    """Why neither this region nor an allowed remote can take a request (:func:`first_targets`
+    said None). ``tenant``: its slug and allowed regions; ``served_elsewhere``: another region
+    of the table serves the model; ``routed_here``: this region's table routes it."""
+    if not local_ok and tenant is not None:
+        slug, allowed_regions = tenant
+        allowed = ", ".join(sorted(allowed_regions)) or "none"
+        return EdgeError(
+            403,
+            f"Tenant {slug!r} may not be served in region {region}, and no "
+            f"region it allows ({allowed}) can take `{model}` from here.",
+            "region_not_allowed",
+        )
+    if hopped and (routed_here or served_elsewhere):
+        return EdgeError(
+            503,
+            f"Region {region} has no instance of `{model}` for a forwarded request.",
+            "no_local_instance",
+            retry_after=retry_after_s,
+        )
+    if served_elsewhere:
+        # Served elsewhere, not in an allowed region now (a permanent residency refusal is
+        # a 403 from the table's residency class, checked in admission).
+        return EdgeError(
+            503,
+            f"No region this tenant may use can serve `{model}` from {region} now.",
+            "no_allowed_region",
+            retry_after=retry_after_s,
+        )
+    return EdgeError(
+        404,
+        f"The model `{model}` does not exist in region {region}.",
+        "model_not_found",
+        "model",
+    )
 
 
 def overflow_shares(

@@ -3,7 +3,8 @@
 Before the body, the tenant's API key (``admission.py`` holds the tenant rules); then the body,
 bounded and JSON; what routing needs of it (``parse.py``); the session id; the tenant's model
 policy and cache salt; whether it may be served here or must go to another region first
-(residency, a model not served here, this region's ramp while it comes back: ``spill.py``);
+(residency, a model not served here, this region's ramp while it comes back: the spill-over
+stage decides, ``spill_over.py``);
 last, the worst case of its price held on the tenant's budget (``budget.py``) when it is to be
 served here, and the charge against the tenant's rate, unless a fellow edge already charged it.
 """
@@ -16,7 +17,7 @@ from collections.abc import Iterable
 from regions.edge.config import EdgeConfig
 from regions.edge.http.endpoints import Endpoint
 from regions.edge.http.errors import EdgeError
-from regions.edge.http.parse import ParsedRequest, parse_request, with_cache_salt
+from regions.edge.http.parse import parse_request, with_cache_salt
 from regions.edge.http.server import Receive, Scope, Send
 from regions.edge.metering.meter import Meter
 from regions.edge.observability import child_traceparent
@@ -25,9 +26,9 @@ from regions.edge.policy.budget import Budgets, Hold
 from regions.edge.policy.hop import HOP_HEADER, HopVerifier
 from regions.edge.policy.prefix_index import root_seed
 from regions.edge.policy.sessions import MAX_SESSION_ID_BYTES, session_key
-from regions.edge.policy.spill import Spill, eligible_remotes, ramp_point, returning_remotes
-from regions.edge.stages.context import Fleet, RequestContext
+from regions.edge.stages.context import RequestContext
 from regions.edge.stages.relay import JSON, Relay
+from regions.edge.stages.spill_over import SpillOver
 
 _Headers = tuple[bytes | None, bytes | None, str | None, bytes | None]
 _SPOOL_FULL = EdgeError(
@@ -99,12 +100,12 @@ def _check_session(session: bytes | None, from_header: bool) -> None:
 class Admit:
     """The admit stage of one edge; ``await admit(scope, receive, send, endpoint)``."""
 
-    __slots__ = ("admission", "budgets", "cfg", "fleet", "hops", "meter", "relay")
+    __slots__ = ("admission", "budgets", "cfg", "hops", "meter", "relay", "spill_over")
 
     def __init__(
         self,
         cfg: EdgeConfig,
-        fleet: Fleet,
+        spill_over: SpillOver,
         admission: Admission,
         hops: HopVerifier,
         relay: Relay,
@@ -112,7 +113,7 @@ class Admit:
         budgets: Budgets,
     ) -> None:
         self.cfg = cfg
-        self.fleet = fleet
+        self.spill_over = spill_over
         self.admission = admission
         self.hops = hops
         self.relay = relay
@@ -148,7 +149,9 @@ class Admit:
                 req = with_cache_salt(req, tenant.policy.cache_salt if tenant else None)
             # A request that already hopped is served here or refused: never forwarded again.
             point_key = session if session is not None else raw
-            spill = self._spill(req, tenant, point_key, hop is not None, authorization, session_id)
+            spill = self.spill_over.plan(
+                req, tenant, point_key, hop is not None, authorization, session_id
+            )
             # Charged where it entered: a hop signed by a fellow edge was charged there.
             origin = self.hops.verify(hop, raw, authorization) if hop is not None else None
             charged = 0
@@ -195,86 +198,6 @@ class Admit:
             entry_region=origin,
             key_prefix=key_prefix,
             hold=hold,
-        )
-
-    def _spill(
-        self,
-        req: ParsedRequest,
-        tenant: TenantState | None,
-        point_key: bytes,
-        hopped: bool,
-        authorization: bytes | None,
-        session_id: bytes | None,
-    ) -> Spill | None:
-        """Where else the request may go (None: only here); with ``targets`` set when it must
-        go there first. :class:`EdgeError` when neither here nor an allowed remote can take it.
-        ``point_key``: its session, else its body (``spill.ramp_point``)."""
-        fleet = self.fleet
-        model = req.model
-        remotes = () if hopped else fleet.spill.get(model, ())
-        allowed = tenant.allowed if tenant is not None else None
-        local_ok = tenant is None or tenant.local_allowed
-        split = fleet.splits.get(model) if remotes else None
-        point = 0.0
-        if remotes and (fleet.ramping or split):
-            point = ramp_point(point_key)
-        elif remotes and session_id is not None and fleet.several_edges:
-            point = ramp_point(session_id)  # a session meets the same remote edge
-        here = model in fleet.by_model
-        # Scaled to zero here: served here once a replica starts (held meanwhile), unless
-        # another region may take it now.
-        cold = not here and model in fleet.cold_models
-        if local_ok and (here or cold) and not remotes:
-            return None
-        spill = Spill(remotes, allowed, authorization, session_id, point, split)
-        if not local_ok or not here:
-            spill.targets = eligible_remotes(remotes, allowed, None, 0.0, point)
-            if not spill.targets:
-                if cold and local_ok:
-                    return None
-                raise self._nowhere(model, tenant, local_ok, hopped)
-            spill.why = "cold" if cold and local_ok else "residency" if here else "not_local"
-        elif fleet.ramping:
-            # This region coming back: requests above its ramp go where they went meanwhile.
-            spill.targets = returning_remotes(remotes, allowed, point, fleet.table.ramp)
-            spill.why = "ramp" if spill.targets else ""
-        return spill
-
-    def _nowhere(
-        self, model: str, tenant: TenantState | None, local_ok: bool, hopped: bool
-    ) -> EdgeError:
-        """Why neither this region nor an allowed remote can take the request."""
-        region = self.cfg.region
-        if not local_ok and tenant is not None:
-            allowed = ", ".join(sorted(tenant.allowed)) or "none"
-            return EdgeError(
-                403,
-                f"Tenant {tenant.slug!r} may not be served in region {region}, and no "
-                f"region it allows ({allowed}) can take `{model}` from here.",
-                "region_not_allowed",
-            )
-        spilled = self.fleet.spill
-        if hopped and model in {r.model for r in self.fleet.table.routes} | set(spilled):
-            return EdgeError(
-                503,
-                f"Region {region} has no instance of `{model}` for a forwarded request.",
-                "no_local_instance",
-                retry_after=self.cfg.retry_after_s,
-            )
-        if model in spilled:
-            # Served elsewhere, not in an allowed region now (a permanent residency refusal is
-            # a 403 from the table's residency class, checked in admission).
-            return EdgeError(
-                503,
-                f"No region this tenant may use can serve `{model}` from {region} now.",
-                "no_allowed_region",
-                retry_after=self.cfg.retry_after_s,
-            )
-        return EdgeError(
-            404,
-            f"The model `{model}` does not exist in region {region}.",
-            "model_not_found",
-            "model",
         )
 
 

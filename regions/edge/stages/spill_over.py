@@ -1,4 +1,8 @@
-"""Spill-over: forward a request to another region's edge (where to: ``spill.py``, pure).
+"""The spill-over stage: whether a request goes to another region's edge before this region
+is tried, and why (at admission: :meth:`SpillOver.plan`, the rule in ``spill.py``); sending it
+there first, or holding it while its model is scaled to zero here (:meth:`SpillOver.first`);
+and forwarding it to another region's edge (:meth:`SpillOver.forward`, also when the first
+placement finds a remote sooner: ``place.py``).
 
 The first remote edge that answers before its first byte gets the request; a request that
 may already run remotely is never sent to a second one. The forwarded request is signed for
@@ -17,11 +21,14 @@ import time
 
 from regions.edge.config import EdgeConfig
 from regions.edge.http.errors import EdgeError, UpstreamFailure
+from regions.edge.http.parse import ParsedRequest
 from regions.edge.http.upstream import UpstreamError
 from regions.edge.observability import EdgeMetrics
+from regions.edge.policy.admission import TenantState
 from regions.edge.policy.hop import HOP_HEADER, sign_hop
 from regions.edge.policy.route import spill_failed_route
-from regions.edge.policy.spill import Remote, Spill
+from regions.edge.policy.spill import Remote, Spill, first_targets, ramp_point, refusal
+from regions.edge.stages.cold import ColdHolds
 from regions.edge.stages.context import Fleet, RequestContext
 from regions.edge.stages.relay import Relay, may_retry
 
@@ -32,19 +39,97 @@ EDGE_DOWN_S = 5.0
 
 
 class SpillOver:
-    __slots__ = ("_down_until", "_turn", "cfg", "fleet", "metrics", "overflow", "relay")
+    __slots__ = ("_down_until", "_turn", "cfg", "cold", "fleet", "metrics", "overflow", "relay")
 
-    def __init__(self, cfg: EdgeConfig, fleet: Fleet, relay: Relay, metrics: EdgeMetrics) -> None:
+    def __init__(
+        self, cfg: EdgeConfig, fleet: Fleet, relay: Relay, metrics: EdgeMetrics, cold: ColdHolds
+    ) -> None:
         self.cfg = cfg
         self.fleet = fleet
         self.relay = relay
         self.metrics = metrics
+        self.cold = cold
         #: Remote edge URL -> monotonic time until which it is tried last.
         self._down_until: dict[str, float] = {}
         self._turn = 0
         #: Model -> requests being served elsewhere for want of capacity here (``Spill.overflow``),
         #: reported in the heartbeat (``spill.overflow_shares``).
         self.overflow: dict[str, int] = {}
+
+    def plan(
+        self,
+        req: ParsedRequest,
+        tenant: TenantState | None,
+        point_key: bytes,
+        hopped: bool,
+        authorization: bytes | None,
+        session_id: bytes | None,
+    ) -> Spill | None:
+        """Where else the request may go (None: only here); with ``targets`` set when it must
+        go there first. :class:`EdgeError` when neither here nor an allowed remote can take it.
+        ``point_key``: its session, else its body (``spill.ramp_point``); a request that
+        already ``hopped`` is served here or refused, never forwarded again."""
+        fleet = self.fleet
+        model = req.model
+        remotes = () if hopped else fleet.spill.get(model, ())
+        allowed = tenant.allowed if tenant is not None else None
+        local_ok = tenant is None or tenant.local_allowed
+        split = fleet.splits.get(model) if remotes else None
+        point = 0.0
+        if remotes and (fleet.ramping or split):
+            point = ramp_point(point_key)
+        elif remotes and session_id is not None and fleet.several_edges:
+            point = ramp_point(session_id)  # a session meets the same remote edge
+        here = model in fleet.by_model
+        cold = not here and model in fleet.cold_models
+        if local_ok and (here or cold) and not remotes:
+            return None
+        first = first_targets(
+            remotes,
+            allowed,
+            local_ok=local_ok,
+            here=here,
+            cold=cold,
+            local_ramp=fleet.table.ramp,
+            point=point,
+        )
+        if first is None:
+            spilled = fleet.spill
+            raise refusal(
+                self.cfg.region,
+                model,
+                (tenant.slug, tenant.allowed) if tenant is not None else None,
+                local_ok=local_ok,
+                hopped=hopped,
+                served_elsewhere=model in spilled,
+                routed_here=any(r.model == model for r in fleet.table.routes),
+                retry_after_s=self.cfg.retry_after_s,
+            )
+        targets, why = first
+        if cold and not targets:
+            return None  # held here until a replica starts: no remote may take it now
+        spill = Spill(remotes, allowed, authorization, session_id, point, split)
+        spill.targets, spill.why = targets, why
+        return spill
+
+    async def first(self, ctx: RequestContext) -> bool:
+        """Send the request to another region first when :meth:`plan` said so, hold it while
+        its model is scaled to zero here; True when it is to be served here now."""
+        model = ctx.req.model
+        cold = model not in self.fleet.by_model and model in self.cold.models
+        if cold:
+            self.cold.arrived(model, time.monotonic())
+        spill = ctx.spill
+        if spill is not None and spill.targets:
+            # A region coming back, or a cold model here, can serve the request itself when
+            # no remote answers.
+            fallback = spill.why in ("ramp", "cold")
+            if await self.forward(spill, ctx, fallback=fallback):
+                if cold:
+                    self.metrics.cold.labels(model, "spilled").inc()
+                return False
+            ctx.spill = None
+        return not cold or await self.cold.hold_or_refuse(ctx, self.relay, self.metrics.cold)
 
     async def forward(self, spill: Spill, ctx: RequestContext, fallback: bool) -> bool:
         """Forward to the first of ``spill.targets`` that answers before its first byte.
