@@ -55,6 +55,7 @@ INSTALLED_APPS = [
     "federation.inventory",
     "federation.tenancy",
     "federation.routing",
+    "federation.telemetry",
     "federation.metering",
     "federation.demo",
     "federation.fleet",

@@ -26,6 +26,7 @@ api_v1: list[URLPattern | URLResolver] = [
     path("", include("federation.tenancy.api.urls")),
     path("", include("federation.core.api.urls")),
     path("", include("federation.routing.api.urls")),
+    path("", include("federation.telemetry.api.urls")),
     path("", include("federation.metering.api.urls")),
     path("", include("federation.fleet.api.urls")),
 ]

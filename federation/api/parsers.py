@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from rest_framework.exceptions import ParseError
+from rest_framework.parsers import BaseParser
 from rest_framework.parsers import JSONParser as DRFJSONParser
 
 
@@ -17,3 +18,12 @@ class JSONParser(DRFJSONParser):
             return super().parse(stream, media_type, parser_context)
         except RecursionError as exc:
             raise ParseError("JSON parse error - document is nested too deeply.") from exc
+
+
+class NdjsonParser(BaseParser):
+    """Newline-delimited documents, kept as bytes (each is decoded by ingestion)."""
+
+    media_type = "application/x-ndjson"
+
+    def parse(self, stream: Any, media_type: str | None = None, parser_context: Any = None) -> Any:
+        return [line for line in stream.read().split(b"\n") if line.strip()]

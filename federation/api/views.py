@@ -1,6 +1,10 @@
-"""The viewsets every domain's API is built from: load through a selector, validate the shape
+"""The views every domain's API is built from: load through a selector, validate the shape
 with an input serializer, call one service, render with the output serializer. Writes never
 touch ``save()`` here.
+
+* ``ReadViewSet`` and ``ServiceViewSet``: a resource's list, detail and CRUD;
+* ``EndpointView``: everything else, one endpoint each (an action on one object, a report, an
+  edge's endpoint, who the caller is).
 """
 
 from __future__ import annotations
@@ -11,9 +15,11 @@ from typing import Any, ClassVar
 from django.db.models import Model, QuerySet
 from rest_framework import mixins, status, viewsets
 from rest_framework.exceptions import NotFound
+from rest_framework.generics import get_object_or_404
 from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.serializers import BaseSerializer
+from rest_framework.views import APIView
 
 
 def nul_free_or_404(*values: str) -> None:
@@ -80,3 +86,32 @@ class ServiceViewSet(mixins.DestroyModelMixin, ReadViewSet):
 
     def perform_destroy(self, instance: Any) -> None:
         self.delete_object(instance)
+
+
+class EndpointView(APIView):
+    """The base of every API view that is not a viewset: an action on one object (rotate a
+    credential, replay a dead letter, plan or apply a placement), a report (JSON or CSV), an
+    edge's endpoint (its long-polled table with an ETag, its heartbeats, its usage) or who the
+    caller is.
+
+    Like the viewsets it takes the project's defaults from ``REST_FRAMEWORK``, in one place for
+    both: the error shape (``federation.api.errors``), the OpenAPI ``AutoSchema`` (every 4xx
+    documented), and the authentication, permission, parser and throttle classes. A view sets
+    only what differs (``permission_classes = [IsStaff]`` with its ``staff_only``, an edge's
+    authentication, a login throttle); its handlers check their input with ``validated``, load
+    with ``object_or_404`` and call one service or selector.
+    """
+
+    @staticmethod
+    def validated(serializer: type[BaseSerializer], data: Any) -> dict[str, Any]:
+        """``data`` checked by the input ``serializer`` (a 400 with its errors if not)."""
+        checked = serializer(data=data)
+        checked.is_valid(raise_exception=True)
+        return dict(checked.validated_data)
+
+    @staticmethod
+    def object_or_404(queryset: QuerySet[Any] | type[Model], **lookup: Any) -> Any:
+        """The one object ``lookup`` names, or a JSON 404 (also for a NUL in a text lookup,
+        which PostgreSQL cannot compare)."""
+        nul_free_or_404(*(v for v in lookup.values() if isinstance(v, str)))
+        return get_object_or_404(queryset, **lookup)

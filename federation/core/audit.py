@@ -1,4 +1,6 @@
-"""Writing audit events. Every service that changes state calls ``audit_record``."""
+"""Writing audit events. Every service that changes state calls ``audit_record``, which also
+hands the event to the routing tables' scheduler (``federation.core.changes``): a change to
+what a table compiles from is recompiled because it was recorded."""
 
 from __future__ import annotations
 
@@ -7,6 +9,7 @@ from typing import Any
 from django.contrib.auth.models import AbstractBaseUser, AnonymousUser, User
 from django.db import models
 
+from federation.core.changes import change_recorded
 from federation.core.models import AuditEvent
 
 Actor = AbstractBaseUser | AnonymousUser | None
@@ -33,7 +36,7 @@ def audit_record(
 ) -> AuditEvent:
     user = actor if actor is not None and actor.is_authenticated else None
     assert user is None or isinstance(user, User)
-    return AuditEvent.objects.create(
+    event = AuditEvent.objects.create(
         actor=user,
         actor_repr=user.get_username() if user is not None else "system",
         action=action,
@@ -42,6 +45,8 @@ def audit_record(
         object_repr=str(obj)[:200],
         changes=_jsonable(changes or {}),
     )
+    change_recorded(event)
+    return event
 
 
 def model_diff(obj: models.Model, data: dict[str, Any]) -> dict[str, list[Any]]:

@@ -7,19 +7,13 @@ class RoutingConfig(AppConfig):
     verbose_name = "Routing tables"
 
     def ready(self) -> None:
-        # Every inventory and tenancy service records an audit event in its transaction:
-        # one receiver on that event schedules the debounced recompile after commit.
-        from django.db.models.signals import post_save
-
+        # Every inventory and tenancy service records an audit event in its transaction, and
+        # audit_record hands it to the one table scheduler (federation.core.changes), which
+        # routing sets here: the debounced recompile after commit, or a publish at once.
+        from federation.core.changes import table_scheduler_set
         from federation.core.metrics import STATE
-        from federation.core.models import AuditEvent
         from federation.routing import services
-        from federation.routing.api import schema  # noqa: F401  (OpenAPI extension)
         from federation.routing.metrics import FleetCollector
 
-        post_save.connect(
-            services.recompile_on_audit_event,
-            sender=AuditEvent,
-            dispatch_uid="routing-recompile-on-audit",
-        )
+        table_scheduler_set(services.TABLE_SCHEDULER)
         STATE.register(FleetCollector())  # the fleet's gauges on /metrics, read per scrape

@@ -1,12 +1,13 @@
-"""Reads of the distribution side: the latest table of a region (signed for an edge), the
-edge behind a credential, and the per-region overview of versions and the edges running them.
+"""Reads of the distribution side: the latest table of a region (signed for an edge) and the
+per-region overview of versions and the edges running them. (The edge behind a credential is
+tenancy's, ``federation.tenancy.selectors.edge_by_credential``: every domain's edge endpoints
+authenticate with it.)
 
 (``selectors.py`` holds the compiler's fleet snapshot; these are the distribution's selectors.)
 """
 
 from __future__ import annotations
 
-import hmac
 from collections.abc import Mapping, Sequence
 from typing import Any, overload
 
@@ -18,23 +19,7 @@ from django.db.models.expressions import RawSQL
 
 from federation.inventory.models import Edge, Region
 from federation.routing.models import RoutingTableVersion
-from federation.tenancy.keys import hash_key
 from regions.tables.signing import sign
-
-#: Edge credentials read ``fe_<secret>``: the prefix tells them apart from staff tokens. Only
-#: their hash is stored (``hash_key``, as for API keys).
-EDGE_CREDENTIAL_PREFIX = "fe_"
-
-
-def edge_by_credential(plaintext: str) -> Edge | None:
-    """The edge whose credential this is, or None. Only hashes are stored and compared."""
-    if not plaintext.startswith(EDGE_CREDENTIAL_PREFIX) or "\x00" in plaintext:
-        return None
-    digest = hash_key(plaintext)
-    edge = Edge.objects.select_related("region").filter(credential_hash=digest).first()
-    if edge is None or not hmac.compare_digest(edge.credential_hash, digest):
-        return None
-    return edge
 
 
 def routing_table_latest(*, region: Region) -> RoutingTableVersion | None:

@@ -1,6 +1,7 @@
-"""Writes of the distribution side: publishing table versions, edge credentials, and scheduling
-the debounced recompile after inventory and tenancy changes (what edges report back:
-``heartbeats``).
+"""Writes of the distribution side: publishing table versions, edge credentials, the budget
+reports edges send (stored for ``federation.telemetry``, which ingests heartbeats), and
+scheduling the debounced recompile after inventory and tenancy changes (handed every recorded
+change through ``federation.core.changes``; ``RoutingConfig.ready`` sets ``TABLE_SCHEDULER``).
 
 Publishing locks the per-region version counters *before* reading the fleet, so two
 compilers run one after the other and the later one always sees at least what the earlier
@@ -13,7 +14,7 @@ import hashlib
 import logging
 import secrets
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
@@ -28,14 +29,14 @@ from redis.connection import parse_url
 
 from federation.core import metrics
 from federation.core.audit import Actor, audit_record
+from federation.core.changes import TableScheduler
 from federation.core.models import AuditEvent
 from federation.core.services import model_lock
 from federation.inventory.models import Edge, Region
 from federation.routing.compiler import compile_region_table, fleet_plan
-from federation.routing.distribution import EDGE_CREDENTIAL_PREFIX
-from federation.routing.models import RoutingTableCounter, RoutingTableVersion
+from federation.routing.models import BudgetReport, RoutingTableCounter, RoutingTableVersion
 from federation.routing.selectors import fleet_snapshot
-from federation.tenancy.keys import hash_key
+from federation.tenancy.keys import EDGE_CREDENTIAL_PREFIX, hash_key
 
 logger = logging.getLogger(__name__)
 
@@ -94,8 +95,9 @@ def nudge_channel(region_code: str) -> str:
     """The Redis channel an edge's long-poll for ``region_code`` waits on; each message is a
     new version. Pub/sub channels belong to the server, not to a database, so the name carries
     ``REDIS_URL``'s database: control planes sharing one Redis on different databases do not
-    wake each other's edges."""
-    database = parse_url(settings.REDIS_URL).get("db", 0)
+    wake each other's edges. Without Redis (embedded mode) nothing is sent or awaited on it."""
+    url = settings.REDIS_URL
+    database = parse_url(url).get("db", 0) if url else 0
     return f"fedinfer:tables:{database}:{region_code}"
 
 
@@ -288,17 +290,53 @@ def routing_tables_publish_now() -> list[RoutingTableVersion]:
         return []
 
 
-def recompile_on_audit_event(
-    sender: type[AuditEvent], instance: AuditEvent, created: bool, **kwargs: Any
-) -> None:
-    """Receiver: an inventory or tenancy change schedules a recompile once it commits; one that
-    takes access away (``ACTIONS_PUBLISHED_AT_ONCE``) is published by this request then."""
-    if not created or instance.action in ACTIONS_WITHOUT_RECOMPILE:
+def routing_tables_schedule_for_change(event: AuditEvent) -> None:
+    """What a recorded change sets off (``audit_record`` hands every event here, through
+    ``federation.core.changes``): an inventory or tenancy change schedules a recompile once it
+    commits; one that takes access away (``ACTIONS_PUBLISHED_AT_ONCE``) is published by this
+    request then. Called inside the recording transaction, so a rollback schedules nothing."""
+    if event.action in ACTIONS_WITHOUT_RECOMPILE:
         return
-    if instance.action in ACTIONS_PUBLISHED_AT_ONCE:
+    if event.action in ACTIONS_PUBLISHED_AT_ONCE:
         transaction.on_commit(routing_tables_publish_now, robust=True)
-    elif instance.object_type.startswith(("inventory.", "tenancy.")):
+    elif event.object_type.startswith(("inventory.", "tenancy.")):
         transaction.on_commit(routing_tables_schedule_recompile, robust=True)
+
+
+#: Routing's answer to the domains below it (``federation.core.changes``), set at start-up.
+TABLE_SCHEDULER = TableScheduler(
+    change_recorded=routing_tables_schedule_for_change,
+    budget_spend_counted=routing_tables_schedule_budget_release,
+)
+
+
+# --- budget reports ------------------------------------------------------------------------
+
+
+def budget_report_store(
+    *,
+    edge: Edge,
+    holder: str,
+    table_version: int,
+    budgets: Mapping[tuple[str, str], int],
+    at: datetime,
+) -> None:
+    """Keep what ``holder`` (an edge's worker, ``lease_holder``) last reported having committed
+    of the budgets it holds leases of (``(tenant, key prefix or "") -> pico-USD``), under the
+    table version it applied: what the next compile lowers an unused ceiling from
+    (``leases.py``). Telemetry, not a change: no audit event, no recompile."""
+    committed: dict[str, dict[str, int]] = {}
+    for (tenant, key), amount in budgets.items():
+        committed.setdefault(tenant, {})[key] = amount
+    BudgetReport.objects.update_or_create(
+        holder=holder,
+        defaults={
+            "edge": edge,
+            "table_version": table_version,
+            "committed": committed,
+            "reported_at": at,
+        },
+    )
 
 
 # --- edge credentials ----------------------------------------------------------------------

@@ -18,6 +18,9 @@ from regions.tables.schema import key_hash
 KEY_PREFIX = "fi"
 #: People's API tokens (``POST /auth/token/``) read ``ft_<prefix>_<secret>``, the same shape.
 TOKEN_PREFIX = "ft"
+#: Edge credentials read ``fe_<secret>``: the prefix tells them apart from staff tokens. Only
+#: their hash is stored (``hash_key``, as for API keys).
+EDGE_CREDENTIAL_PREFIX = "fe_"
 PREFIX_LENGTH = 8
 SECRET_BYTES = 32  # 256 bits
 _PREFIX_ALPHABET = string.ascii_letters + string.digits

@@ -3,6 +3,7 @@ built on them hides other tenants' objects: lists leave them out and details ans
 
 from __future__ import annotations
 
+import hmac
 from dataclasses import dataclass
 from datetime import datetime
 from decimal import Decimal
@@ -13,7 +14,7 @@ from django.db.models import Q, QuerySet
 from django.utils import timezone
 
 from federation.core.roles import TENANT_VIEWER, is_staff_role, role_of, tenant_id_of
-from federation.inventory.models import Region
+from federation.inventory.models import Edge, Region
 from federation.tenancy import keys, residency
 from federation.tenancy.models import ApiKey, ApiKeyPrefix, AuthToken, Tenant
 
@@ -45,6 +46,18 @@ def auth_token_by_key(plaintext: str) -> AuthToken | None:
     return (
         AuthToken.objects.select_related("user").filter(key_hash=keys.hash_key(plaintext)).first()
     )
+
+
+def edge_by_credential(plaintext: str) -> Edge | None:
+    """The edge whose credential this is (``keys.EDGE_CREDENTIAL_PREFIX``), or None. Only
+    hashes are stored and compared."""
+    if not plaintext.startswith(keys.EDGE_CREDENTIAL_PREFIX) or "\x00" in plaintext:
+        return None
+    digest = keys.hash_key(plaintext)
+    edge = Edge.objects.select_related("region").filter(credential_hash=digest).first()
+    if edge is None or not hmac.compare_digest(edge.credential_hash, digest):
+        return None
+    return edge
 
 
 def user_list() -> QuerySet[User]:

@@ -28,9 +28,9 @@ from playwright.sync_api import Browser, Page, expect
 
 from federation.inventory import services as inventory
 from federation.inventory.models import Edge, Instance, Region
-from federation.routing import heartbeats
 from federation.routing import services as routing
 from federation.routing.models import RoutingTableVersion
+from federation.telemetry import heartbeats
 from federation.tenancy.models import ApiKey
 from regions.supervisor import Supervisor, free_port, wait_until
 from tests.e2e.conftest import ASYNC_UNSAFE, SCREENSHOTS

@@ -21,9 +21,9 @@ from federation.api.throttles import login_cache
 from federation.core.audit import audit_record
 from federation.core.models import AuditEvent
 from federation.inventory.models import Edge, GPUPool, Instance, Region
-from federation.routing.heartbeats import InstanceReport, edge_heartbeat_record
 from federation.routing.models import RoutingTableVersion
 from federation.routing.services import routing_tables_publish
+from federation.telemetry.heartbeats import InstanceReport, edge_heartbeat_record
 from federation.tenancy import services as tenancy
 from federation.tenancy.keys import hash_key
 from federation.tenancy.models import ApiKey, Tenant

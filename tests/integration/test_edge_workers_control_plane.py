@@ -131,7 +131,7 @@ def test_a_stopped_workers_cold_report_ages_out() -> None:
     from django.utils import timezone
 
     from federation.routing.selectors import LOAD_REPORT_MAX_AGE_S
-    from federation.routing.wake import cold_demand_store
+    from federation.telemetry.wake import cold_demand_store
 
     edge = Edge(name="e", cold_demand={})
     edge.save = lambda **_: None  # type: ignore[method-assign]  (a row is not needed here)

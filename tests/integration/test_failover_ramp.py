@@ -34,9 +34,9 @@ from django.conf import settings
 from rest_framework.test import APIClient
 
 from federation.inventory import services as inventory
-from federation.routing import heartbeats
 from federation.routing import services as routing
 from federation.routing.models import RoutingTableVersion
+from federation.telemetry import heartbeats
 from federation.tenancy import services as tenancy
 from regions.supervisor import Process, Supervisor, free_port, wait_http
 from tests.integration.control_plane_support import (

@@ -27,8 +27,8 @@ from federation.fleet.policy import FailoverPolicy, HealthPolicy, Timeouts
 from federation.fleet.spec import EngineSpec, Running
 from federation.inventory import services as inventory
 from federation.inventory.models import Deployment, Instance
-from federation.routing import heartbeats
 from federation.routing import services as routing
+from federation.telemetry import heartbeats
 from tests.integration.fleet_support import engines, kill_engine, ps_engines  # noqa: F401
 from tests.integration.inventory_factories import (
     LLAMA_8B,

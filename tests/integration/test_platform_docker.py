@@ -24,8 +24,8 @@ from django.core.management import CommandError, call_command, get_commands
 from federation.demo import fleet
 from federation.inventory import lifecycle
 from federation.inventory.models import Instance
-from federation.routing.distribution import edge_by_credential
 from federation.routing.models import RoutingTableVersion
+from federation.tenancy.selectors import edge_by_credential
 from tests.integration.control_plane_support import FEDINFER
 
 ROOT = Path(__file__).resolve().parents[2]

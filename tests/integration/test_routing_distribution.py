@@ -24,8 +24,9 @@ from rest_framework.test import APIClient
 
 from federation.inventory import services as inventory
 from federation.inventory.models import Edge, Instance, Region
-from federation.routing import heartbeats, services
+from federation.routing import services
 from federation.routing.models import BudgetReport, RoutingTableCounter, RoutingTableVersion
+from federation.telemetry import heartbeats
 from federation.tenancy.keys import hash_key
 from federation.tenancy.models import Tenant
 from regions.supervisor import Supervisor

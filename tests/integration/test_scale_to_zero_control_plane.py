@@ -20,9 +20,9 @@ from federation.fleet import selectors as fleet
 from federation.inventory import lifecycle
 from federation.inventory import services as inventory
 from federation.inventory.models import Deployment, Edge, InstanceInterval
-from federation.routing import heartbeats, wake
 from federation.routing import services as routing
 from federation.routing.selectors import cold_rows, loadable_adapters
+from federation.telemetry import heartbeats, wake
 from tests.integration.control_plane_support import own_redis
 from tests.integration.inventory_factories import (
     make_deployment,

@@ -17,8 +17,9 @@ import redis
 from rest_framework.test import APIClient
 
 from federation.inventory.models import Instance, Region
-from federation.routing import heartbeats, services
+from federation.routing import services
 from federation.routing.models import RoutingTableVersion
+from federation.telemetry import heartbeats
 from regions.supervisor import Supervisor
 from tests.integration.control_plane_support import FEDINFER, subprocess_env
 from tests.integration.test_routing_distribution import (  # noqa: F401  (fixture)

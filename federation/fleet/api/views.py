@@ -9,13 +9,13 @@ from typing import Any
 
 from drf_spectacular.utils import extend_schema
 from rest_framework import status
-from rest_framework.generics import ListAPIView, get_object_or_404
+from rest_framework.generics import ListAPIView
 from rest_framework.request import Request
 from rest_framework.response import Response
-from rest_framework.views import APIView
 
 from federation.api.permissions import IsStaff
 from federation.api.schema import NOT_FOUND
+from federation.api.views import EndpointView
 from federation.fleet import placing
 from federation.fleet.api.serializers import ApplyInput, PlanInput, PlanOutput
 from federation.fleet.models import PlacementPlan
@@ -28,24 +28,21 @@ def _override(data: dict[str, Any]) -> list[DemandOverride] | None:
     return [DemandOverride(**row) for row in data["demand"]]
 
 
-class PlacementPlanView(APIView):
+class PlacementPlanView(EndpointView):
     permission_classes = [IsStaff]
     staff_only = "plan the fleet's placement"
 
     @extend_schema(request=PlanInput, responses={201: PlanOutput})
     def post(self, request: Request) -> Response:
         """Plan the placement against the fleet as it is now; nothing in the fleet changes."""
-        ser = PlanInput(data=request.data)
-        ser.is_valid(raise_exception=True)
+        data = self.validated(PlanInput, request.data)
         plan = placing.placement_plan(
-            actor=request.user,
-            override=_override(ser.validated_data),
-            window_hours=ser.validated_data["window_hours"],
+            actor=request.user, override=_override(data), window_hours=data["window_hours"]
         )
         return Response(PlanOutput(plan).data, status=status.HTTP_201_CREATED)
 
 
-class PlacementApplyView(APIView):
+class PlacementApplyView(EndpointView):
     permission_classes = [IsStaff]
     staff_only = "apply placement plans"
 
@@ -53,16 +50,13 @@ class PlacementApplyView(APIView):
     def post(self, request: Request) -> Response:
         """Apply a plan (200; again: nothing more happens), or plan and apply at once (201);
         409 when the fleet changed since the plan."""
-        ser = ApplyInput(data=request.data)
-        ser.is_valid(raise_exception=True)
-        if "plan" in ser.validated_data:
-            plan = get_object_or_404(PlacementPlan, pk=ser.validated_data["plan"])
+        data = self.validated(ApplyInput, request.data)
+        if "plan" in data:
+            plan = self.object_or_404(PlacementPlan, pk=data["plan"])
             plan, _ = placing.placement_apply(actor=request.user, plan=plan)
             return Response(PlanOutput(plan).data)
         plan = placing.placement_plan_and_apply(
-            actor=request.user,
-            override=_override(ser.validated_data),
-            window_hours=ser.validated_data["window_hours"],
+            actor=request.user, override=_override(data), window_hours=data["window_hours"]
         )
         return Response(PlanOutput(plan).data, status=status.HTTP_201_CREATED)
 

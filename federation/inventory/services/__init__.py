@@ -52,6 +52,12 @@ from federation.inventory.services.regions import (
     region_restore,
     region_update,
 )
+from federation.inventory.services.reports import (
+    edge_cold_demand_store,
+    edge_report_store,
+    instance_loads_store,
+    region_recovery_record,
+)
 
 __all__ = [
     "DEPLOYMENT_UPDATABLE",
@@ -63,13 +69,16 @@ __all__ = [
     "deployment_create",
     "deployment_delete",
     "deployment_update",
+    "edge_cold_demand_store",
     "edge_delete",
     "edge_register",
+    "edge_report_store",
     "edge_update",
     "instance_bring_up",
     "instance_create",
     "instance_delete",
     "instance_drain",
+    "instance_loads_store",
     "instance_transition",
     "instance_undrain",
     "instance_update",
@@ -87,6 +96,7 @@ __all__ = [
     "region_link_delete",
     "region_link_set",
     "region_link_update",
+    "region_recovery_record",
     "region_restore",
     "region_update",
 ]

@@ -10,14 +10,13 @@ from typing import Any
 from drf_spectacular.utils import OpenApiParameter, extend_schema
 from rest_framework import serializers
 from rest_framework.exceptions import ValidationError
-from rest_framework.generics import ListAPIView, get_object_or_404
+from rest_framework.generics import ListAPIView
 from rest_framework.request import Request
 from rest_framework.response import Response
-from rest_framework.views import APIView
 
 from federation.api.permissions import IsStaff
 from federation.api.schema import FORBIDDEN, NOT_FOUND, UNAUTHENTICATED
-from federation.api.views import nul_free_or_404
+from federation.api.views import EndpointView
 from federation.metering.models import UsageDeadLetter
 from federation.metering.selectors import usage_dead_letters
 from federation.metering.services import usage_dead_letter_replay
@@ -85,7 +84,7 @@ class DeadLettersView(ListAPIView[UsageDeadLetter]):
         return usage_dead_letters(source=source, edge=params.get("edge") or None)
 
 
-class DeadLetterReplayView(APIView):
+class DeadLetterReplayView(EndpointView):
     permission_classes = [IsStaff]
     staff_only = "read and replay usage dead letters"
 
@@ -98,8 +97,7 @@ class DeadLetterReplayView(APIView):
     def post(self, request: Request, pk: str) -> Response:
         """Replay one dead letter; a second replay of a removed one is a 404 (JSON, as is a
         malformed id: the route takes any segment)."""
-        nul_free_or_404(pk)
-        letter = get_object_or_404(UsageDeadLetter, pk=pk)
+        letter = self.object_or_404(UsageDeadLetter, pk=pk)
         result = usage_dead_letter_replay(actor=request.user, letter=letter)
         body = {
             "accepted": result.accepted,

@@ -23,10 +23,10 @@ from rest_framework.exceptions import AuthenticationFailed, NotFound, Permission
 from rest_framework.permissions import BasePermission
 from rest_framework.request import Request
 from rest_framework.response import Response
-from rest_framework.views import APIView
 
 from federation.api.permissions import IsStaff
 from federation.api.schema import FIELD_ERRORS, FORBIDDEN, UNAUTHENTICATED
+from federation.api.views import EndpointView
 from federation.core.csv_export import csv_attachment
 from federation.core.roles import TENANT_VIEWER, is_staff_role, role_of
 from federation.metering.models import DIMENSIONS
@@ -168,7 +168,7 @@ _QUERY = [
 _REPORT = OpenApiResponse(description="{results: [rows]} (JSON), or text/csv.")
 
 
-class UsageReportView(APIView):
+class UsageReportView(EndpointView):
     """Requests, tokens and price summed by tenant, model, region and pool, by hour or day."""
 
     authentication_classes = [UsageKeyAuthentication, TokenAuthentication, SessionAuthentication]
@@ -184,9 +184,7 @@ class UsageReportView(APIView):
     )
     def get(self, request: Request) -> HttpResponse | Response:
         own = reader_tenant(request)
-        ser = UsageQueryInput(data=request.query_params)
-        ser.is_valid(raise_exception=True)
-        q = ser.validated_data
+        q = self.validated(UsageQueryInput, request.query_params)
         filters = {d: _csv_list(q[d]) for d in DIMENSIONS if q.get(d)}
         if own is not None:
             filters["tenant"] = [own]
@@ -203,7 +201,7 @@ class UsageReportView(APIView):
         return _render(_text(rows), q["output"], "usage")
 
 
-class PoolCostReportView(APIView):
+class PoolCostReportView(EndpointView):
     """Each GPU pool's cost and where it went: allocated to usage, idle GPUs, warm idle."""
 
     authentication_classes = [TokenAuthentication, SessionAuthentication]
@@ -216,9 +214,7 @@ class PoolCostReportView(APIView):
         responses={200: _REPORT, 400: FIELD_ERRORS, 401: UNAUTHENTICATED, 403: FORBIDDEN},
     )
     def get(self, request: Request) -> HttpResponse | Response:
-        ser = PoolCostQueryInput(data=request.query_params)
-        ser.is_valid(raise_exception=True)
-        q = ser.validated_data
+        q = self.validated(PoolCostQueryInput, request.query_params)
         pools = _csv_list(q["pool"])
         rows = pool_cost_report(start=q["start"], end=q["end"], bucket=q.get("bucket"), pools=pools)
         return _render(_text(rows), q["output"], "pool-costs")
@@ -232,7 +228,7 @@ class StatementInput(serializers.Serializer):
     output = serializers.ChoiceField(choices=["json", "csv"], default="json")
 
 
-class StatementView(APIView):
+class StatementView(EndpointView):
     """A tenant's statement for one month: requests, tokens and price by model, the total and
     its budget; ``final`` once the month's late records can no longer arrive (a week after its
     end) and every hour of it is rolled up; the spend
@@ -258,9 +254,7 @@ class StatementView(APIView):
     )
     def get(self, request: Request) -> HttpResponse | Response:
         own = reader_tenant(request)
-        ser = StatementInput(data=request.query_params)
-        ser.is_valid(raise_exception=True)
-        q = ser.validated_data
+        q = self.validated(StatementInput, request.query_params)
         slug = own if own is not None else q.get("tenant")
         if slug is None:
             raise serializers.ValidationError({"tenant": ["required for operators"]})

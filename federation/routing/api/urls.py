@@ -3,7 +3,6 @@ from rest_framework.routers import SimpleRouter
 
 from federation.routing.api import views
 from federation.routing.api.longpoll import long_poll
-from federation.routing.api.usage import EdgeUsageView
 
 router = SimpleRouter()
 router.register("routing-tables", views.RoutingTableOverviewViewSet, basename="routing-table")
@@ -14,12 +13,6 @@ urlpatterns = [
         long_poll(views.RoutingTableView.as_view()),
         name="edge-routing-table",
     ),
-    path(
-        "edges/<str:name>/heartbeat",
-        views.EdgeHeartbeatView.as_view(),
-        name="edge-heartbeat",
-    ),
-    path("edges/<str:name>/usage", EdgeUsageView.as_view(), name="edge-usage"),
     path(
         # Any segment reaches the view: a malformed id is its JSON 404, not the resolver's HTML.
         "edges/<str:pk>/rotate-credential",

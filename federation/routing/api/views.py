@@ -1,4 +1,6 @@
-"""Distribution API views: load, check who asks, call one service or selector, answer."""
+"""Distribution API views: load, check who asks, call one service or selector, answer. (What
+edges send back, their heartbeats and usage, is ``federation.telemetry``'s and
+``federation.metering``'s.)"""
 
 from __future__ import annotations
 
@@ -7,30 +9,25 @@ from typing import Any
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema
 from rest_framework import status
-from rest_framework.authentication import SessionAuthentication
 from rest_framework.exceptions import NotFound, PermissionDenied, ValidationError
-from rest_framework.generics import get_object_or_404
 from rest_framework.request import Request
 from rest_framework.response import Response
-from rest_framework.views import APIView
 
 from federation.api.pagination import query_whole_number
-from federation.api.schema import CONFLICT, FIELD_ERRORS, FORBIDDEN, NOT_FOUND, UNAUTHENTICATED
-from federation.api.views import ReadViewSet, nul_free_or_404
+from federation.api.schema import FIELD_ERRORS, FORBIDDEN, NOT_FOUND, UNAUTHENTICATED
+from federation.api.views import EndpointView, ReadViewSet, nul_free_or_404
 from federation.inventory.models import Edge, Region
-from federation.routing import distribution, heartbeats, services
+from federation.routing import distribution, services
 from federation.routing.api import serializers as s
-from federation.routing.api.authentication import (
-    EdgeCredentialAuthentication,
+from federation.routing.api.longpoll import WAITED, WaitFor
+from federation.tenancy.api.authentication import (
+    EDGE_OR_STAFF_AUTHENTICATION,
     authenticated_edge,
 )
-from federation.routing.api.longpoll import WAITED, WaitFor
-from federation.routing.api.permissions import IsEdge, IsEdgeOrStaff
-from federation.tenancy.api.authentication import TokenAuthentication
+from federation.tenancy.api.permissions import IsEdgeOrStaff
 
 #: Longest long-poll a client may ask for, seconds.
 MAX_WAIT_S = 30
-EDGE_AUTH = [EdgeCredentialAuthentication, TokenAuthentication, SessionAuthentication]
 
 
 def _etag(version: int) -> str:
@@ -46,19 +43,19 @@ def _known_version(request: Request) -> int | None:
     return int(raw) if raw.isdigit() and len(raw) < 20 else None
 
 
-def _lookup(model: type[Region] | type[Edge], **filters: str) -> Any:
-    nul_free_or_404(*filters.values())
-    obj = model.objects.select_related(*(["region"] if model is Edge else [])).filter(**filters)
-    found = obj.first()
+def _region(code: str) -> Region:
+    nul_free_or_404(code)
+    found = Region.objects.filter(code=code).first()
     if found is None:
-        raise NotFound(f"No {model._meta.verbose_name} {next(iter(filters.values()))!r}.")
+        raise NotFound(f"No {Region._meta.verbose_name} {code!r}.")
     return found
 
 
-class RoutingTableView(APIView):
+# An ETag and a long-poll (``longpoll.py``): a view of its own, not a viewset's detail.
+class RoutingTableView(EndpointView):
     """The latest routing table of a region, for its edges (and staff)."""
 
-    authentication_classes = EDGE_AUTH
+    authentication_classes = EDGE_OR_STAFF_AUTHENTICATION
     permission_classes = [IsEdgeOrStaff]
 
     @extend_schema(
@@ -99,7 +96,7 @@ class RoutingTableView(APIView):
         wait = query_whole_number(request, "wait", 0) or 0
         if wait > MAX_WAIT_S:
             raise ValidationError({"wait": [f"Must be at most {MAX_WAIT_S}."]})
-        target: Region = _lookup(Region, code=region)
+        target = _region(region)
         edge = authenticated_edge(request)
         if edge is not None and edge.region_id != target.pk:
             raise PermissionDenied(
@@ -136,66 +133,7 @@ class RoutingTableView(APIView):
         return response
 
 
-class EdgeHeartbeatView(APIView):
-    """An edge reports its liveness, applied table version and instances' health and load."""
-
-    authentication_classes = EDGE_AUTH
-    permission_classes = [IsEdge]
-
-    @extend_schema(
-        operation_id="edge_heartbeat",
-        request=s.HeartbeatInput,
-        responses={
-            200: s.HeartbeatOutput,
-            400: FIELD_ERRORS,
-            401: UNAUTHENTICATED,
-            403: FORBIDDEN,
-            404: NOT_FOUND,
-            409: CONFLICT,
-        },
-    )
-    def post(self, request: Request, name: str) -> Response:
-        target: Edge = _lookup(Edge, name=name)
-        edge = authenticated_edge(request)
-        if edge is None or edge.pk != target.pk:
-            raise PermissionDenied("An edge may send heartbeats only for itself.")
-        ser = s.HeartbeatInput(data=request.data)
-        ser.is_valid(raise_exception=True)
-        data = ser.validated_data
-        reports = [
-            heartbeats.InstanceReport(
-                id=r["id"],
-                healthy=r["healthy"],
-                load={k: v for k, v in r.items() if k not in {"id", "healthy"}},
-            )
-            for r in data["instances"]
-        ]
-        result = heartbeats.edge_heartbeat_record(
-            edge=target,
-            applied_table_version=data.get("applied_table_version"),
-            worker=data["worker"],
-            workers=data["workers"],
-            instances=reports,
-            budgets={(b["tenant"], b["key"]): b["committed"] for b in data["budgets"]},
-            cold=(
-                {c["model"]: (c["held"], c["arrived"]) for c in data["cold"]}
-                if "cold" in data
-                else None
-            ),
-        )
-        out = {
-            "edge": result.edge.name,
-            "applied_table_version": result.edge.applied_table_version,
-            "latest_table_version": distribution.routing_table_latest_version(
-                region_id=result.edge.region_id
-            ),
-            "updated_instances": result.updated_instances,
-            "unknown_instances": result.unknown_instances,
-        }
-        return Response(s.HeartbeatOutput(out).data)
-
-
-class EdgeCredentialRotateView(APIView):
+class EdgeCredentialRotateView(EndpointView):
     """Issue a new credential for an edge; the old one stops working."""
 
     @extend_schema(
@@ -210,8 +148,7 @@ class EdgeCredentialRotateView(APIView):
         },
     )
     def post(self, request: Request, pk: str) -> Response:
-        nul_free_or_404(pk)
-        edge: Edge = get_object_or_404(Edge.objects.select_related("region"), pk=pk)
+        edge: Edge = self.object_or_404(Edge.objects.select_related("region"), pk=pk)
         credential = services.edge_credential_rotate(actor=request.user, edge=edge)
         out = {"id": edge.pk, "name": edge.name, "region": edge.region.code}
         return Response(s.EdgeCredentialOutput({**out, "credential": credential}).data)

@@ -20,12 +20,11 @@ from rest_framework.permissions import AllowAny, BasePermission, IsAuthenticated
 from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.throttling import BaseThrottle
-from rest_framework.views import APIView
 
 from federation.api.permissions import IsAdmin
 from federation.api.schema import crud_schema
 from federation.api.throttles import LoginThrottle
-from federation.api.views import ServiceViewSet
+from federation.api.views import EndpointView, ServiceViewSet
 from federation.core.roles import role_of
 from federation.tenancy import selectors, services
 from federation.tenancy.api import serializers as s
@@ -162,7 +161,7 @@ class UserViewSet(ServiceViewSet):
         services.user_delete(actor=self.request.user, user=obj)
 
 
-class MeView(APIView):
+class MeView(EndpointView):
     """Who the caller is: username, role and (for tenant viewers) tenant."""
 
     permission_classes = [IsAuthenticated]
@@ -182,7 +181,7 @@ class MeView(APIView):
         )
 
 
-class AuthTokenView(APIView):
+class AuthTokenView(EndpointView):
     """Log in for an API token (POST), or log out (DELETE): the token the request carries is
     revoked, or the session login ends."""
 
@@ -203,13 +202,8 @@ class AuthTokenView(APIView):
         },
     )
     def post(self, request: Request) -> Response:
-        data = s.TokenCreateInput(data=request.data)
-        data.is_valid(raise_exception=True)
-        user = authenticate(
-            request._request,
-            username=data.validated_data["username"],
-            password=data.validated_data["password"],
-        )
+        data = self.validated(s.TokenCreateInput, request.data)
+        user = authenticate(request._request, username=data["username"], password=data["password"])
         if user is None:
             raise ValidationError(
                 {"non_field_errors": ["Unable to log in with these credentials."]},

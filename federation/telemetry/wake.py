@@ -18,6 +18,7 @@ import redis
 from celery import current_app
 from django.conf import settings
 
+from federation.inventory import services as inventory
 from federation.inventory.models import Edge
 from federation.routing.selectors import LOAD_REPORT_MAX_AGE_S
 
@@ -36,7 +37,7 @@ def cold_demand_store(
     """Replace ``holder``'s cold report (``model -> (held, arrived)``; default: the edge's own,
     its worker 0); the models with demand in it. An edge's workers report apart: each model's
     entry adds up their fresh reports, each kept under ``holders``. The caller holds the edge's
-    row lock and saves nothing else of it here."""
+    row lock; only the cold demand is stored (``inventory.edge_cold_demand_store``)."""
     holder = holder or edge.name
     stamp = now.isoformat()
     by_holder = _cold_by_holder(edge.cold_demand, edge.name, now)
@@ -54,8 +55,7 @@ def cold_demand_store(
             total["arrived"] += entry["arrived"]
             total["reported_at"] = max(total["reported_at"], entry["reported_at"])
             total["holders"][name] = entry
-    edge.cold_demand = dict(sorted(merged.items()))
-    edge.save(update_fields=["cold_demand"])
+    inventory.edge_cold_demand_store(edge=edge, cold_demand=dict(sorted(merged.items())))
     return sorted(m for m, (held, arrived) in reports.items() if held + arrived > 0)
 
 

@@ -2,8 +2,10 @@
 
 Each heartbeat records the table version the edge applied, its workers, and per instance its
 health and load (merged across the region's edges), its cold-start demand and its budget
-spend; a region whose edges all report it unhealthy may start a ramp. Apart from
-``services`` (publishing and recompiles) because it is the inbound half of distribution.
+spend; a region whose edges all report it unhealthy may start a ramp. The inbound half of
+distribution: routing reads what is stored here (instance load, budget reports, cold demand)
+when it compiles. Inventory rows are written through inventory's services
+(``inventory/services/reports.py``), budget reports through routing's ``budget_report_store``.
 """
 
 from __future__ import annotations
@@ -21,13 +23,13 @@ from django.utils import timezone
 from federation.core import metrics
 from federation.core.errors import Conflict
 from federation.inventory import lifecycle
+from federation.inventory import services as inventory
 from federation.inventory.models import Edge, Instance, Region
 from federation.routing.distribution import routing_table_latest_version
-from federation.routing.models import BudgetReport
 from federation.routing.ramp import region_down
 from federation.routing.selectors import LOAD_REPORT_MAX_AGE_S, reported_health
-from federation.routing.services import routing_tables_schedule_recompile
-from federation.routing.wake import cold_demand_store, fleet_wake_schedule
+from federation.routing.services import budget_report_store, routing_tables_schedule_recompile
+from federation.telemetry.wake import cold_demand_store, fleet_wake_schedule
 from regions.tables.schema import lease_holder
 
 logger = logging.getLogger(__name__)
@@ -88,15 +90,14 @@ def edge_heartbeat_record(
     refusal: Conflict | None = None
     with transaction.atomic():
         edge = Edge.objects.select_related("region").select_for_update().get(pk=edge.pk)
-        edge.last_heartbeat_at = now
-        _set_workers(edge, workers)
+        believed = _workers_believed(edge, workers)
         previous = edge.applied_table_version
         if (
             applied_table_version is not None
             and previous is not None
             and applied_table_version < previous
         ):
-            edge.save(update_fields=["last_heartbeat_at", "workers"])
+            inventory.edge_report_store(edge=edge, at=now, workers=believed)
             refusal = Conflict(
                 f"applied_table_version {applied_table_version} goes backwards: edge "
                 f"{edge.name} reported version {previous} before. Liveness was recorded; "
@@ -105,13 +106,18 @@ def edge_heartbeat_record(
             )
         else:
             _check_published(edge, applied_table_version)
-            edge.applied_table_version = (
-                applied_table_version if applied_table_version is not None else previous
+            inventory.edge_report_store(
+                edge=edge, at=now, workers=believed, applied_table_version=applied_table_version
             )
-            edge.save(update_fields=["last_heartbeat_at", "applied_table_version", "workers"])
             updated, unknown = _store_instance_reports(edge, holder, instances, now)
             if applied_table_version is not None:
-                _store_budget_report(edge, holder, applied_table_version, budgets or {}, now)
+                budget_report_store(
+                    edge=edge,
+                    holder=holder,
+                    table_version=applied_table_version,
+                    budgets=budgets or {},
+                    at=now,
+                )
             _store_cold_report(edge, holder, cold, now)
     if refusal is not None:
         raise refusal
@@ -133,12 +139,16 @@ def _worker_heartbeat_record(
     with transaction.atomic():
         edge = Edge.objects.select_related("region").select_for_update().get(pk=edge.pk)
         _check_published(edge, applied_table_version)
-        edge.last_heartbeat_at = now
-        _set_workers(edge, workers)
-        edge.save(update_fields=["last_heartbeat_at", "workers"])
+        inventory.edge_report_store(edge=edge, at=now, workers=_workers_believed(edge, workers))
         updated, unknown = _store_instance_reports(edge, holder, instances, now)
         if applied_table_version is not None:
-            _store_budget_report(edge, holder, applied_table_version, budgets or {}, now)
+            budget_report_store(
+                edge=edge,
+                holder=holder,
+                table_version=applied_table_version,
+                budgets=budgets or {},
+                at=now,
+            )
         _store_cold_report(edge, holder, cold, now)
     return HeartbeatResult(edge=edge, updated_instances=updated, unknown_instances=unknown)
 
@@ -169,11 +179,11 @@ def worker_in_bound_check(edge: Edge, worker: int) -> None:
         )
 
 
-def _set_workers(edge: Edge, workers: int) -> None:
-    """Record how many worker processes the edge runs, as far as its ``max_workers`` allows
-    (a larger claim is clamped and counted); a change recompiles its region's tables soon
-    (debounced), so that a new worker is leased budgets and counted in every rate limit's
-    shares without waiting for the periodic compile."""
+def _workers_believed(edge: Edge, workers: int) -> int:
+    """How many worker processes the edge runs, as far as its ``max_workers`` allows (a larger
+    claim is clamped and counted); a change recompiles its region's tables soon (debounced),
+    so that a new worker is leased budgets and counted in every rate limit's shares without
+    waiting for the periodic compile. The caller stores it (``inventory.edge_report_store``)."""
     claimed = workers
     workers = bounded_workers(claimed, edge.max_workers)
     if workers != claimed:
@@ -188,8 +198,8 @@ def _set_workers(edge: Edge, workers: int) -> None:
                 workers,
             )
     if edge.workers != workers:
-        edge.workers = workers
         transaction.on_commit(routing_tables_schedule_recompile, robust=True)
+    return workers
 
 
 def _store_cold_report(
@@ -201,23 +211,6 @@ def _store_cold_report(
     if cold_demand_store(edge, cold, now, holder):
         code = edge.region.code
         transaction.on_commit(lambda: fleet_wake_schedule(code), robust=True)
-
-
-def _store_budget_report(
-    edge: Edge, holder: str, version: int, budgets: Mapping[tuple[str, str], int], now: datetime
-) -> None:
-    committed: dict[str, dict[str, int]] = {}
-    for (tenant, key), amount in budgets.items():
-        committed.setdefault(tenant, {})[key] = amount
-    BudgetReport.objects.update_or_create(
-        holder=holder,
-        defaults={
-            "edge": edge,
-            "table_version": version,
-            "committed": committed,
-            "reported_at": now,
-        },
-    )
 
 
 def _check_published(edge: Edge, version: int | None) -> None:
@@ -294,22 +287,21 @@ def _store_instance_reports(
         .filter(name__in=names, deployment__pool__region_id=edge.region_id)
         .order_by("pk")
     }
-    updated: list[Instance] = []
+    loads: list[tuple[Instance, dict[str, Any]]] = []
     for report in reports:
         inst = known.get(report.id)
         if inst is None:
             continue
+        # Kept on the object as it goes, so a second report of one instance merges into the first.
         inst.load = merge_load(inst.load, edge=holder, report=report, now=now)
-        inst.last_heartbeat_at = now
-        updated.append(inst)
+        loads.append((inst, inst.load))
     # No audit event per heartbeat (they arrive every few seconds) and no recompile either:
     # the periodic recompile picks telemetry up. Only a region going down or coming back
     # recompiles at once; coming back starts its ramp.
-    Instance.objects.bulk_update(updated, ["load", "last_heartbeat_at"])
+    updated = inventory.instance_loads_store(loads=loads, at=now)
     down = _region_health(region.pk, now)
     if was_down and not down:
-        region.recovered_at = now
-        region.save(update_fields=["recovered_at", "updated_at"])
+        inventory.region_recovery_record(region=region, at=now)
     if was_down != down:
         transaction.on_commit(routing_tables_schedule_recompile, robust=True)
     return [i.name for i in updated], sorted(set(names) - set(known))

@@ -8,7 +8,7 @@ from drf_spectacular.extensions import OpenApiAuthenticationExtension
 
 
 class EdgeCredentialScheme(OpenApiAuthenticationExtension):
-    target_class = "federation.routing.api.authentication.EdgeCredentialAuthentication"
+    target_class = "federation.tenancy.api.authentication.EdgeCredentialAuthentication"
     name = "edgeCredential"
 
     def get_security_definition(self, auto_schema: Any) -> dict[str, Any]:

@@ -1,45 +1,30 @@
-"""Usage from the edges over HTTP: for a control plane without Redis (the embedded demo)."""
+"""Usage from the edges over HTTP: for a control plane without Redis (the embedded demo).
+``POST /api/v1/edges/{name}/usage``, an edge's own credential only."""
 
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiResponse, extend_schema
-from rest_framework.exceptions import NotFound, PermissionDenied
-from rest_framework.parsers import BaseParser
 from rest_framework.request import Request
 from rest_framework.response import Response
-from rest_framework.views import APIView
 
+from federation.api.parsers import NdjsonParser
 from federation.api.schema import FORBIDDEN, NOT_FOUND, UNAUTHENTICATED
-from federation.api.views import nul_free_or_404
+from federation.api.views import EndpointView
+from federation.core.changes import budget_spend_counted
 from federation.core.metrics import USAGE_REJECTED
-from federation.inventory.models import Edge
 from federation.metering.admission import UsageSender
 from federation.metering.models import UsageDeadLetter
 from federation.metering.services import usage_ingest
-from federation.routing.api.authentication import (
-    EdgeCredentialAuthentication,
-    authenticated_edge,
-)
-from federation.routing.api.permissions import IsEdge
-from federation.routing.services import routing_tables_schedule_budget_release
+from federation.tenancy.api.authentication import EdgeCredentialAuthentication
+from federation.tenancy.api.permissions import IsEdge, edge_speaking_for_itself
 
 log = logging.getLogger("fedinfer.metering")
 
 
-class NdjsonParser(BaseParser):
-    """Newline-delimited documents, kept as bytes (each is decoded by ingestion)."""
-
-    media_type = "application/x-ndjson"
-
-    def parse(self, stream: Any, media_type: str | None = None, parser_context: Any = None) -> Any:
-        return [line for line in stream.read().split(b"\n") if line.strip()]
-
-
-class EdgeUsageView(APIView):
+class EdgeUsageView(EndpointView):
     """Usage records of the requests an edge served, one JSON document a line; each stored (once,
     however often sent) or refused into the dead-letter before the answer, so a 2xx means the
     edge may drop them. The answer lists the refused ones by their place in the body (0-based,
@@ -63,13 +48,7 @@ class EdgeUsageView(APIView):
         },
     )
     def post(self, request: Request, name: str) -> Response:
-        nul_free_or_404(name)
-        target = Edge.objects.select_related("region").filter(name=name).first()
-        if target is None:
-            raise NotFound(f"No edge {name!r}.")
-        edge = authenticated_edge(request)
-        if edge is None or edge.pk != target.pk:
-            raise PermissionDenied("An edge may report usage only for itself.")
+        target = edge_speaking_for_itself(request, name, doing="report usage")
         data = request.data
         documents = [d for d in data if isinstance(d, bytes)] if isinstance(data, list) else []
         result = usage_ingest(
@@ -78,7 +57,9 @@ class EdgeUsageView(APIView):
             source=UsageDeadLetter.Source.HTTP,
         )
         if result.budgeted:
-            routing_tables_schedule_budget_release()
+            # Routing re-leases what remains of the budgets (spaced); metering, below routing,
+            # reaches it through the one table scheduler.
+            budget_spend_counted()
         rejected = [{"index": r.index, "reason": r.reason} for r in result.rejected]
         USAGE_REJECTED.inc(len(rejected))
         if rejected:
