@@ -19,7 +19,7 @@ RULES = sorted((OBSERVABILITY / "rules").glob("*.yaml"))
 RULE_TESTS = sorted((OBSERVABILITY / "tests").glob("*.yaml"))
 DASHBOARDS = sorted((OBSERVABILITY / "dashboards").glob("*.json"))
 #: Where the code names its metric families (the edge, the control plane, the worker).
-SOURCES = ("regions/edge/*.py", "federation/**/*.py", "workers/**/*.py")
+SOURCES = ("regions/edge/**/*.py", "federation/**/*.py", "workers/**/*.py")
 #: Sample suffixes Prometheus adds to a family's name (counters, histograms).
 SUFFIXES = ("_total", "_bucket", "_count", "_sum", "_created")
 NAME = re.compile(r"\bfedinfer_[a-z0-9_]+")
