@@ -109,19 +109,37 @@ def edge_heartbeat_record(
             inventory.edge_report_store(
                 edge=edge, at=now, workers=believed, applied_table_version=applied_table_version
             )
-            updated, unknown = _store_instance_reports(edge, holder, instances, now)
-            if applied_table_version is not None:
-                budget_report_store(
-                    edge=edge,
-                    holder=holder,
-                    table_version=applied_table_version,
-                    budgets=budgets or {},
-                    at=now,
-                )
-            _store_cold_report(edge, holder, cold, now)
+            updated, unknown = _store_reports(
+                edge, holder, applied_table_version, instances, budgets, cold, now
+            )
     if refusal is not None:
         raise refusal
     return HeartbeatResult(edge=edge, updated_instances=updated, unknown_instances=unknown)
+
+
+def _store_reports(
+    edge: Edge,
+    holder: str,
+    applied_table_version: int | None,
+    instances: Sequence[InstanceReport],
+    budgets: Mapping[tuple[str, str], int] | None,
+    cold: Mapping[str, tuple[int, int]] | None,
+    now: datetime,
+) -> tuple[list[str], list[str]]:
+    """What one holder (a worker of the edge) reports beside its liveness: its instances' load,
+    the budgets it committed under the table it applied, and its cold demand. The caller holds
+    the edge's row lock."""
+    updated, unknown = _store_instance_reports(edge, holder, instances, now)
+    if applied_table_version is not None:
+        budget_report_store(
+            edge=edge,
+            holder=holder,
+            table_version=applied_table_version,
+            budgets=budgets or {},
+            at=now,
+        )
+    _store_cold_report(edge, holder, cold, now)
+    return updated, unknown
 
 
 def _worker_heartbeat_record(
@@ -140,16 +158,9 @@ def _worker_heartbeat_record(
         edge = Edge.objects.select_related("region").select_for_update().get(pk=edge.pk)
         _check_published(edge, applied_table_version)
         inventory.edge_report_store(edge=edge, at=now, workers=_workers_believed(edge, workers))
-        updated, unknown = _store_instance_reports(edge, holder, instances, now)
-        if applied_table_version is not None:
-            budget_report_store(
-                edge=edge,
-                holder=holder,
-                table_version=applied_table_version,
-                budgets=budgets or {},
-                at=now,
-            )
-        _store_cold_report(edge, holder, cold, now)
+        updated, unknown = _store_reports(
+            edge, holder, applied_table_version, instances, budgets, cold, now
+        )
     return HeartbeatResult(edge=edge, updated_instances=updated, unknown_instances=unknown)
 
 
