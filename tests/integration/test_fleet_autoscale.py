@@ -132,11 +132,21 @@ class Stream:
             self.ended_at = time.time()  # wall clock: compared with audit events
 
     def on(self, instance: str) -> bool:
-        return instance in self.routed_to
+        """Whether the edge sent it to ``instance`` (the route header also names the runner-up)."""
+        fields = dict(part.split("=", 1) for part in self.routed_to.split(";") if "=" in part)
+        return fields.get("instance") == instance
 
     def close(self) -> None:
         self.stop.set()
         self.thread.join(30)
+
+
+def edge_idle_on(ops_port: int, instances: set[str]) -> bool:
+    """Whether the edge's scheduler sees every one of ``instances`` healthy with nothing in
+    flight (its operator ``/healthz``)."""
+    detail = httpx.get(f"http://127.0.0.1:{ops_port}/healthz", timeout=5).json()["detail"]
+    idle = {i for i, v in detail.items() if v["healthy"] and v["inflight"] == 0}
+    return all(any(name in i for i in idle) for name in instances)
 
 
 @pytest.mark.slow
@@ -225,6 +235,15 @@ def test_load_up_starts_a_replica_in_time_load_down_drains_one_after_the_cooldow
     wait_until(lambda: len(ready(dep)) == 2, 60, "the second replica ready", log)
     (second,) = ready(dep) - {first}
     scaled_up_at = event.created_at
+    # The load is gone once the edge has seen the closed streams end (it frees their slots when
+    # it notices the disconnect) and routes to the second replica; on a loaded machine either
+    # can lag the client's close by seconds, and a stream sent before then waits for a slot.
+    wait_until(
+        lambda: edge_idle_on(ops_port, {first, second}),
+        30,
+        "the edge idle and routing to both replicas",
+        log,
+    )
 
     # 2. Load down: one stream on each replica (25 %, below the band). After the down window
     # and the cooldown one replica drains; its stream ends intact before its engine stops.
