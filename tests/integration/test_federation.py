@@ -93,6 +93,12 @@ def healthy(edge: str) -> int:
     return int(httpx.get(edge + "/healthz", timeout=1).json()["healthy_instances"])
 
 
+def inflight(edge: str, instance: str) -> int:
+    """The edge's own requests in flight on ``instance`` (its operator ``/healthz``)."""
+    detail = httpx.get(edge + "/healthz", timeout=5).json()["detail"]
+    return int(detail[instance]["inflight"])
+
+
 def metric(edge: str, name: str) -> float:
     total = 0.0
     for line in httpx.get(edge + "/metrics", timeout=5).text.splitlines():
@@ -203,6 +209,10 @@ def test_three_regions_federated(procs: Supervisor, admin_client: APIClient) -> 
 
     # 2. eu-west saturated: EU-only gets 503 with Retry-After, never a US instance; the
     #    unrestricted tenant spills to us-east.
+    #    The held stream must outlast this step: without ``ignore_eos`` the simulated model
+    #    stops "hold" by itself after ~130 tokens (~1.2 s), and a loaded machine took longer
+    #    than that over the requests below, so eu-west's slot was free again and one was
+    #    answered 200. With it, the stream runs to its 4000 tokens (~30 s) unless closed.
     spills_before = metric(ops["eu-west"], "fedinfer_edge_spills_total")
     with httpx.stream(
         "POST",
@@ -211,12 +221,15 @@ def test_three_regions_federated(procs: Supervisor, admin_client: APIClient) -> 
             "model": LLAMA,
             "messages": [{"role": "user", "content": "hold"}],
             "max_tokens": 4000,
+            "ignore_eos": True,
             "stream": True,
         },
         headers={"Authorization": f"Bearer {eu_key}"},
         timeout=30,
     ) as held:
         assert held.status_code == 200 and route_of(held.headers)["region"] == "eu-west"
+        held_on = route_of(held.headers)["instance"]
+        assert inflight(ops["eu-west"], held_on) == 1  # the one slot is the held stream's
         for _ in range(5):
             r = chat(edges["eu-west"], eu_key)
             assert r.status_code in (429, 503), r.text
@@ -227,6 +240,7 @@ def test_three_regions_federated(procs: Supervisor, admin_client: APIClient) -> 
         r = chat(edges["eu-west"], any_key)
         assert r.status_code == 200
         assert route_of(r.headers)["region"] == "us-east", r.headers
+        assert inflight(ops["eu-west"], held_on) == 1  # still held throughout
     assert metric(ops["eu-west"], "fedinfer_edge_spills_total") == spills_before + 1
 
     # 3. Evacuating eu-west through the API shifts its traffic within seconds.
