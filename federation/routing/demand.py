@@ -22,6 +22,8 @@ commodities per ``(o, m)`` however many tenants (and classes) there are.
 
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -248,7 +250,112 @@ def _solve(
     rtt_ms: Mapping[tuple[str, str], float],
     latency_penalty: float,
 ) -> _Solved:
-    """One LP over all commodities: a column per (commodity, target) plus a slack each."""
+    """The programme as independent blocks: commodities share a constraint only through the
+    capacity of a base model, so the models drawing on one base (itself and its adapters)
+    are one block, solved on its own. Each block's answer is remembered by its inputs
+    (``_BLOCKS``): a change to one instance re-solves only its model's block, and the
+    fleet-wide programme's cost no longer grows with every model in the fleet."""
+    blocks: dict[str, dict[Commodity, float]] = {}
+    root = _base_groups(commodities, offers)
+    for ckey, tokens in commodities.items():
+        blocks.setdefault(root[ckey[1]], {})[ckey] = tokens
+    fractions: dict[Commodity, dict[str, float]] = {}
+    slack: dict[Commodity, float] = {}
+    load: dict[tuple[str, str], float] = {}
+    objective, variables = 0.0, 0
+    for name in sorted(blocks):
+        block = blocks[name]
+        inputs = _block_inputs(block, offers, capacity, rtt_ms, latency_penalty)
+        solved = _BLOCKS.get(inputs)
+        if solved is None:
+            solved = _solve_block(block, offers, capacity, rtt_ms, latency_penalty)
+            _BLOCKS.put(inputs, solved)
+        fractions.update(solved.fractions)
+        slack.update(solved.slack)
+        load.update(solved.load)
+        objective += solved.objective
+        variables += solved.variables
+    return _Solved(fractions, slack, load, objective, variables)
+
+
+def _base_groups(
+    commodities: Mapping[Commodity, float], offers: Mapping[str, Mapping[str, Offer]]
+) -> dict[str, str]:
+    """Served name -> its block's name: the smallest base model joined to it through shared
+    capacity (an adapter served on different bases in different regions joins them)."""
+    parent: dict[str, str] = {}
+
+    def find(x: str) -> str:
+        while parent.setdefault(x, x) != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    models = sorted({model for _, model, _ in commodities})
+    for model in models:
+        for offer in offers[model].values():
+            a, b = find("m:" + model), find("b:" + offer.capacity_key)
+            if a != b:
+                parent[max(a, b)] = min(a, b)
+    return {model: find("m:" + model) for model in models}
+
+
+def _block_inputs(
+    block: Mapping[Commodity, float],
+    offers: Mapping[str, Mapping[str, Offer]],
+    capacity: Mapping[tuple[str, str], float],
+    rtt_ms: Mapping[tuple[str, str], float],
+    latency_penalty: float,
+) -> tuple[object, ...]:
+    """Everything a block's solution depends on, as a hashable key."""
+    terms = []
+    keys = set()
+    for ckey in sorted(block):
+        origin, model, targets = ckey
+        for s in targets:
+            offer = offers[model][s]
+            keys.add((s, offer.capacity_key))
+            rtt = 0.0 if s == origin else rtt_ms[(origin, s)]
+            terms.append((s, offer.cost_per_mtok, offer.capacity_key, rtt))
+    caps = tuple((k, capacity.get(k, 0.0)) for k in sorted(keys))
+    return (latency_penalty, tuple(sorted(block.items())), tuple(terms), caps)
+
+
+class _BlockMemo:
+    """The last solutions by their inputs, at most ``size`` (least recently used go first)."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.entries: OrderedDict[tuple[object, ...], _Solved] = OrderedDict()
+        self.lock = threading.Lock()  # the web process compiles previews on several threads
+
+    def get(self, inputs: tuple[object, ...]) -> _Solved | None:
+        with self.lock:
+            solved = self.entries.get(inputs)
+            if solved is not None:
+                self.entries.move_to_end(inputs)
+            return solved
+
+    def put(self, inputs: tuple[object, ...], solved: _Solved) -> None:
+        with self.lock:
+            self.entries[inputs] = solved
+            if len(self.entries) > self.size:
+                self.entries.popitem(last=False)
+
+
+#: Room for every block of a few fleets (a base model's block per compile; the console's
+#: previews compile variants of the fleet).
+_BLOCKS = _BlockMemo(4096)
+
+
+def _solve_block(
+    commodities: Mapping[Commodity, float],
+    offers: Mapping[str, Mapping[str, Offer]],
+    capacity: Mapping[tuple[str, str], float],
+    rtt_ms: Mapping[tuple[str, str], float],
+    latency_penalty: float,
+) -> _Solved:
+    """One LP over the commodities: a column per (commodity, target) plus a slack each."""
     order = sorted(commodities)
     cap_rows: dict[tuple[str, str], int] = {}
     x_cost: list[float] = []

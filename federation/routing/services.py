@@ -10,15 +10,12 @@ one saw: versions only go up, and a newer version never carries an older fleet.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import secrets
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime
-from typing import Any
 
-import orjson
 import redis
 from celery import current_app
 from django.conf import settings
@@ -33,15 +30,14 @@ from federation.core.changes import TableScheduler
 from federation.core.models import AuditEvent
 from federation.core.services import model_lock
 from federation.inventory.models import Edge, Region
-from federation.routing.compiler import compile_region_table, fleet_plan
+from federation.routing.compiler import compile_changed_tables
 from federation.routing.models import BudgetReport, RoutingTableCounter, RoutingTableVersion
 from federation.routing.selectors import fleet_snapshot
+from federation.routing.tenant_plan import TenantPlan
 from federation.tenancy.keys import EDGE_CREDENTIAL_PREFIX, hash_key
 
 logger = logging.getLogger(__name__)
 
-#: Fields that change with every compile even when the fleet does not.
-VOLATILE_FIELDS = ("version", "generated_at", "signature")
 #: Set while a recompile is queued: further changes within that window ride along.
 RECOMPILE_PENDING_KEY = "fedinfer:tables:recompile-pending"
 #: Let a burst of changes settle before compiling (many changes in a second, one compile).
@@ -57,6 +53,17 @@ class _Spacing:
 
 
 _budget_release = _Spacing()
+
+
+class _LastTenants:
+    """The tenants' part of this process's last compile, for the next to reuse when the
+    tenants have not changed (``fleet_plan`` checks): a change to one instance then costs no
+    tenant work. One plan, replaced by each compile."""
+
+    plan: TenantPlan | None = None
+
+
+_last_tenants = _LastTenants()
 #: One queued recompile per ramp step boundary (key + its epoch milliseconds).
 RAMP_STEP_KEY = "fedinfer:tables:ramp-step:{at_ms}"
 #: Compile a little after the boundary, so that the level has moved.
@@ -99,12 +106,6 @@ def nudge_channel(region_code: str) -> str:
     url = settings.REDIS_URL
     database = parse_url(url).get("db", 0) if url else 0
     return f"fedinfer:tables:{database}:{region_code}"
-
-
-def body_hash(document: dict[str, Any]) -> str:
-    """SHA-256 of the canonical document without its volatile fields."""
-    body = {k: v for k, v in document.items() if k not in VOLATILE_FIELDS}
-    return hashlib.sha256(orjson.dumps(body, option=orjson.OPT_SORT_KEYS)).hexdigest()
 
 
 # --- publishing ----------------------------------------------------------------------------
@@ -156,30 +157,31 @@ def routing_tables_publish(*, regions: Sequence[str] | None = None) -> list[Rout
         counters = _locked_counters(codes)
         # Read the fleet only now, under the locks: a later publisher sees at least this.
         snapshot = fleet_snapshot()
-        plan = fleet_plan(snapshot)  # the fleet-wide demand split, once for every region
         latest = RoutingTableVersion.objects.filter(region=OuterRef("pk")).order_by("-version")
-        targets = Region.objects.filter(code__in=codes).annotate(
-            latest_hash=Subquery(latest.values("body_hash")[:1])
-        )
-        generated_at = timezone.now().isoformat().replace("+00:00", "Z")
-        created: list[RoutingTableVersion] = []
-        for region in targets.order_by("code"):
-            counter = counters[region.code]
-            document = compile_region_table(
-                snapshot,
-                region=region.code,
-                version=counter.last_version + 1,
-                generated_at=generated_at,
-                plan=plan,
+        targets = {
+            region.code: region
+            for region in Region.objects.filter(code__in=codes).annotate(
+                latest_hash=Subquery(latest.values("body_hash")[:1])
             )
-            digest = body_hash(document)
-            if region.latest_hash == digest:
-                continue
+        }
+        plan, changed = compile_changed_tables(
+            snapshot,
+            latest={c: (counters[c].last_version, targets[c].latest_hash) for c in codes},
+            generated_at=timezone.now().isoformat().replace("+00:00", "Z"),
+            reuse=_last_tenants.plan,
+        )
+        _last_tenants.plan = plan.tenant_plan
+        created: list[RoutingTableVersion] = []
+        for table in changed:
+            counter = counters[table.region]
             counter.last_version += 1
             counter.save(update_fields=["last_version"])
             created.append(
                 RoutingTableVersion.objects.create(
-                    region=region, version=counter.last_version, document=document, body_hash=digest
+                    region=targets[table.region],
+                    version=counter.last_version,
+                    document=table.document,
+                    body_hash=table.body_hash,
                 )
             )
         if created:

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
 from federation.routing import leases
+from federation.routing.digest import section_digest
 from federation.routing.leases import tenant_budget
 from federation.routing.snapshot import INFERENCE_SCOPE, FleetSnapshot, RegionRow, TenantRow
 from federation.tenancy.residency import ResidencyPolicy, region_allowed
@@ -34,13 +35,29 @@ class ResidencyClass:
     tenants: int
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class TenantPlan:
-    """The tenants' part of a plan, and the inputs it was computed from."""
+    """The tenants' part of a plan, and the inputs it was computed from. Its entries as the
+    documents carry them, and their digest, are computed once however many regions' tables
+    and compiles share the plan: at 100,000 tenants they are most of every table."""
 
     inputs: tuple[Any, ...]
     classes: list[ResidencyClass]
     entries: tuple[schema.TenantPolicy, ...]
+    _documents: list[dict[str, Any]] | None = field(default=None, compare=False, repr=False)
+    _digest: str | None = field(default=None, compare=False, repr=False)
+
+    def documents(self) -> list[dict[str, Any]]:
+        """The entries as every table's ``tenants`` list (:func:`schema.encode_tenants`)."""
+        if self._documents is None:
+            self._documents = schema.encode_tenants(self.entries)
+        return self._documents
+
+    def digest(self) -> str:
+        """SHA-256 of :meth:`documents` as canonical JSON (``tables_digest.section_digest``)."""
+        if self._digest is None:
+            self._digest = section_digest(self.documents())
+        return self._digest
 
 
 def budget_state(*, monthly_budget_usd: float | None, spend_usd: float) -> schema.BudgetState:
