@@ -17,7 +17,8 @@ from datetime import datetime
 from typing import Any
 
 from django.core.exceptions import ValidationError
-from django.db import transaction
+from django.db import connection, transaction
+from django.db.models import Q
 from django.utils import timezone
 
 from federation.core import metrics
@@ -89,6 +90,7 @@ def edge_heartbeat_record(
         )
     refusal: Conflict | None = None
     with transaction.atomic():
+        _commit_without_flush()
         edge = Edge.objects.select_related("region").select_for_update().get(pk=edge.pk)
         believed = _workers_believed(edge, workers)
         previous = edge.applied_table_version
@@ -115,6 +117,17 @@ def edge_heartbeat_record(
     if refusal is not None:
         raise refusal
     return HeartbeatResult(edge=edge, updated_instances=updated, unknown_instances=unknown)
+
+
+def _commit_without_flush() -> None:
+    """This transaction's commit does not wait for its WAL to reach the disk (PostgreSQL's
+    ``synchronous_commit`` off, for it alone): a heartbeat is soft state that its edge sends
+    again within seconds, so a crash of the database may lose the last fraction of a second
+    of them — never a table, a usage record or a change anyone made — and each heartbeat stops
+    paying a disk flush (3-4 ms a commit on a busy machine, more than the rest of it)."""
+    if connection.vendor == "postgresql":
+        with connection.cursor() as cursor:
+            cursor.execute("SET LOCAL synchronous_commit TO OFF")
 
 
 def _store_reports(
@@ -155,6 +168,7 @@ def _worker_heartbeat_record(
     """A heartbeat of worker 1 or later: liveness, its instances' load, its cold demand and
     the budgets it committed under the table it applied (its own leases)."""
     with transaction.atomic():
+        _commit_without_flush()
         edge = Edge.objects.select_related("region").select_for_update().get(pk=edge.pk)
         _check_published(edge, applied_table_version)
         inventory.edge_report_store(edge=edge, at=now, workers=_workers_believed(edge, workers))
@@ -266,23 +280,15 @@ def merge_load(current: Any, *, edge: str, report: InstanceReport, now: datetime
             if isinstance(old, dict) and age is not None and age <= LOAD_REPORT_MAX_AGE_S:
                 edges[name] = old
     edges[edge] = {**report.load, "healthy": report.healthy, "reported_at": now.isoformat()}
-    merged: dict[str, Any] = {
-        key: sum(e[key] for e in edges.values() if key in e)
-        for key in SUMMED_LOAD_FIELDS
-        if any(key in e for e in edges.values())
-    }
+    merged: dict[str, Any] = {}
+    for key in SUMMED_LOAD_FIELDS:
+        values = [e[key] for e in edges.values() if key in e]
+        if values:
+            merged[key] = sum(values)
     merged["healthy"] = any(e.get("healthy") is True for e in edges.values())
     merged["edges"] = edges
     merged["reported_at"] = now.isoformat()
     return merged
-
-
-def _region_health(region_id: int, now: datetime) -> bool:
-    """Whether the region is down: every ready instance reported unhealthy (compiler's rule)."""
-    loads = Instance.objects.filter(
-        deployment__pool__region_id=region_id, state=lifecycle.READY
-    ).values_list("load", flat=True)
-    return region_down(reported_health(load, now) for load in loads)
 
 
 def _store_instance_reports(
@@ -290,14 +296,20 @@ def _store_instance_reports(
 ) -> tuple[list[str], list[str]]:
     # The region row serialises its edges' heartbeats, so a down -> up change is seen once.
     region = Region.objects.select_for_update().get(pk=edge.region_id)
-    was_down = _region_health(region.pk, now)
     names = [r.id for r in reports]
-    known = {
-        inst.name: inst
-        for inst in Instance.objects.select_for_update()
-        .filter(name__in=names, deployment__pool__region_id=edge.region_id)
+    # One read for the reported instances and the ready ones the region's health is judged
+    # by (every ready instance reported unhealthy: the compiler's rule), before and after.
+    rows = list(
+        Instance.objects.select_for_update()
+        .filter(deployment__pool__region_id=edge.region_id)
+        .filter(Q(name__in=names) | Q(state=lifecycle.READY))
+        .only("pk", "name", "state", "load")
         .order_by("pk")
-    }
+    )
+    ready = [inst for inst in rows if inst.state == lifecycle.READY]
+    was_down = region_down(reported_health(inst.load, now) for inst in ready)
+    reported = set(names)
+    known = {inst.name: inst for inst in rows if inst.name in reported}
     loads: list[tuple[Instance, dict[str, Any]]] = []
     for report in reports:
         inst = known.get(report.id)
@@ -310,7 +322,7 @@ def _store_instance_reports(
     # the periodic recompile picks telemetry up. Only a region going down or coming back
     # recompiles at once; coming back starts its ramp.
     updated = inventory.instance_loads_store(loads=loads, at=now)
-    down = _region_health(region.pk, now)
+    down = region_down(reported_health(inst.load, now) for inst in ready)
     if was_down and not down:
         inventory.region_recovery_record(region=region, at=now)
     if was_down != down:

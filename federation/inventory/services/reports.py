@@ -14,6 +14,9 @@ from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
 
+import orjson
+from django.db import connection
+
 from federation.inventory.models import Edge, Instance, Region
 
 
@@ -43,13 +46,29 @@ def instance_loads_store(
     *, loads: Sequence[tuple[Instance, dict[str, Any]]], at: datetime
 ) -> list[Instance]:
     """Each instance's load snapshot (merged over its region's edges), heard of at ``at``;
-    one query for all of them."""
+    one query for all of them. On PostgreSQL an ``UPDATE … FROM unnest(…)``: Django's
+    ``bulk_update`` builds a CASE expression per row and cost a heartbeat of 96 instances
+    67 ms of CPU, most of its time."""
     updated: list[Instance] = []
     for instance, load in loads:
         instance.load = load
         instance.last_heartbeat_at = at
         updated.append(instance)
-    Instance.objects.bulk_update(updated, ["load", "last_heartbeat_at"])
+    if not updated:
+        return updated
+    if connection.vendor != "postgresql":  # the embedded demo's SQLite
+        Instance.objects.bulk_update(updated, ["load", "last_heartbeat_at"])
+        return updated
+    table = connection.ops.quote_name(Instance._meta.db_table)
+    # One JSON object {pk: load} as the only large parameter: the client-side binding Django
+    # uses quotes it as one string, where a text[] of documents escapes every double quote.
+    by_pk = orjson.dumps({str(i.pk): i.load for i in updated}).decode()
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"UPDATE {table} AS i SET load = v.load, last_heartbeat_at = %s "
+            "FROM jsonb_each(%s::jsonb) AS v(id, load) WHERE i.id = v.id::bigint",
+            [at, by_pk],
+        )
     return updated
 
 
