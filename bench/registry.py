@@ -154,6 +154,15 @@ REGISTER: tuple[Benchmark, ...] = (
         history="compile-tables.md",
     ),
     Benchmark(
+        name="scale",
+        module="bench.scale",
+        summary="the control plane's growth: one change's compile, table sizes, what edges "
+        "receive, heartbeat and usage ingestion, at 1x-8x of a 13-region fleet",
+        make="",
+        targets="bench/scale.py: module docstring, judge()",
+        history="scale.md",
+    ),
+    Benchmark(
         name="admission",
         module="bench.admission",
         summary="the edge's admission CPU per request (key lookup, budget, two token buckets)",
