@@ -28,9 +28,12 @@ from workers.provisioners import configured_provisioners
     retry_backoff_max=30,
     max_retries=10,
 )
-def routing_tables_publish_task(regions: list[str] | None = None) -> list[str]:
-    """Compile and publish the tables whose content changed; ``region@version`` of each."""
-    versions = routing.routing_tables_recompile(regions=regions)
+def routing_tables_publish_task(
+    regions: list[str] | None = None, due_at: float | None = None
+) -> list[str]:
+    """Compile and publish the tables whose content changed; ``region@version`` of each.
+    ``due_at``: when a queued publish was due (``routing_tables_recompile``)."""
+    versions = routing.routing_tables_recompile(regions=regions, due_at=due_at)
     return [f"{v.region.code}@{v.version}" for v in versions]
 
 

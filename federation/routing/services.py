@@ -55,6 +55,16 @@ class _Spacing:
 _budget_release = _Spacing()
 
 
+class _LastFullPublish:
+    """When this process last started a publish of every region's table that succeeded
+    (wall clock)."""
+
+    started_at = float("-inf")
+
+
+_last_full_publish = _LastFullPublish()
+
+
 class _LastTenants:
     """The tenants' part of this process's last compile, for the next to reuse when the
     tenants have not changed (``fleet_plan`` checks): a change to one instance then costs no
@@ -251,14 +261,32 @@ def _publish_once(key: str, ttl_ms: int, countdown_s: float, what: str) -> bool:
             client.close()
         if not first:
             return False
-    current_app.send_task(PUBLISH_TASK, countdown=countdown_s)
+    due_at = time.time() + countdown_s
+    current_app.send_task(PUBLISH_TASK, kwargs={"due_at": due_at}, countdown=countdown_s)
     return True
 
 
-def routing_tables_recompile(*, regions: Sequence[str] | None = None) -> list[RoutingTableVersion]:
-    """What the queued and the periodic task run: claim the pending mark, then publish."""
+def routing_tables_recompile(
+    *, regions: Sequence[str] | None = None, due_at: float | None = None
+) -> list[RoutingTableVersion]:
+    """What the queued and the periodic task run: claim the pending mark, then publish.
+
+    Without Redis (the embedded demo) nothing debounces: every change queues a publish, and
+    a burst of them compiled back to back held SQLite's write lock for seconds, stalling the
+    web's one thread. There a queued full publish (``due_at``: the wall-clock time it was
+    queued to run) is skipped when a full publish of this process started after that time:
+    it read the fleet after the change that queued this one had committed. With Redis the
+    pending mark debounces instead (and hosts' clocks need not agree).
+    """
+    coalesce = regions is None and not settings.REDIS_URL
+    if coalesce and due_at is not None and due_at < _last_full_publish.started_at:
+        return []
+    started_at = time.time()
     _recompile_claim()
-    return routing_tables_publish(regions=regions)
+    published = routing_tables_publish(regions=regions)
+    if coalesce:  # only once it succeeded: a failed one's retry must not skip itself
+        _last_full_publish.started_at = started_at
+    return published
 
 
 def _recompile_claim() -> None:

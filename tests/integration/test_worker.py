@@ -73,6 +73,44 @@ def test_a_burst_of_changes_queues_one_delayed_recompile(
 
 
 @pytest.mark.django_db
+def test_without_redis_a_queued_publish_an_earlier_started_one_covered_is_skipped(
+    settings: Any,
+    admin_client: APIClient,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The embedded demo: no Redis to debounce, so every change queues a publish of its own.
+    settings.REDIS_URL = ""
+    monkeypatch.setattr(services, "_last_full_publish", services._LastFullPublish())
+    fleet = build_fleet(admin_client)
+    due = time.time()
+    assert [v.version for v in services.routing_tables_recompile(due_at=due)] == [1, 1]
+
+    def drain(region: Region) -> None:  # a change every table of that region shows
+        Instance.objects.filter(deployment__pool__region=region).update(state="draining")
+
+    # Queued (due) before that publish started: that publish read its change. Skipped.
+    drain(fleet.eu)
+    assert services.routing_tables_recompile(due_at=due) == []
+    # One region's publish is never skipped, nor the periodic one (no due time).
+    (eu,) = services.routing_tables_recompile(regions=["eu-west"], due_at=due)
+    assert (eu.region.code, eu.version) == ("eu-west", 2)
+    drain(fleet.us)
+    published = services.routing_tables_recompile()
+    assert {(v.region.code, v.version) for v in published} == {("eu-west", 3), ("us-east", 2)}
+    assert services._last_full_publish.started_at > due
+    # A publish that fails does not count as started: its retry is not skipped.
+    started = services._last_full_publish.started_at
+    monkeypatch.setattr(services, "routing_tables_publish", _fails)
+    with pytest.raises(RuntimeError):
+        services.routing_tables_recompile(due_at=time.time())
+    assert services._last_full_publish.started_at == started
+
+
+def _fails(**_: Any) -> list[RoutingTableVersion]:
+    raise RuntimeError("database gone")
+
+
+@pytest.mark.django_db
 def test_heartbeats_and_credential_rotation_queue_no_recompile(
     test_redis: redis.Redis,  # noqa: F811
     admin_client: APIClient,
