@@ -131,7 +131,7 @@ def split_demand(
         ckey = (origin, model, targets)
         commodities[ckey] = commodities.get(ckey, 0.0) + tokens
         members[key] = ckey
-    solved = _solve(commodities, offers, capacity, rtt_ms, latency_penalty)
+    solved = _solve(commodities, _Market(offers, capacity, rtt_ms, latency_penalty))
     fractions: dict[tuple[str, str, str], dict[str, float]] = {}
     unserved = dict(dropped)
     for key, ckey in members.items():
@@ -203,7 +203,7 @@ def split_shared_demand(
                 continue
             ckey = (origin, model, tuple(sorted(permitted)))
             commodities[ckey] = commodities.get(ckey, 0.0) + tokens * share
-    solved = _solve(commodities, offers, capacity, rtt_ms, latency_penalty)
+    solved = _solve(commodities, _Market(offers, capacity, rtt_ms, latency_penalty))
     for ckey, slack in solved.slack.items():
         if slack > _EPS:
             key = (ckey[0], ckey[1])
@@ -243,20 +243,25 @@ class _Solved:
     variables: int
 
 
-def _solve(
-    commodities: Mapping[Commodity, float],
-    offers: Mapping[str, Mapping[str, Offer]],
-    capacity: Mapping[tuple[str, str], float],
-    rtt_ms: Mapping[tuple[str, str], float],
-    latency_penalty: float,
-) -> _Solved:
+@dataclass(frozen=True, slots=True)
+class _Market:
+    """What the commodities are split over: the offers, their capacity, the round trips to
+    them and what a millisecond of it costs (the arguments of ``split_*``)."""
+
+    offers: Mapping[str, Mapping[str, Offer]]
+    capacity: Mapping[tuple[str, str], float]
+    rtt_ms: Mapping[tuple[str, str], float]
+    latency_penalty: float
+
+
+def _solve(commodities: Mapping[Commodity, float], market: _Market) -> _Solved:
     """The programme as independent blocks: commodities share a constraint only through the
     capacity of a base model, so the models drawing on one base (itself and its adapters)
     are one block, solved on its own. Each block's answer is remembered by its inputs
     (``_BLOCKS``): a change to one instance re-solves only its model's block, and the
     fleet-wide programme's cost no longer grows with every model in the fleet."""
     blocks: dict[str, dict[Commodity, float]] = {}
-    root = _base_groups(commodities, offers)
+    root = _base_groups(commodities, market.offers)
     for ckey, tokens in commodities.items():
         blocks.setdefault(root[ckey[1]], {})[ckey] = tokens
     fractions: dict[Commodity, dict[str, float]] = {}
@@ -265,10 +270,10 @@ def _solve(
     objective, variables = 0.0, 0
     for name in sorted(blocks):
         block = blocks[name]
-        inputs = _block_inputs(block, offers, capacity, rtt_ms, latency_penalty)
+        inputs = _block_inputs(block, market)
         solved = _BLOCKS.get(inputs)
         if solved is None:
-            solved = _solve_block(block, offers, capacity, rtt_ms, latency_penalty)
+            solved = _solve_block(block, market)
             _BLOCKS.put(inputs, solved)
         fractions.update(solved.fractions)
         slack.update(solved.slack)
@@ -300,25 +305,19 @@ def _base_groups(
     return {model: find("m:" + model) for model in models}
 
 
-def _block_inputs(
-    block: Mapping[Commodity, float],
-    offers: Mapping[str, Mapping[str, Offer]],
-    capacity: Mapping[tuple[str, str], float],
-    rtt_ms: Mapping[tuple[str, str], float],
-    latency_penalty: float,
-) -> tuple[object, ...]:
+def _block_inputs(block: Mapping[Commodity, float], market: _Market) -> tuple[object, ...]:
     """Everything a block's solution depends on, as a hashable key."""
     terms = []
     keys = set()
     for ckey in sorted(block):
         origin, model, targets = ckey
         for s in targets:
-            offer = offers[model][s]
+            offer = market.offers[model][s]
             keys.add((s, offer.capacity_key))
-            rtt = 0.0 if s == origin else rtt_ms[(origin, s)]
+            rtt = 0.0 if s == origin else market.rtt_ms[(origin, s)]
             terms.append((s, offer.cost_per_mtok, offer.capacity_key, rtt))
-    caps = tuple((k, capacity.get(k, 0.0)) for k in sorted(keys))
-    return (latency_penalty, tuple(sorted(block.items())), tuple(terms), caps)
+    caps = tuple((k, market.capacity.get(k, 0.0)) for k in sorted(keys))
+    return (market.latency_penalty, tuple(sorted(block.items())), tuple(terms), caps)
 
 
 class _BlockMemo:
@@ -348,13 +347,7 @@ class _BlockMemo:
 _BLOCKS = _BlockMemo(4096)
 
 
-def _solve_block(
-    commodities: Mapping[Commodity, float],
-    offers: Mapping[str, Mapping[str, Offer]],
-    capacity: Mapping[tuple[str, str], float],
-    rtt_ms: Mapping[tuple[str, str], float],
-    latency_penalty: float,
-) -> _Solved:
+def _solve_block(commodities: Mapping[Commodity, float], market: _Market) -> _Solved:
     """One LP over the commodities: a column per (commodity, target) plus a slack each."""
     order = sorted(commodities)
     cap_rows: dict[tuple[str, str], int] = {}
@@ -363,11 +356,11 @@ def _solve_block(
     x_cap: list[int] = []  # capacity row of each x
     x_target: list[str] = []
     for i, (origin, model, targets) in enumerate(order):
-        model_offers = offers[model]
+        model_offers = market.offers[model]
         for s in targets:
             offer = model_offers[s]
-            rtt = 0.0 if s == origin else rtt_ms[(origin, s)]
-            x_cost.append(offer.cost_per_mtok + latency_penalty * rtt)
+            rtt = 0.0 if s == origin else market.rtt_ms[(origin, s)]
+            x_cost.append(offer.cost_per_mtok + market.latency_penalty * rtt)
             x_row.append(i)
             row = cap_rows.get((s, offer.capacity_key))
             if row is None:
@@ -390,7 +383,7 @@ def _solve_block(
         (d[xr], (np.array(x_cap, dtype=np.int64), np.arange(n_x))),
         shape=(len(caps), n_x + n_c),
     )
-    b_ub = np.array([max(0.0, float(capacity.get(k, 0.0))) for k in caps])
+    b_ub = np.array([max(0.0, float(market.capacity.get(k, 0.0))) for k in caps])
     with DEMAND_SPLIT_SOLVE.time():
         result = linprog(
             c_vec,
