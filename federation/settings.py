@@ -176,6 +176,11 @@ FEDINFER_BUDGET_RELEASE_SECONDS = env_int("FEDINFER_BUDGET_RELEASE_SECONDS", 5)
 #: FEDINFER_RAMP_STEPS steps over FEDINFER_RAMP_SECONDS (docs/edge-federation.md).
 FEDINFER_RAMP_SECONDS = env_int("FEDINFER_RAMP_SECONDS", 60)
 FEDINFER_RAMP_STEPS = env_int("FEDINFER_RAMP_STEPS", 4)
+#: Published table versions kept per region however old (the newest ones), and how long the
+#: others are kept; a version an edge reports as applied is kept too (docs/distribution.md).
+FEDINFER_TABLE_VERSIONS_KEPT = env_int("FEDINFER_TABLE_VERSIONS_KEPT", 50)
+FEDINFER_TABLE_RETENTION_HOURS = env_int("FEDINFER_TABLE_RETENTION_HOURS", 24)
+FEDINFER_TABLE_PRUNE_SECONDS = env_int("FEDINFER_TABLE_PRUNE_SECONDS", 600)
 #: Seconds between usage rollups (hourly and daily sums, pool costs: docs/metering.md).
 FEDINFER_USAGE_ROLLUP_SECONDS = env_int("FEDINFER_USAGE_ROLLUP_SECONDS", 15)
 CELERY_BEAT_SCHEDULE: dict[str, dict[str, object]] = {
@@ -186,6 +191,10 @@ CELERY_BEAT_SCHEDULE: dict[str, dict[str, object]] = {
     "usage-rollup": {
         "task": "fedinfer.usage.rollup",
         "schedule": float(FEDINFER_USAGE_ROLLUP_SECONDS),
+    },
+    "routing-tables-prune": {
+        "task": "fedinfer.routing_tables.prune",
+        "schedule": float(FEDINFER_TABLE_PRUNE_SECONDS),
     },
 }
 # The fleet: lifecycle, replica counts and failover (docs/operations.md).

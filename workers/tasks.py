@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+from datetime import timedelta
 
 import redis
 from django.conf import settings
@@ -35,6 +36,15 @@ def routing_tables_publish_task(
     ``due_at``: when a queued publish was due (``routing_tables_recompile``)."""
     versions = routing.routing_tables_recompile(regions=regions, due_at=due_at)
     return [f"{v.region.code}@{v.version}" for v in versions]
+
+
+@app.task(name="fedinfer.routing_tables.prune", autoretry_for=(DatabaseError,), max_retries=3)
+def routing_tables_prune_task() -> int:
+    """Delete the published table versions past their retention; how many."""
+    return routing.routing_tables_prune(
+        keep=settings.FEDINFER_TABLE_VERSIONS_KEPT,
+        older_than=timezone.now() - timedelta(hours=settings.FEDINFER_TABLE_RETENTION_HOURS),
+    )
 
 
 @app.task(

@@ -20,7 +20,8 @@ import redis
 from celery import current_app
 from django.conf import settings
 from django.db import transaction
-from django.db.models import OuterRef, Subquery
+from django.db.models import Exists, F, OuterRef, Subquery, Window
+from django.db.models.functions import RowNumber
 from django.utils import timezone
 from redis.connection import parse_url
 
@@ -202,6 +203,38 @@ def routing_tables_publish(*, regions: Sequence[str] | None = None) -> list[Rout
             delay = plan.next_ramp_change_s + RAMP_STEP_SLACK_S
             transaction.on_commit(lambda: routing_tables_schedule_ramp_step(at, delay), robust=True)
     return created
+
+
+def routing_tables_prune(*, keep: int, older_than: datetime, batch: int = 1000) -> int:
+    """Delete the published versions nobody needs any more; how many went. A region's newest
+    ``keep`` versions stay, and so does every version created at or after ``older_than`` and
+    every one an edge of the region reports as applied (what it serves, and what a restarted
+    control plane must still recognise). Each version carries the whole table — every tenant
+    — and a fleet with budgets publishes one every few seconds, so without this the table
+    grows without end. In batches of ``batch``: no delete holds a long lock."""
+    if keep < 1:
+        raise ValueError("keep at least the newest version of each region")
+    # Ranked over all of a region's versions, apart from the other conditions: filtered
+    # together, the window would rank only the old ones and keep the newest of those.
+    beyond_newest = (
+        RoutingTableVersion.objects.annotate(
+            newer=Window(RowNumber(), partition_by=[F("region_id")], order_by=F("version").desc())
+        )
+        .filter(newer__gt=keep)
+        .values("pk")
+    )
+    applied = Edge.objects.filter(
+        region_id=OuterRef("region_id"), applied_table_version=OuterRef("version")
+    )
+    expired = (
+        RoutingTableVersion.objects.filter(pk__in=beyond_newest, created_at__lt=older_than)
+        .exclude(Exists(applied))
+        .values_list("pk", flat=True)
+    )
+    deleted = 0
+    while ids := list(expired[:batch]):
+        deleted += RoutingTableVersion.objects.filter(pk__in=ids).delete()[0]
+    return deleted
 
 
 def routing_tables_schedule_ramp_step(compiled_at: datetime, delay_s: float) -> bool:
