@@ -113,12 +113,14 @@ def publish(
     documents whose body changed (``compile_changed_tables``). (plan, region -> new body hash,
     wall s, CPU s)."""
     from federation.routing.compiler import compile_changed_tables
+    from federation.routing.services import without_cyclic_gc
 
     gc.collect()
     w, c = time.perf_counter(), time.process_time()
-    plan, changed = compile_changed_tables(
-        snapshot, latest=latest, generated_at=GENERATED_AT, reuse=reuse
-    )
+    with without_cyclic_gc():
+        plan, changed = compile_changed_tables(
+            snapshot, latest=latest, generated_at=GENERATED_AT, reuse=reuse
+        )
     wall, cpu = time.perf_counter() - w, time.process_time() - c
     return plan, {t.region: t.body_hash for t in changed}, wall, cpu
 

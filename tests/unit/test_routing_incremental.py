@@ -159,3 +159,24 @@ def test_a_tenant_change_is_not_hidden_by_the_reused_plan() -> None:
     assert after.tenant_plan is not plan.tenant_plan
     assert sorted(t.region for t in changed) == sorted(regions)  # every table lists tenants
     assert all(len(t.document["tenants"]) == len(SNAPSHOT.tenants) - 1 for t in changed)
+
+
+def test_a_compile_runs_without_the_cyclic_collector_and_leaves_it_as_it_found_it() -> None:
+    import gc
+
+    from federation.routing.services import without_cyclic_gc
+
+    assert gc.isenabled()
+    with without_cyclic_gc():
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    gc.disable()  # someone else's choice is kept
+    try:
+        with without_cyclic_gc():
+            assert not gc.isenabled()
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+    with pytest.raises(RuntimeError), without_cyclic_gc():
+        raise RuntimeError("a failed compile")
+    assert gc.isenabled()
