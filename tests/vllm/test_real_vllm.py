@@ -335,7 +335,10 @@ def held_load(server: VllmServer, requests: int) -> Iterator[int]:
 
     def generate(i: int) -> None:
         try:
-            body = chat(None, f"held {i}", max_tokens=400)
+            # As long as the context allows (~8 s at 8 ms a token here, longer under load): a
+            # busy CPU server took its requests in up to 3 s apart, and 400 tokens (3.4 s)
+            # had the first ended before the last began, so all four never ran at once.
+            body = chat(None, f"held {i}", max_tokens=MAX_MODEL_LEN - 64)
             resp = httpx.post(server.base_url + "/v1/chat/completions", json=body, timeout=300)
             answers.append((resp.status_code, time.monotonic() - started, resp.text[:200]))
         except BaseException as exc:
