@@ -112,7 +112,7 @@ def publish(
     """What ``routing_tables_publish`` computes, without the database: the plan and the
     documents whose body changed (``compile_changed_tables``). (plan, region -> new body hash,
     wall s, CPU s)."""
-    from federation.routing.compiler import compile_changed_tables
+    from federation.routing.changed_tables import compile_changed_tables
     from federation.routing.services import without_cyclic_gc
 
     gc.collect()

@@ -31,7 +31,6 @@ from federation.routing.demand import (
     Offer,
     split_shared_demand,
 )
-from federation.routing.digest import body_hash
 from federation.routing.ramp import region_ramp
 from federation.routing.snapshot import (
     FleetSnapshot,
@@ -570,43 +569,6 @@ def compile_region_table(
         snapshot, region=region, version=version, generated_at=generated_at, plan=plan
     )
     return schema.encode_table(table, encoded_tenants=plan.tenant_plan.documents())
-
-
-@dataclass(frozen=True, slots=True)
-class CompiledTable:
-    """A region's new document and its body's digest (``digest.body_hash``)."""
-
-    region: str
-    document: dict[str, Any]
-    body_hash: str
-
-
-def compile_changed_tables(
-    snapshot: FleetSnapshot,
-    *,
-    latest: Mapping[str, tuple[int, str | None]],
-    generated_at: str,
-    reuse: TenantPlan | None = None,
-) -> tuple[FleetPlan, list[CompiledTable]]:
-    """The plan, and the documents of the regions in ``latest`` (code -> its latest version
-    and body hash) whose body differs from their latest, each numbered one above it.
-
-    ``reuse``: the previous compile's tenants (``FleetPlan.tenant_plan``), taken when its
-    inputs are unchanged, as after an action on an instance: then the tenants, most of each
-    table at scale, are neither planned, encoded nor digested again.
-    """
-    plan = fleet_plan(snapshot, reuse=reuse)
-    tenants_digest = plan.tenant_plan.digest()
-    changed = []
-    for code in sorted(latest):
-        version, latest_hash = latest[code]
-        document = compile_region_table(
-            snapshot, region=code, version=version + 1, generated_at=generated_at, plan=plan
-        )
-        digest = body_hash(document, tenants_digest=tenants_digest)
-        if digest != latest_hash:
-            changed.append(CompiledTable(code, document, digest))
-    return plan, changed
 
 
 def compile_fleet_tables(

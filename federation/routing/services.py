@@ -33,7 +33,7 @@ from federation.core.changes import TableScheduler
 from federation.core.models import AuditEvent
 from federation.core.services import model_lock
 from federation.inventory.models import Edge, Region
-from federation.routing.compiler import compile_changed_tables
+from federation.routing.changed_tables import compile_changed_tables
 from federation.routing.models import BudgetReport, RoutingTableCounter, RoutingTableVersion
 from federation.routing.selectors import fleet_snapshot
 from federation.routing.tenant_plan import TenantPlan

@@ -10,7 +10,8 @@ import dataclasses
 import pytest
 
 from federation.routing import demand
-from federation.routing.compiler import compile_changed_tables, compile_fleet_tables
+from federation.routing.changed_tables import compile_changed_tables
+from federation.routing.compiler import compile_fleet_tables
 from federation.routing.demand import Offer, split_shared_demand
 from federation.routing.digest import body_hash, section_digest
 from federation.routing.snapshot import FleetSnapshot
