@@ -18,6 +18,7 @@ from typing import Any
 
 import orjson
 
+from regions.engines.prompt_tokens import ModelTokenizer
 from regions.engines.simulator.engine import RequestStream, SimEngine
 from regions.engines.simulator.faults import Fate
 from regions.engines.simulator.http import (
@@ -40,6 +41,7 @@ from regions.engines.simulator.http import (
 from regions.engines.simulator.openai_protocol import (
     CompletionFormatter,
     cache_salt_field,
+    check_generation_prompt,
     kv_transfer_params_field,
     response_id,
     response_shape,
@@ -47,7 +49,12 @@ from regions.engines.simulator.openai_protocol import (
 from regions.engines.simulator.pooling import ModelOf
 from regions.engines.simulator.responses import ResponsesFormatter, responses_messages
 from regions.engines.simulator.scheduler import Request, Status
-from regions.engines.simulator.tokenizer import MAX_CHARS_PER_TOKEN
+from regions.engines.simulator.tokenizer import (
+    CONTINUE_WITH_GENERATION_PROMPT,
+    MAX_CHARS_PER_TOKEN,
+    message_text,
+    open_final_message,
+)
 
 Handler = Callable[[Scope, Receive, Send], Awaitable[None]]
 
@@ -89,6 +96,7 @@ class GenerationApi:
 
     async def chat_completions(self, scope: Scope, receive: Receive, send: Send) -> None:
         body, fate = await self._request(scope, receive, send)
+        check_generation_prompt(body)  # a validator that runs before the fields' own
         messages = body.get("messages")
         if messages is None:
             raise validation_error("missing", "body.messages", "Field required", body)
@@ -102,17 +110,7 @@ class GenerationApi:
                     "model_type", f"body.messages.{i}", "Input should be an object", message
                 )
         model, lora = self.model_of(body)
-        add_generation_prompt = bool_field(body, "add_generation_prompt", True)
-        prompt_ids = self._real_chat_ids(messages, add_generation_prompt)
-        if prompt_ids is None:
-            try:
-                rendered = self.engine.tokenizer.apply_chat_template(
-                    messages, add_generation_prompt
-                )
-            except ValueError as exc:
-                raise bad_request(str(exc)) from None
-            self._check_chars(rendered)
-            prompt_ids = self.engine.tokenizer.encode(rendered)
+        prompt_ids = self._chat_prompt_ids(body, messages)
         max_tokens = int_field(body, "max_completion_tokens")
         param = "max_completion_tokens"
         if max_tokens is None:
@@ -178,12 +176,36 @@ class GenerationApi:
         )
         await self._generate(scope, receive, send, generation)
 
-    def _real_chat_ids(self, messages: list[Any], add_generation_prompt: bool) -> list[int] | None:
+    def _chat_prompt_ids(self, body: dict[str, Any], messages: list[Any]) -> list[int]:
+        """The chat template applied to the messages and tokenized, as vLLM does, with
+        ``add_generation_prompt`` and ``continue_final_message`` (the final message left open
+        for the model to continue: what a resumed answer is sent as); a rendering the template
+        refuses is a 400 ``BadRequestError`` with its text."""
+        add_generation_prompt = bool_field(body, "add_generation_prompt", True)
+        continue_final = bool_field(body, "continue_final_message", False)
+        tokenizer = self.engine.tokenizer
+        try:
+            prompt_ids = self._real_chat_ids(messages, add_generation_prompt, continue_final)
+            if prompt_ids is not None:
+                return prompt_ids
+            rendered = tokenizer.apply_chat_template(
+                messages, add_generation_prompt, continue_final_message=continue_final
+            )
+        except ValueError as exc:
+            raise bad_request(str(exc)) from None
+        self._check_chars(rendered)
+        return tokenizer.encode(rendered)
+
+    def _real_chat_ids(
+        self, messages: list[Any], add_generation_prompt: bool, continue_final: bool = False
+    ) -> list[int] | None:
         """The prompt ids under ``--tokenizer`` (the model's template and tokenizer, as vLLM
         renders them); None without one, or for what it does not render (non-text parts)."""
         real = self.engine.prompt_tokenizer
         if real is None:
             return None
+        if continue_final:
+            return _real_open_chat_ids(real, messages, add_generation_prompt)
         doc = {"messages": messages, "add_generation_prompt": add_generation_prompt}
         prompt = real.chat_ids(doc)
         return list(prompt.ids) if prompt is not None else None
@@ -422,6 +444,32 @@ class GenerationApi:
     def _cut(self, request: Request) -> None:
         CUT_FILTER.expected += 1
         self.engine.abort(request.request_id)
+
+
+def _real_open_chat_ids(
+    real: ModelTokenizer, messages: list[Any], add_generation_prompt: bool
+) -> list[int] | None:
+    """``continue_final_message`` under ``--tokenizer``: the model's template rendered without
+    generation prompt, its final message left open as transformers leaves it, tokenized as
+    :meth:`ModelTokenizer.chat_ids` tokenizes; None where ``chat_ids`` would not render.
+
+    ``ModelTokenizer`` (shared with the edge, which does not render continuations: it leaves
+    them to the byte estimate) gives ids, not text, so its template is called here directly,
+    with the conversation ``chat_ids`` builds (role, text, name)."""
+    if add_generation_prompt:
+        raise ValueError(CONTINUE_WITH_GENERATION_PROMPT)
+    if real.chat_ids({"messages": messages, "add_generation_prompt": False}) is None:
+        return None  # tools, non-text parts, a refusing template: the built-in rendering
+    render = real._render
+    assert render is not None  # chat_ids rendered
+    conversation = []
+    for m in messages:
+        turn = {"role": m["role"], "content": message_text(m.get("content"))}
+        if isinstance(m.get("name"), str):
+            turn["name"] = m["name"]
+        conversation.append(turn)
+    text = render(messages=conversation, add_generation_prompt=False, **real._specials)
+    return list(real.encode_chat(open_final_message(text, conversation)).ids)
 
 
 async def _abort_on_disconnect(receive: Receive, engine: SimEngine, request_id: str) -> None:

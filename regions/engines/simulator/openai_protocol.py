@@ -16,6 +16,7 @@ from typing import Any
 import orjson
 
 from regions.engines.simulator.http import (
+    ApiError,
     Scope,
     bad_request,
     bool_field,
@@ -56,6 +57,45 @@ def response_shape(body: dict[str, Any]) -> ResponseShape:
     include_usage = bool(options and options.get("include_usage"))
     continuous = include_usage and bool(options and options.get("continuous_usage_stats"))
     return ResponseShape(stream, include_usage, continuous)
+
+
+#: vLLM's ``ChatCompletionRequest.check_generation_prompt`` refusal.
+GENERATION_PROMPT_CONFLICT = (
+    "Cannot set both `continue_final_message` and `add_generation_prompt` to True."
+)
+
+
+def check_generation_prompt(body: dict[str, Any]) -> None:
+    """vLLM's ``check_generation_prompt`` validator: both flags true is a 400. It reads the
+    raw body (truthy values), so ``continue_final_message`` alone passes here and the
+    template refuses it (``add_generation_prompt`` defaults to true: a ``BadRequestError``)."""
+    if body.get("continue_final_message") and body.get("add_generation_prompt"):
+        raise model_value_error(GENERATION_PROMPT_CONFLICT, body)
+
+
+class _ErrorRepr:
+    """An exception as ``repr`` shows it inside pydantic's error dict (``ctx.error``)."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+    def __repr__(self) -> str:
+        return f"VLLMValidationError({self.text!r})"
+
+
+def model_value_error(text: str, body: dict[str, Any]) -> ApiError:
+    """A ``VLLMValidationError`` without ``parameter`` raised by one of vLLM's
+    ``mode="before"`` model validators: pydantic makes it a ``value_error`` located at the
+    whole body, which vLLM's validation handler formats as :func:`validation_error` does,
+    ``ctx`` included, with the location (``body``) as ``param``."""
+    detail = {
+        "type": "value_error",
+        "loc": "body",
+        "msg": f"Value error, {text}",
+        "input": f"<dict of {len(body)} items>",
+        "ctx": {"error": _ErrorRepr(text)},
+    }
+    return ApiError(400, f"1 validation error:\n  {detail}", "Bad Request", "body")
 
 
 def cache_salt_field(body: dict[str, Any]) -> str | None:

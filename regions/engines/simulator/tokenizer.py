@@ -111,10 +111,17 @@ class Tokenizer:
         return [get(piece) or piece_id(piece) for piece in _PIECE_RE.findall(text)]
 
     def apply_chat_template(
-        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        *,
+        continue_final_message: bool = False,
     ) -> str:
         """Llama 3's template: every turn is delimited by special tokens, so the rendering of
-        the first k turns is a prefix of the rendering of k+1 turns (prefix-cache friendly)."""
+        the first k turns is a prefix of the rendering of k+1 turns (prefix-cache friendly).
+        ``continue_final_message`` leaves the last turn open (:func:`open_final_message`)."""
+        if continue_final_message and add_generation_prompt:
+            raise ValueError(CONTINUE_WITH_GENERATION_PROMPT)
         parts = [BOS]
         for message in messages:
             role = message.get("role")
@@ -125,7 +132,44 @@ class Tokenizer:
             parts.append("<|eot_id|>")
         if add_generation_prompt:
             parts.append("<|start_header_id|>assistant<|end_header_id|>\n\n")
-        return "".join(parts)
+        rendered = "".join(parts)
+        return open_final_message(rendered, messages) if continue_final_message else rendered
+
+
+#: transformers' ``apply_chat_template`` refusals, which vLLM answers as 400s with their text.
+CONTINUE_WITH_GENERATION_PROMPT = (
+    "continue_final_message and add_generation_prompt are not compatible. Use "
+    "continue_final_message when you want the model to continue the final message, and "
+    "add_generation_prompt when you want to add a header that will prompt it to start a new "
+    "assistant message instead."
+)
+FINAL_MESSAGE_NOT_RENDERED = (
+    "continue_final_message is set but the final message does not appear in the chat after "
+    "applying the chat template! This can happen if the chat template deletes portions of the "
+    "final message. Please verify the chat template and final message in your chat to ensure "
+    "they are compatible."
+)
+
+
+def open_final_message(rendered: str, messages: Sequence[Mapping[str, Any]]) -> str:
+    """A chat rendered without generation prompt, cut right after its final message's text,
+    so the model continues that message (no end-of-turn token, no new header): what
+    transformers' ``apply_chat_template(continue_final_message=True)`` does, which vLLM calls.
+
+    As transformers: the text looked for is the final message's stripped of surrounding
+    whitespace, its last occurrence; trailing whitespace stays only where the template kept
+    it and the message has no leading whitespace; a text the template dropped is an error."""
+    if not messages:
+        raise ValueError("list index out of range")  # transformers' ``chat[-1]``
+    final = message_text(messages[-1].get("content"))
+    stripped = final.strip()
+    if stripped not in rendered:
+        raise ValueError(FINAL_MESSAGE_NOT_RENDERED)
+    at = rendered.rindex(stripped)
+    kept = len(final.lstrip())
+    if rendered[at : at + kept] == final:
+        return rendered[: at + kept]
+    return rendered[: at + len(stripped)]
 
 
 def message_text(content: Any) -> str:
