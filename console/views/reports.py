@@ -145,7 +145,8 @@ def usage(request: HttpRequest) -> HttpResponse:
 
 @console_view(*STAFF)
 def costs(request: HttpRequest) -> HttpResponse:
-    """Each pool's cost and where it went (allocated to requests, idle, warm idle)."""
+    """Each pool's cost and where it went (allocated to requests, idle, warm idle, re-prefill
+    of continued streams)."""
     today = timezone.now().date()
     form = RangeForm(request.GET or RangeForm.defaults(today))
     context: dict[str, Any] = {"form": form}
@@ -154,7 +155,14 @@ def costs(request: HttpRequest) -> HttpResponse:
         rows = pool_cost_report(start=data["start_at"], end=data["end_at"], bucket=data["bucket"])
         if request.GET.get("output") == "csv":
             return _csv(rows, f"costs-{data['start']}-{data['end']}")
-        metrics = ["gpu_hours", "cost_usd", "allocated_usd", "idle_usd", "warm_idle_usd"]
+        metrics = [
+            "gpu_hours",
+            "cost_usd",
+            "allocated_usd",
+            "idle_usd",
+            "warm_idle_usd",
+            "reprefill_usd",
+        ]
         context |= {
             "chart": chart_series(
                 rows, time_key=data["bucket"], group_key="pool", metric="cost_usd"

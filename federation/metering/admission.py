@@ -26,7 +26,7 @@ from datetime import UTC, datetime, timedelta
 
 from federation.tenancy.residency import ResidencyPolicy, region_allowed
 from regions.tables.schema import holds_for
-from regions.tables.usage import UsageRecord
+from regions.tables.usage import MAX_CONTINUATION_REASON_CHARS, MAX_LEGS_CHARS, UsageRecord
 
 #: How late a record may arrive from an edge (a spool replayed after an outage): older ones
 #: go to the dead-letter. Also how long after a month's end its statements stay open.
@@ -47,12 +47,16 @@ STRING_COLUMNS: dict[str, int] = {
     "entry_region": 63,
     "instance": 63,
     "edge": 63,
+    "legs": MAX_LEGS_CHARS,
+    "continuation_reason": MAX_CONTINUATION_REASON_CHARS,
 }
 INT_COLUMNS: dict[str, int] = {
     "prompt_tokens": MAX_INT,
     "cached_tokens": MAX_INT,
     "completion_tokens": MAX_INT,
     "status": MAX_SMALLINT,
+    "continued": MAX_SMALLINT,
+    "reprefill_tokens": MAX_INT,
 }
 #: ``price_usd`` is ``numeric(24, 12)``: under 10**12 dollars.
 MAX_PRICE_USD = 10**12

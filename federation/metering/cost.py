@@ -15,9 +15,17 @@ The rule (``docs/metering.md``):
    cost, so its users carry it in proportion to their engine time ("full absorption"): a
    replica kept warm is kept warm for the tenants that use it. An instance that served nothing
    in the hour is *warm idle*, unallocated.
+4. A stream continued on another instance after its engine was lost (issue 31) is billed
+   once, on its prompt and the completion the client received; the prompt and relayed text
+   the engines processed again to continue it (``reprefill_tokens``, prefill at the instance's
+   rate, on the instances that continued it: :func:`reprefill_by_instance`) is engine time of
+   the operator's, not any tenant's: it takes its share of the instance's cost like a group
+   of usage (so it also carries its part of the warm time), and that share is unallocated as
+   *reprefill* — the tenant pays neither the re-prefill's price nor its cost.
 
 Every split is exact to 1e-12 USD (largest remainder), so for each pool and hour
-``allocated + unallocated == cost`` to the last digit, and so for any grouping of the result.
+``allocated + unallocated == cost`` to the last digit (unallocated: idle + warm idle +
+reprefill), and so for any grouping of the result.
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ from __future__ import annotations
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from decimal import ROUND_DOWN, Decimal
+from enum import Enum
 from typing import TypeVar
 
 QUANTUM = Decimal("1e-12")
@@ -33,6 +42,28 @@ HOUR_S = 3600.0
 _IDLE = ""
 ZERO = Decimal(0)
 K = TypeVar("K", bound=Hashable)
+
+
+class _Operator(Enum):
+    """An instance's work no tenant carries (a key no usage group can be, with a stable
+    ``repr`` for :func:`split_exactly`'s ties)."""
+
+    REPREFILL = "reprefill"
+
+
+def reprefill_by_instance(instance: str, legs: str, tokens: int) -> dict[str, int]:
+    """Where a continued stream's ``tokens`` of re-prefill ran: on the instances of its legs
+    after the first (``region/instance,…``: each continuation prefilled the prompt and the
+    answer so far there), split evenly — the record has no count per leg — the units left over
+    on the last legs; on the record's ``instance`` when its legs name no other."""
+    names = [leg.split("/", 1)[1] for leg in legs.split(",")[1:] if "/" in leg]
+    if not names or tokens <= 0:
+        return {instance: tokens} if tokens > 0 else {}
+    share, left = divmod(tokens, len(names))
+    where: dict[str, int] = {}
+    for n, name in enumerate(names):
+        where[name] = where.get(name, 0) + share + (1 if n >= len(names) - left else 0)
+    return where
 
 
 def split_exactly(amount: Decimal, weights: Mapping[K, float]) -> dict[K, Decimal]:
@@ -82,6 +113,9 @@ class InstanceHour:
     usage: Mapping[Hashable, tuple[int, int]] = field(default_factory=dict)
     #: Seconds of the hour it held its GPUs.
     held_s: float = HOUR_S
+    #: Prompt tokens it processed again to continue streams another instance lost (the
+    #: operator's work, in no group's usage).
+    reprefill_tokens: int = 0
 
     def engine_seconds(self) -> dict[Hashable, float]:
         """Engine time per group; groups that cost no engine time are left out."""
@@ -90,6 +124,10 @@ class InstanceHour:
             for group, (fresh, generated) in self.usage.items()
         }
         return {group: s for group, s in seconds.items() if s > 0}
+
+    def reprefill_seconds(self) -> float:
+        """Engine time of its re-prefills (prefill at its speed)."""
+        return self.reprefill_tokens / self.prefill_tokens_per_s
 
 
 @dataclass(slots=True)
@@ -101,12 +139,14 @@ class PoolHourCost:
     idle: Decimal = ZERO
     #: Instances that served nothing in the hour.
     warm_idle: Decimal = ZERO
-    #: Engine seconds of the hour's usage, over all instances.
+    #: The instances' share for continued streams' re-prefills: the operator's.
+    reprefill: Decimal = ZERO
+    #: Engine seconds of the hour's usage and re-prefills, over all instances.
     busy_s: float = 0.0
 
     @property
     def unallocated(self) -> Decimal:
-        return self.idle + self.warm_idle
+        return self.idle + self.warm_idle + self.reprefill
 
 
 def pool_hour_cost(*, spans: Sequence[PoolSpan], instances: Sequence[InstanceHour]) -> PoolHourCost:
@@ -130,11 +170,16 @@ def pool_hour_cost(*, spans: Sequence[PoolSpan], instances: Sequence[InstanceHou
     result.idle = shares.pop(_IDLE, ZERO)
     for inst in instances:
         seconds = inst.engine_seconds()
+        reprefill_s = inst.reprefill_seconds()
+        if reprefill_s > 0:
+            seconds[_Operator.REPREFILL] = reprefill_s
         share = shares.get(inst.instance, ZERO)
         if not seconds:
             result.warm_idle += share
             continue
         result.busy_s += sum(seconds.values())
-        for group, amount in split_exactly(share, seconds).items():
+        split = split_exactly(share, seconds)
+        result.reprefill += split.pop(_Operator.REPREFILL, ZERO)
+        for group, amount in split.items():
             result.allocated[group] = result.allocated.get(group, ZERO) + amount
     return result

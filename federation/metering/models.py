@@ -78,6 +78,16 @@ class UsageRecord(models.Model):
     price_usd = models.DecimalField(max_digits=24, decimal_places=12)
     #: The edge that served it ("" when it had no name), whose budget lease it counts against.
     edge = models.CharField(max_length=63, blank=True, default="")
+    #: A stream continued on another instance after its engine was lost (issue 31): how many
+    #: times (0: one engine served it), every engine that served part of it in order
+    #: (``region/instance,…``; "" when not continued), why the first continuation happened
+    #: ("" when not continued), and the prompt tokens the engines processed again to continue —
+    #: the operator's cost (``cost.py``), never in ``price_usd``. Database defaults too, so
+    #: rows written by SQL without them (benchmarks, a restore) stay valid.
+    continued = models.PositiveSmallIntegerField(default=0, db_default=0)
+    legs = models.CharField(max_length=1024, blank=True, default="", db_default="")
+    continuation_reason = models.CharField(max_length=64, blank=True, default="", db_default="")
+    reprefill_tokens = models.PositiveIntegerField(default=0, db_default=0)
 
     class Meta:
         indexes = [models.Index(fields=["tenant", "started_at"], name="usage_tenant_time")]
@@ -160,8 +170,9 @@ class UsageDay(UsageSums):
 
 class PoolHour(models.Model):
     """A GPU pool's cost in one hour and where it went: ``allocated`` to usage (the sum of its
-    ``UsageHour.cost_usd``), or unallocated as ``idle`` GPUs and ``warm_idle`` instances —
-    the three add up to ``cost`` exactly."""
+    ``UsageHour.cost_usd``), or unallocated as ``idle`` GPUs, ``warm_idle`` instances and the
+    ``reprefill`` work of continued streams (the operator's) — the four add up to ``cost``
+    exactly."""
 
     hour = models.DateTimeField()
     #: ``<region>/<pool>``, as in ``UsageRecord.pool``.
@@ -171,6 +182,9 @@ class PoolHour(models.Model):
     allocated_usd = models.DecimalField(max_digits=24, decimal_places=12)
     idle_usd = models.DecimalField(max_digits=24, decimal_places=12)
     warm_idle_usd = models.DecimalField(max_digits=24, decimal_places=12)
+    #: The engine time the hour's continued streams spent processing their prompt and relayed
+    #: text again (``UsageRecord.reprefill_tokens``): the operator's, carried by no tenant.
+    reprefill_usd = models.DecimalField(max_digits=24, decimal_places=12, default=0, db_default=0)
     busy_s = models.FloatField()
 
     class Meta:

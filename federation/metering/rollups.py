@@ -17,7 +17,13 @@ from django.db import connection, transaction
 from django.db.models import Count, F, Q, QuerySet, Sum
 from django.utils import timezone
 
-from federation.metering.cost import ZERO, InstanceHour, PoolHourCost, pool_hour_cost
+from federation.metering.cost import (
+    ZERO,
+    InstanceHour,
+    PoolHourCost,
+    pool_hour_cost,
+    reprefill_by_instance,
+)
 from federation.metering.fleet_hours import fleet_for_hour
 from federation.metering.models import (
     DIMENSIONS,
@@ -155,6 +161,7 @@ def _recompute_hour(hour: datetime) -> None:
             allocated_usd=sum(cost.allocated.values(), start=ZERO),
             idle_usd=cost.idle,
             warm_idle_usd=cost.warm_idle,
+            reprefill_usd=cost.reprefill,
             busy_s=cost.busy_s,
         )
         for (pool, gpus), cost in pools.items()
@@ -164,8 +171,9 @@ def _recompute_hour(hour: datetime) -> None:
 def _pool_costs(
     records: QuerySet[UsageRecord], hour: datetime
 ) -> dict[tuple[str, int], PoolHourCost]:
-    """Every pool's cost in the hour, split over the hour's usage groups, with the fleet as it
-    stood in that hour (``fleet_hours.py``)."""
+    """Every pool's cost in the hour, split over the hour's usage groups and the re-prefills of
+    continued streams (the operator's), with the fleet as it stood in that hour
+    (``fleet_hours.py``)."""
     usage: dict[str, dict[Hashable, tuple[int, int]]] = {}
     pools: set[str] = set()
     for row in records.values("instance", "tenant", "model", "region", "pool").annotate(
@@ -175,6 +183,7 @@ def _pool_costs(
         usage.setdefault(row["instance"], {})[group] = (row["fresh"], row["generated"])
         pools.add(row["pool"])
     fleet = fleet_for_hour(hour, usage, now=timezone.now(), served_pools=pools)
+    reprefill = _reprefill_by_instance(records, {i.instance for i in fleet.instances})
     by_pool: dict[str, list[InstanceHour]] = {}
     for inst in fleet.instances:
         by_pool.setdefault(inst.pool, []).append(
@@ -185,6 +194,7 @@ def _pool_costs(
                 decode_tokens_per_s=inst.decode_tokens_per_s,
                 usage=usage.get(inst.instance, {}),
                 held_s=inst.held_s,
+                reprefill_tokens=reprefill.get(inst.instance, 0),
             )
         )
     return {
@@ -193,3 +203,23 @@ def _pool_costs(
         )
         for pool in fleet.pools
     }
+
+
+def _reprefill_by_instance(records: QuerySet[UsageRecord], known: set[str]) -> dict[str, int]:
+    """Per instance of the hour's fleet, the prompt tokens continued streams had it process
+    again (the operator's work): on their legs' instances (``cost.reprefill_by_instance``), or
+    on the record's instance for a leg the fleet does not know (another edge's instance it
+    could not name)."""
+    reprefill: dict[str, int] = {}
+    continued = (
+        records.filter(reprefill_tokens__gt=0)
+        .values("instance", "legs")
+        .annotate(tokens=Sum("reprefill_tokens"))
+    )
+    for row in continued:
+        for name, tokens in reprefill_by_instance(
+            row["instance"], row["legs"], row["tokens"]
+        ).items():
+            where = name if name in known else row["instance"]
+            reprefill[where] = reprefill.get(where, 0) + tokens
+    return reprefill

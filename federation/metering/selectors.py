@@ -280,7 +280,8 @@ def prices_in_effect(*, now: datetime, tenants: Iterable[str] | None = None) -> 
 def pool_cost_report(
     *, start: datetime, end: datetime, bucket: Bucket | None = None, pools: Sequence[str] = ()
 ) -> list[dict[str, Any]]:
-    """Each pool's cost and where it went (allocated, idle, warm idle), by time bucket."""
+    """Each pool's cost and where it went (allocated, idle, warm idle, and the re-prefills of
+    continued streams, the operator's), by time bucket."""
     rows = PoolHour.objects.filter(hour__gte=start, hour__lt=end)
     if pools:
         rows = rows.filter(pool__in=list(pools))
@@ -295,6 +296,7 @@ def pool_cost_report(
             allocated_usd=Sum("allocated_usd"),
             idle_usd=Sum("idle_usd"),
             warm_idle_usd=Sum("warm_idle_usd"),
+            reprefill_usd=Sum("reprefill_usd"),
             busy_s=Sum("busy_s"),
         )
         .order_by(*keys)

@@ -365,11 +365,18 @@ COLUMNS = (
     "usage_reported",
     "price_usd",
     "edge",
+    "continued",
+    "legs",
+    "continuation_reason",
+    "reprefill_tokens",
 )
 Row = tuple[Any, ...]
 
 
 def _row(record: UsageDocument, at: datetime, pool: str, prices: PriceBook) -> Row:
+    """The record's columns, priced on what the tenant is billed — prompt, cached and
+    completion tokens — never on ``reprefill_tokens`` (a continued stream's work done again:
+    the operator's cost, ``cost.py``)."""
     price = prices.price(record.model, record.tenant or "", at)
     return (
         at,
@@ -398,6 +405,10 @@ def _row(record: UsageDocument, at: datetime, pool: str, prices: PriceBook) -> R
             completion_tokens=record.completion_tokens,
         ),
         record.edge or "",
+        record.continued,
+        record.legs or "",
+        record.continuation_reason or "",
+        record.reprefill_tokens,
     )
 
 

@@ -335,6 +335,8 @@ class Edge:
                 )
             ),
         ]
+        if self.cfg.drain_migrate_after_s is not None:
+            self._tasks.append(asyncio.create_task(self.forwarder.continuation.watch_drains()))
         self.kv_events.start()
         if self.peer_sync is not None:
             self.peer_sync.start()

@@ -64,6 +64,14 @@ class EdgeConfig:
     queue_size: int = 256
     queue_timeout_s: float = 5.0
     max_retries: int = 2
+    #: Times a stream whose engine failed after its first byte may be continued on another
+    #: instance (``continuation.py``; 0: cut it, as before), and the bytes of relayed events
+    #: an edge keeps per stream to do it (a longer answer is cut instead).
+    max_continuations: int = 2
+    continue_memory_bytes: int = 4 * 1024 * 1024
+    #: Streams still running on an instance that left the table (drained) this long are moved
+    #: to another instance (None: they run to their end there).
+    drain_migrate_after_s: float | None = 1.0
     connect_timeout_s: float = 2.0
     read_timeout_s: float = 300.0
     #: PEM bundle that verifies ``https://`` engines and remote edges (None: the system CAs).

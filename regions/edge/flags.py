@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 from regions.edge.config import EdgeConfig, TracingConfig
@@ -28,7 +29,16 @@ _TRACING = TracingConfig(endpoint="")
 
 
 #: (flag, type, default, help) of the flags that only set a value.
-_Flag = tuple[str, type, object, str | None]
+_Flag = tuple[str, Callable[[str], object], object, str | None]
+
+
+def _seconds_or_never(text: str) -> float | None:
+    if text == "never":
+        return None
+    value = float(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError("seconds must be at least 0 (or 'never')")
+    return value
 
 
 def _add(p: argparse.ArgumentParser, flags: tuple[_Flag, ...]) -> None:
@@ -152,6 +162,13 @@ def _routing_flags(p: argparse.ArgumentParser) -> None:
         ("--queue-size", int, _EDGE.queue_size, "requests waiting for capacity"),
         ("--queue-timeout", float, _EDGE.queue_timeout_s, "seconds a request may wait"),
         ("--max-retries", int, _EDGE.max_retries, "other instances tried before byte one"),
+        ("--max-continuations", int, _EDGE.max_continuations, "times a stream whose engine "
+         "failed after its first byte is continued on another instance (0: cut it)"),
+        ("--continue-memory", int, _EDGE.continue_memory_bytes, "bytes of relayed events "
+         "kept per stream to continue it; a longer answer is cut instead"),
+        ("--drain-migrate-after", _seconds_or_never, _EDGE.drain_migrate_after_s, "seconds "
+         "after which a stream still running on an instance that left the table (drained) is "
+         "continued on another; 'never': it runs to its end there"),
         ("--cold-hold-requests", int, _EDGE.cold.max_held, "requests held per model scaled "
          "to zero while a replica starts; more get 503 model_cold"),
         ("--cold-hold-max", float, _EDGE.cold.max_hold_s, "seconds a request for a model "

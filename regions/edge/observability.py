@@ -419,6 +419,14 @@ class EdgeMetrics:
             ["instance"],
             registry=r,
         )
+        self.continuations = Counter(
+            "fedinfer_edge_continuations",
+            "Streams whose engine failed (or was drained) after the first byte, by why and what "
+            "became of them: continued on another instance, ended (its answer was complete), "
+            "or cut (with the reason it could not be continued)",
+            ["model", "reason", "outcome"],
+            registry=r,
+        )
         self.scrape_failures = Counter(
             "fedinfer_edge_scrape_failures",
             "Engine /metrics scrapes that failed or did not parse",

@@ -5,14 +5,19 @@ request to its spool and ships it to the control plane, which prices it and attr
 Ingestion is idempotent on ``request_id``, so a record shipped twice (an edge that restarts
 before it learns its batch was accepted) is counted once. Pure: no Django, no I/O.
 
-Three wire forms, one meaning. Schema 3 (what edges write) is a JSON array — the version, the
+Four wire forms, one meaning. Schema 4 (what edges write) is a JSON array — the version, the
 request id as a prefix and a sequence number, then the other fields in :data:`POSITIONAL_FIELDS`
 order — built straight from the request's values, with no object per request and no string
 formatted per request: the edge's metering budget is a few microseconds, and naming every field
 in every record cost more than half of it (and doubled the bytes spooled and shipped), and
-formatting the id a fifth. Schema 2 (the id one string) and schema 1 (a JSON object with named
-fields) are still read: records an older edge left in its spool or in the stream when it was
-upgraded.
+formatting the id a fifth. Schema 4 ends with the :data:`CONTINUATION_FIELDS`: a stream whose
+engine died after tokens reached the client, continued on another instance (issue 31), is still
+one record, billed once — ``prompt_tokens`` count the prompt once and ``completion_tokens`` are
+what the client received — while what the engines processed again to continue it
+(``reprefill_tokens``) is the operator's cost. Schema 3 (the same array without those four
+values), schema 2 (the id one string) and schema 1 (a JSON object with named fields) are still
+read: records an older edge left in its spool or in the stream when it was upgraded; they were
+served by one engine each.
 """
 
 from __future__ import annotations
@@ -24,7 +29,10 @@ from typing import Any
 
 import msgspec
 
-USAGE_SCHEMA_VERSION = 3
+USAGE_SCHEMA_VERSION = 4
+#: The schema of positional records with a split id but without the continuation fields (read,
+#: no longer written).
+SPLIT_ID_SCHEMA_VERSION = 3
 #: The schema of positional records whose id is one string (read, no longer written).
 WHOLE_ID_SCHEMA_VERSION = 2
 #: The schema of named-field records (read, no longer written).
@@ -97,37 +105,76 @@ class UsageRecord(msgspec.Struct, frozen=True, forbid_unknown_fields=True, gc=Fa
     #: The edge that served it (None: an edge without a name, in file mode): its budget
     #: lease is measured against the spend counted under this name.
     edge: str | None = None
+    #: How many times the stream was continued on another instance after its engine was lost
+    #: (0: one engine served it all; at most :data:`MAX_CONTINUATIONS`).
+    continued: int = 0
+    #: Every engine that served part of the answer, in order, as ``region/instance`` joined by
+    #: ``,`` (``continued + 1`` of them; None when ``continued == 0``). ``instance`` is the last
+    #: of them in this edge's region (the one that finished it, unless another region did).
+    legs: str | None = None
+    #: Why the (first) continuation happened, a short code: ``engine_lost``, ``drain``, …
+    #: (None when ``continued == 0``, or why the stream was cut when it could not be continued).
+    continuation_reason: str | None = None
+    #: Prompt tokens the engines processed again to continue — the prompt plus the text already
+    #: relayed, per continuation, summed (0 when ``continued == 0``). The operator's cost, never
+    #: the tenant's price: ``prompt_tokens`` and ``completion_tokens`` stay what is billed.
+    reprefill_tokens: int = 0
     #: The wire schema it was read from (records built in memory: the current one).
     schema_version: int = USAGE_SCHEMA_VERSION
 
 
-#: A record's fields in array order after its version (schema 2; schema 3 splits ``request_id``
-#: into :data:`SPLIT_ID_FIELDS`). Every field, no defaults.
+#: A record's fields in array order after its version, with ``request_id`` whole (schema 4
+#: splits it into :data:`SPLIT_ID_FIELDS`). Every field, no defaults.
 POSITIONAL_FIELDS: tuple[str, ...] = tuple(
     f for f in UsageRecord.__struct_fields__ if f != "schema_version"
 )
-#: Schema 3's request id: a per-process prefix and a sequence number (null: the prefix is the
-#: whole id), joined as ``prefix + hex(seq)`` by whoever reads it, not by the edge per request.
+#: The fields schema 4 added at the end of the row (a continued stream, issue 31).
+CONTINUATION_FIELDS = ("continued", "legs", "continuation_reason", "reprefill_tokens")
+#: The fields of schemas 2 and 3, in order: every field up to ``edge``.
+LEGACY_POSITIONAL_FIELDS: tuple[str, ...] = tuple(
+    f for f in POSITIONAL_FIELDS if f not in CONTINUATION_FIELDS
+)
+#: The bounds of the continuation fields (``decode_record`` refuses a record beyond them; the
+#: control plane's columns are as wide).
+MAX_CONTINUATIONS = 16
+MAX_LEGS_CHARS = 1024
+MAX_CONTINUATION_REASON_CHARS = 64
+#: Schema 4's (and 3's) request id: a per-process prefix and a sequence number (null: the prefix
+#: is the whole id), joined as ``prefix + hex(seq)`` by whoever reads it, not by the edge per
+#: request.
 SPLIT_ID_FIELDS = ("request_id_prefix", "request_id_seq")
 
 
-def _positional(name: str, head: list[tuple[str, Any]]) -> type[msgspec.Struct]:
-    """A positional wire form: its head, then every field after ``request_id`` with the types
-    :class:`UsageRecord` gives them (one list of fields, so the forms cannot drift apart)."""
-    rest = [(f.name, f.type) for f in msgspec.structs.fields(UsageRecord)[1:-1]]
-    return msgspec.defstruct(name, head + rest, array_like=True, frozen=True, gc=False)
+def _positional(
+    name: str, head: list[tuple[str, Any]], fields: tuple[str, ...]
+) -> type[msgspec.Struct]:
+    """A positional wire form: its head, then ``fields`` after ``request_id`` with the types
+    :class:`UsageRecord` gives them (one list of fields, so the forms cannot drift apart), every
+    one required and none more allowed (a schema-3 row with schema 4's tail is refused)."""
+    types = {f.name: f.type for f in msgspec.structs.fields(UsageRecord)}
+    rest = [(f, types[f]) for f in fields[1:]]
+    return msgspec.defstruct(
+        name, head + rest, array_like=True, frozen=True, gc=False, forbid_unknown_fields=True
+    )
 
 
+_SPLIT_ID_HEAD: list[tuple[str, Any]] = [
+    ("schema_version", int),
+    ("request_id_prefix", str),
+    ("request_id_seq", int | None),
+]
+#: Schema 4 as it travels:
+#: ``[4, request_id_prefix, request_id_seq, started_at, …, edge, continued, …, reprefill_tokens]``.
+_CurrentRecord = _positional("_CurrentRecord", _SPLIT_ID_HEAD, POSITIONAL_FIELDS)
 #: Schema 3 as it travels: ``[3, request_id_prefix, request_id_seq, started_at, …, edge]``.
-_SplitIdRecord = _positional(
-    "_SplitIdRecord",
-    [("schema_version", int), ("request_id_prefix", str), ("request_id_seq", int | None)],
-)
+_SplitIdRecord = _positional("_SplitIdRecord", _SPLIT_ID_HEAD, LEGACY_POSITIONAL_FIELDS)
 #: Schema 2 as it travels: ``[2, request_id, started_at, …, edge]``.
-_WholeIdRecord = _positional("_WholeIdRecord", [("schema_version", int), ("request_id", str)])
+_WholeIdRecord = _positional(
+    "_WholeIdRecord", [("schema_version", int), ("request_id", str)], LEGACY_POSITIONAL_FIELDS
+)
 
 
-#: A schema-3 record as the edge builds it: the version, the id's prefix and sequence number,
+#: A schema-4 record as the edge builds it: the version, the id's prefix and sequence number,
 #: then :data:`POSITIONAL_FIELDS` after ``request_id`` in order (typed, so a misplaced value of
 #: another type fails the type check).
 UsageRow = tuple[
@@ -152,6 +199,10 @@ UsageRow = tuple[
     bool,  # cancelled
     bool,  # usage_reported
     str | None,  # edge
+    int,  # continued
+    str | None,  # legs
+    str | None,  # continuation_reason
+    int,  # reprefill_tokens
 ]
 
 
@@ -161,30 +212,40 @@ class UsageRecordError(ValueError):
 
 _encoder = msgspec.json.Encoder()
 _encode = _encoder.encode
+_decode_current = msgspec.json.Decoder(_CurrentRecord).decode
 _decode_split_id = msgspec.json.Decoder(_SplitIdRecord).decode
 _decode_whole_id = msgspec.json.Decoder(_WholeIdRecord).decode
 _decode_named = msgspec.json.Decoder(UsageRecord).decode
 
 
-#: A batch of schema-3 rows as newline-terminated lines, in one call: the edge's shipper encodes
+#: A batch of schema-4 rows as newline-terminated lines, in one call: the edge's shipper encodes
 #: each batch so, not each request (``regions/edge/metering/usage_spool.py``).
 encode_usage_lines: Callable[[list[UsageRow]], bytes] = _encoder.encode_lines
 
 
 def request_id(prefix: str, seq: int | None) -> str:
-    """The id a schema-3 record names: ``prefix + hex(seq)``, or the prefix alone."""
+    """The id a schema-4 (or 3) record names: ``prefix + hex(seq)``, or the prefix alone."""
     return prefix if seq is None else f"{prefix}{seq:x}"
 
 
 def encode_record(record: UsageRecord) -> bytes:
-    """A record as an edge writes it (schema 3, its id whole in the prefix)."""
+    """A record as an edge writes it (schema 4, its id whole in the prefix)."""
     rest = (getattr(record, f) for f in POSITIONAL_FIELDS[1:])
     return _encode((USAGE_SCHEMA_VERSION, record.request_id, None, *rest))
 
 
+def encode_split_id_record(record: UsageRecord) -> bytes:
+    """A record as schema-3 edges wrote it, without the continuation fields (what ingestion
+    still reads; a continued record loses them)."""
+    rest = (getattr(record, f) for f in LEGACY_POSITIONAL_FIELDS[1:])
+    return _encode((SPLIT_ID_SCHEMA_VERSION, record.request_id, None, *rest))
+
+
 def encode_whole_id_record(record: UsageRecord) -> bytes:
-    """A record as schema-2 edges wrote it (what ingestion still reads)."""
-    return _encode((WHOLE_ID_SCHEMA_VERSION, *(getattr(record, f) for f in POSITIONAL_FIELDS)))
+    """A record as schema-2 edges wrote it (what ingestion still reads; a continued record
+    loses the continuation fields)."""
+    values = (getattr(record, f) for f in LEGACY_POSITIONAL_FIELDS)
+    return _encode((WHOLE_ID_SCHEMA_VERSION, *values))
 
 
 def encode_named_record(record: UsageRecord) -> bytes:
@@ -204,14 +265,50 @@ def decode_record(data: bytes) -> UsageRecord:
     counts = (record.prompt_tokens, record.cached_tokens, record.completion_tokens)
     if min(counts) < 0 or record.cached_tokens > record.prompt_tokens:
         raise UsageRecordError("token counts must be >= 0, cached within the prompt")
+    if (
+        record.continued
+        or record.reprefill_tokens
+        or record.legs is not None
+        or record.continuation_reason is not None
+    ):
+        _check_continuation(record)
     return record
 
 
+def _check_continuation(record: UsageRecord) -> None:
+    """The continuation fields of a record that has any: within their bounds, and consistent
+    (a record not continued has no legs and no re-prefill; a continued one names each of its
+    legs). A reason is allowed on a record not continued: why its stream was cut, when it
+    could not be continued."""
+    continued, legs, reason = record.continued, record.legs, record.continuation_reason
+    if not 0 <= continued <= MAX_CONTINUATIONS:
+        raise UsageRecordError(f"continued must be within 0..{MAX_CONTINUATIONS}")
+    if record.reprefill_tokens < 0:
+        raise UsageRecordError("reprefill_tokens must be >= 0")
+    if reason is not None and not 0 < len(reason) <= MAX_CONTINUATION_REASON_CHARS:
+        raise UsageRecordError(
+            f"continuation_reason must be 1..{MAX_CONTINUATION_REASON_CHARS} characters"
+        )
+    if continued == 0:
+        if legs is not None or record.reprefill_tokens:
+            raise UsageRecordError("legs and reprefill_tokens are for a continued record only")
+        return
+    if legs is None or len(legs) > MAX_LEGS_CHARS:
+        raise UsageRecordError(f"a continued record names its legs, within {MAX_LEGS_CHARS} chars")
+    parts = legs.split(",")
+    if len(parts) != continued + 1 or not all(0 < p.find("/") < len(p) - 1 for p in parts):
+        raise UsageRecordError("legs must be continued + 1 'region/instance' joined by ','")
+
+
 def _decode_positional(data: bytes) -> UsageRecord:
-    """Schema 3 or 2, told apart by the version that opens the array."""
+    """Schema 4, 3 or 2, told apart by the version that opens the array."""
     lead = data[1:].lstrip()[:2]
     row: Any
-    if lead[:1] == b"3" and not lead[1:].isdigit():
+    if lead[:1] == b"4" and not lead[1:].isdigit():
+        row = _decode_current(data)
+        values = msgspec.structs.asdict(row)
+        rid = request_id(values.pop("request_id_prefix"), values.pop("request_id_seq"))
+    elif lead[:1] == b"3" and not lead[1:].isdigit():
         row = _decode_split_id(data)
         values = msgspec.structs.asdict(row)
         rid = request_id(values.pop("request_id_prefix"), values.pop("request_id_seq"))

@@ -220,7 +220,7 @@ class UsageSender:
 
 
 def usage_records(sender: UsageSender, now: float) -> st.SearchStrategy[bytes]:
-    """Batches of schema-3 usage records as ``sender`` writes them (its region, instances,
+    """Batches of schema-4 usage records as ``sender`` writes them (its region, instances,
     models and tenants; the last day), with now and then a time, a count or a name no column,
     clock or region can hold: the good records of a batch must be billed, the others
     refused alone."""

@@ -92,7 +92,7 @@ def test_ndjson_bodies_are_one_document_a_line() -> None:
 
 @settings(max_examples=25, deadline=None)
 @given(usage_records(SENDER, NOW))
-def test_generated_usage_batches_are_schema_3_records(batch: bytes) -> None:
+def test_generated_usage_batches_are_schema_4_records(batch: bytes) -> None:
     """Each line is a record as an edge writes it (decoding may still refuse its values)."""
     for line in batch.split(b"\n"):
         row = msgspec.json.decode(line)

@@ -453,7 +453,7 @@ def test_bad_report_ranges_are_explained(operator: Client, query: str, message: 
 def test_pool_costs_csv(operator: Client) -> None:
     response = operator.get(f"{reverse('console:costs')}?{_last_days()}&output=csv")
     rows = list(csv.DictReader(io.StringIO(response.content.decode())))
-    assert rows and {"day", "pool", "cost_usd", "idle_usd"} <= set(rows[0])
+    assert rows and {"day", "pool", "cost_usd", "idle_usd", "reprefill_usd"} <= set(rows[0])
 
 
 # --- routing -------------------------------------------------------------------------------

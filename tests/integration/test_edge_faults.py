@@ -22,12 +22,13 @@ def sdk(url: str) -> openai.OpenAI:
 
 
 def test_engine_killed_mid_run(tmp_path: Path) -> None:
-    """The judged fault: cut stream ends with an error event; nothing new reaches the dead one."""
+    """With continuation off, a cut stream ends with an error event; nothing new reaches the
+    dead one. (Continued streams: ``test_edge_continuation.py``.)"""
     with cluster(
         tmp_path,
         3,
         engine_args=("--tokens", "30", "--token-delay", "0.05"),
-        edge_args=("--eject-after", "2", "--probe-interval", "0.2"),
+        edge_args=("--eject-after", "2", "--probe-interval", "0.2", "--max-continuations", "0"),
     ) as edge:
         c = sdk(edge.url)
         raw = c.chat.completions.with_raw_response.create(

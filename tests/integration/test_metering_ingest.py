@@ -155,7 +155,8 @@ def test_each_pool_hour_is_accounted_for_exactly(fleet: str) -> None:
     assert h100.warm_idle_usd == 0
     groups = UsageHour.objects.filter(hour=HOUR, pool="us-east/h100")
     assert h100.allocated_usd == sum((g.cost_usd for g in groups), start=Decimal(0))
-    assert h100.allocated_usd + h100.idle_usd + h100.warm_idle_usd == h100.cost_usd
+    assert h100.reprefill_usd == 0  # no stream was continued
+    assert _reconciles(h100)
     assert h100.allocated_usd == Decimal("2.50")  # the instance's GPU-hour, all carried
     assert {g.tenant for g in groups if g.cost_usd > 0} == {"acme", "globex", "initech"}
     by_tenant = usage_report(
@@ -344,7 +345,8 @@ def _pool_hour(hour: datetime) -> PoolHour:
 
 
 def _reconciles(row: PoolHour) -> bool:
-    return row.allocated_usd + row.idle_usd + row.warm_idle_usd == row.cost_usd
+    unallocated = row.idle_usd + row.warm_idle_usd + row.reprefill_usd
+    return row.allocated_usd + unallocated == row.cost_usd
 
 
 def test_an_ended_hour_is_costed_again_with_the_fleet_it_had(fleet: str) -> None:

@@ -1,15 +1,24 @@
 """The pool-hour cost split: every pool's hour is accounted for to 1e-12 USD — allocated to
-the usage it served by engine time, or unallocated as idle GPUs or warm idle instances."""
+the usage it served by engine time, or unallocated as idle GPUs, warm idle instances or the
+re-prefills of continued streams (the operator's)."""
 
 from __future__ import annotations
 
+import dataclasses
 from decimal import Decimal
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from federation.metering.cost import InstanceHour, pool_hour_cost, split_exactly, whole_hour
+from federation.metering.cost import (
+    QUANTUM,
+    InstanceHour,
+    pool_hour_cost,
+    reprefill_by_instance,
+    split_exactly,
+    whole_hour,
+)
 
 
 def test_a_split_is_exact_and_proportional() -> None:
@@ -67,6 +76,44 @@ def test_an_instance_pays_for_the_part_of_the_hour_it_held_its_gpus() -> None:
     assert cost.idle == 0 and cost.warm_idle == Decimal(5)
 
 
+def test_reprefill_is_the_operators_line_not_a_tenants() -> None:
+    """A continued stream's prompt and relayed text processed again (here 20,000 tokens, 2 s
+    at 10,000/s) takes its share of the instance like any work, but no tenant carries it."""
+    served = {"acme": (10_000, 1_000), "globex": (0, 1_000)}  # 2 s and 1 s of engine time
+    plain = InstanceHour("us-1", 1, 10_000, 1_000, served)
+    continued = InstanceHour("us-1", 1, 10_000, 1_000, served, reprefill_tokens=20_000)
+    before = pool_hour_cost(spans=whole_hour(1, Decimal(5)), instances=[plain])
+    after = pool_hour_cost(spans=whole_hour(1, Decimal(5)), instances=[continued])
+    assert before.allocated == {
+        "acme": Decimal("3.333333333333"),
+        "globex": Decimal("1.666666666667"),
+    }
+    assert before.reprefill == 0
+    # 5 s of engine time: acme 2, globex 1, the operator's re-prefill 2.
+    assert after.allocated == {"acme": Decimal(2), "globex": Decimal(1)}
+    assert after.reprefill == Decimal(2) and after.unallocated == Decimal(2)
+    assert after.busy_s == pytest.approx(5.0)
+    assert sum(after.allocated.values()) + after.unallocated == after.cost == Decimal(5)
+    # An instance whose only work was re-prefill is busy, not warm idle: all of it is the
+    # operator's.
+    only = InstanceHour("us-2", 1, 10_000, 1_000, {"acme": (0, 0)}, reprefill_tokens=500)
+    alone = pool_hour_cost(spans=whole_hour(1, Decimal(5)), instances=[only])
+    assert alone.allocated == {} and alone.warm_idle == 0 and alone.reprefill == Decimal(5)
+
+
+def test_a_reprefill_ran_on_the_legs_that_continued_the_stream() -> None:
+    assert reprefill_by_instance("us-1", "us-east/us-0,us-east/us-1", 1151) == {"us-1": 1151}
+    # A remote region continued it: the record names the local instance, the leg the remote.
+    assert reprefill_by_instance("us-0", "us-east/us-0,eu-west/eu-3", 90) == {"eu-3": 90}
+    # Twice: split evenly (no count per leg), the units left over on the last legs.
+    assert reprefill_by_instance("c", "r/a,r/b,r/c", 301) == {"b": 150, "c": 151}
+    assert reprefill_by_instance("c", "r/a,r/b,r/c,r/b", 10) == {"b": 7, "c": 3}
+    # Legs that name no instance after the first: the record's.
+    assert reprefill_by_instance("us-1", "", 40) == {"us-1": 40}
+    assert reprefill_by_instance("us-1", "us-east/us-1", 40) == {"us-1": 40}
+    assert reprefill_by_instance("us-1", "us-east/us-0,us-east/us-1", 0) == {}
+
+
 usage = st.dictionaries(
     st.sampled_from(["acme", "globex", "initech", "umbrella"]),
     st.tuples(st.integers(0, 10**7), st.integers(0, 10**6)),
@@ -84,6 +131,7 @@ usage = st.dictionaries(
             st.floats(10, 5_000),
             usage,
             st.floats(0, 3600),
+            st.integers(0, 10**7),
         ),
         max_size=6,
     ),
@@ -91,13 +139,29 @@ usage = st.dictionaries(
 def test_allocated_plus_unallocated_is_the_pools_cost_exactly(
     gpus_free: int,
     price: Decimal,
-    instances: list[tuple[int, float, float, dict[str, tuple[int, int]], float]],
+    instances: list[tuple[int, float, float, dict[str, tuple[int, int]], float, int]],
 ) -> None:
     rows = [
-        InstanceHour(f"i{n}", g, p, d, u, held_s=h) for n, (g, p, d, u, h) in enumerate(instances)
+        InstanceHour(f"i{n}", g, p, d, u, held_s=h, reprefill_tokens=r)
+        for n, (g, p, d, u, h, r) in enumerate(instances)
     ]
     gpus = gpus_free + sum(r.gpus for r in rows)
     cost = pool_hour_cost(spans=whole_hour(gpus, price), instances=rows)
     assert cost.cost == gpus * price
     assert sum(cost.allocated.values(), start=Decimal(0)) + cost.unallocated == cost.cost
-    assert all(v >= 0 for v in cost.allocated.values())
+    assert cost.unallocated == cost.idle + cost.warm_idle + cost.reprefill
+    assert all(v >= 0 for v in cost.allocated.values()) and cost.reprefill >= 0
+    # Re-prefill only ever takes from the tenants' share: never more than without it.
+    without = pool_hour_cost(
+        spans=whole_hour(gpus, price),
+        instances=[dataclasses.replace(r, reprefill_tokens=0) for r in rows],
+    )
+    total = sum(cost.allocated.values(), start=Decimal(0))
+    # What the re-prefill takes is what the tenants (or, for an instance whose only work it
+    # was, its warm idle time) carry without it.
+    assert cost.idle == without.idle
+    assert total + cost.reprefill + cost.warm_idle == (
+        sum(without.allocated.values(), start=Decimal(0)) + without.warm_idle
+    )
+    # (a group's share by at most the last digit's rounding)
+    assert all(v <= without.allocated[k] + QUANTUM for k, v in cost.allocated.items())

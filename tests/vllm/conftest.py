@@ -31,6 +31,11 @@ from tests.vllm.servers import (
 )
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Tests that kill one of the session's servers run after all the others."""
+    items.sort(key=lambda item: item.get_closest_marker("kills_servers") is not None)
+
+
 @pytest.fixture(scope="session")
 def tiny_model() -> Path:
     model_dir = tiny_model_dir()

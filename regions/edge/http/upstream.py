@@ -206,6 +206,12 @@ class Response:
         """Drop the connection: how an engine learns that the request was abandoned."""
         self._conn.close()
 
+    def abandon(self, error: UpstreamError) -> None:
+        """Give the answer up while it is being read: the reader gets ``error``, the engine
+        a closed connection (a stream moved off a drained instance)."""
+        self._fail(error)
+        self._conn.close()
+
 
 class _Connection(asyncio.Protocol):
     """One keep-alive connection; at most one request at a time (no pipelining)."""

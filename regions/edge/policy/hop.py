@@ -28,6 +28,10 @@ from collections import OrderedDict
 from collections.abc import Callable, Mapping
 
 HOP_HEADER = b"x-fedinfer-hop"
+#: Marks a forward that continues a stream the origin edge relays and meters (its engine
+#: failed mid-stream): the serving edge records no usage of its own for it. The hop's MAC
+#: covers the marker (:func:`continuation_signed`), so it cannot be added to another request.
+CONTINUATION_HEADER = b"x-fedinfer-continuation"
 MAX_AGE_MS = 30_000
 #: Nonces a :class:`HopVerifier` remembers at most (about 20 MB; 3,300 hops/s for 30 s).
 MAX_NONCES = 100_000
@@ -73,6 +77,11 @@ def sign_hop(
     nonce = secrets.token_hex(16)
     mac = _mac(key, origin, destination, authorization, nonce, now_ms, body)
     return f"v2.{origin}.{destination}.{nonce}.{now_ms}.{kid}.{mac}".encode()
+
+
+def continuation_signed(body: bytes) -> bytes:
+    """What the hop of a continuation signs in place of its body: the body and the marker."""
+    return body + b"\n" + CONTINUATION_HEADER
 
 
 def _wall_ms() -> int:

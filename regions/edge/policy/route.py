@@ -109,3 +109,12 @@ def remote_route(theirs: bytes, region: str, remote: str, why: str, rtt_s: float
 def spill_failed_route(region: str, why: str) -> bytes:
     """Every remote edge failed before its first byte, and the request cannot stay here."""
     return f"region={region};instance=none;reason=spill_failed;spill={why}".encode()
+
+
+def route_field(header: bytes, name: str) -> str | None:
+    """One field of a route header (``instance`` of ``region=r;instance=i-3;...``)."""
+    prefix = name + "="
+    for part in header.decode("latin-1").split(";"):
+        if part.startswith(prefix):
+            return part[len(prefix) :][:128]
+    return None

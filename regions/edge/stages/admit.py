@@ -23,14 +23,19 @@ from regions.edge.metering.meter import Meter
 from regions.edge.observability import child_traceparent
 from regions.edge.policy.admission import Admission, TenantState, public_prefix
 from regions.edge.policy.budget import Budgets, Hold
-from regions.edge.policy.hop import HOP_HEADER, HopVerifier
+from regions.edge.policy.hop import (
+    CONTINUATION_HEADER,
+    HOP_HEADER,
+    HopVerifier,
+    continuation_signed,
+)
 from regions.edge.policy.prefix_index import root_seed
 from regions.edge.policy.sessions import MAX_SESSION_ID_BYTES, session_key
 from regions.edge.stages.context import RequestContext
 from regions.edge.stages.relay import JSON, Relay
 from regions.edge.stages.spill_over import SpillOver
 
-_Headers = tuple[bytes | None, bytes | None, str | None, bytes | None]
+_Headers = tuple[bytes | None, bytes | None, str | None, bytes | None, bool]
 _SPOOL_FULL = EdgeError(
     503,
     "This edge cannot record usage right now (its usage spool is full); retry shortly.",
@@ -71,9 +76,11 @@ async def read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
 
 
 def _request_headers(headers: Iterable[tuple[bytes, bytes]]) -> _Headers:
-    """(authorization, x-session-id, traceparent, the hop signature) as the client sent them."""
+    """(authorization, x-session-id, traceparent, the hop signature, whether it continues
+    another edge's stream) as the client sent them."""
     authorization = session_id = hop = None
     trace: str | None = None
+    continuation = False
     for name, value in headers:
         if name == b"authorization":
             authorization = value
@@ -83,7 +90,9 @@ def _request_headers(headers: Iterable[tuple[bytes, bytes]]) -> _Headers:
             trace = value.decode("latin-1")
         elif name == HOP_HEADER:
             hop = value
-    return authorization, session_id, trace, hop
+        elif name == CONTINUATION_HEADER:
+            continuation = True
+    return authorization, session_id, trace, hop, continuation
 
 
 def _check_session(session: bytes | None, from_header: bool) -> None:
@@ -125,7 +134,7 @@ class Admit:
     ) -> RequestContext | None:
         """The admitted request; None when it was refused (and answered) or its client left."""
         arrived = time.perf_counter()
-        authorization, session_id, trace, hop = _request_headers(scope["headers"])
+        authorization, session_id, trace, hop, continuation = _request_headers(scope["headers"])
         admission = self.admission
         tenant: TenantState | None = None
         hold: Hold | None = None
@@ -152,8 +161,10 @@ class Admit:
             spill = self.spill_over.plan(
                 req, tenant, point_key, hop is not None, authorization, session_id
             )
-            # Charged where it entered: a hop signed by a fellow edge was charged there.
-            origin = self.hops.verify(hop, raw, authorization) if hop is not None else None
+            # Charged where it entered: a hop signed by a fellow edge was charged there; a
+            # continuation it signed is metered and held there too.
+            origin = self._hop_origin(hop, raw, authorization, continuation)
+            metered_there = origin if continuation else None
             charged = 0
             if tenant is not None:
                 if self.meter is not None or tenant.policy.budget is not None:
@@ -163,6 +174,7 @@ class Admit:
                     tenant.policy.budget is not None
                     and endpoint.metered
                     and not (spill and spill.targets)
+                    and metered_there is None
                 ):
                     hold = self.budgets.reserve(
                         tenant.slug,
@@ -198,6 +210,17 @@ class Admit:
             entry_region=origin,
             key_prefix=key_prefix,
             hold=hold,
+            metered_elsewhere=metered_there is not None,
+        )
+
+    def _hop_origin(
+        self, hop: bytes | None, raw: bytes, authorization: bytes | None, continuation: bool
+    ) -> str | None:
+        """The region a fellow edge forwarded the request from (None: not a verified hop)."""
+        if hop is None:
+            return None
+        return self.hops.verify(
+            hop, continuation_signed(raw) if continuation else raw, authorization
         )
 
 

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Protocol
 from regions.edge.http.endpoints import Endpoint
 from regions.edge.http.parse import ParsedRequest, UsageTap
 from regions.edge.http.server import Receive, Scope, Send
-from regions.edge.http.upstream import UpstreamPool
+from regions.edge.http.upstream import Response, UpstreamPool
 from regions.edge.observability import CacheView
 from regions.edge.policy.admission import TenantState
 from regions.edge.policy.budget import Hold
@@ -101,6 +101,28 @@ class RequestContext:
     hold: Hold | None = None
     #: Its spans (``tracing.py``); None when tracing is off: each stage checks this once.
     trace: RequestTrace | None = None
+    #: The events relayed so far, kept while the stream may be continued on another engine
+    #: (``continuation.py``); None: it may not (or outgrew ``continue_memory_bytes``).
+    memory: list[bytes] | None = None
+    #: Bytes more it may keep.
+    memory_room: int = 0
+    #: Why the stream may not be continued (``not_continuable``, ``too_long``, P/D's), if so.
+    uncontinuable: str | None = None
+    #: The upstream answer being relayed (a drain migrates a stream by abandoning it) and
+    #: when it started there (``time.monotonic()``); why it was abandoned, if it was.
+    upstream: Response | None = None
+    upstream_since: float = 0.0
+    abandoned: str | None = None
+    #: For the usage record of a continued stream: ``region/instance`` of every leg, why the
+    #: first continuation happened, the prompt tokens engines processed again, and the output
+    #: tokens the client had received before the current leg.
+    legs: list[str] | None = None
+    #: It continues a stream another edge relays and meters (``hop.CONTINUATION_HEADER``):
+    #: no usage record here.
+    metered_elsewhere: bool = False
+    continue_reason: str | None = None
+    reprefill_tokens: int = 0
+    relayed_before: int = 0
 
 
 #: The admit stage: ``await admit(scope, receive, send, endpoint)``, the admitted request or

@@ -351,6 +351,7 @@ class PdRouter:
             hops.queue_s += time.monotonic() - started_wait
             route = self._route(pick, kv, hops, hops.retries + decode_retries)
             ctx.queue_s, ctx.route = hops.queue_s, route
+            ctx.uncontinuable = "prefill_decode"  # its KV came from a prefill engine
             ctx.timing_extra = f", prefill;dur={hops.prefill_s * 1000:.2f}".encode()
             scored = Scored(inst.id, 0.0, hops.queue_s, 0.0, expected_cached, pick.outstanding)
             uncached = req.prompt_tokens - expected_cached

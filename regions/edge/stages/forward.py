@@ -3,8 +3,9 @@
 :meth:`Forwarder.serve` is the single-hop path: place (``place.py``), try the winner over a
 pooled keep-alive connection (``upstream.py``), and on a failure before anything reached the
 client try another instance, at most ``max_retries`` times and only while the engine cannot be
-running the request. A first placement may send it to another region instead
-(``spill_over.py``). :meth:`Forwarder.forward` is one try; P/D's decode leg uses it too.
+running the request; after it, a stream goes on elsewhere (``continuation.py``). A first
+placement may send it to another region instead (``spill_over.py``).
+:meth:`Forwarder.forward` is one try; P/D's decode leg uses it too.
 """
 
 from __future__ import annotations
@@ -20,8 +21,9 @@ from regions.edge.policy.scheduler import Decision
 from regions.edge.policy.sessions import SessionMap
 from regions.edge.stages.attempt import Attempt, Attempts
 from regions.edge.stages.context import Fleet, RequestContext
+from regions.edge.stages.continuation import Continuation
 from regions.edge.stages.place import SPILL, Placement
-from regions.edge.stages.relay import Relay, may_retry
+from regions.edge.stages.relay import Relay, StreamCut, may_retry
 from regions.edge.stages.spill_over import SpillOver
 from regions.tables.schema import Instance
 
@@ -30,6 +32,7 @@ class Forwarder:
     __slots__ = (
         "attempts",
         "cfg",
+        "continuation",
         "fleet",
         "metrics",
         "peers",
@@ -62,10 +65,12 @@ class Forwarder:
         self.metrics = metrics
         #: Told of every session placed on a new instance: its placement's peers.
         self.peers = placement.peers
+        self.continuation = Continuation(cfg, fleet, placement, attempts, relay, sessions, metrics)
 
     async def serve(self, ctx: RequestContext) -> None:
         """Place and forward until an answer (or a refusal) reached the client."""
         req = ctx.req
+        self.continuation.prepare(ctx)
         session_key = ctx.session_key
         sticky = self.sessions.get(session_key) if session_key is not None else None
         exclude: frozenset[str] = frozenset()
@@ -85,6 +90,7 @@ class Forwarder:
                 return
             inst = self.fleet.instances[winner.instance]
             uncached = req.prompt_tokens - winner.cached_tokens
+            cut: StreamCut | None = None
             with Attempt(self.attempts, inst, req.prompt_tokens, uncached) as attempt:
                 self.placement.sent(ctx, inst)
                 if (
@@ -96,6 +102,8 @@ class Forwarder:
                 try:
                     await self.forward(inst, decision, ctx)
                     return
+                except StreamCut as lost:
+                    cut = lost  # continued below, once this try has let its slot go
                 except UpstreamFailure as failure:
                     attempt.failed(failure)
                     if not await self._may_retry(ctx, inst.id, failure, decision):
@@ -105,6 +113,9 @@ class Forwarder:
                     # Placed again as a new request: the failed instance may have been the
                     # region's last, and another region may take it now.
                     first_pass = spill
+            if cut is not None:
+                await self.continuation.resume(ctx, cut)
+                return
 
     async def _may_retry(
         self, ctx: RequestContext, instance: str, failure: UpstreamFailure, decision: Decision

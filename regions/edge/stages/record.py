@@ -94,6 +94,7 @@ class Recorder:
             and status == 200
             and ctx.req.stream
             and ctx.req.endpoint.kind != "responses"
+            and ctx.legs is None  # a continued stream's TTFT is its first engine's
             and winner is not None
             and winner.instance == instance
             and not winner.wait
@@ -121,7 +122,7 @@ class Recorder:
         inst = ctx.served_by
         # An engine's refusal (4xx) is not usage; a stream cut after tokens reached the client
         # is, for what was relayed.
-        relayed = ctx.tap is not None and ctx.tap.relayed_tokens > 0
+        relayed = ctx.relayed_before > 0 or (ctx.tap is not None and ctx.tap.relayed_tokens > 0)
         delivered = 0 < ctx.status < 400 or (ctx.status >= 500 and relayed)
         # The tokenizer's calls report no usage: not metered, nothing held.
         if inst is None or not (delivered or cancelled) or not ctx.req.endpoint.metered:
@@ -135,12 +136,12 @@ class Recorder:
             )
         self.loads.get(inst.id).tokens += tokens.completion
         meter = self.meter
-        if meter is None:
+        if meter is None or ctx.metered_elsewhere:
             return
         if meter.spool.full and meter.drop_when_full:  # --usage-spool-full serve
             meter.dropped += 1
             return
-        # The usage record, as a row in schema 3's order (``regions/tables/usage.py``), encoded
+        # The usage record, as a row in schema 4's order (``regions/tables/usage.py``), encoded
         # with its batch (``usage_spool.py``). Built here, not in a method: metering's budget is
         # a few µs per request, and a Python call is a tenth of the row's price.
         req = ctx.req
@@ -148,6 +149,10 @@ class Recorder:
         ids = meter.ids
         duration = time.perf_counter() - ctx.arrived
         ttft = ctx.ttft_s
+        legs = ctx.legs
+        # Legs the client's answer came from beyond the first (a try that failed before its
+        # first token is no leg).
+        continued = len(legs) - 1 if legs else 0
         meter.spool.append(
             (
                 USAGE_SCHEMA_VERSION,
@@ -171,6 +176,10 @@ class Recorder:
                 cancelled,
                 reported,
                 self.budgets.edge,
+                continued,
+                ",".join(legs) if legs and continued else None,
+                ctx.continue_reason if continued else None,
+                ctx.reprefill_tokens if continued else 0,
             )
         )
 
@@ -189,6 +198,7 @@ def _tokens(ctx: RequestContext) -> Tokens:
     prompt, used = ctx.prompt_tokens, ctx.used_tokens
     if prompt is not None and used is not None:
         return Tokens(prompt, min(ctx.cached_tokens or 0, prompt), used - prompt, True)
-    # The role chunk that opens a chat stream carries no token.
-    relayed = ctx.tap.relayed_tokens if ctx.tap is not None else 0
+    # The role chunk that opens a chat stream carries no token; a continued stream's earlier
+    # legs were counted when it was continued.
+    relayed = ctx.relayed_before + (ctx.tap.relayed_tokens if ctx.tap is not None else 0)
     return Tokens(ctx.req.prompt_tokens, 0, relayed, False)

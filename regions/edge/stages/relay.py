@@ -23,7 +23,8 @@ from regions.edge.http.parse import ResponsesTap, UsageTap, body_usage
 from regions.edge.http.server import Send
 from regions.edge.http.upstream import Response, UpstreamError
 from regions.edge.observability import EdgeMetrics, server_timing
-from regions.edge.policy.route import remote_route, route_header
+from regions.edge.policy.continuation import ContinuedTap, Relayed, finish_event, usage_event
+from regions.edge.policy.route import remote_route, route_field, route_header
 from regions.edge.policy.scheduler import Decision
 from regions.edge.policy.spill import Remote
 from regions.edge.stages.context import RequestContext
@@ -55,8 +56,38 @@ async def respond(send: Send, status: int, body: bytes, ctype: bytes) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
+async def _first_bytes(resp: Response, tap: UsageTap) -> bytes:
+    """A stream's first whole events; :class:`UpstreamFailure` when none arrive."""
+    first = b""
+    try:
+        while not first:
+            chunk = await resp.readany()
+            if not chunk:
+                # The engine ended the stream itself: it is not running the request.
+                raise UpstreamFailure("closed before the first byte", connect=True)
+            first = tap.feed(chunk)
+    except UpstreamError as exc:
+        raise UpstreamFailure(f"stream: {exc}", connect=True, retry=may_retry(exc)) from exc
+    return first
+
+
+class StreamCut(Exception):
+    """The engine failed after the client got the first bytes of its stream, which may be
+    continued elsewhere (``continuation.py``); ``abandoned``: the edge gave it up (a drain)."""
+
+    def __init__(
+        self, inst: Instance, decision: Decision, ttft: float, failure: str, abandoned: str | None
+    ) -> None:
+        super().__init__(failure)
+        self.inst = inst
+        self.decision = decision
+        self.ttft = ttft
+        self.failure = failure
+        self.abandoned = abandoned
+
+
 class Relay:
-    __slots__ = ("health", "metrics", "recorder", "region", "retry_after_s")
+    __slots__ = ("health", "metrics", "recorder", "region", "retry_after_s", "streams")
 
     def __init__(
         self,
@@ -71,6 +102,9 @@ class Relay:
         self.health = health
         self.metrics = metrics
         self.recorder = recorder
+        #: Instance -> the streams it is sending now, kept only while drains move streams
+        #: (``continuation.Continuation.watch_drains``).
+        self.streams: dict[str, dict[int, RequestContext]] | None = None
 
     def _route(self, decision: Decision, ctx: RequestContext) -> bytes:
         return ctx.route or route_header(self.region, decision, ctx.retries, view=ctx.view)
@@ -126,23 +160,15 @@ class Relay:
         ctx: RequestContext,
     ) -> bool:
         """Pass the SSE stream through; True when it ended cleanly (``[DONE]``; a Responses
-        stream: ``response.completed``)."""
+        stream: ``response.completed``). :class:`StreamCut` when it failed after its first
+        byte and may be continued elsewhere."""
         req = ctx.req
         tap = ctx.tap = (
             ResponsesTap() if req.endpoint.kind == "responses" else UsageTap(req.strip_usage)
         )
         # Hold the response headers until the first bytes arrive, so a failure before then can
         # still be retried on another instance.
-        first = b""
-        try:
-            while not first:
-                chunk = await resp.readany()
-                if not chunk:
-                    # The engine ended the stream itself: it is not running the request.
-                    raise UpstreamFailure("closed before the first byte", connect=True)
-                first = tap.feed(chunk)
-        except UpstreamError as exc:
-            raise UpstreamFailure(f"stream: {exc}", connect=True, retry=may_retry(exc)) from exc
+        first = await _first_bytes(resp, tap)
         ttft = time.perf_counter() - ctx.arrived
         headers_out = [
             (b"content-type", ctype),
@@ -154,11 +180,117 @@ class Relay:
         ctx.sent = True
         send = ctx.send
         await send({"type": "http.response.start", "status": 200, "headers": headers_out})
+        self._remember(ctx, first)
         await send({"type": "http.response.body", "body": first, "more_body": True})
+        failure = await self._follow(resp, inst.id, tap, ctx)
+        if failure:
+            self._lost(inst, failure, ctx)
+            if ctx.memory is not None:
+                raise StreamCut(inst, decision, ttft, failure, ctx.abandoned)
+            await self._cut_event(inst, decision, ttft, ctx, ctx.uncontinuable or "")
+            return False
+        if isinstance(tap, ResponsesTap) and tap.first_token_at is not None:
+            # A Responses stream opens before its prefill: its first token is the first text.
+            ttft = tap.first_token_at - ctx.arrived
+        self.health.success(inst.id)
+        await self._end(ctx)
+        self.recorder.served(
+            ctx, decision, inst.id, 200, ttft, tap.prompt_tokens, tap.cached_tokens
+        )
+        if tap.prompt_tokens is not None and tap.completion_tokens is not None:
+            ctx.used_tokens = tap.prompt_tokens + tap.completion_tokens
+        return True
+
+    async def continued(
+        self,
+        resp: Response,
+        inst: Instance,
+        decision: Decision,
+        ctx: RequestContext,
+        tap: ContinuedTap,
+        note: bytes,
+    ) -> bool:
+        """Relay a continuation's stream into the client's (``continuation.py``), after the
+        SSE comment ``note`` that names the leg; True when it ended cleanly.
+        :class:`UpstreamFailure` before its first token, :class:`StreamCut` after."""
+        failure = await self._leg(resp, f"{self.region}/{inst.id}", inst, ctx, tap, note)
+        ttft = ctx.ttft_s or 0.0
+        if failure:
+            self._lost(inst, failure, ctx)
+            raise StreamCut(inst, decision, ttft, failure, ctx.abandoned)
+        self.health.success(inst.id)
+        await self._finish_continued(inst.id, decision, ttft, tap, ctx)
+        return True
+
+    async def continued_remote(
+        self,
+        resp: Response,
+        remote: str,
+        cut: StreamCut,
+        ctx: RequestContext,
+        tap: ContinuedTap,
+        note: bytes,
+    ) -> bool:
+        """The same with another region's edge continuing it (it records no usage: this edge
+        does). A remote that fails after its first token ends the stream: it continues its
+        own streams itself, so its failure is its region's. True when it ended cleanly."""
+        where = route_field(resp.headers.get(_ROUTE, b""), "instance") or "?"
+        failure = await self._leg(resp, f"{remote}/{where}", None, ctx, tap, note)
+        if failure:
+            log.warning("remote region %s failed continuing a stream: %s", remote, failure)
+            await self._cut_event(cut.inst, cut.decision, cut.ttft, ctx, "remote_failed")
+            return False
+        await self._finish_continued(f"remote:{remote}", cut.decision, cut.ttft, tap, ctx)
+        return True
+
+    async def _leg(
+        self,
+        resp: Response,
+        leg: str,
+        inst: Instance | None,
+        ctx: RequestContext,
+        tap: ContinuedTap,
+        note: bytes,
+    ) -> str:
+        """Relay one continuation leg (``inst``: here; None: a remote edge) once its first
+        token came: why it failed, or ""."""
+        first = await _first_bytes(resp, tap)
+        if inst is not None:
+            ctx.served_by = inst  # the record names the instance that finished the answer
+        ctx.tap = tap
+        ctx.abandoned = None
+        if ctx.legs is not None:
+            ctx.legs.append(leg)
+        self._remember(ctx, first)
+        await ctx.send({"type": "http.response.body", "body": note + first, "more_body": True})
+        return await self._follow(resp, inst.id if inst is not None else None, tap, ctx)
+
+    async def _finish_continued(
+        self, instance: str, decision: Decision, ttft: float, tap: ContinuedTap, ctx: RequestContext
+    ) -> None:
+        await self._end(ctx)
+        usage = tap.client_usage()
+        if usage is None:
+            self.recorder.served(ctx, decision, instance, 200, ttft, None, None)
+            return
+        ctx.used_tokens = usage[0] + usage[2]
+        self.recorder.served(ctx, decision, instance, 200, ttft, usage[0], usage[1])
+
+    async def _follow(
+        self, resp: Response, instance: str | None, tap: UsageTap, ctx: RequestContext
+    ) -> str:
+        """Relay the rest of a stream: why it failed, or "" when it ended whole. While it
+        runs on ``instance`` (here), a drain may abandon it (``ctx.upstream``)."""
+        streams = self.streams
+        key = instance or ""  # a remote edge's stream ("") is its region's to move
+        if streams is not None and key:
+            ctx.upstream, ctx.upstream_since = resp, time.monotonic()
+            streams.setdefault(key, {})[id(ctx)] = ctx
         # Inter-token latency: the gap before each chunk passed on (a float per chunk).
         itl = self.metrics.itl_histo(ctx.req.model)
+        send = ctx.send
         last = time.perf_counter()
-        failure = ""
+        memory = ctx.memory
         try:
             while True:
                 chunk = await resp.readany()
@@ -169,35 +301,73 @@ class Relay:
                     now = time.perf_counter()
                     itl.observe(now - last)
                     last = now
+                    if memory is not None:
+                        room = ctx.memory_room = ctx.memory_room - len(out)
+                        if room >= 0:
+                            memory.append(out)
+                        else:  # too long to keep: this stream can no longer be continued
+                            ctx.memory = memory = None
+                            ctx.uncontinuable = "too_long"
                     await send({"type": "http.response.body", "body": out, "more_body": True})
         except UpstreamError as exc:
-            failure = str(exc)
-        if not failure and not tap.done:
-            failure = "stream ended without [DONE]"
-        if failure:
-            await self._cut(inst, decision, ttft, failure, ctx)
-            return False
-        ctx.complete = True
-        await send({"type": "http.response.body", "body": tap.pending})
-        if tap.prompt_tokens is not None and tap.completion_tokens is not None:
-            ctx.used_tokens = tap.prompt_tokens + tap.completion_tokens
-        if isinstance(tap, ResponsesTap) and tap.first_token_at is not None:
-            # A Responses stream opens before its prefill: its first token is the first text.
-            ttft = tap.first_token_at - ctx.arrived
-        self.health.success(inst.id)
-        self.recorder.served(
-            ctx, decision, inst.id, 200, ttft, tap.prompt_tokens, tap.cached_tokens
-        )
-        return True
+            return str(exc)
+        finally:
+            if streams is not None and key:
+                ctx.upstream = None
+                running = streams.get(key)
+                if running is not None:
+                    running.pop(id(ctx), None)
+                    if not running:
+                        del streams[key]
+        return "" if tap.done else "stream ended without [DONE]"
 
-    async def _cut(
-        self, inst: Instance, decision: Decision, ttft: float, failure: str, ctx: RequestContext
+    @staticmethod
+    def _remember(ctx: RequestContext, first: bytes) -> None:
+        memory = ctx.memory
+        if memory is not None:
+            ctx.memory_room -= len(first)
+            if ctx.memory_room >= 0:
+                memory.append(first)
+            else:
+                ctx.memory, ctx.uncontinuable = None, "too_long"
+
+    @staticmethod
+    async def _end(ctx: RequestContext) -> None:
+        """The stream ended whole: its last bytes."""
+        ctx.complete = True
+        tap = ctx.tap
+        await ctx.send({"type": "http.response.body", "body": tap.pending if tap else b""})
+
+    def _lost(self, inst: Instance, failure: str, ctx: RequestContext) -> None:
+        """The engine failed mid-stream: count it, and against its health unless the edge
+        gave the stream up itself (a drain)."""
+        self.metrics.midstream_failures.labels(inst.id).inc()
+        if ctx.abandoned is None:
+            self.health.connect_error(inst.id, f"mid-stream: {failure}")
+            log.warning("instance %s failed mid-stream: %s", inst.id, failure)
+
+    async def cut(
+        self,
+        inst: Instance,
+        decision: Decision,
+        ttft: float,
+        failure: str,
+        ctx: RequestContext,
+        why: str,
+    ) -> None:
+        """End a stream that could not be continued with an error event saying why."""
+        log.warning("stream of %s cut (%s), not continued: %s", ctx.req.model, failure, why)
+        await self._cut_event(inst, decision, ttft, ctx, why)
+
+    async def _cut_event(
+        self, inst: Instance, decision: Decision, ttft: float, ctx: RequestContext, why: str
     ) -> None:
         """The engine failed after the first byte: end the stream with an error event."""
-        self.metrics.midstream_failures.labels(inst.id).inc()
-        self.health.connect_error(inst.id, f"mid-stream: {failure}")
-        log.warning("instance %s failed mid-stream: %s", inst.id, failure)
         message = "the engine failed mid-stream; the response is incomplete"
+        if why:
+            message += f" (not continued: {why})"
+            reason = ctx.abandoned or ctx.continue_reason or "engine_lost"
+            self.metrics.continuations.labels(ctx.req.model, reason, f"cut_{why}").inc()
         ctx.complete = True
         tap = ctx.tap
         if isinstance(tap, ResponsesTap):
@@ -206,6 +376,21 @@ class Relay:
             event = sse_error_event(message, _CUT)
         await ctx.send({"type": "http.response.body", "body": event})
         self.recorder.served(ctx, decision, inst.id, 502, ttft, None, None)
+
+    async def end_whole(self, ctx: RequestContext, cut: StreamCut, relayed: Relayed) -> None:
+        """The client already has the whole answer (its finish reason, or every token it
+        asked for) but not the stream's end: end it as the engine would have."""
+        events = []
+        if relayed.finish_reason is None:
+            events.append(finish_event(ctx.req.endpoint.kind, relayed, ctx.req.model, "length"))
+        if not ctx.req.strip_usage:
+            events.append(
+                usage_event(relayed, ctx.req.model, ctx.req.prompt_tokens, ctx.req.endpoint.kind)
+            )
+        events.append(b"data: [DONE]\n\n")
+        ctx.complete = True
+        await ctx.send({"type": "http.response.body", "body": b"".join(events)})
+        self.recorder.served(ctx, cut.decision, cut.inst.id, 200, cut.ttft, None, None)
 
     async def remote(
         self, resp: Response, remote: Remote, why: str, connect_s: float, ctx: RequestContext

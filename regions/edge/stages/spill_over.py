@@ -233,7 +233,7 @@ class SpillOver:
         self.metrics.spills.labels(remote.code, spill.why).inc()
         # Signed for this remote (and this try): a value is good at one region, once.
         hop = sign_hop(
-            cfg.hop_keys, cfg.region, remote.code, spill.authorization, req.body, _now_ms()
+            cfg.hop_keys, cfg.region, remote.code, spill.authorization, req.body, now_ms()
         )
         t0 = time.perf_counter()
         try:
@@ -257,5 +257,5 @@ class SpillOver:
                 resp.close()
 
 
-def _now_ms() -> int:
+def now_ms() -> int:
     return int(time.time() * 1000)
