@@ -188,6 +188,48 @@ def test_a_pd_request_shows_both_legs(tmp_path: Path, receiver: Receiver) -> Non
     assert [s.attributes["fedinfer.role"] for s in named["edge.schedule"]] == ["prefill"]
 
 
+def test_a_continued_stream_shows_each_leg(tmp_path: Path, receiver: Receiver) -> None:
+    """The engine serving a stream dies after its first tokens: the trace has the first leg
+    (``edge.upstream``) and the continuation (``edge.continue``) on the other engine."""
+    with engine_sims(tmp_path, 2, MODEL, "--seed", "3") as engines:
+        urls = {f"sim-{e['index']}": e["url"] for e in engines}
+        doc = table_doc("sim", 1, [
+            {"id": name, "url": url, "model": MODEL, "max_concurrency": 8,
+             "prefill_tokens_per_s": 15000} for name, url in urls.items()
+        ])  # fmt: skip
+        edge = traced_edge(tmp_path, receiver, doc)
+        trace = "c" * 32
+        body = {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "A long tale, please."}],
+            "max_tokens": 120,
+            "ignore_eos": True,
+            "stream": True,
+        }
+        headers = {"authorization": f"Bearer {KEY}", "traceparent": f"00-{trace}-{CALLER_SPAN}-01"}
+        try:
+            with httpx.stream(
+                "POST", edge.url + "/v1/chat/completions", json=body, headers=headers, timeout=30
+            ) as r:
+                first = route_of(r.headers)["instance"]
+                lines = r.iter_lines()
+                got = [next(lines) for _ in range(4)]
+                httpx.post(urls[first] + "/admin/faults", json={"kill": True}, timeout=5)
+                got += list(lines)
+        finally:
+            edge.proc.stop()
+    assert "data: [DONE]" in got
+    named = by_name(receiver.trace(trace, "edge.request"))
+    (root,) = named["edge.request"]
+    (upstream,) = named["edge.upstream"]
+    (continued,) = named["edge.continue"]
+    (other,) = set(urls) - {first}
+    assert upstream.attributes["fedinfer.target"] == first
+    assert continued.attributes["fedinfer.target"] == other
+    assert continued.parent_id == root.span_id and continued.kind == CLIENT
+    assert upstream.end_ns <= continued.start_ns <= continued.end_ns <= root.end_ns
+
+
 def test_a_queued_request_has_a_queue_span_and_engines_get_the_leg_span(
     tmp_path: Path, receiver: Receiver
 ) -> None:
