@@ -35,6 +35,11 @@ on its sockets; metering's kernel work is per batch. The share of all of the edg
 and system, is reported too, as an upper bound.)
 
     .venv/bin/python -m bench instructions [--requests 2000] [--concurrency 8]
+
+``--continuation`` counts instead what keeping a stream continuable costs (``docs/continuation.md``:
+each chunk relayed is remembered, each stream is registered for drain migration): the plain edge
+with ``--max-continuations 0 --drain-migrate-after never`` against the plain edge as it ships,
+on streams of ``--tokens`` tokens, priced per token as above.
 """
 
 from __future__ import annotations
@@ -53,6 +58,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import orjson
 import redis
 
 from bench.harness.fleet import start_engines, which_wrk, write_table
@@ -335,6 +341,68 @@ def render(result: dict[str, Any]) -> str:
     )
 
 
+#: The edge with nothing kept for continuation, the baseline of ``--continuation``.
+NO_CONTINUATION = ["--max-continuations", "0", "--drain-migrate-after", "never"]
+
+
+def run_continuation(requests: int, concurrency: int, tokens: int) -> dict[str, Any]:
+    """The price of continuation's bookkeeping per streamed token, in instructions and µs."""
+    if shutil.which("valgrind") is None or which_wrk() is None:
+        raise SystemExit("valgrind and wrk are needed: apt-get install valgrind wrk")
+    started, machine_before = utc_now(), machine_info()
+    tmp = Path(tempfile.mkdtemp(prefix="bench-continuation-"))
+    long_stream = orjson.loads(request_body(True))
+    long_stream.update(max_tokens=tokens, ignore_eos=True)
+    bodies = {False: request_body(False), True: orjson.dumps(long_stream)}
+    wrk_body = tmp / "body.json"
+    wrk_body.write_bytes(bodies[False])
+    edges: dict[str, Any] = {}
+    with bench_processes(VAR / "logs" / "instructions") as pg:
+        engines = start_engines(
+            pg, count=1, model=MODEL, extra=["--zero-latency", "--seed", "1"], cpus=ENGINE_CPUS
+        )
+        table = write_table(tmp / "table.json", engines, max_concurrency=4096)
+        _, native_user, _ = native_cpu_us(pg, table, engines.proc, wrk_body, 3)
+        for name, extra in (("edge-no-continuation", NO_CONTINUATION), ("edge", [])):
+            proc, url = start_edge_under_callgrind(pg, table, name, tmp, extra)
+            edges[name] = measure_edge(proc, url, tmp, bodies, requests, concurrency, 0.0)
+            pg.stop(proc)
+    base = edges["edge-no-continuation"]
+    added = edges["edge"]["stream"]["per_request"] - base["stream"]["per_request"]
+    us_per_instruction = native_user / base["plain"]["per_request"]
+    summary = {
+        "tokens_per_stream": tokens,
+        "stream_instructions_per_req": round(base["stream"]["per_request"]),
+        "added_instructions_per_stream": round(added),
+        "added_instructions_per_token": round(added / tokens, 1),
+        "added_share": round(added / base["stream"]["per_request"], 4),
+        "added_cpu_us_per_token": round(added / tokens * us_per_instruction, 3),
+        "native_edge_user_cpu_us_per_req": round(native_user, 1),
+    }
+    result = {
+        "benchmark": "instructions",
+        "started": started,
+        "finished": utc_now(),
+        "git": git_rev(),
+        "command": "python -m bench instructions " + " ".join(sys.argv[1:]),
+        "machine_before": machine_before,
+        "machine_after": machine_info(),
+        "params": {"requests": requests, "concurrency": concurrency, "tokens": tokens},
+        "edges": edges,
+        "summary": summary,
+    }
+    path = write_result("instructions-continuation", result)
+    print(
+        f"git {result['git']}: streams of {tokens} tokens, "
+        f"{summary['stream_instructions_per_req'] / 1e3:.1f} k instructions each without "
+        f"continuation; keeping them continuable adds {summary['added_instructions_per_token']}"
+        f" instructions a token ({summary['added_share'] * 100:.2f} %), "
+        f"{summary['added_cpu_us_per_token']} µs of CPU a token"
+    )
+    print(f"\nresults: {path}")
+    return result
+
+
 def main(argv: list[str] | None = None) -> None:
     """Count both edges; print the table and write the JSON under var/bench/."""
     ap = argparse.ArgumentParser(
@@ -344,8 +412,17 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--requests", type=int, default=2000, help="requests per phase (2000)")
     ap.add_argument("--concurrency", type=int, default=8, help="requests in flight (8)")
     ap.add_argument("--native-reps", type=int, default=5, help="native wrk runs (5)")
+    ap.add_argument(
+        "--continuation",
+        action="store_true",
+        help="count what keeping streams continuable costs a token, instead of metering",
+    )
+    ap.add_argument("--tokens", type=int, default=128, help="tokens a stream (--continuation)")
     args = ap.parse_args(argv)
-    run(args.requests, args.concurrency, args.native_reps)
+    if args.continuation:
+        run_continuation(args.requests, args.concurrency, args.tokens)
+    else:
+        run(args.requests, args.concurrency, args.native_reps)
 
 
 if __name__ == "__main__":
