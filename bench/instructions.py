@@ -293,7 +293,29 @@ def run(requests: int = 2000, concurrency: int = 8, native_reps: int = 5) -> dic
             "added_cpu_us_per_req": round(added / base * native_user, 2),
             "added_cpu_us_per_req_upper": round(added / base * native, 2),
         }
-    result = {
+    result = _result(
+        started,
+        machine_before,
+        {"requests": requests, "concurrency": concurrency, "native_reps": native_reps},
+        edges,
+        summary,
+    )
+    result["target_metering_cpu_us_per_req"] = TARGETS["metering_cpu_us_per_req_c64"]
+    path = write_result("instructions", result)
+    print(render(result))
+    print(f"\nresults: {path}")
+    return result
+
+
+def _result(
+    started: str,
+    machine_before: dict[str, Any],
+    params: dict[str, Any],
+    edges: dict[str, Any],
+    summary: dict[str, Any],
+) -> dict[str, Any]:
+    """A run's JSON document: what ran, where, on what, and what it counted."""
+    return {
         "benchmark": "instructions",
         "started": started,
         "finished": utc_now(),
@@ -301,15 +323,10 @@ def run(requests: int = 2000, concurrency: int = 8, native_reps: int = 5) -> dic
         "command": "python -m bench instructions " + " ".join(sys.argv[1:]),
         "machine_before": machine_before,
         "machine_after": machine_info(),
-        "params": {"requests": requests, "concurrency": concurrency, "native_reps": native_reps},
-        "target_metering_cpu_us_per_req": TARGETS["metering_cpu_us_per_req_c64"],
+        "params": params,
         "edges": edges,
         "summary": summary,
     }
-    path = write_result("instructions", result)
-    print(render(result))
-    print(f"\nresults: {path}")
-    return result
 
 
 def render(result: dict[str, Any]) -> str:
@@ -379,18 +396,8 @@ def run_continuation(requests: int, concurrency: int, tokens: int) -> dict[str, 
         "added_cpu_us_per_token": round(added / tokens * us_per_instruction, 3),
         "native_edge_user_cpu_us_per_req": round(native_user, 1),
     }
-    result = {
-        "benchmark": "instructions",
-        "started": started,
-        "finished": utc_now(),
-        "git": git_rev(),
-        "command": "python -m bench instructions " + " ".join(sys.argv[1:]),
-        "machine_before": machine_before,
-        "machine_after": machine_info(),
-        "params": {"requests": requests, "concurrency": concurrency, "tokens": tokens},
-        "edges": edges,
-        "summary": summary,
-    }
+    params = {"requests": requests, "concurrency": concurrency, "tokens": tokens}
+    result = _result(started, machine_before, params, edges, summary)
     path = write_result("instructions-continuation", result)
     print(
         f"git {result['git']}: streams of {tokens} tokens, "

@@ -30,7 +30,8 @@ import redis
 
 from regions.supervisor import Process, file_written, start_process, wait_until
 from regions.tables.usage import USAGE_FIELD, USAGE_STREAM, UsageRecord, decode_record
-from tests.integration.test_edge_support import EdgeProc, route_of, start_edge, table_doc
+from tests.integration.test_edge_support import EdgeProc, route_of, table_doc
+from tests.integration.test_edge_support import start_edge as _start_edge
 from tests.integration.usage_stream_support import stream_args
 
 REDIS_URL = os.environ["REDIS_URL"]  # this test worker's own (tests/isolation.py)
@@ -38,6 +39,23 @@ MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 KEY = "fi_AbCdEf12_" + "s" * 43
 HELD_KEY = "fi_HeLdHeLd_" + "h" * 43
 HOP_KEYS = "h1=hop-secret"
+
+
+#: The edges a test started: stopped when it ends, whether it passed or not.
+_STARTED: list[EdgeProc] = []
+
+
+def start_edge(tmp: Path, table: dict[str, Any], *args: str) -> EdgeProc:
+    edge = _start_edge(tmp, table, *args)
+    _STARTED.append(edge)
+    return edge
+
+
+@pytest.fixture(autouse=True)
+def _stop_edges() -> Iterator[None]:
+    yield
+    while _STARTED:
+        _STARTED.pop().proc.stop()
 
 
 def _tenants(regions: list[str]) -> list[dict[str, Any]]:

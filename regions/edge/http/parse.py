@@ -529,9 +529,14 @@ class UsageTap:
                         self.completion_tokens = completion
                     if self.strip and doc.get("choices") == []:
                         continue
+                    event = self._usage_event(event, doc)
             out.append(event)
             out.append(b"\n\n")
         return b"".join(out)
+
+    def _usage_event(self, event: bytes, doc: dict[str, Any]) -> bytes:
+        """The usage event as the client gets it (``doc``: decoded): as the engine sent it."""
+        return event
 
 
 #: Events that end a Responses stream (``response.completed`` has the usage, and so do these).

@@ -25,7 +25,7 @@ from typing import Any
 
 import orjson
 
-from regions.edge.http.parse import UsageTap, usage_numbers
+from regions.edge.http.parse import UsageTap
 
 #: vLLM's default ``max_tokens`` of a completions request (chat has none: up to the context).
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
@@ -307,27 +307,11 @@ class ContinuedTap(UsageTap):
             out = _without_prompt_ids(out)
         return out
 
-    def _usage_events(self, complete: bytes) -> bytes:
-        out: list[bytes] = []
-        for event in complete.split(b"\n\n")[:-1]:
-            if b'"usage"' in event and event.startswith(b"data: {"):
-                try:
-                    doc = orjson.loads(event[6:])
-                except orjson.JSONDecodeError:
-                    doc = None
-                if isinstance(doc, dict) and isinstance(doc.get("usage"), dict):
-                    prompt, cached, completion = usage_numbers(doc["usage"])
-                    self.prompt_tokens, self.cached_tokens = prompt, cached
-                    self.completion_tokens = completion
-                    if self.strip and doc.get("choices") == []:
-                        continue
-                    usage = self.client_usage()
-                    if usage is not None:
-                        doc["usage"] = _usage_doc(*usage)
-                        event = b"data: " + orjson.dumps(doc)
-            out.append(event)
-            out.append(b"\n\n")
-        return b"".join(out)
+    def _usage_event(self, event: bytes, doc: dict[str, Any]) -> bytes:
+        usage = self.client_usage()
+        if usage is None:
+            return event
+        return b"data: " + orjson.dumps({**doc, "usage": _usage_doc(*usage)})
 
 
 def _usage_doc(prompt: int, cached: int, completion: int) -> dict[str, Any]:

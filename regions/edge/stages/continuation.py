@@ -18,10 +18,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable, Callable
 
 from regions.edge.config import EdgeConfig
 from regions.edge.http.errors import UpstreamFailure
-from regions.edge.http.upstream import UpstreamError
+from regions.edge.http.upstream import Response, UpstreamError
 from regions.edge.observability import EdgeMetrics
 from regions.edge.policy.continuation import (
     ContinuedTap,
@@ -162,10 +163,7 @@ class Continuation:
         inst = self.fleet.instances[winner.instance]
         tap = ContinuedTap(req.strip_usage, req.endpoint.kind == "chat", relayed)
         prompt = req.prompt_tokens + relayed.tokens
-        note = (
-            f": x-fedinfer-route continued region={self.cfg.region} instance={inst.id} "
-            f"after={reason} leg={len(ctx.legs or ()) + 1}\n\n"
-        ).encode()
+        note = _note(ctx, f"region={self.cfg.region} instance={inst.id}", reason)
         with Attempt(self.attempts, inst, prompt, prompt - winner.cached_tokens) as attempt:
             self.placement.sent(ctx, inst)
             if ctx.session_key is not None:
@@ -218,18 +216,9 @@ class Continuation:
             )
         except UpstreamError as exc:
             raise UpstreamFailure(str(exc), connect=True) from exc
-        clean = False
-        try:
-            if resp.status != 200:
-                # A refusal of the continuation (its prompt grew past the context, say) is no
-                # answer to relay: another instance is tried.
-                raise UpstreamFailure(f"status {resp.status}", connect=resp.status >= 500)
-            clean = await self.relay.continued(resp, inst, decision, ctx, tap, note)
-        finally:
-            if clean:
-                resp.release()
-            else:
-                resp.close()
+        await _relay_answer(
+            resp, lambda: self.relay.continued(resp, inst, decision, ctx, tap, note)
+        )
 
     async def _remote(
         self, ctx: RequestContext, body: bytes, relayed: Relayed, reason: str, cut: StreamCut
@@ -239,51 +228,47 @@ class Continuation:
         spill = ctx.spill
         if spill is None:
             return False
-        cfg = self.cfg
-        authorization = spill.authorization
         headers = [(b"traceparent", ctx.traceparent.encode()), (CONTINUATION_HEADER, b"1")]
-        if authorization is not None:
-            headers.append((b"authorization", authorization))
+        if spill.authorization is not None:
+            headers.append((b"authorization", spill.authorization))
         if spill.session is not None:
             headers.append((b"x-session-id", spill.session))
-        signed = continuation_signed(body)
-        chat = ctx.req.endpoint.kind == "chat"
         for remote in eligible_remotes(spill.remotes, spill.allowed, None, 0.0, spill.point):
             for url in remote.edge_urls:
-                hop = sign_hop(
-                    cfg.hop_keys, cfg.region, remote.code, authorization, signed, now_ms()
-                )
+                tap = ContinuedTap(ctx.req.strip_usage, ctx.req.endpoint.kind == "chat", relayed)
                 try:
-                    resp = await self.fleet.upstream.post(
-                        url, ctx.req.path, body, [*headers, (HOP_HEADER, hop)]
-                    )
-                except UpstreamError as exc:
+                    await self._send_remote(ctx, remote.code, url, body, headers, tap, reason, cut)
+                except (UpstreamError, UpstreamFailure) as exc:
                     log.warning("continuation in %s (%s) failed: %s", remote.code, url, exc)
                     continue
-                tap = ContinuedTap(ctx.req.strip_usage, chat, relayed)
-                note = (
-                    f": x-fedinfer-route continued region={remote.code} after={reason} "
-                    f"leg={len(ctx.legs or ()) + 1}\n\n"
-                ).encode()
-                clean = False
-                try:
-                    if resp.status != 200:
-                        raise UpstreamFailure(f"status {resp.status}", connect=False)
-                    clean = await self.relay.continued_remote(
-                        resp, remote.code, cut, ctx, tap, note
-                    )
-                except UpstreamFailure as failure:
-                    log.warning("continuation in %s failed: %s", remote.code, failure.reason)
-                    continue
-                finally:
-                    if clean:
-                        resp.release()
-                    else:
-                        resp.close()
                 ctx.reprefill_tokens += tap.prompt_tokens or ctx.req.prompt_tokens + relayed.tokens
                 self._count(ctx, reason, "continued")
                 return True
         return False
+
+    async def _send_remote(
+        self,
+        ctx: RequestContext,
+        remote: str,
+        url: str,
+        body: bytes,
+        headers: list[tuple[bytes, bytes]],
+        tap: ContinuedTap,
+        reason: str,
+        cut: StreamCut,
+    ) -> None:
+        """One remote edge: the continuation signed for it (covering the marker), relayed."""
+        cfg = self.cfg
+        authorization = ctx.spill.authorization if ctx.spill is not None else None
+        signed = continuation_signed(body)
+        hop = sign_hop(cfg.hop_keys, cfg.region, remote, authorization, signed, now_ms())
+        resp = await self.fleet.upstream.post(
+            url, ctx.req.path, body, [*headers, (HOP_HEADER, hop)]
+        )
+        note = _note(ctx, f"region={remote}", reason)
+        await _relay_answer(
+            resp, lambda: self.relay.continued_remote(resp, remote, cut, ctx, tap, note)
+        )
 
     def _elsewhere(self, ctx: RequestContext) -> bool:
         """Whether a drained stream has somewhere to go: an instance of its model in the table,
@@ -322,3 +307,25 @@ class Continuation:
                     ):
                         ctx.abandoned = DRAIN
                         resp.abandon(UpstreamError(f"instance {inst_id} drained"))
+
+
+def _note(ctx: RequestContext, where: str, reason: str) -> bytes:
+    """The SSE comment that names a continuation's leg (clients ignore comments)."""
+    leg = len(ctx.legs or ()) + 1
+    return f": x-fedinfer-route continued {where} after={reason} leg={leg}\n\n".encode()
+
+
+async def _relay_answer(resp: Response, relay: Callable[[], Awaitable[bool]]) -> None:
+    """Relay a continuation's answer with ``relay``: only a 200 (a refusal of the continuation,
+    its prompt grown past the context say, is no answer to relay: another is tried). Its
+    connection goes back to the pool when read whole, else it is closed."""
+    clean = False
+    try:
+        if resp.status != 200:
+            raise UpstreamFailure(f"status {resp.status}", connect=resp.status >= 500)
+        clean = await relay()
+    finally:
+        if clean:
+            resp.release()
+        else:
+            resp.close()
