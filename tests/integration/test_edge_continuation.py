@@ -28,7 +28,10 @@ import orjson
 import pytest
 import redis
 
+from regions.edge.policy.hop import hop_keys, sign_hop
+from regions.edge.stages.spill_over import now_ms
 from regions.supervisor import Process, file_written, start_process, wait_until
+from regions.tables.signing import parse_key_ring
 from regions.tables.usage import USAGE_FIELD, USAGE_STREAM, UsageRecord, decode_record
 from tests.integration.test_edge_support import EdgeProc, route_of, table_doc
 from tests.integration.test_edge_support import start_edge as _start_edge
@@ -502,3 +505,35 @@ def test_a_drained_stream_with_nowhere_to_go_runs_to_its_end(tmp_path: Path) -> 
         assert got.done and not got.errors and got.tokens == 300 and not got.comments
         assert metric(edge, "fedinfer_edge_continuations_total{") == 0.0
         edge.proc.stop()
+
+
+def test_a_client_cannot_pass_its_request_off_as_a_continuation(
+    tmp_path: Path, usage: redis.Redis
+) -> None:
+    """The continuation marker counts only under a fellow edge's hop signature over the body
+    and the marker: a client that sends it (with a forged hop, or with a hop signed for the
+    body alone) is metered as usual."""
+    hop_file = tmp_path / "hop-keys"
+    hop_file.write_text(HOP_KEYS)
+    with sims(tmp_path, ["a"]) as engines:
+        edge = metered_edge(tmp_path, "r1", [engines["a"]], "--hop-keys-file", str(hop_file))
+        doc = {"model": MODEL, "messages": [{"role": "user", "content": "free?"}], "max_tokens": 3}
+        raw = orjson.dumps(doc)
+        keys = hop_keys(parse_key_ring(HOP_KEYS))
+        signed_for_body = sign_hop(keys, "r2", "r1", f"Bearer {KEY}".encode(), raw, now_ms())
+        for hop in (b"v2.r2.r1.00.0.h1.forged", signed_for_body):
+            r = httpx.post(
+                edge.url + "/v1/chat/completions",
+                content=raw,
+                headers={
+                    "Authorization": f"Bearer {KEY}",
+                    "content-type": "application/json",
+                    "x-fedinfer-hop": hop.decode(),
+                    "x-fedinfer-continuation": "1",
+                },
+                timeout=30,
+            )
+            assert r.status_code == 200, r.text
+        edge.proc.stop()
+    recs = records(usage, 2)
+    assert [(r.tenant, r.completion_tokens) for r in recs] == [("acme", 3), ("acme", 3)]

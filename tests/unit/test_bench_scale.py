@@ -33,4 +33,30 @@ def test_measuring_a_step_reports_sizes_receivers_and_judges_the_targets() -> No
     assert first["table_bytes_max"] >= first["table_bytes_median"] > 0
     assert first["edges_receiving"] <= first["edges"]
     lines = judge(results, None)
-    assert len(lines) == 2 and all(("met" in line) for line in lines)
+    ratio = results[-1]["change_compile_cpu_s"] / first["change_compile_cpu_s"]
+    seconds = results[-1]["change_compile_s"] + results[-1]["serve_cpu_per_change_s"]
+    assert [line.rsplit(": ", 1)[1] for line in lines] == [
+        "met" if ratio <= 2 else "NOT met",
+        "met" if seconds <= 1 else "NOT met",
+    ]
+
+
+def _figures(factor: int, cpu_s: float, wall_s: float, serve_s: float) -> dict[str, float]:
+    return {
+        "factor": factor,
+        "edges": 12 * factor,
+        "change_compile_cpu_s": cpu_s,
+        "change_compile_s": wall_s,
+        "serve_cpu_per_change_s": serve_s,
+    }
+
+
+def test_the_verdicts_follow_the_figures() -> None:
+    met = judge([_figures(1, 0.1, 0.1, 0.1), _figures(8, 0.2, 0.5, 0.4)], None)
+    assert [line.rsplit(": ", 1)[1] for line in met] == ["met", "met"]
+    assert "costs 2.0x" in met[0] and "0.9 s" in met[1]
+    missed = judge([_figures(1, 0.1, 0.1, 0.1), _figures(8, 0.21, 0.7, 0.4)], None)
+    assert [line.rsplit(": ", 1)[1] for line in missed] == ["NOT met", "NOT met"]
+    ingest = {"judged": {"heartbeats per second per process >= 2000": "NOT met (44)"}}
+    with_ingest = judge([_figures(1, 0.1, 0.1, 0.1), _figures(8, 0.2, 0.5, 0.4)], ingest)
+    assert with_ingest[2] == "- heartbeats per second per process >= 2000: NOT met (44)"
