@@ -225,3 +225,30 @@ def test_prefill_failures_fall_back_to_mixed_then_to_the_decode_engine(tmp_path:
         route = ask(cluster, "Still there?")
         assert route["mode"] == "decode_only" and route["decode"] == "sim-1"
         assert route["kv"] == "none"
+
+
+def test_a_pd_stream_cut_mid_way_ends_with_why_it_was_not_continued(tmp_path: Path) -> None:
+    """A decode engine that dies mid-stream: the stream is not continued (its KV came from a
+    prefill engine; docs/continuation.md) and its error event says so."""
+    roles = {"sim-0": "prefill", "sim-1": "decode"}
+    with pd_cluster(tmp_path, roles) as cluster:
+        body = {
+            "model": MODEL,
+            "messages": messages("Tell me everything about my account."),
+            "max_tokens": 300,
+            "ignore_eos": True,
+            "stream": True,
+        }
+        lines: list[str] = []
+        with httpx.stream(
+            "POST", cluster.edge.url + "/v1/chat/completions", json=body, timeout=30
+        ) as r:
+            assert route_of(r.headers)["mode"] == "pd"
+            for line in r.iter_lines():
+                lines.append(line)
+                if len(lines) == 10:
+                    httpx.post(cluster.urls["sim-1"] + "/admin/faults", json={"kill": True})
+    errors = [json.loads(line[6:]) for line in lines if line.startswith('data: {"error"')]
+    assert len(errors) == 1 and "data: [DONE]" not in lines
+    assert errors[0]["error"]["code"] == "upstream_stream_cut"
+    assert "(not continued: prefill_decode)" in errors[0]["error"]["message"]
