@@ -117,8 +117,12 @@ def full_batch_step(ops: str, instance: str) -> dict[str, float]:
 
 def test_the_engines_own_decode_step_is_read_from_its_histogram(tmp_path: Path) -> None:
     """Streams of 64 tokens through the edge, one at a time: the step the edge reads from the
-    engine's ``vllm:inter_token_latency_seconds`` is the simulator's step for a batch of one,
-    kept as a full batch's (x 2 / (1 + 1/16) by the prior's shape, decode_slowdown 1)."""
+    engine's ``vllm:inter_token_latency_seconds`` is what that histogram says of a batch of
+    one, kept as a full batch's (x 2 / (1 + 1/16) by the prior's shape, decode_slowdown 1).
+
+    Judged against the engine's own histogram, not the simulator's model: the simulator, like
+    vLLM, reports the gaps it really took, which a loaded machine stretches (21 ms a step for a
+    modelled 8.5 in one CI run beside a hundred-stream test)."""
     perf = PerfModel(accelerator("H100-80G"), 1, model_params_billion(MODEL))
     lone = perf.step_time(0, 1, 300)
     with engine_sims(tmp_path, 1, MODEL, "--accelerator", "H100-80G") as [engine]:
@@ -139,8 +143,27 @@ def test_the_engines_own_decode_step_is_read_from_its_histogram(tmp_path: Path) 
             while not (step := full_batch_step(edge.ops, "e0")):
                 assert time.monotonic() < deadline, "no step measured"
                 time.sleep(0.2)
+            reported = engine_itl_mean(engine["url"])
         finally:
             edge.proc.stop()
     assert step["used"] == step["observed"]  # the only one of its kind
+    assert reported >= 0.95 * lone  # the engine is never faster than its model
     # Readings land between streams as well as in them: the batch read is 0..1 of 16.
-    assert 2 / (1 + 1 / 16) * lone * 0.8 <= step["used"] <= 2 * lone * 1.2, (step, lone)
+    assert 2 / (1 + 1 / 16) * reported * 0.8 <= step["used"] <= 2 * reported * 1.2, (
+        step,
+        reported,
+        lone,
+    )
+
+
+def engine_itl_mean(url: str) -> float:
+    """The mean gap between tokens the engine reports (its histogram's sum over its count)."""
+    text = httpx.get(url + "/metrics", timeout=5).text
+    total = count = 0.0
+    for line in text.splitlines():
+        if line.startswith("vllm:inter_token_latency_seconds_sum"):
+            total += float(line.rsplit(" ", 1)[1])
+        elif line.startswith("vllm:inter_token_latency_seconds_count"):
+            count += float(line.rsplit(" ", 1)[1])
+    assert count > 0, "no inter-token latency reported"
+    return total / count
