@@ -61,7 +61,7 @@ import httpx
 import orjson
 import redis
 
-from bench.harness.fleet import start_engines, which_wrk, write_table
+from bench.harness.fleet import Engines, start_engines, which_wrk, write_table
 from bench.harness.procs import PYTHON, VAR, bench_processes, git_rev, http_ok, machine_info
 from bench.harness.report import fmt, markdown_table, utc_now, write_result
 from bench.overhead import (
@@ -244,10 +244,7 @@ def run(requests: int = 2000, concurrency: int = 8, native_reps: int = 5) -> dic
     wrk_body.write_bytes(bodies[False])
     edges: dict[str, Any] = {}
     with bench_processes(VAR / "logs" / "instructions") as pg:
-        engines = start_engines(
-            pg, count=1, model=MODEL, extra=["--zero-latency", "--seed", "1"], cpus=ENGINE_CPUS
-        )
-        table = write_table(tmp / "table.json", engines, max_concurrency=4096)
+        engines, table = _zero_latency_engine(pg, tmp)
         redis_url = start_redis(pg, cpus=ENGINE_CPUS)
         native, native_user, native_rps = native_cpu_us(
             pg, table, engines.proc, wrk_body, native_reps
@@ -305,6 +302,15 @@ def run(requests: int = 2000, concurrency: int = 8, native_reps: int = 5) -> dic
     print(render(result))
     print(f"\nresults: {path}")
     return result
+
+
+def _zero_latency_engine(pg: Supervisor, tmp: Path) -> tuple[Engines, Path]:
+    """The one engine both edges front (zero latency: only the edge's work is counted), and
+    its table."""
+    engines = start_engines(
+        pg, count=1, model=MODEL, extra=["--zero-latency", "--seed", "1"], cpus=ENGINE_CPUS
+    )
+    return engines, write_table(tmp / "table.json", engines, max_concurrency=4096)
 
 
 def _result(
@@ -375,10 +381,7 @@ def run_continuation(requests: int, concurrency: int, tokens: int) -> dict[str, 
     wrk_body.write_bytes(bodies[False])
     edges: dict[str, Any] = {}
     with bench_processes(VAR / "logs" / "instructions") as pg:
-        engines = start_engines(
-            pg, count=1, model=MODEL, extra=["--zero-latency", "--seed", "1"], cpus=ENGINE_CPUS
-        )
-        table = write_table(tmp / "table.json", engines, max_concurrency=4096)
+        engines, table = _zero_latency_engine(pg, tmp)
         _, native_user, _ = native_cpu_us(pg, table, engines.proc, wrk_body, 3)
         for name, extra in (("edge-no-continuation", NO_CONTINUATION), ("edge", [])):
             proc, url = start_edge_under_callgrind(pg, table, name, tmp, extra)

@@ -19,6 +19,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from contextlib import nullcontext
 
 from regions.edge.config import EdgeConfig
 from regions.edge.http.errors import UpstreamFailure
@@ -169,34 +170,16 @@ class Continuation:
             if ctx.session_key is not None:
                 self.sessions.remember(ctx.session_key, inst.id)
             try:
-                await self._traced(ctx, inst, decision, body, tap, note)
+                await self._send(ctx, inst, decision, body, tap, note)
             except UpstreamFailure as failure:
                 attempt.failed(failure)
                 log.warning("continuation on %s failed: %s", inst.id, failure.reason)
                 return inst.id
             except StreamCut as again:
-                ctx.reprefill_tokens += tap.prompt_tokens or prompt
-                self._count(ctx, reason, "continued")
+                self._continued(ctx, tap, relayed, reason)
                 return again
-        ctx.reprefill_tokens += tap.prompt_tokens or prompt
-        self._count(ctx, reason, "continued")
+        self._continued(ctx, tap, relayed, reason)
         return None
-
-    async def _traced(
-        self,
-        ctx: RequestContext,
-        inst: Instance,
-        decision: Decision,
-        body: bytes,
-        tap: ContinuedTap,
-        note: bytes,
-    ) -> None:
-        trace = ctx.trace
-        if trace is None:
-            await self._send(ctx, inst, decision, body, tap, note, ctx.traceparent)
-            return
-        with trace.leg("edge.continue", inst.id) as hop:
-            await self._send(ctx, inst, decision, body, tap, note, hop.traceparent)
 
     async def _send(
         self,
@@ -206,19 +189,22 @@ class Continuation:
         body: bytes,
         tap: ContinuedTap,
         note: bytes,
-        traceparent: str,
     ) -> None:
-        """Send the continuation to ``inst`` and relay its stream after the client's;
-        :class:`UpstreamFailure` before its first token, :class:`StreamCut` after."""
-        try:
-            resp = await self.fleet.upstream.post(
-                inst.url, ctx.req.path, body, [(b"traceparent", traceparent.encode())]
+        """Send the continuation to ``inst`` (a span ``edge.continue`` when traced) and relay
+        its stream after the client's; :class:`UpstreamFailure` before its first token,
+        :class:`StreamCut` after."""
+        trace = ctx.trace
+        with trace.leg("edge.continue", inst.id) if trace is not None else nullcontext() as hop:
+            traceparent = hop.traceparent if hop is not None else ctx.traceparent
+            try:
+                resp = await self.fleet.upstream.post(
+                    inst.url, ctx.req.path, body, [(b"traceparent", traceparent.encode())]
+                )
+            except UpstreamError as exc:
+                raise UpstreamFailure(str(exc), connect=True) from exc
+            await _relay_answer(
+                resp, lambda: self.relay.continued(resp, inst, decision, ctx, tap, note)
             )
-        except UpstreamError as exc:
-            raise UpstreamFailure(str(exc), connect=True) from exc
-        await _relay_answer(
-            resp, lambda: self.relay.continued(resp, inst, decision, ctx, tap, note)
-        )
 
     async def _remote(
         self, ctx: RequestContext, body: bytes, relayed: Relayed, reason: str, cut: StreamCut
@@ -241,8 +227,7 @@ class Continuation:
                 except (UpstreamError, UpstreamFailure) as exc:
                     log.warning("continuation in %s (%s) failed: %s", remote.code, url, exc)
                     continue
-                ctx.reprefill_tokens += tap.prompt_tokens or ctx.req.prompt_tokens + relayed.tokens
-                self._count(ctx, reason, "continued")
+                self._continued(ctx, tap, relayed, reason)
                 return True
         return False
 
@@ -279,6 +264,14 @@ class Continuation:
         return spill is not None and bool(
             eligible_remotes(spill.remotes, spill.allowed, None, 0.0, spill.point)
         )
+
+    def _continued(
+        self, ctx: RequestContext, tap: ContinuedTap, relayed: Relayed, reason: str
+    ) -> None:
+        """A leg took the stream up: what its engine read again (its report, else the edge's
+        count of the prompt and the answer so far) is the operator's cost."""
+        ctx.reprefill_tokens += tap.reprefill_tokens or ctx.req.prompt_tokens + relayed.tokens
+        self._count(ctx, reason, "continued")
 
     def _count(self, ctx: RequestContext, reason: str, outcome: str) -> None:
         self.metrics.continuations.labels(ctx.req.model, reason, outcome).inc()

@@ -282,10 +282,14 @@ class Relay:
         """Relay the rest of a stream: why it failed, or "" when it ended whole. While it
         runs on ``instance`` (here), a drain may abandon it (``ctx.upstream``)."""
         streams = self.streams
-        key = instance or ""  # a remote edge's stream ("") is its region's to move
-        if streams is not None and key:
+        # A remote edge's stream (no instance here) is its region's to move.
+        running = None
+        if streams is not None and instance is not None:
             ctx.upstream, ctx.upstream_since = resp, time.monotonic()
-            streams.setdefault(key, {})[id(ctx)] = ctx
+            running = streams.get(instance)
+            if running is None:  # no dict built per stream for an instance already sending
+                running = streams[instance] = {}
+            running[id(ctx)] = ctx
         # Inter-token latency: the gap before each chunk passed on (a float per chunk).
         itl = self.metrics.itl_histo(ctx.req.model)
         send = ctx.send
@@ -312,13 +316,11 @@ class Relay:
         except UpstreamError as exc:
             return str(exc)
         finally:
-            if streams is not None and key:
+            if running is not None:  # it holds this stream until now, so it is still listed
                 ctx.upstream = None
-                running = streams.get(key)
-                if running is not None:
-                    running.pop(id(ctx), None)
-                    if not running:
-                        del streams[key]
+                del running[id(ctx)]
+                if not running and streams is not None and instance is not None:
+                    del streams[instance]
         return "" if tap.done else "stream ended without [DONE]"
 
     @staticmethod
